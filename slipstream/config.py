@@ -1,0 +1,130 @@
+"""Frozen configuration dataclasses: every limit of an engine lives here.
+
+`EngineConfig` bundles the parts; `EngineConfig.create(...)` is the one place that fills
+defaults from a model directory and checks that the limits agree with each other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the checkpoint says about the network (read from config.json)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q, k and v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "bfloat16"
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else cfg.get("model_type", "unknown")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        model_type = cfg.get("model_type", "")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3" or arch.startswith("Qwen3"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            hf_config=cfg,
+        )
+
+    @staticmethod
+    def from_dir(path: str | Path) -> "ModelConfig":
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path!s}")
+        return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+
+
+def _rope_params_scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """transformers >= 5 stores rope scaling in `rope_parameters`; keep only real scaling."""
+    if not params or params.get("rope_type", "default") == "default":
+        return None
+    return dict(params)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes; None -> derived (CPU: 1 GiB, GPU: profiling)
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # filled in by the engine once memory is known
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # max batch size
+    max_num_tokens: int = 2048  # token budget per step
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = ParallelConfig()
+    quant: QuantConfig = QuantConfig()
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    enforce_eager: bool = False
+    tokenizer_path: str | None = None
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,110 @@
+"""Plain-PyTorch reference twins of every fused kernel: the CPU path and the test oracle.
+
+Each Triton kernel in this package has the same signature and semantics as its twin here;
+`slipstream.kernels.get_ops(device)` picks one set or the other.
+Conventions: activations are [num_tokens, ...], math in float32, results in the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from slipstream.attention.backend import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """new_residual = x + residual; returns (rms_norm(new_residual), new_residual).
+
+    Fast versions may reuse the storage of x and residual: callers must not read them after.
+    """
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation (rotate_half), as in HF Llama/Qwen. x: [T, H, D].
+
+    cos_sin_cache: [max_positions, D] float32, cos in [:D/2] and sin in [D/2:].
+    """
+    half = x.shape[-1] // 2
+    cs = cos_sin_cache.index_select(0, positions.long())
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v ([T, Hkv, D]) at their flat slots; slot -1 is skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+def rotary_and_cache_write(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, store rotated k and v into the paged cache; return (q_rot, k_rot)."""
+    q_rot = apply_rotary(q, positions, cos_sin_cache)
+    k_rot = apply_rotary(k, positions, cos_sin_cache)
+    write_kv_cache(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot, k_rot
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    for s in range(meta.num_seqs):
+        q_lo, q_hi = qsl[s], qsl[s + 1]
+        if q_hi == q_lo:
+            continue
+        seq_len = lens[s]
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = meta.block_tables[s, :n_blocks].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale).to(q.dtype)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float):
+    """q [Lq, Hq, D] at the last Lq positions of k/v [seq_len, Hkv, D]; GQA by head groups."""
+    lq, hq, _ = q.shape
+    group = hq // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    q_pos = torch.arange(seq_len - lq, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    scores = scores.masked_fill((k_pos > q_pos).unsqueeze(0), float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf)

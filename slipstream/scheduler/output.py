@@ -1,0 +1,52 @@
+"""Plain data passed between scheduler and model runner each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.engine.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: feed `token_ids` at positions start_pos.. ."""
+
+    request: Request
+    token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    start_pos: int  # == request.num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids))
+    needs_sample: bool  # this chunk reaches the last known token: sample a new one
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that left the engine since the last step (runner may drop per-request state).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class RunnerOutput:
+    """What the model runner returns for one step, keyed by request id."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Per generated token: {token_id: logprob} holding the top-N and the sampled token.
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Per prompt position (first is None): {token_id: logprob}; only for requests that asked.
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
