@@ -1,0 +1,123 @@
+"""EngineArgs: the user-facing knobs (LLM kwargs and CLI flags) -> a checked EngineConfig."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from slipstream.config import (
+    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, QuantConfig, SchedulerConfig,
+)
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda if available
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+
+    def create_engine_config(self) -> EngineConfig:
+        model_path = self.model or _default_model_path()
+        if not Path(model_path).is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_path}")
+        model_cfg = ModelConfig.from_dir(model_path)
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        max_len = self.max_model_len or model_cfg.max_position_embeddings
+        _check_limits(self, max_len)
+        return EngineConfig(
+            model_path=str(model_path),
+            model=model_cfg,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_tokens=self.max_num_tokens,
+                max_model_len=max_len,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            quant=QuantConfig(method=self.quantization),
+            device=device,
+            dtype=dtype,
+            seed=self.seed,
+            load_format=self.load_format,
+            enforce_eager=self.enforce_eager,
+            tokenizer_path=self.tokenizer or str(model_path),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=None, help="local Hugging Face checkpoint directory "
+                       "(default: the embedded slipstream code model)")
+        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+        g.add_argument("--dtype", default="auto", choices=_DTYPES)
+        g.add_argument("--device", default="auto", help="cpu, cuda or auto")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's)")
+        g.add_argument("--max-num-seqs", type=int, default=128, help="max batch size")
+        g.add_argument("--max-num-tokens", type=int, default=2048, help="token budget per step")
+        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn off prefix-cache reuse")
+        g.add_argument("--kv-cache-memory", type=int, default=None,
+                       help="bytes for the KV cache (default: CPU 1 GiB, GPU from profiling)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                       help="dummy: random weights of the checkpoint's shape")
+        g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        g.add_argument("--quantization", default=None)
+        g.add_argument("--kv-cache-dtype", default="auto")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _check_limits(args: EngineArgs, max_len: int) -> None:
+    for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if max_len < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {max_len}")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def _default_model_path() -> str:
+    from slipstream.assets import default_model_path
+
+    return str(default_model_path())
