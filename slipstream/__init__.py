@@ -22,11 +22,11 @@ _LAZY = {
 __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:
-    from slipstream.config import EngineConfig
-    from slipstream.engine.core import EngineCore
-    from slipstream.llm import LLM
-    from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from slipstream.sampling_params import SamplingParams
+    from slipstream.config import EngineConfig  # noqa: F401
+    from slipstream.engine.core import EngineCore  # noqa: F401
+    from slipstream.llm import LLM  # noqa: F401
+    from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401
+    from slipstream.sampling_params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

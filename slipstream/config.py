@@ -37,7 +37,7 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else cfg.get("model_type", "unknown")
         heads = cfg["num_attention_heads"]
@@ -68,7 +68,7 @@ class ModelConfig:
         )
 
     @staticmethod
-    def from_dir(path: str | Path) -> "ModelConfig":
+    def from_dir(path: str | Path) -> ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
@@ -126,5 +126,5 @@ class EngineConfig:
     enforce_eager: bool = False
     tokenizer_path: str | None = None
 
-    def replace(self, **changes: Any) -> "EngineConfig":
+    def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

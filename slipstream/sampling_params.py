@@ -46,7 +46,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
     def _validate(self) -> None:

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slipstream.config import (
-    CacheConfig, EngineConfig, ModelConfig, ParallelConfig, QuantConfig, SchedulerConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    QuantConfig,
+    SchedulerConfig,
 )
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -101,7 +106,7 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default="auto")
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 

@@ -1,0 +1,6 @@
+"""`python -m slipstream` is the `slipstream` command."""
+import sys
+
+from slipstream.cli import main
+
+sys.exit(main())

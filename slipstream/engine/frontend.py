@@ -1,0 +1,217 @@
+"""Front-end processing shared by `LLM` and the HTTP server.
+
+InputProcessor: prompt text or ids + SamplingParams -> engine Requests (validated, `n` fanned
+out into child requests). OutputProcessor: EngineCoreOutputs -> RequestOutputs, with
+incremental detokenization and stop strings (a matched stop string asks the engine to abort).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slipstream.config import EngineConfig
+from slipstream.engine.request import Request
+from slipstream.outputs import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
+from slipstream.sampling_params import SamplingParams
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    return f"{request_id}-{index}"
+
+
+def read_eos_token_ids(config: EngineConfig, tokenizer: Any | None) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+    ids = list(config.model.eos_token_ids)
+    gen_path = Path(config.model_path) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if tokenizer is not None:
+        ids += list(getattr(tokenizer, "eos_token_ids", ()) or ())
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+class InputProcessor:
+    """Validates and tokenizes prompts; builds one Request per sample (`n`)."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any | None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = read_eos_token_ids(config, tokenizer)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        max_len = self.config.scheduler.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
+                "the prompt must leave room for at least one output token"
+            )
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})")
+
+    def process(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[list[int], list[Request]]:
+        token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            children.append(Request(
+                request_id=child_request_id(request_id, i), prompt_token_ids=token_ids,
+                sampling_params=child_params, eos_token_ids=self.eos_token_ids,
+                priority=priority, arrival_time=arrival,
+            ))
+        return token_ids, children
+
+
+@dataclass
+class _Choice:
+    index: int
+    detokenizer: Any | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[_Choice]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    """Turns engine outputs into cumulative RequestOutputs, one per parent request."""
+
+    def __init__(self, tokenizer: Any | None):
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentState] = {}
+        self._child_to_parent: dict[str, tuple[str, int]] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, children: list[Request]) -> None:
+        choices = [_Choice(i, self._make_detokenizer(prompt_token_ids, c.sampling_params),
+                           logprobs=[] if params.logprobs is not None else None)
+                   for i, c in enumerate(children)]
+        arrival = children[0].arrival_time if children else time.monotonic()
+        self._parents[request_id] = _ParentState(
+            request_id, prompt, prompt_token_ids, params, choices, RequestMetrics(arrival),
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+        for i, child in enumerate(children):
+            self._child_to_parent[child.request_id] = (request_id, i)
+
+    def _make_detokenizer(self, prompt_token_ids: list[int], params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from slipstream.tokenizer.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a parent request; returns the child ids the engine must abort."""
+        state = self._parents.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [child_request_id(request_id, c.index) for c in state.choices]
+        for cid in ids:
+            self._child_to_parent.pop(cid, None)
+        return ids
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply engine outputs; returns (updated outputs, child ids to abort: stop strings)."""
+        touched: dict[str, _ParentState] = {}
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            key = self._child_to_parent.get(out.request_id)
+            if key is None:
+                continue  # already aborted or finished by a stop string
+            state = self._parents[key[0]]
+            choice = state.choices[key[1]]
+            if self._apply(state, choice, out, now):
+                to_abort.append(out.request_id)
+            if choice.finish_reason is not None:
+                self._child_to_parent.pop(out.request_id, None)
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            finished = all(c.finish_reason is not None for c in state.choices)
+            if finished:
+                state.metrics.finished_time = now
+                self._parents.pop(state.request_id, None)
+            results.append(self._to_output(state, finished))
+        return results, to_abort
+
+    def _apply(self, state: _ParentState, choice: _Choice, out: EngineCoreOutput, now: float) -> bool:
+        """Returns True when a stop string ended this choice (the engine must abort it)."""
+        metrics = state.metrics
+        if out.timestamps.get("first_scheduled_time") and metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.timestamps["first_scheduled_time"]
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None and choice.index == 0:
+            state.prompt_logprobs.extend(out.prompt_logprobs)
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if not out.new_token_ids:
+            return False
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.num_generated_tokens += len(out.new_token_ids)
+        choice.token_ids.extend(out.new_token_ids)
+        if choice.logprobs is not None and out.new_logprobs:
+            choice.logprobs.extend(out.new_logprobs)
+        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        detok = choice.detokenizer
+        if detok is None:
+            return False
+        detok.update(out.new_token_ids)
+        if detok.stop_matched is not None and out.finish_reason in (None, "stop", "length"):
+            choice.finish_reason, choice.stop_reason = "stop", detok.stop_matched
+            return out.finish_reason is None
+        if choice.finish_reason is not None:
+            detok.finalize()
+        return False
+
+    def _to_output(self, state: _ParentState, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=c.index, text=c.detokenizer.text if c.detokenizer is not None else "",
+                token_ids=list(c.token_ids),
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            )
+            for c in state.choices
+        ]
+        return RequestOutput(
+            request_id=state.request_id, prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
+            prompt_logprobs=state.prompt_logprobs, metrics=state.metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )

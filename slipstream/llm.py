@@ -1,0 +1,167 @@
+"""LLM: the offline Python API — generate text for many prompts at once, with a progress bar."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from slipstream.engine.args import EngineArgs
+from slipstream.engine.core import EngineCore
+from slipstream.engine.frontend import InputProcessor, OutputProcessor
+from slipstream.outputs import RequestOutput
+from slipstream.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    >>> llm = LLM()                      # the embedded default code model
+    >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        args = EngineArgs(model=model, **kwargs)
+        self.engine_config = args.create_engine_config()
+        self.tokenizer = _maybe_load_tokenizer(self.engine_config.tokenizer_path)
+        self.engine = EngineCore(self.engine_config)
+        self.engine_config = self.engine.config
+        self._inputs = InputProcessor(self.engine_config, self.tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt"|"prompt_token_ids": ...}).
+
+        Every prompt is validated before any runs: a bad one raises ValueError and nothing
+        is queued. Outputs come back in the order of the prompts.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        staged = [self._stage(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
+        order: dict[str, int] = {}
+        try:
+            for request_id, text, token_ids, sp, children in staged:
+                order[request_id] = len(order)
+                self._outputs.add(request_id, text, token_ids, sp, children)
+                for child in children:
+                    self.engine.add_request(child)
+        except BaseException:
+            self._abort_all(order)  # e.g. a prompt larger than the whole KV cache
+            raise
+        return self._run(order, use_tqdm)
+
+    def _abort_all(self, order: dict[str, int]) -> None:
+        for request_id in order:
+            self.engine.abort_requests(self._outputs.abort(request_id))
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the tokenizer's chat template)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()
+
+    def _stage(self, prompt: PromptType, params: SamplingParams, priority: int):
+        text, raw = _split_prompt(prompt)
+        request_id = str(next(self._ids))
+        token_ids, children = self._inputs.process(request_id, raw, params, priority)
+        return request_id, text, token_ids, params, children
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = _progress(len(order), use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                outputs, to_abort = self._outputs.process(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                for out in outputs:
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self._abort_all(order)  # leave the engine clean for the next call
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]
+
+
+def _maybe_load_tokenizer(path: str | None):
+    from pathlib import Path
+
+    if path is None or not any((Path(path) / f).is_file()
+                               for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from slipstream.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _split_prompt(prompt: PromptType) -> tuple[str | None, str | list[int]]:
+    if isinstance(prompt, str):
+        return prompt, prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], prompt["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be text, token ids or a dict, got {type(prompt).__name__}")
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
