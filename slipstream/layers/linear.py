@@ -1,0 +1,119 @@
+"""Linear layers that delegate storage and matmul to a QuantMethod.
+
+Column-parallel layers split the output dim across tensor-parallel ranks, row-parallel ones the
+input dim (then all-reduce). Fused layers (QKV, gate/up) hold several checkpoint tensors in one
+weight; `weight_loader(param, tensor, shard)` puts each one in its slice.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W owned by `quant_method`. tp_size/tp_rank: tensor-parallel hook."""
+
+    # Which dim of a loaded tensor is split across ranks: "output", "input" or None.
+    tp_split: str | None = None
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
+        quant_method: QuantMethod | None = None, tp_size: int = 1, tp_rank: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)  # this rank's share of each fused shard
+        self.output_size = sum(self.output_sizes)
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        if bias:
+            b = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
+            b.output_dim = 0
+            self.register_parameter("bias", b)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
+        custom = getattr(param, "weight_loader", None)
+        if custom is not None:
+            custom(param, loaded, shard)
+            return
+        loaded = self._tp_slice(param, loaded)
+        dest = param.data
+        out_dim = getattr(param, "output_dim", None)
+        if shard is not None:
+            if out_dim is None:
+                raise ValueError("a fused layer's per-shard parameter needs a custom weight_loader")
+            offset = sum(self.output_sizes[:shard])
+            dest = dest.narrow(out_dim, offset, self.output_sizes[shard])
+        if dest.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs "
+                             f"parameter slice {tuple(dest.shape)}")
+        dest.copy_(loaded)
+
+    def _tp_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1 or self.tp_split is None:
+            return loaded
+        dim = getattr(param, f"{self.tp_split}_dim", None)
+        if dim is None:
+            return loaded
+        size = loaded.shape[dim] // self.tp_size
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks; no communication in forward."""
+
+    tp_split = "output"
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 quant_method: QuantMethod | None = None, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size, [output_size // tp_size], bias, params_dtype, quant_method,
+                         tp_size, tp_rank)
+
+
+class MergedColumnParallelLinear(LinearBase):
+    """Several column-parallel matrices stacked along the output dim (gate_up, qkv)."""
+
+    tp_split = "output"
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 params_dtype: torch.dtype, quant_method: QuantMethod | None = None,
+                 tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size, [s // tp_size for s in output_sizes], bias, params_dtype,
+                         quant_method, tp_size, tp_rank)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """Fused q, k, v projection: shards 0, 1, 2 of sizes Hq*D, Hkv*D, Hkv*D."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, params_dtype: torch.dtype, quant_method: QuantMethod | None = None,
+                 tp_size: int = 1, tp_rank: int = 0):
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden_size, sizes, bias, params_dtype, quant_method, tp_size, tp_rank)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial sums are all-reduced (bias added once, after)."""
+
+    tp_split = "input"
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, params_dtype: torch.dtype,
+                 quant_method: QuantMethod | None = None, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__(input_size // tp_size, [output_size], bias, params_dtype, quant_method,
+                         tp_size, tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, None)
+        torch.distributed.all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,88 @@
+"""QuantMethod: how a linear layer stores its weights and multiplies by them.
+
+Every linear layer delegates to one: create_weights (register parameters, uninitialised),
+process_after_loading (repack / quantize once the checkpoint is in), apply (the matmul).
+"""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantMethod(ABC):
+    """Strategy object owned by one linear layer.
+
+    Parameters that create_weights registers may carry attributes the loader reads:
+    `output_dim` / `input_dim` (which tensor dim is the output / input one, None if neither:
+    such a param is not sliced for fused shards or tensor parallelism), and `weight_loader`
+    (a callable (param, loaded_tensor, shard_index) that replaces the default copy).
+    """
+
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
+    ) -> None:
+        """Register the layer's parameters. output_sizes: one entry per fused shard (this rank)."""
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Called once after all weights are loaded (or dummy-initialised)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y = x @ W^T (+ bias) for x [..., input_size]."""
+
+
+class UnquantizedLinearMethod(QuantMethod):
+    """Plain weight [out, in] in the model dtype; apply is F.linear."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
+    ) -> None:
+        # torch.empty: no random init is ever materialised; the loader fills it.
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype),
+                              requires_grad=False)
+        weight.output_dim = 0
+        weight.input_dim = 1
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+# name -> factory(prefix) -> QuantMethod; quantization modules register themselves here.
+QuantMethodFactory = Callable[[str], QuantMethod]
+_FACTORIES: dict[str, Callable[..., QuantMethodFactory]] = {}
+
+
+def register_quant_method(name: str):
+    """Decorator for `make(hf_config: dict) -> QuantMethodFactory` of one quantization method."""
+
+    def wrap(make: Callable[..., QuantMethodFactory]):
+        _FACTORIES[name] = make
+        return make
+
+    return wrap
+
+
+def get_quant_method_factory(method: str | None, hf_config: dict | None = None) -> QuantMethodFactory:
+    """The factory the model uses to give each linear layer (by prefix) its QuantMethod.
+
+    None -> unquantized. Otherwise slipstream.quantization.<method> is imported (it registers
+    itself with @register_quant_method) and its factory is returned.
+    """
+    if method is None:
+        return lambda prefix: UnquantizedLinearMethod()
+    if method not in _FACTORIES:
+        try:
+            importlib.import_module(f"slipstream.quantization.{method}")
+        except ImportError:
+            pass
+    if method not in _FACTORIES:
+        known = sorted(_FACTORIES) or ["(none registered)"]
+        raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(known)}")
+    return _FACTORIES[method](hf_config or {})
