@@ -31,6 +31,7 @@ class QuantMethod(ABC):
 
     def process_after_loading(self, layer: nn.Module) -> None:
         """Called once after all weights are loaded (or dummy-initialised)."""
+        return None  # nothing to repack by default
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

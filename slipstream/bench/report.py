@@ -1,0 +1,206 @@
+"""Benchmark reports: latency statistics, run metadata, the JSON file and the printed table.
+
+The table is printed last because a GPU run's reply carries only the tail of its output.
+`python -m slipstream.bench.report DIR` prints one summary table over every JSON in DIR.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Every field BENCHMARKS.md asks a throughput run to record (tests check these).
+THROUGHPUT_FIELDS = (
+    "mode", "workload", "model", "dtype", "quantization", "engine", "dataset", "num_requests",
+    "total_input_tokens", "total_output_tokens", "wall_time_s", "output_tok_s", "total_tok_s",
+    "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "peak_gpu_memory_gib", "kv_cache", "baseline",
+    "ratio_vs_baseline", "meta",
+)
+LATENCY_FIELDS = (
+    "mode", "workload", "model", "dtype", "quantization", "engine", "batch_size", "input_len",
+    "output_len", "num_iters", "decode_tok_s", "ttft_ms", "e2e_ms", "copy_bandwidth_gbps",
+    "sol_bound_tok_s", "sol_pct", "peak_gpu_memory_gib", "meta",
+)
+ENGINE_FIELDS = ("max_num_tokens", "max_batch_size", "max_model_len", "block_size", "cuda_graphs")
+META_FIELDS = ("git_commit", "source_digest", "gpu", "date", "torch", "transformers")
+
+
+def summarize(values_s: list[float | None]) -> dict[str, float | None]:
+    """Seconds -> {mean, median, p99} in milliseconds (None where nothing was measured)."""
+    vals = np.asarray([v for v in values_s if v is not None], dtype=np.float64) * 1e3
+    if vals.size == 0:
+        return {"mean": None, "median": None, "p99": None, "count": 0}
+    return {
+        "mean": float(vals.mean()),
+        "median": float(np.median(vals)),
+        "p99": float(np.percentile(vals, 99)),
+        "count": int(vals.size),
+    }
+
+
+def _git_commit(repo: Path) -> tuple[str, bool | None]:
+    env_commit = os.environ.get("SLIPSTREAM_COMMIT")
+    if env_commit:
+        return env_commit, None
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=repo, capture_output=True, text=True, timeout=10).stdout
+        return sha, bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def source_digest(package_dir: Path) -> str:
+    """sha256 over the package's .py files: names the code that ran even without a .git."""
+    h = hashlib.sha256()
+    for path in sorted(package_dir.rglob("*.py")):
+        h.update(str(path.relative_to(package_dir)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_meta() -> dict[str, Any]:
+    """Git commit, code digest, GPU name, date and library versions of this run."""
+    import torch
+
+    package_dir = Path(__file__).resolve().parents[1]
+    commit, dirty = _git_commit(package_dir.parent)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu)"
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "source_digest": source_digest(package_dir),
+        "gpu": gpu,
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": sys.version.split()[0],
+        "argv": sys.argv[1:],
+    }
+
+
+def write_json(result: dict[str, Any], path: str | Path | None) -> None:
+    if not path:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value)
+
+
+def format_table(rows: list[tuple[str, Any]], title: str) -> str:
+    """Two-column table: metric | value."""
+    width = max([len(k) for k, _ in rows] + [len(title)])
+    lines = [f"== {title} ==", "-" * (width + 24)]
+    lines += [f"{k:<{width}}  {_fmt(v)}" for k, v in rows]
+    lines.append("-" * (width + 24))
+    return "\n".join(lines)
+
+
+def _stat_rows(name: str, stats: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    stats = stats or {}
+    return [(f"{name} mean / median / p99 (ms)",
+             " / ".join(_fmt(stats.get(k)) for k in ("mean", "median", "p99")))]
+
+
+def throughput_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
+    eng, kv, base = r["engine"], r.get("kv_cache") or {}, r.get("baseline") or {}
+    steps = r.get("steps") or {}
+    util = kv.get("utilization")
+    rows: list[tuple[str, Any]] = [
+        ("workload", r["workload"]), ("model / dtype", f"{r['model']['shape']} / {r['dtype']}"),
+        ("max batch / max tokens / block / graphs",
+         f"{eng['max_batch_size']} / {eng['max_num_tokens']} / {eng['block_size']} / "
+         f"{'on' if eng['cuda_graphs'] else 'off'}"),
+        ("requests", r["num_requests"]),
+        ("input / output tokens", f"{r['total_input_tokens']} / {r['total_output_tokens']}"),
+        ("wall time (s)", r["wall_time_s"]),
+        ("output tok/s", r["output_tok_s"]), ("total tok/s", r["total_tok_s"]),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        rows += _stat_rows(name.upper(), r.get(f"{name}_ms"))
+    rows += [("peak GPU memory (GiB)", r.get("peak_gpu_memory_gib")),
+             ("KV blocks (total / peak used / util)",
+              f"{_fmt(kv.get('num_blocks'))} / {_fmt(kv.get('peak_used_blocks'))} / "
+              f"{'-' if util is None else f'{100 * util:.1f}%'}"),
+             ("engine steps / peak running batch",
+              f"{_fmt(steps.get('num_steps'))} / {_fmt(steps.get('peak_running'))}")]
+    if base:
+        rows += [(f"baseline {base['name']} (batch {base['batch_size']}, "
+                  f"{base['num_requests']} req) tok/s", base["output_tok_s"]),
+                 ("ratio vs baseline", r.get("ratio_vs_baseline"))]
+    return rows
+
+
+def latency_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
+    eng = r["engine"]
+    return [
+        ("workload", r["workload"]), ("model / dtype", f"{r['model']['shape']} / {r['dtype']}"),
+        ("batch / in / out", f"{r['batch_size']} / {r['input_len']} / {r['output_len']}"),
+        ("cuda graphs", "on" if eng["cuda_graphs"] else "off"),
+        ("iterations", r["num_iters"]),
+        *_stat_rows("TTFT", r.get("ttft_ms")),
+        *_stat_rows("E2E", r.get("e2e_ms")),
+        ("copy bandwidth (GB/s, r+w)", r.get("copy_bandwidth_gbps")),
+        ("speed-of-light bound (tok/s)", r.get("sol_bound_tok_s")),
+        ("decode tok/s (median)", (r.get("decode_tok_s") or {}).get("median")),
+        ("% of speed of light", r.get("sol_pct")),
+    ]
+
+
+def print_result(r: dict[str, Any]) -> None:
+    rows = throughput_rows(r) if r["mode"] == "throughput" else latency_rows(r)
+    print(format_table(rows, f"slipstream bench {r['mode']}"), flush=True)
+
+
+def summary_line(r: dict[str, Any]) -> list[str]:
+    if r.get("mode") == "latency":
+        dec = (r.get("decode_tok_s") or {}).get("median")
+        return [r["workload"], r["model"]["shape"], _fmt(dec), "-", _fmt(r.get("sol_pct")) + "%",
+                _fmt((r.get("ttft_ms") or {}).get("median"))]
+    ratio = r.get("ratio_vs_baseline")
+    return [r["workload"], r["model"]["shape"], _fmt(r.get("output_tok_s")),
+            _fmt(r.get("total_tok_s")), "-" if ratio is None else f"{ratio:.2f}x HF",
+            _fmt((r.get("ttft_ms") or {}).get("median"))]
+
+
+def print_summary(results_dir: str | Path) -> int:
+    """One line per JSON result in `results_dir` (sorted by name)."""
+    header = ["workload", "shape", "out tok/s", "total tok/s", "vs bound / HF", "TTFT p50 ms"]
+    lines = [header]
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            lines.append(summary_line(json.loads(path.read_text())))
+        except (KeyError, TypeError, ValueError) as exc:
+            lines.append([path.stem, f"unreadable: {exc}", "", "", "", ""])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    print("== slipstream GPU suite summary ==")
+    for row in lines:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(print_summary(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"))

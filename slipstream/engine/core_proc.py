@@ -1,0 +1,234 @@
+"""The engine core in its own process: a tight loop of drain inputs, step, send outputs.
+
+Started by AsyncLLM as `python -m slipstream.engine.core_proc`; the first stdin line carries the
+config and socket addresses as JSON, and stdin reaching EOF means the parent is gone. All traffic
+is msgpack over ZeroMQ (explicit dict encoders below; never pickle).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import typing
+from typing import Any
+
+import msgpack
+import zmq
+
+from slipstream.config import EngineConfig
+from slipstream.engine.request import Request
+from slipstream.outputs import EngineCoreOutput
+from slipstream.sampling_params import SamplingParams
+
+logger = logging.getLogger("slipstream.engine.core_proc")
+
+STATS_INTERVAL_S = 0.1  # publish stats at most this often while busy
+IDLE_POLL_MS = 1000
+
+
+# ----------------------------------------------------------------------------- wire codecs
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    # Logprob dicts are keyed by token id: allow int map keys.
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def config_to_dict(config: EngineConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(cls: type, data: dict) -> Any:
+    """Rebuild a (nested, frozen) config dataclass from `dataclasses.asdict` output."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[f.name])
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    candidates = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, _UnionType) \
+        else (hint,)
+    for cand in candidates:
+        if dataclasses.is_dataclass(cand) and isinstance(value, dict):
+            return config_from_dict(cand, value)
+        if (typing.get_origin(cand) or cand) is tuple and isinstance(value, list):
+            return tuple(value)
+    return value
+
+
+_UnionType = type(int | None)
+
+_ALWAYS_SENT = ("request_id", "prompt_token_ids", "sampling_params", "arrival_time")
+_NEVER_SENT = ("generator",)  # sampler state lives only in the engine
+
+
+def encode_request(request: Request) -> dict:
+    """Init fields of a fresh Request that differ from their defaults (so new fields travel)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(Request):
+        if f.name in _NEVER_SENT:
+            continue
+        value = getattr(request, f.name)
+        if f.name not in _ALWAYS_SENT and value == _default_of(f):
+            continue
+        if isinstance(value, SamplingParams):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def decode_request(data: dict) -> Request:
+    data = dict(data)
+    data["sampling_params"] = SamplingParams(**data["sampling_params"])
+    if "eos_token_ids" in data:
+        data["eos_token_ids"] = tuple(data["eos_token_ids"])
+    return Request(**data)
+
+
+def encode_output(output: EngineCoreOutput) -> dict:
+    return dataclasses.asdict(output)
+
+
+def decode_output(data: dict) -> EngineCoreOutput:
+    return EngineCoreOutput(**data)
+
+
+# ----------------------------------------------------------------------------- engine loop
+
+
+class EngineLoop:
+    """Owns the EngineCore and the two sockets; runs until shutdown or a fatal error."""
+
+    def __init__(self, core: Any, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.running = True
+        self._stats_dirty = True
+        self._stats_wanted = False
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            self._drain(block=not busy)
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self._stats_dirty = True
+                if outputs:
+                    self.outbox.send(pack({"t": "outputs",
+                                           "outs": [encode_output(o) for o in outputs]}))
+            self._maybe_send_stats()
+
+    def _drain(self, block: bool) -> None:
+        """Handle every queued message; wait up to IDLE_POLL_MS for the first one when idle."""
+        if block and not self.inbox.poll(IDLE_POLL_MS):
+            return
+        while self.running:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(unpack(raw))
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg.get("t")
+        if kind == "add":
+            for data in msg["reqs"]:
+                self._add(data)
+        elif kind == "abort":
+            self.core.abort_requests(list(msg["ids"]))
+        elif kind == "stats":
+            self._stats_wanted = True
+        elif kind == "shutdown":
+            self.running = False
+        self._stats_dirty = True
+
+    def _add(self, data: dict) -> None:
+        try:
+            self.core.add_request(decode_request(data))
+        except (ValueError, TypeError) as exc:
+            # The front end validated already; report instead of dying on a bad request.
+            self.outbox.send(pack({"t": "req_error", "id": data.get("request_id"),
+                                   "msg": str(exc)}))
+
+    def _maybe_send_stats(self) -> None:
+        now = time.monotonic()
+        idle = not self.core.has_unfinished_requests()
+        due = self._stats_dirty and (idle or now - self._last_stats >= STATS_INTERVAL_S)
+        if self._stats_wanted or due:
+            self.outbox.send(pack({"t": "stats", "stats": self.core.get_stats(),
+                                   "reply": self._stats_wanted}))
+            self._stats_wanted = False
+            self._stats_dirty = False
+            self._last_stats = now
+
+
+def _watch_parent() -> None:
+    """Exit as soon as stdin closes: the front end died or shut us down."""
+    def watch() -> None:
+        sys.stdin.buffer.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> int:
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    try:
+        from slipstream.engine.core import EngineCore
+
+        core = EngineCore(config)
+        outbox.send(pack({"t": "ready", "stats": core.get_stats()}))
+        EngineLoop(core, inbox, outbox).run()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - report any failure to the front end, then die
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        outbox.send(pack({"t": "fatal", "msg": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    finally:
+        inbox.close(0)
+        outbox.close()
+        ctx.term()
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("SLIPSTREAM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s engine %(levelname)s %(message)s")
+    header = json.loads(sys.stdin.buffer.readline())
+    config = config_from_dict(EngineConfig, header["config"])
+    _watch_parent()
+    sys.exit(run_engine_core(config, header["input_addr"], header["output_addr"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Triton gated-MLP activation: SiLU(gate) * up from the fused gate/up projection output.
+
+Same semantics as kernels/reference.py's silu_and_mul: x = [gate | up] on the last dim, float32
+math, result in the input dtype. One pass: each element of x is read once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x_row = x_ptr + row * stride_x
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    n_cols = x.shape[-1] // 2
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], n_cols), dtype=x.dtype, device=x.device)
+    out2 = out.view(-1, n_cols)
+    if x2.shape[0] == 0 or n_cols == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(n_cols))
+    grid = (x2.shape[0], triton.cdiv(n_cols, block))
+    _silu_and_mul_kernel[grid](
+        x2, out2, x2.stride(0), out2.stride(0), n_cols, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,204 @@
+"""Triton GEMV / skinny GEMM for decode: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias), M <= 16.
+
+Memory-bound: the weight is streamed once with wide loads, a [BLOCK_N, BLOCK_K] tile per step.
+Long K is split across programs (split-K) and reduced without a second launch: every program
+stores its partial sums, and the last one to arrive on a per-tile counter adds them in a fixed
+order (deterministic), applies the bias, writes the output and resets the counter to zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 16
+
+
+@triton.jit
+def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write part ([BLOCK_M, BLOCK_N] float32) to the output, reducing over the K splits."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ws_off = offs_m[:, None] * N + offs_n[None, :]
+    done = True
+    if SPLIT_K > 1:
+        tl.store(ws_ptr + pid_k * M * N + ws_off, part, mask=mask)
+        # All threads' partial stores happen before the release of the arrival count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        done = arrived == SPLIT_K - 1
+        if done:
+            part = tl.zeros_like(part)
+            for i in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
+                part += tl.load(ws_ptr + i * M * N + ws_off, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    if done:
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 part.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_om, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past N re-read row N-1 instead of masking, so weight loads need no N mask.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptr + k + offs_k)
+        else:
+            k_ok = k + offs_k < k_hi
+            w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    part = tl.sum(acc, 1)[None, :]
+    offs_m = tl.arange(0, 1)
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                   stride_wn, stride_om, k_per_split, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # The weight tile is read as [BLOCK_K, BLOCK_N] (K contiguous) to feed the product directly.
+    w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k)
+        else:
+            k_ok = k + offs_k < k_hi
+            w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+    _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, SPLIT_K, HAS_BIAS)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile shape, split-K factor (0: pick from the shape) and launch parameters."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters shared by every call on a device; each call leaves them at zero."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def default_config(m: int, n: int, k: int) -> GemvConfig:
+    """A reasonable config without measuring (used when tuning is not possible)."""
+    if m == 1:
+        return GemvConfig(block_n=16, block_k=512, num_warps=4)
+    return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+
+
+def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The configs a per-shape tuner measures (see triton_ops.linear)."""
+    if m == 1:  # (block_n, block_k, split_k, num_warps, num_stages); split_k 0: from the shape
+        tiles = [(16, 512, 0, 4, 1), (16, 512, 0, 4, 3), (8, 1024, 0, 4, 1), (32, 256, 0, 4, 1),
+                 (32, 256, 0, 4, 3), (16, 1024, 0, 8, 1), (64, 128, 0, 4, 2), (4, 1024, 0, 2, 1),
+                 (16, 512, 1, 4, 1)]
+    else:
+        tiles = [(32, 128, 0, 4, 4), (64, 128, 0, 4, 4), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
+                 (32, 256, 0, 4, 4), (64, 128, 1, 4, 4)]
+    return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
+
+
+def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(split_k, k_per_split): enough programs for ~4 resident per SM, K chunks a BLOCK_K multiple."""
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    split = cfg.split_k
+    if split <= 0:
+        n_tiles = triton.cdiv(n, cfg.block_n)
+        split = min(triton.cdiv(4 * _num_sms(device), n_tiles), k_tiles, 16)
+    split = max(1, min(split, k_tiles))
+    per_split = triton.cdiv(k_tiles, split) * cfg.block_k
+    return triton.cdiv(k, per_split), per_split
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"gemv handles at most {MAX_M} rows, got {m}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config or default_config(m, n, k)
+    split, per_split = _split_k(cfg, n, k, x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    b = bias if bias is not None else out
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+            per_split)
+    if m == 1:
+        _gemv_kernel[(n_tiles, split)](*args, **common)
+    else:
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,265 @@
+"""Triton paged attention for the flat mixed batch: prefill chunks and decode tokens in one launch.
+
+Same semantics as paged_attention in kernels/reference.py. Each program takes one tile of query
+rows (BLOCK_Q tokens x the GROUP query heads that share one KV head, so every K/V tile is loaded
+once per group), walks the sequence's K/V through its block table with an online softmax, and
+for long contexts with few programs splits the KV range across programs (flash-decoding) and
+merges the partial results in a second small kernel. Metadata is read from device tensors only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.attention.backend import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS_PER_SPLIT = 128
+_MAX_SPLITS = 64
+_MAX_SCRATCH_BYTES = 256 << 20
+
+
+@triton.jit
+def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s with qsl[s] // BLOCK_Q + s <= pid: the sequence whose q-tiles hold program pid."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v,
+               stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_ok = offs_n < seq_len
+    d_ok = offs_d < HEAD_DIM  # constant over runs of 16 (head_dim % 16 == 0): loads stay wide
+    blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    row = (offs_n % PAGE_SIZE).to(tl.int64)
+    k_off = blk * stride_kb + row * stride_ks + kv_head_off_k
+    v_off = blk * stride_vb + row * stride_vs + kv_head_off_v
+    # K is loaded transposed ([D, N]) so the score product needs no layout change.
+    kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
+                 mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen nothing yet keep m = -inf; shift them by 0 to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
+    num_seqs, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
+    stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt, stride_ph, stride_ps,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    q0 = (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    ctx_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_q = q0 + offs_m // GROUP_P
+    row_h = offs_m % GROUP_P
+    row_ok = (row_q < q_len) & (row_h < GROUP)
+    token = (q_start + row_q).to(tl.int64)
+    head = kv_head * GROUP + row_h
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    q_pos = ctx_len + row_q
+
+    # KV tiles this program covers: its share of [0, last visible position of the q tile].
+    kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+    # Tiles before t_full are visible to every row of the q tile: no causal mask needed there.
+    t_full = (ctx_len + q0 + 1) // BLOCK_N
+
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    off_k = kv_head.to(tl.int64) * stride_kh
+    off_v = kv_head.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for tile in range(t_lo, tl.minimum(t_hi, t_full)):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
+                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
+                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
+                                   DOT_PREC)
+    for tile in range(tl.maximum(t_lo, t_full), t_hi):
+        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
+                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
+                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
+                                   DOT_PREC)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        p_row = token * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(part_out_ptr + p_row[:, None] * BLOCK_D + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+        # Log-sum-exp in the base-2 units of the scaled scores; -inf marks an empty split.
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + p_row, lse, mask=row_ok & (row_h > 0))
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (token * num_heads + head) * NUM_SPLITS
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=s_ok[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Tile shape and launch parameters of one paged_attention call."""
+
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: keep the split logic exercised on small shapes
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
+                  device: torch.device) -> AttnConfig:
+    """Tile sizes from host ints only: small M tiles for pure decode, splits when programs are few.
+
+    For CUDA-graph capture pass metadata whose max_seq_len is the longest context the graph
+    will see: the split count is fixed at capture, and each split's range comes from the device
+    seq_lens, so any count is correct and only its speed depends on this choice.
+    """
+    group_p = triton.next_power_of_2(group)
+    decode = meta.max_query_len <= 1
+    block_m = max(16 if decode else 64, group_p)
+    block_n = 64 if head_dim <= 128 else 32
+    block_q = block_m // group_p
+    q_tiles = meta.num_seqs if decode else triton.cdiv(meta.num_tokens, block_q)
+    programs = max(q_tiles * num_kv_heads, 1)
+    target = 2 * _num_sms(device)
+    splits = 1
+    if programs < target:
+        splits = min(triton.cdiv(target, programs),
+                     triton.cdiv(max(meta.max_seq_len, 1), _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS)
+        scratch = meta.num_tokens * num_kv_heads * group * splits * (head_dim + 1) * 4
+        while splits > 1 and scratch > _MAX_SCRATCH_BYTES:
+            splits //= 2
+            scratch //= 2
+    num_warps = 4 if block_m <= 64 else 8
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, 3 if decode else 2)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, *, config: AttnConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
+
+    Rows of q outside every sequence (padding past query_start_loc[-1]) are left unwritten,
+    as in the reference. `config` overrides the tile choice (tests, tuning).
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+    cfg = config or choose_config(meta, num_kv_heads, group, head_dim, q.device)
+    group_p = triton.next_power_of_2(group)
+    block_m = max(cfg.block_m, group_p)
+    block_q = block_m // group_p
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    splits = cfg.num_splits
+    if splits > 1:
+        part_out = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
+    _paged_attn_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_lse, meta.query_start_loc, meta.seq_lens,
+        meta.block_tables, meta.num_seqs, scale * _LOG2E, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        num_heads * splits, splits, 1,
+        GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+            SPLITS_P=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out

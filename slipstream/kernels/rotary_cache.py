@@ -1,0 +1,187 @@
+"""Triton NeoX rotary embedding and paged KV-cache writes, separately or fused in one pass.
+
+Same semantics as apply_rotary / write_kv_cache / rotary_and_cache_write in kernels/reference.py:
+cos_sin_cache is [max_positions, D] float32 (cos | sin halves), caches are
+[num_blocks, block_size, num_kv_heads, head_dim], slot -1 is skipped. One program per token.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(src, stride_h, n_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    """Load [heads, D] of one token from src and return its two rotated halves (float32)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    ptrs = src + h * stride_h + d
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _store_halves(dst, stride_h, n_heads, y1, y2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < n_heads) & (d < HALF)
+    ptrs = dst + h * stride_h + d
+    tl.store(ptrs, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_cos_sin(pos_ptr, cs_ptr, stride_cs, t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=mask, other=0.0)[None, :]
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=mask, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, HEAD_DIM: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < n_heads) & (d < HEAD_DIM)
+    x = tl.load(src + h * stride_h + d, mask=mask, other=0.0)
+    tl.store(dst + h * dst_stride_h + d, x.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                 stride_cs, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _load_cos_sin(pos_ptr, cs_ptr, stride_cs, t, HALF, BLOCK_HALF)
+    y1, y2 = _rotate_heads(x_ptr + t * stride_xt, stride_xh, n_heads, cos, sin, HALF, BLOCK_H,
+                           BLOCK_HALF)
+    _store_halves(out_ptr + t * stride_ot, stride_oh, n_heads, y1, y2, HALF, BLOCK_H, BLOCK_HALF)
+
+
+@triton.jit
+def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                     stride_vh, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+                     n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        _copy_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * stride_kc_slot, stride_kc_h,
+                    n_kv_heads, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _copy_heads(v_ptr + t * stride_vt, stride_vh, vc_ptr + slot * stride_vc_slot, stride_vc_h,
+                    n_kv_heads, HEAD_DIM, BLOCK_H, BLOCK_D)
+
+
+@triton.jit
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
+                       slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_qot, stride_qoh, stride_kot, stride_koh, stride_kc_slot, stride_kc_h,
+                       stride_vc_slot, stride_vc_h, stride_cs, n_q_heads, n_kv_heads,
+                       HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cos, sin = _load_cos_sin(pos_ptr, cs_ptr, stride_cs, t, HALF, BLOCK_HALF)
+    q1, q2 = _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
+                           BLOCK_HALF)
+    _store_halves(q_out_ptr + t * stride_qot, stride_qoh, n_q_heads, q1, q2, HALF, BLOCK_HQ,
+                  BLOCK_HALF)
+    k1, k2 = _rotate_heads(k_ptr + t * stride_kt, stride_kh, n_kv_heads, cos, sin, HALF,
+                           BLOCK_HKV, BLOCK_HALF)
+    # Round to the activation dtype first so the cache holds exactly the returned k_rot.
+    k1 = k1.to(k_out_ptr.dtype.element_ty)
+    k2 = k2.to(k_out_ptr.dtype.element_ty)
+    _store_halves(k_out_ptr + t * stride_kot, stride_koh, n_kv_heads, k1, k2, HALF, BLOCK_HKV,
+                  BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        _store_halves(kc_ptr + slot * stride_kc_slot, stride_kc_h, n_kv_heads, k1, k2, HALF,
+                      BLOCK_HKV, BLOCK_HALF)
+        _copy_heads(v_ptr + t * stride_vt, stride_vh, vc_ptr + slot * stride_vc_slot, stride_vc_h,
+                    n_kv_heads, 2 * HALF, BLOCK_HKV, 2 * BLOCK_HALF)
+
+
+def _check_cache(cache: torch.Tensor) -> None:
+    # Flat slot addressing needs blocks and rows laid out back to back, unit stride on head_dim.
+    if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(3) != 1:
+        raise ValueError("KV cache must be contiguous in its block and head_dim dims")
+
+
+def _heads_view(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with unit stride on D (copied only when needed)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _block(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation (rotate_half) of x [T, H, D] at `positions`."""
+    x = _heads_view(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_tokens, n_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return out
+    half = head_dim // 2
+    _rope_kernel[(num_tokens,)](
+        x, positions, cos_sin_cache, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        cos_sin_cache.stride(0), n_heads, HALF=half, BLOCK_H=_block(n_heads),
+        BLOCK_HALF=_block(half), num_warps=4,
+    )
+    return out
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store k, v ([T, Hkv, D]) at their flat slots; slot -1 is skipped."""
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    k, v = _heads_view(k), _heads_view(v)
+    num_tokens, n_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _kv_write_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), n_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_H=_block(n_kv_heads), BLOCK_D=_block(head_dim), num_warps=4,
+    )
+
+
+def rotary_and_cache_write(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, store rotated k and v into the paged cache; return (q_rot, k_rot).
+
+    q, k, v may be strided views (e.g. slices of the fused QKV output); one program per token.
+    """
+    _check_cache(k_cache)
+    _check_cache(v_cache)
+    q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    num_tokens, n_q_heads, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    _rope_cache_kernel[(num_tokens,)](
+        q, k, v, positions, cos_sin_cache, q_out, k_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        cos_sin_cache.stride(0), n_q_heads, n_kv_heads, HALF=half, BLOCK_HQ=_block(n_q_heads),
+        BLOCK_HKV=_block(n_kv_heads), BLOCK_HALF=_block(half), num_warps=4,
+    )
+    return q_out, k_out

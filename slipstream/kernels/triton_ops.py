@@ -1,0 +1,118 @@
+"""The Triton op table: fast twins of kernels/reference.py, plus a `linear` chosen by measurement.
+
+ops() carries the names of kernels._OP_NAMES (an op whose kernel module fails to import falls
+back to its reference twin) and linear(x, weight, bias): for at most gemv.MAX_M rows it times a
+few Triton GEMV / skinny-GEMM configs against cuBLAS (torch F.linear) once per shape, keeps the
+fastest, and uses cuBLAS for every larger M. SLIPSTREAM_LINEAR=torch|triton forces one side.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels import _OP_NAMES, reference
+from slipstream.kernels import gemv as _gemv
+
+logger = logging.getLogger(__name__)
+
+_OP_MODULES = {
+    "rms_norm": "rms_norm", "fused_add_rms_norm": "rms_norm", "silu_and_mul": "activation",
+    "apply_rotary": "rotary_cache", "write_kv_cache": "rotary_cache",
+    "rotary_and_cache_write": "rotary_cache", "paged_attention": "paged_attention",
+}
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LinearKey = tuple[int, int, int, torch.dtype, bool, int | None]
+# Per shape: the Triton config to use, or None for cuBLAS.
+_CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
+
+
+def _load_op(name: str):
+    try:
+        module = importlib.import_module(f"slipstream.kernels.{_OP_MODULES[name]}")
+        return getattr(module, name)
+    except Exception as exc:  # a kernel that cannot load must not take the engine down
+        logger.warning("Triton op %s unavailable (%s); using the reference twin", name, exc)
+        return getattr(reference, name)
+
+
+def _m_bucket(m: int) -> int:
+    return 1 if m == 1 else 1 << (m - 1).bit_length()
+
+
+def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (weight.dim() == 2 and weight.dtype == x.dtype and x.dtype in _KERNEL_DTYPES
+            and (bias is None or bias.dim() == 1))
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+
+
+def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
+             dtype: torch.dtype) -> _gemv.GemvConfig | None:
+    """Time cuBLAS and each candidate config on random rows; return the fastest (None: cuBLAS)."""
+    n, k = weight.shape
+    x = torch.randn((m, k), device=weight.device, dtype=dtype)
+    expect = F.linear(x, weight, bias).float()
+    best_cfg, best_ms = None, _bench(lambda: F.linear(x, weight, bias))
+    for cfg in _gemv.candidate_configs(m, n, k):
+        try:
+            got = _gemv.gemv(x, weight, bias, cfg).float()
+            # A config that computes a wrong answer (e.g. a miscompile) must never be chosen.
+            if not torch.allclose(got, expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()):
+                logger.warning("gemv config %s gave a wrong result for %s; skipped", cfg, (m, n, k))
+                continue
+            ms = _bench(lambda cfg=cfg: _gemv.gemv(x, weight, bias, cfg))
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            logger.debug("gemv config %s failed for %s: %s", cfg, (m, n, k), exc)
+            continue
+        if ms < best_ms:
+            best_cfg, best_ms = cfg, ms
+    logger.info("linear M<=%d N=%d K=%d: %s (%.1f us)", m, n, k,
+                best_cfg or "cuBLAS", best_ms * 1e3)
+    return best_cfg
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           *, impl: str | None = None) -> torch.Tensor:
+    """F.linear semantics (weight [N, K]). impl: "triton", "torch" or None (measured choice).
+
+    On the CPU (and the interpreter) the automatic choice is torch; ask for impl="triton"
+    explicitly to run the kernel there. During CUDA-graph capture an unmeasured shape uses the
+    default Triton config: capture after a warm-up pass so that every shape has been measured.
+    """
+    impl = impl or os.environ.get("SLIPSTREAM_LINEAR", "auto")
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    small = 0 < m <= _gemv.MAX_M and _kernel_fits(x, weight, bias)
+    if impl == "triton" and small:
+        return _gemv.gemv(x, weight, bias)
+    if impl == "torch" or not small or not x.is_cuda:
+        return F.linear(x, weight, bias)
+    key = (_m_bucket(m), weight.shape[0], k, x.dtype, bias is not None, x.device.index)
+    if key not in _CHOICES:
+        if torch.cuda.is_current_stream_capturing():
+            return _gemv.gemv(x, weight, bias)
+        _CHOICES[key] = _measure(key[0], weight, bias, x.dtype)
+    cfg = _CHOICES[key]
+    return F.linear(x, weight, bias) if cfg is None else _gemv.gemv(x, weight, bias, cfg)
+
+
+def linear_choices() -> dict[str, str]:
+    """The per-shape choices made so far, for the start-up log and the build record."""
+    return {f"M<={m} N={n} K={k} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}":
+            ("cuBLAS" if cfg is None else repr(cfg))
+            for (m, n, k, dt, b, _), cfg in _CHOICES.items()}
+
+
+def ops() -> SimpleNamespace:
+    """The fused ops, same names and signatures as kernels.reference, plus `linear`."""
+    table = {name: _load_op(name) for name in _OP_NAMES}
+    return SimpleNamespace(**table, linear=linear, name="triton")

@@ -1,0 +1,52 @@
+"""Attention layer: picks the attention backend and runs it on one layer's paged KV cache."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.attention.reference import ReferenceAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+
+def get_attention_backend(device: str, ops: SimpleNamespace):
+    """The Triton backend on CUDA when it exists, else the reference one over `ops`."""
+    if str(device).startswith("cuda"):
+        try:
+            from slipstream.attention.triton_backend import TritonAttentionBackend
+        except ImportError:
+            logger.info("no Triton attention backend; using the reference backend on %s", device)
+        else:
+            return TritonAttentionBackend(ops)
+    return ReferenceAttentionBackend(ops)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention for q [T, Hq*D], k and v [T, Hkv*D] (not rotated)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        out = self.backend.forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
+                                   self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one class, config flags for the variants.
+
+Qwen2: bias on q/k/v. Qwen3: RMSNorm on each head of q and k before RoPE. Parameter names follow
+the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules_mapping`).
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.config import ModelConfig
+from slipstream.layers.activation import SiluAndMul
+from slipstream.layers.attention import Attention
+from slipstream.layers.embedding import LMHead, VocabEmbedding
+from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from slipstream.layers.norm import RMSNorm
+from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class BuildContext:
+    """What every layer needs at construction: dtype, kernel table, backend, quant methods."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: SimpleNamespace, backend,
+                 quant_factory: QuantMethodFactory | None = None, max_positions: int | None = None,
+                 tp_size: int = 1, tp_rank: int = 0):
+        self.cfg, self.dtype, self.ops, self.backend = cfg, dtype, ops, backend
+        self.quant_factory = quant_factory or (lambda prefix: UnquantizedLinearMethod())
+        self.max_positions = max(max_positions or 0, cfg.max_position_embeddings)
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+
+    def linear_kwargs(self, prefix: str) -> dict:
+        return dict(params_dtype=self.dtype, quant_method=self.quant_factory(prefix),
+                    tp_size=self.tp_size, tp_rank=self.tp_rank)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.cfg
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = hq * d // ctx.tp_size
+        self.kv_size = hkv * d // ctx.tp_size
+        # Qwen2 has bias on q/k/v only; Llama/Qwen3 attention_bias also covers o_proj.
+        o_bias = cfg.attention_bias and cfg.hf_config.get("model_type") != "qwen2"
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, hq, hkv, cfg.attention_bias,
+                                          **ctx.linear_kwargs(f"{prefix}.qkv_proj"))
+        self.o_proj = RowParallelLinear(hq * d, cfg.hidden_size, o_bias,
+                                        **ctx.linear_kwargs(f"{prefix}.o_proj"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            t, d = q.shape[0], self.attn.head_dim
+            q = self.q_norm.forward_heads(q.reshape(t, -1, d)).reshape(t, -1)
+            k = self.k_norm.forward_heads(k.reshape(t, -1, d)).reshape(t, -1)
+        out = self.attn(q, k, v, positions, cos_sin_cache, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.cfg
+        bias = bool(cfg.hf_config.get("mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias,
+            **ctx.linear_kwargs(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias,
+                                           **ctx.linear_kwargs(f"{prefix}.down_proj"))
+        self.act_fn = SiluAndMul(ctx.ops, cfg.hf_config.get("hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.cfg
+        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
+                                                ctx.ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, ctx: BuildContext, prefix: str = "model"):
+        super().__init__()
+        cfg = ctx.cfg
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
+                                          cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        cos_sin = self.rotary_emb.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache, meta)
+        if residual is None:  # no layers at all
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]."""
+
+    # Fused parameter -> the checkpoint tensors it holds, in shard order.
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, ctx: BuildContext):
+        super().__init__()
+        self.config = ctx.cfg
+        _warn_unsupported(ctx.cfg)
+        self.model = LlamaModel(ctx, "model")
+        tied = self.model.embed_tokens if ctx.cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden)
+
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        """Checkpoint tensors we skip: cached rotary tables, the tied head's duplicate."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _warn_unsupported(cfg: ModelConfig) -> None:
+    window = cfg.hf_config.get("sliding_window")
+    uses_window = cfg.hf_config.get("use_sliding_window", cfg.hf_config.get("model_type") == "mistral")
+    if window and uses_window and window < cfg.max_position_embeddings:
+        logger.warning("sliding_window=%d is not implemented: attention is full-context, so "
+                       "outputs past %d tokens differ from the reference model", window, window)
+
+
+# Same network, different checkpoints' names for it.
+MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM

@@ -1,0 +1,164 @@
+"""Build a model on its device without random init, then fill it from memory-mapped safetensors.
+
+q/k/v and gate/up checkpoint tensors land in slices of one fused parameter each (the model's
+`packed_modules_mapping`). load_format="dummy" fills seeded random values instead.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from slipstream.config import EngineConfig
+from slipstream.kernels import get_ops
+from slipstream.layers.attention import get_attention_backend
+from slipstream.models.llama import BuildContext
+from slipstream.models.registry import get_model_class
+from slipstream.quantization.base import get_quant_method_factory
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_model(config: EngineConfig) -> nn.Module:
+    """The config's model on config.device in config.dtype, weights loaded, in eval mode."""
+    if config.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {config.load_format!r}")
+    if config.parallel.tensor_parallel_size != 1:
+        raise NotImplementedError("tensor parallelism: layers take tp_size/tp_rank, but the "
+                                  "loader does not start process groups yet")
+    model = build_model(config)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, iterate_safetensors(safetensors_files(config.model_path)))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_after_loading(module)
+    return model.eval()
+
+
+def build_model(config: EngineConfig) -> nn.Module:
+    """Construct with uninitialised (torch.empty) parameters directly on the target device."""
+    cls = get_model_class(config.model.architecture)
+    ops = get_ops(config.device)
+    ctx = BuildContext(
+        config.model, resolve_dtype(config.dtype), ops,
+        backend=get_attention_backend(config.device, ops),
+        quant_factory=get_quant_method_factory(config.quant.method, config.model.hf_config),
+        max_positions=config.scheduler.max_model_len,
+    )
+    with torch.device(config.device):
+        return cls(ctx)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files: those of the shard index if any, else every *.safetensors."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [d / n for n in names]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"shard index {index} names missing files: {', '.join(absent)}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    # Mistral repos ship both HF shards and an original-format `consolidated` copy.
+    files = [f for f in files if not f.name.startswith("consolidated")] or files
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {d} (load_format='dummy' builds "
+                                "a model of this config with random weights)")
+    return files
+
+
+def iterate_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time from memory-mapped files: peak host memory is one tensor."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[str, int | None]]:
+    """Checkpoint tensor name -> (parameter name, fused shard index or None)."""
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    out: dict[str, tuple[str, int | None]] = {}
+    for pname, _ in model.named_parameters():  # tied parameters appear once
+        module_path, _, leaf = pname.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        if module_name in packed:
+            for shard, sub in enumerate(packed[module_name]):
+                out[f"{parent}.{sub}.{leaf}"] = (pname, shard)
+        else:
+            out[pname] = (pname, None)
+    return out
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy every checkpoint tensor into place; unexpected or missing tensors are errors."""
+    name_map = checkpoint_name_map(model)
+    params = dict(model.named_parameters())
+    ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if ignored(name):
+            continue
+        if name not in name_map:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint: no such parameter "
+                             f"in {type(model).__name__}")
+        pname, shard = name_map[name]
+        module = model.get_submodule(pname.rpartition(".")[0])
+        try:
+            _load_one(module, params[pname], tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        seen.add(name)
+    missing = sorted(set(name_map) - seen)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor,
+              shard: int | None) -> None:
+    loader = getattr(module, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard)
+        return
+    if param.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded small random weights (norm weights near 1), generated on the parameter's device."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        dev = param.device
+        if dev not in generators:
+            generators[dev] = torch.Generator(device=dev).manual_seed(seed)
+        g = generators[dev]
+        if param.is_floating_point() and param.element_size() >= 2:
+            mean = 1.0 if name.endswith("norm.weight") else 0.0
+            param.data.normal_(mean, std, generator=g)
+        elif param.is_floating_point():  # 8-bit floats: draw in float32, then cast
+            sample = torch.empty(param.shape, device=dev).normal_(0.0, std, generator=g)
+            param.data.copy_(sample)
+        else:
+            param.data.copy_(torch.randint(-8, 8, param.shape, generator=g, device=dev))

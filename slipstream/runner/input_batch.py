@@ -1,0 +1,118 @@
+"""Flat, padding-free batch for one step, built with numpy on the host, then moved once.
+
+All scheduled tokens are concatenated (prefill chunks and decodes side by side); per-sequence
+offsets, lengths and block tables go into AttentionMetadata.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.scheduler.output import ScheduledSeq
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: the row of each sampled seq's last token
+    sample_seq_indices: list[int]  # index into the step's seqs, one per logits row
+    query_start_loc_cpu: list[int]  # [num_seqs + 1]
+
+
+@dataclass
+class HostBatch:
+    """numpy arrays of one step (host side), before the copy to the device."""
+
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray  # int32 [S]
+    block_tables: np.ndarray  # int32 [S, max_blocks] (pad 0)
+    logits_indices: np.ndarray  # int64 [num sampled]
+    sample_seq_indices: list[int]
+
+
+def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
+                     max_blocks_per_seq: int | None = None) -> HostBatch:
+    """numpy arrays for `seqs`; max_blocks_per_seq pads the block table to a fixed width."""
+    if not seqs:
+        raise ValueError("cannot build a batch of zero sequences")
+    num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    if (num_tokens < 1).any():
+        raise ValueError("every scheduled sequence needs at least one token")
+    starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
+    query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(num_tokens, out=query_start_loc[1:])
+    seq_lens = (starts + num_tokens).astype(np.int32)
+    input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64,
+                            count=int(query_start_loc[-1]))
+    # positions: start_pos + offset inside the seq's chunk, for every token at once
+    seq_of_token = np.repeat(np.arange(len(seqs)), num_tokens)
+    positions = np.arange(len(input_ids), dtype=np.int64) - query_start_loc[seq_of_token] \
+        + starts[seq_of_token]
+    block_tables = _block_tables(seqs, seq_lens, block_size, max_blocks_per_seq)
+    block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    slot_mapping = block_of_token * block_size + positions % block_size
+    sample_seq_indices = [i for i, s in enumerate(seqs) if s.needs_sample]
+    logits_indices = query_start_loc[1:][sample_seq_indices].astype(np.int64) - 1
+    return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                     block_tables, logits_indices, sample_seq_indices)
+
+
+def _block_tables(seqs: list[ScheduledSeq], seq_lens: np.ndarray, block_size: int,
+                  width: int | None) -> np.ndarray:
+    needed = (seq_lens + block_size - 1) // block_size
+    for s, n in zip(seqs, needed):
+        if len(s.block_ids) < n:
+            raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold "
+                             f"{s.start_pos + s.num_tokens} tokens (block_size {block_size})")
+    if width is not None and width < needed.max():
+        raise ValueError(f"max_blocks_per_seq={width} is below the {needed.max()} blocks needed")
+    width = width or max(len(s.block_ids) for s in seqs)
+    table = np.zeros((len(seqs), width), dtype=np.int32)
+    for i, s in enumerate(seqs):
+        ids = s.block_ids[:width]
+        table[i, : len(ids)] = ids
+    return table
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor; through pinned memory and non-blocking on CUDA."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def prepare_inputs(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
+                   max_blocks_per_seq: int | None = None) -> ModelInputs:
+    """The step's model inputs and attention metadata on `device`."""
+    hb = build_host_batch(seqs, block_size, max_blocks_per_seq)
+    qsl_cpu = hb.query_start_loc.tolist()
+    lens_cpu = hb.seq_lens.tolist()
+    meta = AttentionMetadata(
+        num_seqs=len(seqs),
+        num_tokens=len(hb.input_ids),
+        query_start_loc=to_device(hb.query_start_loc, device),
+        seq_lens=to_device(hb.seq_lens, device),
+        block_tables=to_device(hb.block_tables, device),
+        slot_mapping=to_device(hb.slot_mapping, device),
+        max_query_len=max(s.num_tokens for s in seqs),
+        max_seq_len=max(lens_cpu),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=lens_cpu,
+    )
+    return ModelInputs(
+        input_ids=to_device(hb.input_ids, device),
+        positions=to_device(hb.positions, device),
+        meta=meta,
+        logits_indices=to_device(hb.logits_indices, device),
+        sample_seq_indices=hb.sample_seq_indices,
+        query_start_loc_cpu=qsl_cpu,
+    )

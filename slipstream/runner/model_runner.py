@@ -1,0 +1,205 @@
+"""ModelRunner: SchedulerOutput -> flat batch -> model forward -> logits -> sampler -> RunnerOutput.
+
+It owns the model and the paged KV cache (one (k_cache, v_cache) pair per layer) and sizes the
+cache: from a byte budget on the CPU, from a profiling forward pass on CUDA.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from slipstream.config import EngineConfig
+from slipstream.engine.request import Request
+from slipstream.runner.input_batch import ModelInputs, prepare_inputs
+from slipstream.sampling_params import SamplingParams
+from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PROMPT_LOGPROB_ROWS = 512  # rows of [rows, vocab] float32 logits materialised at once
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.model: nn.Module | None = None
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks = 0
+        self._sampler = None
+
+    # ---- set-up --------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from slipstream.models.loader import load_model
+
+        self.model = load_model(self.config)
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        name = self.config.cache.kv_cache_dtype
+        if name == "auto":
+            name = self.config.dtype
+        if name not in _KV_DTYPES:
+            raise ValueError(f"unsupported kv_cache_dtype {name!r}; supported: auto, "
+                             f"{', '.join(_KV_DTYPES)}")
+        return _KV_DTYPES[name]
+
+    def _kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        m = self.config.model
+        kv_heads = m.num_key_value_heads // self.config.parallel.tensor_parallel_size
+        return (num_blocks, self.block_size, kv_heads, m.head_dim)
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """K and V of one block in every layer."""
+        _, bs, heads, dim = self._kv_shape(1)
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * self.config.model.num_hidden_layers * bs * heads * dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """cache.num_blocks if set; else a byte budget (cache.kv_cache_memory, CPU default 1 GiB,
+        CUDA: gpu_memory_utilization * total memory - peak of a profiling forward) / block."""
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.kv_cache_memory is not None:
+            budget = cache.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.kv_cache_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                             f"{self.kv_cache_bytes_per_block()} bytes; raise kv_cache_memory "
+                             "or gpu_memory_utilization")
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate (zeroed) K and V of `num_blocks` blocks for every layer."""
+        shape = self._kv_shape(num_blocks)
+        dtype = self.kv_cache_dtype
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.config.model.num_hidden_layers)
+        ]
+        self.num_blocks = num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes left for the KV cache after weights, activation peak and non-torch memory."""
+        peak = self._profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(self.config.cache.gpu_memory_utilization * total) - peak - max(non_torch, 0)
+        logger.info("KV budget %.2f GiB (total %.2f GiB, peak %.2f GiB, non-torch %.2f GiB)",
+                    budget / 2**30, total / 2**30, peak / 2**30, non_torch / 2**30)
+        if budget <= 0:
+            raise RuntimeError("no GPU memory left for the KV cache: lower max_num_tokens or "
+                               "raise gpu_memory_utilization")
+        return budget
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Peak allocated bytes of one forward at max_num_tokens (its scratch KV cache excluded)."""
+        sched = self.config.scheduler
+        lengths = _split(sched.max_num_tokens, max(1, sched.max_model_len - 1), sched.max_num_seqs)
+        blocks_per_seq = [-(-n // self.block_size) for n in lengths]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        saved = self.kv_caches, self.num_blocks
+        self.initialize_kv_cache(sum(blocks_per_seq))
+        scratch = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        seqs, next_block = [], 0
+        for n, nb in zip(lengths, blocks_per_seq):
+            req = Request(f"profile-{len(seqs)}", [0] * n, SamplingParams(max_tokens=1))
+            seqs.append(ScheduledSeq(req, [0] * n, 0, list(range(next_block, next_block + nb)),
+                                     True))
+            next_block += nb
+        logits, _ = self.forward_logits(SchedulerOutput(seqs=seqs))
+        torch.softmax(logits, dim=-1)  # stands in for the sampler's [S, V] temporaries
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch
+        self.kv_caches, self.num_blocks = saved
+        torch.cuda.empty_cache()
+        return peak
+
+    # ---- execution -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:
+        """Run the step's batch; logits [S, vocab] float32 for the needs_sample seqs, in order."""
+        inputs, hidden = self._forward(sched.seqs)
+        return self.model.compute_logits(hidden[inputs.logits_indices]), inputs
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[ModelInputs, torch.Tensor]:
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("call load_model() and initialize_kv_cache() before running")
+        inputs = prepare_inputs(seqs, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return inputs, hidden
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
+        """One step: sampled tokens for needs_sample seqs, plus logprobs where asked."""
+        out = RunnerOutput()
+        if sched.is_empty:
+            return out
+        inputs, hidden = self._forward(sched.seqs)
+        if inputs.sample_seq_indices:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
+            sampled = self._get_sampler()(logits, requests)
+            for req, token, lps in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+                out.sampled_token_ids[req.request_id] = [int(token)]
+                if lps is not None:
+                    out.logprobs[req.request_id] = [lps]
+        for i, seq in enumerate(sched.seqs):
+            entries = self._prompt_logprobs(seq, hidden, inputs.query_start_loc_cpu[i])
+            if entries:
+                out.prompt_logprobs[seq.request_id] = entries
+        return out
+
+    def _get_sampler(self):
+        if self._sampler is None:
+            from slipstream.sampling.sampler import Sampler
+
+            self._sampler = Sampler()
+        return self._sampler
+
+    def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor,
+                         row0: int) -> list[dict[int, float] | None]:
+        """Entries for prompt positions this chunk reveals: None for position 0, then, for
+        each position p in (start_pos, min(end, P - 1)], {prompt[p]: lp, top-k ...} from row p-1.
+
+        Skipped once the request has output tokens (a recompute after preemption).
+        """
+        req = seq.request
+        k = req.sampling_params.prompt_logprobs
+        if k is None or req.num_output_tokens > 0 or seq.start_pos >= req.num_prompt_tokens:
+            return []
+        from slipstream.sampling.logprobs import top_logprobs
+
+        entries: list[dict[int, float] | None] = [None] if seq.start_pos == 0 else []
+        start = seq.start_pos
+        n = min(start + seq.num_tokens, req.num_prompt_tokens - 1) - start
+        targets = req.prompt_token_ids[start + 1 : start + 1 + n]
+        for lo in range(0, n, _PROMPT_LOGPROB_ROWS):
+            hi = min(n, lo + _PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi])
+            entries += top_logprobs(torch.log_softmax(logits, dim=-1), targets[lo:hi], k)
+        return entries
+
+
+def _split(total: int, max_len: int, max_seqs: int) -> list[int]:
+    """Split `total` tokens into at most max_seqs sequences of at most max_len tokens."""
+    lengths = []
+    while total > 0 and len(lengths) < max_seqs:
+        lengths.append(min(total, max_len))
+        total -= lengths[-1]
+    return lengths

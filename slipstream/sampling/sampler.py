@@ -1,0 +1,177 @@
+"""Sampler: one step of token selection for a batch of requests, on the logits' device.
+
+Order per row: logprobs of the raw logits (when asked), penalties, min_tokens mask, then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> sample. Sampling is an exponential
+race (argmax of probs / q, q ~ Exp(1)), so a seeded row depends only on its own logits and
+its own generator, whatever else is in the batch. The one host sync is the final read-back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from slipstream.sampling.logprobs import pack_top_logprobs, unpack_top_logprobs
+from slipstream.sampling.penalties import apply_penalties, has_penalties, mask_min_tokens
+from slipstream.sampling.topk_topp import apply_min_p, apply_top_k_top_p
+
+if TYPE_CHECKING:
+    from slipstream.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[dict[int, float] | None]  # top-N plus the sampled token; None when not asked
+
+
+@dataclass
+class _Params:
+    """Per-row sampling parameters on the device, plus host-side facts that skip work."""
+
+    greedy: torch.Tensor  # [S] bool
+    temperature: torch.Tensor  # [S] float, 1.0 on greedy rows
+    top_k: torch.Tensor | None  # [S] long, None when no row uses it
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    max_k: int
+    all_greedy: bool
+    any_greedy: bool
+
+    @staticmethod
+    def build(requests: list[Request], device: torch.device) -> _Params:
+        sps = [r.sampling_params for r in requests]
+        greedy = [sp.greedy for sp in sps]
+        # Greedy rows go through the sampling maths too (then get overwritten): keep them
+        # neutral so nothing divides by zero.
+        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]
+        ks = [sp.top_k for sp in sps]
+        ps = [sp.top_p for sp in sps]
+        mps = [sp.min_p for sp in sps]
+        # One host-to-device copy for all parameters (top_k < 2**24 is exact in float32).
+        host = torch.tensor([temps, ks, ps, mps, greedy], dtype=torch.float32)
+        dev = host.to(device, non_blocking=True)
+        return _Params(
+            greedy=dev[4].bool(),
+            temperature=dev[0],
+            top_k=dev[1].long() if any(ks) else None,
+            top_p=dev[2] if any(p < 1.0 for p in ps) else None,
+            min_p=dev[3] if any(mps) else None,
+            max_k=max(ks),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+        )
+
+
+class Sampler:
+    """Callable: (logits [S, V], requests) -> SamplerOutput. Row i belongs to requests[i]."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"sampler: logits {tuple(logits.shape)} for {len(requests)} requests")
+        if not requests:
+            return SamplerOutput([], [])
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        raw_logprobs = self._raw_logprobs(logits, lp_rows)
+        logits = self._process(logits, requests)
+        tokens = self._choose(logits, requests)
+        return self._read_back(tokens, raw_logprobs, lp_rows, requests)
+
+    # -- steps -------------------------------------------------------------------------
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        if not rows:
+            return None
+        # The model's own distribution: before penalties, temperature or truncation.
+        sub = logits if len(rows) == logits.shape[0] else logits[rows]
+        return torch.log_softmax(sub, dim=-1)
+
+    @staticmethod
+    def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties and the min_tokens mask, on a copy (the caller's logits stay intact)."""
+        needs = any(
+            has_penalties(r.sampling_params) or r.num_output_tokens < r.sampling_params.min_tokens
+            for r in requests
+        )
+        if not needs:
+            return logits
+        logits = logits.clone()
+        apply_penalties(logits, requests)
+        return mask_min_tokens(logits, requests)
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = _Params.build(requests, logits.device)
+        if params.all_greedy:
+            return logits.argmax(dim=-1)
+        x = logits / params.temperature.view(-1, 1)
+        x = apply_top_k_top_p(x, params.top_k, params.top_p, params.max_k)
+        if params.min_p is not None:
+            x = apply_min_p(x, params.min_p)
+        probs = x.softmax(dim=-1)
+        sampled = (probs / self._exponentials(probs, requests)).argmax(dim=-1)
+        if not params.any_greedy:
+            return sampled
+        return torch.where(params.greedy, logits.argmax(dim=-1), sampled)
+
+    def _exponentials(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """q ~ Exp(1), [S, V]: unseeded rows from the shared generator in one draw, seeded
+        rows redrawn from their own generator (one draw of V values per step)."""
+        q = torch.empty_like(probs).exponential_(generator=self._shared_generator(probs.device))
+        for i, r in enumerate(requests):
+            sp = r.sampling_params
+            if sp.seed is not None and not sp.greedy:
+                q[i].exponential_(generator=_request_generator(r, probs.device))
+        # Exp(1) can return 0; a zero would turn a masked token's 0 / q into NaN.
+        return q.clamp_(min=torch.finfo(q.dtype).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self.seed)
+            self._shared[device] = gen
+        return gen
+
+    @staticmethod
+    def _read_back(
+        tokens: torch.Tensor,
+        raw_logprobs: torch.Tensor | None,
+        lp_rows: list[int],
+        requests: list[Request],
+    ) -> SamplerOutput:
+        num_rows = tokens.shape[0]
+        if raw_logprobs is None:
+            return SamplerOutput(tokens.tolist(), [None] * num_rows)
+        ks = [requests[i].sampling_params.logprobs for i in lp_rows]
+        lp_tokens = tokens if len(lp_rows) == num_rows else tokens[lp_rows]
+        packed = pack_top_logprobs(raw_logprobs, lp_tokens, max(ks))
+        width = packed.shape[1]
+        # Token ids and logprobs come back in one copy (float64 holds both exactly).
+        flat = torch.cat([tokens.double(), packed.flatten()]).tolist()
+        token_ids = [int(t) for t in flat[:num_rows]]
+        rows = [flat[num_rows + j * width : num_rows + (j + 1) * width] for j in range(len(lp_rows))]
+        logprobs: list[dict[int, float] | None] = [None] * num_rows
+        for i, d in zip(lp_rows, unpack_top_logprobs(rows, ks)):
+            logprobs[i] = d
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _request_generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's own generator, created on first use and seeded with its seed."""
+    gen = request.generator
+    if not isinstance(gen, torch.Generator) or gen.device != device:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(request.sampling_params.seed)
+        request.generator = gen
+    return gen

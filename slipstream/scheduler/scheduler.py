@@ -1,0 +1,336 @@
+"""Iteration-level (in-flight) scheduler: each step, a token budget shared by running decodes,
+chunks of prefill and newly admitted requests; preemption by recompute when KV blocks run out.
+
+Holds integers and token ids only; the model runner turns a SchedulerOutput into tensors.
+"""
+from __future__ import annotations
+
+import copy
+import heapq
+import itertools
+import time
+from collections.abc import Iterable
+
+from slipstream.config import CacheConfig, SchedulerConfig
+from slipstream.engine.request import Request, RequestStatus
+from slipstream.kv_cache.manager import KVCacheManager
+from slipstream.outputs import EngineCoreOutput
+from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set before building the scheduler")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.running: list[Request] = []  # in order of admission
+        # Heap of (priority, arrival_time, tie, request); aborted entries are skipped lazily.
+        self._waiting: list[tuple[int, float, int, Request]] = []
+        self._num_waiting = 0
+        self._tie = itertools.count()
+        self._finished_ids: list[str] = []  # reported in the next SchedulerOutput
+        # Prompt-logprob positions already emitted / received since the last (re)start.
+        self._plp_emitted: dict[str, int] = {}
+        self._plp_received: dict[str, int] = {}
+        self.num_preemptions = 0
+        # A sequence can never outgrow the whole cache: at capacity + 1 tokens the next step
+        # would need more blocks than exist, so it ends there (length) instead of hanging.
+        capacity = cache_config.num_blocks * cache_config.block_size
+        self._max_seq_len = min(scheduler_config.max_model_len, capacity + 1)
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (nothing changed) if it could never be scheduled."""
+        self._check_fits(request)
+        params = request.sampling_params
+        if params.max_tokens is None:
+            # A private copy: one SamplingParams object is often shared by many prompts.
+            params = copy.copy(params)
+            params.max_tokens = self.config.max_model_len - request.num_prompt_tokens
+            request.sampling_params = params
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _check_fits(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty, give at least one token")
+        max_len = self.config.max_model_len
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {num_prompt} tokens but max_model_len is "
+                f"{max_len}; the prompt must leave room for at least one output token")
+        need, total = self.kv.num_blocks_for(num_prompt + 1), self.kv.num_total_blocks
+        if need > total:
+            raise ValueError(
+                f"request {rid!r}: prompt of {num_prompt} tokens needs {need} KV blocks of "
+                f"{self.block_size} tokens but the whole cache has {total} "
+                f"({total * self.block_size} tokens)")
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_tokens:
+            raise ValueError(
+                f"request {rid!r}: prompt has {num_prompt} tokens but max_num_tokens is "
+                f"{self.config.max_num_tokens} and chunked prefill is off")
+
+    def abort_requests(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[Request]:
+        """Finish the given requests now and free their blocks; unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._num_waiting -= 1  # its heap entry is skipped once finished
+            self._finish(request, status)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        rid = request.request_id
+        del self.requests[rid]
+        self._plp_emitted.pop(rid, None)
+        self._plp_received.pop(rid, None)
+        self._finished_ids.append(rid)
+
+    # ---- queries -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are forgotten)."""
+        return self.requests.get(request_id)
+
+    def get_stats(self) -> dict:
+        kv = self.kv
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_total_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then waiting ones while all fits."""
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(out, self.config.max_num_tokens)
+        if not out.preempted_request_ids:  # memory is tight: admit nothing new this step
+            self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for seq in out.seqs:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request its next tokens, preempting when blocks run out."""
+        scheduled: dict[str, ScheduledSeq] = {}
+        for request in list(self.running):  # a copy: preemption removes from self.running
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue  # nothing to compute (no token came back for it last step)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, out, scheduled)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            seq = self._make_seq(request, num_new)
+            scheduled[request.request_id] = seq
+            out.seqs.append(seq)
+            budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority (largest value), then latest arrival, then latest admission."""
+        idx = max(range(len(self.running)),
+                  key=lambda j: (self.running[j].priority, self.running[j].arrival_time, j))
+        return self.running[idx]
+
+    def _preempt(
+        self, request: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq]
+    ) -> int:
+        """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
+        self.running.remove(request)
+        self.kv.free(request)  # before resetting num_computed_tokens (see KVCacheManager.free)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._plp_received.pop(request.request_id, None)
+        out.preempted_request_ids.append(request.request_id)
+        self._push_waiting(request)
+        seq = scheduled.pop(request.request_id, None)
+        if seq is None:
+            return 0
+        out.seqs.remove(seq)
+        return seq.num_tokens
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit in (priority, arrival) order; the first that does not fit stops admission."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._peek_waiting()
+            if request is None:
+                return
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget:
+                # Without chunked prefill a prompt goes in whole; only a resumed request too
+                # long for any single step is still split (else it could never run again).
+                if not self.config.enable_chunked_prefill and num_new <= self.config.max_num_tokens:
+                    return
+                num_new = budget
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                return
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.seqs.append(self._make_seq(request, num_new))
+            budget -= num_new
+
+    def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            request=request,
+            token_ids=request.token_ids_slice(start, end),
+            start_pos=start,
+            block_ids=list(self.kv.get_block_ids(request.request_id)),
+            needs_sample=end == request.num_tokens,
+        )
+
+    def _push_waiting(self, request: Request) -> None:
+        # A preempted request keeps its arrival_time, so it goes back ahead of later arrivals.
+        entry = (request.priority, request.arrival_time, next(self._tie), request)
+        heapq.heappush(self._waiting, entry)
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting and self._waiting[0][3].is_finished:
+            heapq.heappop(self._waiting)  # aborted while waiting
+        return self._waiting[0][3] if self._waiting else None
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks)."""
+        outputs = []
+        for seq in scheduler_output.seqs:
+            request = seq.request
+            rid = request.request_id
+            if request.status != RequestStatus.RUNNING or self.requests.get(rid) is not request:
+                continue  # aborted or preempted since it was scheduled
+            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
+            prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
+            if not new_ids and not prompt_lps:
+                continue
+            logprobs = runner_output.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=new_ids,
+                new_logprobs=logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
+                prompt_logprobs=prompt_lps,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                timestamps=_timestamps(request) if new_ids else {},
+            ))
+            if request.is_finished:
+                self.running.remove(request)
+                self._finish(request, request.status)
+        return outputs
+
+    def _append_tokens(self, request: Request, runner_output: RunnerOutput) -> list[int]:
+        """Append sampled tokens until one stops the request; returns those appended."""
+        sampled = runner_output.sampled_token_ids.get(request.request_id) or []
+        appended = []
+        for token in sampled:
+            request.output_token_ids.append(token)
+            appended.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            status = check_stop(request, token, self._max_seq_len)
+            if status is not None:
+                request.status = status  # blocks are freed by the caller, same call
+                break
+        return appended
+
+    def _new_prompt_logprobs(self, rid: str, entries: list | None) -> list | None:
+        """Drop positions already emitted before a preemption made the runner redo them."""
+        if not entries:
+            return None
+        received = self._plp_received.get(rid, 0)
+        emitted = self._plp_emitted.get(rid, 0)
+        self._plp_received[rid] = received + len(entries)
+        self._plp_emitted[rid] = max(emitted, received + len(entries))
+        fresh = entries[max(0, emitted - received):]
+        return fresh or None
+
+
+def check_stop(request: Request, token: int, max_seq_len: int) -> RequestStatus | None:
+    """Stop conditions after appending `token`, in priority order; sets stop_reason.
+
+    max_seq_len: max_model_len, or less when the whole KV cache holds fewer tokens.
+    """
+    params = request.sampling_params
+    num_output = request.num_output_tokens
+    if num_output >= params.min_tokens:
+        if token in request.eos_token_ids and not params.ignore_eos:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    max_tokens = params.max_tokens
+    if (max_tokens is not None and num_output >= max_tokens) or request.num_tokens >= max_seq_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def _timestamps(request: Request) -> dict[str, float]:
+    stamps = {"arrival_time": request.arrival_time}
+    if request.first_scheduled_time is not None:
+        stamps["first_scheduled_time"] = request.first_scheduled_time
+    if request.first_token_time is not None:
+        stamps["first_token_time"] = request.first_token_time
+    return stamps

@@ -1,0 +1,4 @@
+"""`python -m slipstream.serve ...` == `slipstream serve ...`."""
+from slipstream.serve.cli import main
+
+main()

@@ -1,0 +1,154 @@
+"""/v1/chat/completions: render the chat template, generate, answer as a message or a stream.
+
+Streams follow the OpenAI shape: a first chunk per choice with the assistant role, content
+deltas, a final chunk with finish_reason, and a usage-only chunk when asked for.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from slipstream.outputs import CompletionOutput, RequestOutput
+from slipstream.sampling_params import SamplingParams
+from slipstream.serve.context import (
+    ServeContext,
+    last_output,
+    start_generation,
+    stream_error_event,
+    to_api_error,
+)
+from slipstream.serve.errors import APIError
+from slipstream.serve.formatting import (
+    SSE_DONE,
+    ChoiceCursor,
+    TokenText,
+    chat_logprobs,
+    public_reason,
+    sse,
+    usage_of,
+)
+from slipstream.serve.params import chat_params, check_common
+from slipstream.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_id,
+)
+from slipstream.serve.streaming import SSEResponse, run_until_disconnect
+
+
+def render_chat(ctx: ServeContext, messages: list[ChatMessage],
+                add_generation_prompt: bool) -> list[int]:
+    """Token ids of the rendered conversation; template problems are the client's 400."""
+    dicts = [{"role": m.role, "content": m.text(),
+              **({"name": m.name} if m.name else {})} for m in messages]
+    try:
+        return ctx.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError) as exc:
+        raise APIError(f"messages: {exc}", param="messages") from exc
+    except Exception as exc:  # noqa: BLE001 - jinja raise_exception() in a template
+        if type(exc).__module__.startswith("jinja2"):
+            raise APIError(f"messages: the chat template rejected them: {exc}",
+                           param="messages") from exc
+        raise
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request,
+                                 ctx: ServeContext) -> Response:
+    ctx.check_model(req.model)
+    check_common(req, ctx.limits)
+    prompt_ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    if not prompt_ids:
+        raise APIError("messages rendered to an empty prompt", param="messages")
+    params = chat_params(req, len(prompt_ids), ctx.limits)
+    request_id = random_id("chatcmpl")
+    stream = start_generation(ctx, prompt_ids, params, request_id, req.priority)
+    job = _ChatJob(req, ctx, request_id, params)
+
+    async def abort() -> None:
+        await ctx.engine.abort(request_id)
+
+    if req.stream:
+        return SSEResponse(job.stream(stream), on_close=abort)
+    try:
+        return await run_until_disconnect(raw_request, job.full(stream))
+    finally:
+        await abort()
+
+
+class _ChatJob:
+    def __init__(self, req: ChatCompletionRequest, ctx: ServeContext, request_id: str,
+                 params: SamplingParams) -> None:
+        self.req = req
+        self.ctx = ctx
+        self.request_id = request_id
+        self.params = params
+        self.token_text = TokenText(ctx.tokenizer)
+        self.num_top = req.top_logprobs or 0
+
+    async def full(self, stream: AsyncIterator[RequestOutput]) -> Response:
+        try:
+            final = await last_output(stream)
+        except Exception as exc:  # noqa: BLE001 - mapped to the right status
+            raise to_api_error(exc) from exc
+        choices = [self._choice(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        body = ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
+                                      choices=choices, usage=usage_of([final]))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def _choice(self, c: CompletionOutput) -> ChatChoice:
+        logprobs = None
+        if self.req.logprobs:
+            logprobs = chat_logprobs(self.token_text, c.token_ids, c.logprobs or [], self.num_top)
+        return ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                          logprobs=logprobs, finish_reason=public_reason(c.finish_reason),
+                          stop_reason=c.stop_reason)
+
+    async def stream(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        cursors = [ChoiceCursor() for _ in range(self.req.n)]
+        final = None
+        try:
+            async for out in stream:
+                final = out
+                for c in out.outputs:
+                    for chunk in self._chunks(c, cursors[c.index]):
+                        yield sse(chunk)
+            if include_usage and final is not None:
+                yield sse(ChatCompletionChunk(id=self.request_id, model=self.ctx.model_name,
+                                              choices=[], usage=usage_of([final]))
+                          .model_dump_json())
+        except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
+            yield sse(stream_error_event(exc))
+        yield SSE_DONE
+
+    def _chunks(self, c: CompletionOutput, cursor: ChoiceCursor) -> list[str]:
+        delta = cursor.advance(c, self.params.stop)
+        if delta is None:
+            return []
+        chunks = []
+        if delta.first:  # the role goes first, on its own, as OpenAI does
+            chunks.append(self._chunk(c.index, DeltaMessage(role="assistant", content="")))
+        if delta.text or delta.token_ids or delta.finish_reason:
+            logprobs = None
+            if self.req.logprobs and delta.token_ids:
+                logprobs = chat_logprobs(self.token_text, delta.token_ids,
+                                         delta.logprobs or [], self.num_top)
+            chunks.append(self._chunk(
+                c.index, DeltaMessage(content=delta.text), logprobs, delta.finish_reason,
+                delta.stop_reason if delta.finish_reason else None))
+        return chunks
+
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs=None,
+               finish_reason: str | None = None, stop_reason=None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                 finish_reason=finish_reason, stop_reason=stop_reason)
+        return ChatCompletionChunk(id=self.request_id, model=self.ctx.model_name,
+                                   choices=[choice]).model_dump_json()

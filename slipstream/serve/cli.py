@@ -1,0 +1,72 @@
+"""`slipstream serve` command line: flags (engine + server) and the entry point.
+
+`add_serve_parser(subparsers)` registers the subcommand; `python -m slipstream.serve` runs it
+standalone. The serving itself is in serve/server.py.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from slipstream.engine.args import EngineArgs
+from slipstream.sampling_params import MAX_LOGPROBS
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                                   description=__doc__)
+    add_serve_args(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SLIPSTREAM_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send (default: the --model path)")
+    g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help="largest logprobs / top_logprobs a request may ask for")
+    g.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a request may ask for (default: the context)")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body accepted")
+    g.add_argument("--max-prompts", type=int, default=32,
+                   help="most prompts in one batched /v1/completions request")
+    g.add_argument("--engine-startup-timeout", type=float, default=1800.0)
+    g.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--no-access-log", dest="access_log", action="store_false")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until a signal (returns 0) or until the engine dies (returns 1)."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("SLIPSTREAM_LOG_LEVEL", args.log_level.upper())
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    from slipstream.serve.server import serve
+
+    try:
+        return asyncio.run(serve(config, args))
+    except KeyboardInterrupt:
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="slipstream serve", description=__doc__)
+    add_serve_args(parser)
+    sys.exit(run_serve(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

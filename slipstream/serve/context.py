@@ -1,0 +1,112 @@
+"""What every route handler needs: the engine client, tokenizer, served name, limits, metrics.
+
+`EngineClient` is the slice of AsyncLLM the HTTP layer uses, so tests can swap in a fake.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from slipstream.engine.async_llm import EngineDeadError, RequestAbortedError
+from slipstream.outputs import RequestOutput
+from slipstream.sampling_params import SamplingParams
+from slipstream.serve.errors import APIError, error_body, from_value_error
+from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.params import ServeLimits
+
+logger = logging.getLogger("slipstream.serve")
+
+
+class EngineClient(Protocol):
+    dead: asyncio.Event
+    stats: dict[str, Any]
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def get_stats(self, fresh: bool = False, timeout_s: float = 2.0) -> dict[str, Any]: ...
+
+
+@dataclass
+class ServeContext:
+    engine: EngineClient
+    tokenizer: Any
+    model_name: str
+    limits: ServeLimits
+    metrics: ServerMetrics | None = None
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist; this server serves "
+                           f"`{self.model_name}`.", 404, param="model", code="model_not_found")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
+                           param=param)
+
+    @property
+    def vocab_size(self) -> int:
+        config = getattr(self.engine, "config", None)
+        if config is not None:
+            return config.model.vocab_size
+        return len(self.tokenizer)
+
+
+def start_generation(ctx: ServeContext, prompt: list[int], params: SamplingParams,
+                     request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
+    """engine.generate with its errors turned into API errors (400 / 503)."""
+    try:
+        return ctx.engine.generate(prompt, params, request_id, priority)
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from exc
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+
+
+def engine_dead_error(exc: Exception | None = None) -> APIError:
+    return APIError("The engine is not running; the server is shutting down.", 503,
+                    code="engine_dead")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map an exception from the engine path to what the client may see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead_error(exc)
+    if isinstance(exc, RequestAbortedError):
+        return APIError("the request was aborted", 503, code="aborted")
+    if isinstance(exc, ValueError):
+        return from_value_error(exc)
+    logger.error("internal error while generating", exc_info=exc)
+    return APIError("internal server error", 500)
+
+
+def stream_error_event(exc: BaseException) -> str:
+    """JSON of the error event sent in a stream whose status line has gone out already."""
+    err = to_api_error(exc)
+    return json.dumps(error_body(err.message, err.status, err.param, err.code))
+
+
+async def last_output(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    if last is None:
+        raise RuntimeError("engine stream ended without output")
+    return last

@@ -1,0 +1,76 @@
+"""Request body size cap as a plain ASGI middleware (413 with an OpenAI error body).
+
+Checks the Content-Length header up front and counts bytes as they arrive, so a chunked upload
+cannot get around the cap either.
+"""
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from slipstream.serve.auth import send_json
+from slipstream.serve.errors import error_body
+
+
+class _BodyTooLarge(HTTPException):
+    """An HTTPException so FastAPI's body parser re-raises it instead of turning it into a 400."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, _too_large_message(max_bytes))
+
+
+class BodySizeLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        msg = _too_large_message(self.max_bytes)
+        await send_json(send, 413, error_body(msg, 413, code="request_too_large"),
+                        [(b"connection", b"close")])
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _too_large_message(max_bytes: int) -> str:
+    return f"request body is larger than the server's limit of {max_bytes} bytes"

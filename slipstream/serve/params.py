@@ -1,0 +1,116 @@
+"""Turn an OpenAI request into SamplingParams, enforcing the server's caps and context limit.
+
+Every failure is an APIError (400) that names the field and, for length problems, gives both
+the model's context length and the requested number of tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slipstream.sampling_params import MAX_LOGPROBS, SamplingParams
+from slipstream.serve.errors import APIError, from_value_error
+from slipstream.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """Caps that stop one request from taking the server down."""
+
+    max_model_len: int
+    max_n: int = 16
+    max_logprobs: int = MAX_LOGPROBS
+    max_tokens: int | None = None  # None: up to the context length
+    max_prompts: int = 32  # prompts in one batched /v1/completions request
+    max_request_bytes: int = 4 * 1024 * 1024
+
+
+def check_common(req: SamplingFields, limits: ServeLimits) -> None:
+    if req.n > limits.max_n:
+        raise APIError(f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias")
+
+
+def check_logprobs(value: int | None, limits: ServeLimits, param: str) -> None:
+    if value is not None and value > limits.max_logprobs:
+        raise APIError(f"{param} must be at most {limits.max_logprobs}, got {value}", param=param)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ServeLimits,
+                       param: str = "max_tokens") -> int:
+    """max_tokens to run with: the request's, or what fits in the context when unset."""
+    max_len = limits.max_model_len
+    if prompt_len >= max_len:
+        raise APIError(
+            f"This model's maximum context length is {max_len} tokens, but the prompt has "
+            f"{prompt_len} tokens; it must leave room for at least one output token.",
+            param="messages" if param == "max_completion_tokens" else "prompt",
+            code="context_length_exceeded")
+    room = max_len - prompt_len
+    if requested is None:
+        return room if limits.max_tokens is None else min(room, limits.max_tokens)
+    if limits.max_tokens is not None and requested > limits.max_tokens:
+        raise APIError(f"{param} must be at most {limits.max_tokens}, got {requested}",
+                       param=param)
+    if requested > room:
+        raise APIError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
+            f"completion). Please reduce the prompt or {param}.",
+            param=param, code="context_length_exceeded")
+    return requested
+
+
+def _base_kwargs(req: SamplingFields) -> dict:
+    kwargs: dict = dict(
+        n=req.n,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                          ("repetition_penalty", 1.0)):
+        value = getattr(req, name)
+        kwargs[name] = default if value is None else value
+    return kwargs
+
+
+def _build(kwargs: dict) -> SamplingParams:
+    if kwargs.get("min_tokens", 0) > (kwargs.get("max_tokens") or 0):
+        raise APIError(f"min_tokens ({kwargs['min_tokens']}) must not exceed max_tokens "
+                       f"({kwargs['max_tokens']})", param="min_tokens")
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+
+
+def completion_params(req: CompletionRequest, prompt_len: int,
+                      limits: ServeLimits) -> SamplingParams:
+    check_logprobs(req.logprobs, limits, "logprobs")
+    kwargs = _base_kwargs(req)
+    kwargs["max_tokens"] = resolve_max_tokens(req.max_tokens, prompt_len, limits)
+    kwargs["logprobs"] = req.logprobs
+    if req.echo and req.logprobs is not None:
+        kwargs["prompt_logprobs"] = req.logprobs
+    return _build(kwargs)
+
+
+def chat_params(req: ChatCompletionRequest, prompt_len: int,
+                limits: ServeLimits) -> SamplingParams:
+    check_logprobs(req.top_logprobs, limits, "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    kwargs = _base_kwargs(req)
+    requested, param = req.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        requested, param = req.max_tokens, "max_tokens"
+    kwargs["max_tokens"] = resolve_max_tokens(requested, prompt_len, limits, param)
+    kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    return _build(kwargs)

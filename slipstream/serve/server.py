@@ -1,0 +1,85 @@
+"""The serving process: bind the socket, start the engine process, run uvicorn until told to stop.
+
+The listening socket is bound before the (slow) engine start so a busy port fails at once.
+SIGINT/SIGTERM shut down gracefully (exit 0); an engine that dies makes the server exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+
+import uvicorn
+
+from slipstream.config import EngineConfig
+from slipstream.engine.async_llm import AsyncLLM
+from slipstream.serve.app import build_app
+from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.params import ServeLimits
+from slipstream.tokenizer.tokenizer import load_tokenizer
+
+logger = logging.getLogger("slipstream.serve")
+
+
+async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Start the engine and the HTTP server; returns the process exit code."""
+    uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,
+                               access_log=args.access_log, timeout_graceful_shutdown=5,
+                               lifespan="off")
+    sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
+    tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+    model_name = args.served_model_name or args.model or config.model_path
+    holder: dict = {}
+    metrics = ServerMetrics(model_name, lambda: holder["engine"].stats if holder else {})
+    engine = await AsyncLLM.create(config, tokenizer, stat_logger=metrics,
+                                   startup_timeout_s=args.engine_startup_timeout)
+    holder["engine"] = engine
+    limits = ServeLimits(max_model_len=config.scheduler.max_model_len, max_n=args.max_n,
+                         max_logprobs=args.max_logprobs, max_tokens=args.max_tokens_cap,
+                         max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes)
+    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics)
+    server = _Server(uv_config)
+    watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watchdog.cancel()
+        died = engine.dead.is_set()
+        await engine.shutdown()
+    if died:
+        logger.error("exiting because the engine died: %s", engine.dead_reason)
+        return 1
+    return 0
+
+
+async def _stop_when_engine_dies(engine, server) -> None:
+    await engine.dead.wait()
+    logger.error("engine died (%s): failing in-flight requests and shutting down",
+                 engine.dead_reason)
+    await asyncio.sleep(0.5)  # let in-flight handlers write their error responses
+    server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server whose signal handling ends serve() without re-raising the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._request_exit, sig)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+
+    def _request_exit(self, sig: int) -> None:
+        logger.info("received %s: shutting down", signal.Signals(sig).name)
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for open connections
+        self.should_exit = True

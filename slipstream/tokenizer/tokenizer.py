@@ -1,0 +1,132 @@
+"""Tokenizer: a thin wrapper over a local Hugging Face tokenizer (never remote code).
+
+Encoding mirrors HF's defaults (a BOS is added only where the tokenizer adds one) so greedy
+output can be compared with transformers token for token; EOS ids merge generation_config.json.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from slipstream.tokenizer.chat import normalize_messages
+
+
+class Tokenizer:
+    """The engine's view of a tokenizer: ids <-> text, special ids, chat template."""
+
+    def __init__(
+        self,
+        hf_tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: tuple[int, ...] = (),
+        path: str | None = None,
+    ) -> None:
+        self.hf = hf_tokenizer
+        self.path = path
+        self.eos_token_ids = eos_token_ids
+        self.all_special_ids = frozenset(hf_tokenizer.all_special_ids)
+        self.vocab_size = len(hf_tokenizer)  # base vocabulary plus added tokens
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.hf.bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.hf.pad_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text. add_special_tokens=True is HF's default: the tokenizer's own
+        post-processor decides (Llama adds BOS, Qwen adds nothing). Use False for text that
+        already carries its special tokens, such as a rendered chat template."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # No clean-up of spaces: it is not prefix-stable, so streamed text would drift from it.
+        return self.hf.decode(
+            list(token_ids),
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return list(self.hf.convert_ids_to_tokens(list(token_ids)))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render messages with the tokenizer's chat template (kwargs reach the template,
+        e.g. tools=...). Raises ValueError without a template or for malformed messages."""
+        if not self.has_chat_template:
+            where = f" at {self.path}" if self.path else ""
+            raise ValueError(
+                f"the tokenizer{where} has no chat template (no chat_template in "
+                "tokenizer_config.json and no chat_template.jinja); use generate() with a plain "
+                "prompt, or add a template to the model directory"
+            )
+        text = self.hf.apply_chat_template(
+            normalize_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+        return text
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a rendered chat: the template writes its own BOS, so none is added."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load the tokenizer in a local model directory (no network, no remote code)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path!s} does not exist")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a tokenizer from {path!s}: {exc}") from exc
+    return Tokenizer(hf, _eos_token_ids(path, hf), str(path))
+
+
+def _eos_token_ids(path: Path, hf: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """generation_config.json's EOS ids (config.json's when it is absent), then the
+    tokenizer's own, without duplicates: generation stops at any of them."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(path / name)
+        if cfg is not None and cfg.get("eos_token_id") is not None:
+            eos = cfg["eos_token_id"]
+            ids.extend(eos if isinstance(eos, list) else [eos])
+            break
+    if hf.eos_token_id is not None:
+        ids.append(hf.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _read_json(file: Path) -> dict[str, Any] | None:
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

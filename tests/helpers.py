@@ -1,0 +1,101 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints saved with save_pretrained.
+
+`make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")` -> a directory with config.json and
+model.safetensors (float32) that both transformers and slipstream can load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+TINY_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    rms_norm_eps=1e-6, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    tie_word_embeddings=False,
+    # Larger than HF's 0.02 so attention is far from uniform and RoPE/bias bugs show in logits.
+    initializer_range=0.15,
+)
+
+
+def _config_class(arch: str):
+    import transformers
+
+    names = {
+        "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+        "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+    }
+    if arch not in names:
+        raise ValueError(f"make_tiny_checkpoint: unknown arch {arch!r}; known: {sorted(names)}")
+    return getattr(transformers, names[arch]), getattr(transformers, arch)
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """A transformers config object of the tiny shape; overrides win (rope_scaling accepted)."""
+    config_cls, _ = _config_class(arch)
+    kwargs = {**TINY_DEFAULTS, **overrides}
+    if "head_dim" not in overrides:  # keep hidden = heads * head_dim when the shape changes
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    if arch == "MistralForCausalLM":
+        kwargs.setdefault("sliding_window", None)  # we implement full attention only
+    rope_scaling = kwargs.pop("rope_scaling", None)
+    config = config_cls(**kwargs)
+    if rope_scaling is not None:
+        _set_rope_scaling(config, dict(rope_scaling), kwargs["rope_theta"])
+    config.architectures = [arch]
+    return config
+
+
+def _set_rope_scaling(config, scaling: dict[str, Any], theta: float) -> None:
+    """transformers >= 5 keeps scaling in rope_parameters; older versions in rope_scaling."""
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = {**scaling, "rope_theta": theta}
+    else:
+        config.rope_scaling = scaling
+
+
+@torch.no_grad()
+def make_tiny_checkpoint(tmp_path: Path, arch: str, **overrides: Any) -> Path:
+    """Save a random tiny `arch` model (float32) under tmp_path; returns the directory.
+
+    Overrides are config fields (tie_word_embeddings=True, rope_scaling={...}, num_hidden_layers
+    ...), plus `seed` (default 0) for the random init. Norm weights and biases are randomised
+    too (HF initialises them to 1 and 0), so tests notice when one is ignored.
+    """
+    seed = overrides.pop("seed", 0)
+    _, model_cls = _config_class(arch)
+    config = tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+        elif name.endswith(".bias"):
+            param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    out = _fresh_dir(Path(tmp_path), f"tiny-{arch}")
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def _fresh_dir(root: Path, stem: str) -> Path:
+    path, n = root / stem, 1
+    while path.exists():
+        n += 1
+        path = root / f"{stem}-{n}"
+    path.mkdir(parents=True)
+    return path
+
+
+def load_hf_model(path: Path):
+    """The transformers reference model of a checkpoint: float32, eager attention, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()

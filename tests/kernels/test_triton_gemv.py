@@ -1,0 +1,107 @@
+"""Triton GEMV / skinny GEMM (split-K with in-kernel reduction) and the op table's `linear`."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels import _OP_NAMES, get_ops, gemv, triton_ops
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+
+def _ref(x, w, b):
+    """float64 product: the kernel must land within float32 rounding of it."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def _assert_close(got, x, w, b, rel=1e-5) -> None:
+    want = _ref(x, w, b)
+    err = (got.double() - want).norm() / want.norm()
+    assert torch.isfinite(got).all() and err < rel, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 37, 300), (1, 130, 1024), (2, 50, 333), (7, 65, 256),
+                                   (16, 64, 520)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_default_config(m: int, n: int, k: int, with_bias: bool) -> None:
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    b = torch.randn(n) if with_bias else None
+    _assert_close(gemv.gemv(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("cfg", [
+    gemv.GemvConfig(block_n=16, block_k=64, split_k=5),   # uneven: last split is shorter
+    gemv.GemvConfig(block_n=8, block_k=128, split_k=3),
+    gemv.GemvConfig(block_n=32, block_k=32, split_k=1),
+])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
+    k, n = 300, 45
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    out = gemv.gemv(x, w, b, cfg)
+    _assert_close(out, x, w, b)
+    # The last program to arrive resets each tile counter: the next call starts from zero.
+    for buf in gemv._COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+    # Fixed-order reduction: bitwise the same on a second run.
+    torch.testing.assert_close(gemv.gemv(x, w, b, cfg), out, atol=0, rtol=0)
+
+
+def test_gemv_leading_dims_and_limits() -> None:
+    x, w = torch.randn(2, 3, 96), torch.randn(40, 96)
+    out = gemv.gemv(x, w)
+    assert out.shape == (2, 3, 40)
+    _assert_close(out.reshape(6, 40), x.reshape(6, 96), w, None)
+    with pytest.raises(ValueError):
+        gemv.gemv(torch.randn(gemv.MAX_M + 1, 96), w)
+
+
+def test_linear_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, b = torch.randn(3, 64), torch.randn(24, 64), torch.randn(24)
+    _assert_close(triton_ops.linear(x, w, b, impl="triton"), x, w, b)
+    # Automatic choice on the CPU is torch: the kernel must not be called.
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: pytest.fail("kernel used on CPU"))
+    torch.testing.assert_close(triton_ops.linear(x, w, b), F.linear(x, w, b))
+    big = torch.randn(gemv.MAX_M + 4, 64)  # large M always goes to cuBLAS / torch
+    torch.testing.assert_close(triton_ops.linear(big, w, b, impl="triton"), F.linear(big, w, b))
+
+
+def test_op_table_names() -> None:
+    table = get_ops("cpu", use_triton=True)
+    assert table.name == "triton"
+    for name in _OP_NAMES + ("linear",):
+        fn = getattr(table, name)
+        assert callable(fn) and fn.__module__.startswith("slipstream.kernels.")
+        assert fn.__module__ != "slipstream.kernels.reference", f"{name} fell back"
+
+
+# ---------------------------------------------------------------------------- GPU (bf16)
+LLAMA_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", LLAMA_8B + [(1000, 333), (4104, 72)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gpu_gemv_bf16(k: int, n: int, m: int) -> None:
+    dev, dt = "cuda", torch.bfloat16
+    x, w, b = (torch.randn(m, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt),
+               torch.randn(n, device=dev, dtype=dt))
+    want = F.linear(x.float(), w.float(), b.float())
+    for cfg in gemv.candidate_configs(m, n, k):
+        got = gemv.gemv(x, w, b, cfg).float()
+        # float32 accumulation of bf16 products, one bf16 rounding of the result.
+        err = (got - want).norm() / want.norm()
+        assert err < 5e-3, f"{cfg}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_gpu_linear_measured_choice() -> None:
+    dev, dt = "cuda", torch.bfloat16
+    w = torch.randn(4096, 4096, device=dev, dtype=dt)
+    for m in (1, 4, 16, 64):
+        x = torch.randn(m, 4096, device=dev, dtype=dt)
+        got = triton_ops.linear(x, w).float()
+        want = F.linear(x.float(), w.float())
+        assert (got - want).norm() / want.norm() < 5e-3
+    assert triton_ops.linear_choices()  # the small-M shapes were measured and recorded

@@ -1,0 +1,110 @@
+"""Triton paged attention on mixed prefill/decode batches against the reference twin.
+
+Interpreter runs use float32 (tl.dot is exact there); GPU runs use bf16 over contexts up to 8k.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_batch import make_batch
+
+from slipstream.kernels import reference
+from slipstream.kernels.paged_attention import AttnConfig, paged_attention
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+ATOL, RTOL = 2e-5, 2e-5  # float32 online softmax vs float32 two-pass softmax
+
+# query_lens / seq_lens: decode tokens (1 / n), a prefill chunk over a cached prefix (7 / 30),
+# a first chunk with no prefix (20 / 20), a long-ish decode that spans several tiles.
+MIXED = ([1, 7, 1, 20, 3], [1, 30, 45, 20, 70])
+
+
+def _check(q, kc, vc, meta, cfg=None, scale=0.125) -> None:
+    want = reference.paged_attention(q, kc, vc, meta, scale)
+    got = paged_attention(q, kc, vc, meta, scale, config=cfg)
+    real = meta.query_start_loc_cpu[-1]  # rows past the last sequence are padding
+    torch.testing.assert_close(got[:real], want[:real], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("group,head_dim,block_size", [
+    (1, 64, 16), (4, 128, 32), (8, 64, 16), (4, 64, 32),
+])
+def test_mixed_batch(group: int, head_dim: int, block_size: int) -> None:
+    q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=group, head_dim=head_dim,
+                                 block_size=block_size, dtype=torch.float32, seed=group)
+    _check(q, kc, vc, meta)
+
+
+@pytest.mark.parametrize("cfg", [
+    AttnConfig(block_m=16, block_n=16, num_splits=1, num_warps=4, num_stages=1),
+    AttnConfig(block_m=32, block_n=16, num_splits=3, num_warps=4, num_stages=1),
+    AttnConfig(block_m=64, block_n=32, num_splits=2, num_warps=4, num_stages=1),
+])
+def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
+    """Several tiles per sequence, tiles smaller than a page, KV split across programs."""
+    q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=32,
+                                 dtype=torch.float32, seed=7)
+    _check(q, kc, vc, meta, cfg)
+
+
+def test_decode_only_auto_splits() -> None:
+    """Pure decode with long-ish contexts: the automatic choice splits the KV range."""
+    q, kc, vc, meta = make_batch([1, 1, 1], [300, 5, 140], num_kv_heads=1, group=4,
+                                 head_dim=64, block_size=16, dtype=torch.float32, seed=3)
+    _check(q, kc, vc, meta)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # merge reads padding rows
+def test_padding_rows_and_empty_sequence() -> None:
+    """CUDA-graph style padding rows and a sequence with no query tokens this step."""
+    q, kc, vc, meta = make_batch([2, 0, 1], [9, 4, 33], num_kv_heads=2, group=2, head_dim=64,
+                                 block_size=16, dtype=torch.float32, pad_tokens=3, seed=5)
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 2, 4, 1))
+
+
+def test_strided_q_view() -> None:
+    """q as a slice of the fused QKV output (row stride wider than Hq * D)."""
+    q, kc, vc, meta = make_batch([3, 1], [10, 17], num_kv_heads=2, group=2, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=9)
+    wide = torch.randn(q.shape[0], q.shape[1] + 3, q.shape[2])
+    wide[:, : q.shape[1]] = q
+    _check(wide[:, : q.shape[1]], kc, vc, meta)
+
+
+# ---------------------------------------------------------------------------- GPU (bf16)
+def _gpu_case(query_lens, seq_lens, group, head_dim, block_size, num_kv_heads=8) -> None:
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+                                 device="cuda", seed=len(seq_lens))
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q, kc, vc, meta, scale).float()
+    got = paged_attention(q, kc, vc, meta, scale).float()
+    assert torch.isfinite(got).all()
+    # bf16 P @ V (probabilities rounded to bf16) vs a float32 softmax: ~3 significant digits.
+    rel = (got - want).norm() / want.norm()
+    assert rel < 1e-2, f"relative error {rel:.2e}"
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_mixed_batch_bf16(group: int, head_dim: int, block_size: int) -> None:
+    # Decode tokens at contexts 1 .. 8k, a chunk over a cached prefix and a fresh prefill.
+    _gpu_case([1, 1, 1, 1, 1, 256, 512], [1, 17, 1000, 4096, 8192, 3000, 512], group, head_dim,
+              block_size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [1, 100, 1024, 4097, 8192])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_gpu_decode_bf16(context: int, batch: int) -> None:
+    """Pure decode (the flash-decoding split path at small batch)."""
+    lens = [max(1, context - 13 * i) for i in range(batch)]
+    _gpu_case([1] * batch, lens, 4, 128, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_long_prefill_chunk_bf16() -> None:
+    _gpu_case([2048, 1], [8192, 8192], 4, 128, 16)

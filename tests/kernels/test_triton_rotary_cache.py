@@ -1,0 +1,100 @@
+"""Triton rotary embedding and paged KV-cache writes (separate and fused) vs the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels import reference
+from slipstream.kernels.rotary_cache import apply_rotary, rotary_and_cache_write, write_kv_cache
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+ATOL, RTOL = 1e-5, 1e-5  # float32: the same products, possibly fused differently
+
+
+def _cos_sin(max_pos: int, head_dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype=torch.float32, device="cpu"):
+    """q, k, v as strided views of one fused QKV output, like the model produces."""
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(tokens, hkv, d)
+    return q, k, v
+
+
+def _caches(num_blocks: int, block_size: int, hkv: int, d: int, dtype=torch.float32,
+            device="cpu"):
+    shape = (num_blocks, block_size, hkv, d)
+    return (torch.randn(shape, dtype=dtype, device=device),
+            torch.randn(shape, dtype=dtype, device=device))
+
+
+def _slots(tokens: int, num_slots: int, skip_every: int = 3, device="cpu") -> torch.Tensor:
+    """Distinct random slots, every skip_every-th token marked -1 (not written)."""
+    slots = torch.randperm(num_slots)[:tokens].to(torch.int64)
+    slots[::skip_every] = -1
+    return slots.to(device)
+
+
+@pytest.mark.parametrize("hq,d", [(4, 64), (3, 128), (5, 80)])
+def test_apply_rotary(hq: int, d: int) -> None:
+    x = torch.randn(9, hq, d)
+    cs = _cos_sin(512, d)
+    pos = torch.randint(0, 512, (9,))
+    torch.testing.assert_close(apply_rotary(x, pos, cs), reference.apply_rotary(x, pos, cs),
+                               atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache(block_size: int) -> None:
+    _, k, v = _qkv(11, 4, 2, 64)
+    kc, vc = _caches(5, block_size, 2, 64)
+    slots = _slots(11, 5 * block_size)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, want_k, want_v, slots)
+    write_kv_cache(k, v, kc, vc, slots)
+    # Exact: a copy; slots of skipped tokens and untouched rows keep their old values.
+    torch.testing.assert_close(kc, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(vc, want_v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(8, 2, 64, 16), (4, 4, 128, 32), (6, 2, 80, 16)])
+def test_rotary_and_cache_write(hq: int, hkv: int, d: int, block_size: int) -> None:
+    tokens = 13
+    q, k, v = _qkv(tokens, hq, hkv, d)
+    kc, vc = _caches(4, block_size, hkv, d)
+    cs = _cos_sin(256, d)
+    pos = torch.randint(0, 256, (tokens,))
+    slots = _slots(tokens, 4 * block_size)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q, want_kr = reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots)
+    got_q, got_kr = rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots)
+    torch.testing.assert_close(got_q, want_q, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got_kr, want_kr, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(kc, want_k, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(vc, want_v, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------- GPU (bf16)
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 128), (28, 4, 128), (8, 8, 64)])
+def test_gpu_rotary_and_cache_write_bf16(tokens: int, hq: int, hkv: int, d: int) -> None:
+    dev, dt, bs = "cuda", torch.bfloat16, 16
+    q, k, v = _qkv(tokens, hq, hkv, d, dt, dev)
+    blocks = tokens // bs + 8
+    kc, vc = _caches(blocks, bs, hkv, d, dt, dev)
+    cs = _cos_sin(8192, d).to(dev)
+    pos = torch.randint(0, 8192, (tokens,), device=dev)
+    slots = _slots(tokens, blocks * bs, device=dev)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q, want_kr = reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots)
+    got_q, got_kr = rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots)
+    # bf16 results of float32 math (FMA contraction may differ): one rounding step apart.
+    for got, want in ((got_q, want_q), (got_kr, want_kr), (kc, want_k)):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(vc, want_v, atol=0, rtol=0)

@@ -1,0 +1,178 @@
+"""KVCacheManager: block tables, prefix hits (shared blocks, stats), allocation failure, free."""
+from __future__ import annotations
+
+import pytest
+
+from slipstream.engine.request import Request
+from slipstream.kv_cache.manager import KVCacheManager
+from slipstream.sampling_params import SamplingParams
+
+BS = 4
+
+
+def _req(rid: str, tokens: list[int], **params) -> Request:
+    return Request(rid, tokens, SamplingParams(**params))
+
+
+def _admit(kv: KVCacheManager, req: Request, num_new: int | None = None) -> int:
+    """Prefix lookup + allocation like the scheduler does; returns the hit tokens."""
+    hits, num_hit = kv.get_computed_blocks(req)
+    num_new = req.num_tokens - num_hit if num_new is None else num_new
+    assert kv.allocate_slots(req, num_new, hits)
+    req.num_computed_tokens = num_hit
+    return num_hit
+
+
+
+def test_block_table_grows_and_frees():
+    kv = KVCacheManager(8, BS)
+    req = _req("a", list(range(10)))
+    _admit(kv, req)
+    assert len(kv.get_block_ids("a")) == 3  # 10 tokens -> 3 blocks of 4
+    req.num_computed_tokens = 10
+    req.output_token_ids.append(99)
+    assert kv.allocate_slots(req, 1)  # token 11 still fits block 3
+    assert len(kv.get_block_ids("a")) == 3
+    req.num_computed_tokens = 11
+    req.output_token_ids.append(98)
+    assert kv.allocate_slots(req, 1)  # ... and 12 too; 13 needs a 4th block
+    req.num_computed_tokens = 12
+    req.output_token_ids.append(97)
+    assert kv.allocate_slots(req, 1)
+    assert len(kv.get_block_ids("a")) == 4
+    assert kv.num_free_blocks == 4 and kv.usage == pytest.approx(0.5)
+    kv.free(req)
+    assert kv.num_free_blocks == 8 and kv.get_block_ids("a") == []
+    assert all(c == 0 for c in kv.pool.ref_cnt)
+
+
+def test_allocation_failure_changes_nothing():
+    kv = KVCacheManager(4, BS)
+    a = _req("a", list(range(12)))
+    _admit(kv, a)
+    b = _req("b", list(range(100, 108)))
+    hits, _ = kv.get_computed_blocks(b)
+    assert not kv.allocate_slots(b, 8, hits)
+    assert kv.get_block_ids("b") == [] and kv.num_free_blocks == 1
+    assert kv.prefix_cache_queries == 12  # b's failed lookup is not counted (yet)
+
+
+def test_prefix_hit_shares_blocks_and_counts_tokens():
+    kv = KVCacheManager(16, BS)
+    prompt = list(range(20))
+    a = _req("a", prompt)
+    assert _admit(kv, a) == 0
+    a.num_computed_tokens = 20
+    b = _req("b", prompt[:13] + [500, 501])
+    assert _admit(kv, b) == 12  # three full shared blocks; the 4th differs
+    shared = kv.get_block_ids("a")[:3]
+    assert kv.get_block_ids("b")[:3] == shared
+    assert kv.get_block_ids("b")[3] not in kv.get_block_ids("a")
+    assert all(kv.pool.ref_cnt[x] == 2 for x in shared)
+    assert kv.prefix_cache_queries == 20 + 15 and kv.prefix_cache_hits == 12
+    kv.free(a)
+    assert all(kv.pool.ref_cnt[x] == 1 for x in shared)
+    kv.free(b)
+    assert kv.num_free_blocks == 16 and all(c == 0 for c in kv.pool.ref_cnt)
+
+
+def test_hit_never_covers_the_whole_prompt():
+    kv = KVCacheManager(16, BS)
+    a = _req("a", list(range(8)))
+    _admit(kv, a)
+    a.num_computed_tokens = 8
+    b = _req("b", list(range(8)))  # identical, block-aligned prompt
+    assert _admit(kv, b) == 4  # (8 - 1) // 4 = 1 block: one token left to sample from
+
+
+def test_freed_blocks_stay_reusable_until_evicted():
+    kv = KVCacheManager(4, BS)
+    a = _req("a", list(range(9)))
+    _admit(kv, a)
+    a.num_computed_tokens = 9
+    kv.free(a)
+    b = _req("b", list(range(9)))
+    assert _admit(kv, b) == 8  # hit after a left
+    b.num_computed_tokens = 9
+    kv.free(b)
+    # A big unrelated request evicts everything; then nothing hits.
+    c = _req("c", list(range(100, 116)))
+    _admit(kv, c)
+    c.num_computed_tokens = 16
+    kv.free(c)
+    d = _req("d", list(range(9)))
+    assert _admit(kv, d) == 0
+
+
+def test_hit_blocks_are_not_evicted_by_the_same_allocation():
+    kv = KVCacheManager(3, BS)
+    a = _req("a", list(range(8)) + [1])
+    _admit(kv, a)
+    a.num_computed_tokens = 9
+    kv.free(a)  # all 3 blocks free; two of them cached
+    b = _req("b", list(range(8)) + [2, 3, 4, 5])
+    assert _admit(kv, b) == 8  # needs 1 new block besides the 2 hits: fits exactly
+    assert len(set(kv.get_block_ids("b"))) == 3
+    c = _req("c", list(range(8)) + [7])
+    hits, num_hit = kv.get_computed_blocks(c)
+    assert num_hit == 8
+    assert not kv.allocate_slots(c, 1, hits)  # no free block for its last token
+
+
+def test_unwritten_blocks_are_not_left_in_the_cache():
+    """A block registered for a step that never ran (preempted/aborted) must not be hit."""
+    kv = KVCacheManager(8, BS)
+    a = _req("a", list(range(12)))
+    _admit(kv, a)  # registers 3 full blocks, K/V not yet written
+    kv.free(a)  # num_computed_tokens is still 0
+    b = _req("b", list(range(12)))
+    assert _admit(kv, b) == 0
+
+
+def test_output_blocks_are_cached_as_they_fill():
+    kv = KVCacheManager(8, BS)
+    a = _req("a", list(range(6)))
+    _admit(kv, a)
+    a.num_computed_tokens = 6
+    a.output_token_ids += [50, 51]
+    assert kv.allocate_slots(a, 2)  # computes positions 6, 7: block 2 full
+    a.num_computed_tokens = 8
+    a.output_token_ids.append(52)
+    kv.free(a)
+    resumed = _req("a2", a.all_token_ids)
+    assert _admit(kv, resumed) == 8
+
+
+def test_prompt_logprobs_skip_lookup_and_salt_isolates():
+    kv = KVCacheManager(16, BS)
+    a = _req("a", list(range(9)))
+    _admit(kv, a)
+    a.num_computed_tokens = 9
+    assert _admit(kv, _req("b", list(range(9)), prompt_logprobs=1)) == 0
+    salted = _req("c", list(range(9)))
+    salted.cache_salt = "other-tenant"
+    assert _admit(kv, salted) == 0
+    assert _admit(kv, _req("d", list(range(9)))) == 8
+
+
+def test_prefix_caching_disabled_and_reset():
+    kv = KVCacheManager(8, BS, enable_prefix_caching=False)
+    a = _req("a", list(range(9)))
+    _admit(kv, a)
+    a.num_computed_tokens = 9
+    assert _admit(kv, _req("b", list(range(9)))) == 0
+    assert kv.prefix_cache_queries == 0
+    kv2 = KVCacheManager(8, BS)
+    a = _req("a", list(range(9)))
+    _admit(kv2, a)
+    a.num_computed_tokens = 9
+    assert kv2.reset_prefix_cache()
+    assert _admit(kv2, _req("b", list(range(9)))) == 0
+
+
+def test_hits_only_on_admission():
+    kv = KVCacheManager(8, BS)
+    a = _req("a", list(range(5)))
+    _admit(kv, a)
+    with pytest.raises(ValueError, match="already has blocks"):
+        kv.allocate_slots(a, 1, [3])
