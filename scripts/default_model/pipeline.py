@@ -69,7 +69,8 @@ def prepare_data(args: Namespace, device: torch.device):
     train_ids = torch.tensor(flat, dtype=torch.long, device=device)
     val_flat = [i for d in tokenizer.encode_documents(tok, [f.text for f in corpus.validation])
                 for i in d]
-    val_windows = fixed_windows(torch.tensor(val_flat, device=device), args.seq_len, 256)
+    val_windows = fixed_windows(torch.tensor(val_flat, device=device), args.seq_len,
+                                16 if args.tiny else 256)
     file_tokens = sum(map(len, docs))
     metrics = {
         "root": corpus.root, "train_files": len(corpus.train),
@@ -108,7 +109,7 @@ def settings_for(role: str, args: Namespace) -> TrainSettings:
         steps=args.target_steps if target else args.draft_steps,
         distill_weight=0.0 if target else args.draft_distill,
         warmup_steps=2 if args.tiny else 100, log_every=5 if args.tiny else 50,
-        calib_steps=30,
+        calib_steps=30, num_evals=2 if args.tiny else 10,
     )
 
 

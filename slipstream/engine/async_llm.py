@@ -85,13 +85,11 @@ class _RequestStream:
 class AsyncLLM:
     """Use `await AsyncLLM.create(config)`; then `generate`, `abort`, `get_stats`, `shutdown`."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Any,
+    def __init__(self, config: EngineConfig, tokenizer: Any = None,
                  stat_logger: StatLogger | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.stat_logger = stat_logger
-        self.input_processor = InputProcessor(config, tokenizer)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.set_tokenizer(tokenizer)
         self.stats: dict[str, Any] = {}
         self.dead = asyncio.Event()
         self.dead_reason: str | None = None
@@ -111,21 +109,31 @@ class AsyncLLM:
     async def create(cls, config: EngineConfig, tokenizer: Any | None = None,
                      stat_logger: StatLogger | None = None,
                      startup_timeout_s: float = 1800.0) -> AsyncLLM:
-        if tokenizer is None:
-            from slipstream.tokenizer.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
+        """Start the engine process; loads the tokenizer (if not given) while it starts."""
         llm = cls(config, tokenizer, stat_logger)
         try:
-            await llm._start(startup_timeout_s)
+            llm._spawn()
+            if tokenizer is None:
+                from slipstream.tokenizer.tokenizer import load_tokenizer
+
+                path = config.tokenizer_path or config.model_path
+                llm.set_tokenizer(await asyncio.to_thread(load_tokenizer, path))
+            await llm._wait_ready(startup_timeout_s)
         except BaseException:
             await llm.shutdown()
             raise
+        llm._tasks = [asyncio.create_task(llm._output_loop(), name="engine-outputs"),
+                      asyncio.create_task(llm._send_loop(), name="engine-inputs")]
         return llm
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.input_processor = InputProcessor(self.config, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
 
     # ------------------------------------------------------------------ process lifecycle
 
-    async def _start(self, timeout_s: float) -> None:
+    def _spawn(self) -> None:
         input_addr = f"ipc://{self._ipc_dir}/in"
         output_addr = f"ipc://{self._ipc_dir}/out"
         self._to_engine.bind(input_addr)
@@ -136,9 +144,6 @@ class AsyncLLM:
                   "output_addr": output_addr}
         self._proc.stdin.write(json.dumps(header).encode() + b"\n")
         self._proc.stdin.flush()  # stdin stays open: its EOF tells the engine we are gone
-        await self._wait_ready(timeout_s)
-        self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
-                       asyncio.create_task(self._send_loop(), name="engine-inputs")]
 
     async def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

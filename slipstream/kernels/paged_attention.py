@@ -138,7 +138,7 @@ def _paged_attn_kernel(
                  mask=row_ok[:, None])
         # Log-sum-exp in the base-2 units of the scaled scores; -inf marks an empty split.
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + p_row, lse, mask=row_ok & (row_h > 0))
+        tl.store(part_lse_ptr + p_row, lse, mask=row_ok)
 
 
 @triton.jit

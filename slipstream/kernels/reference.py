@@ -103,8 +103,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, sca
     kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    q_pos = torch.arange(seq_len - lq, seq_len).unsqueeze(1)
-    k_pos = torch.arange(seq_len).unsqueeze(0)
+    q_pos = torch.arange(seq_len - lq, seq_len, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
     scores = scores.masked_fill((k_pos > q_pos).unsqueeze(0), float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, vf)

@@ -19,7 +19,6 @@ from slipstream.engine.async_llm import AsyncLLM
 from slipstream.serve.app import build_app
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
-from slipstream.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger("slipstream.serve")
 
@@ -30,13 +29,13 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                                access_log=args.access_log, timeout_graceful_shutdown=5,
                                lifespan="off")
     sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
-    tokenizer = load_tokenizer(config.tokenizer_path or config.model_path)
     model_name = args.served_model_name or args.model or config.model_path
     holder: dict = {}
     metrics = ServerMetrics(model_name, lambda: holder["engine"].stats if holder else {})
-    engine = await AsyncLLM.create(config, tokenizer, stat_logger=metrics,
+    engine = await AsyncLLM.create(config, stat_logger=metrics,
                                    startup_timeout_s=args.engine_startup_timeout)
     holder["engine"] = engine
+    tokenizer = engine.tokenizer
     limits = ServeLimits(max_model_len=config.scheduler.max_model_len, max_n=args.max_n,
                          max_logprobs=args.max_logprobs, max_tokens=args.max_tokens_cap,
                          max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes)

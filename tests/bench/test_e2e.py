@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(_LLM_ERROR is not None, reason=_LLM_ERROR or "")
 def test_throughput_on_the_real_engine(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "thr.json"
     rc = main(["throughput", "--model", str(tiny_model_dir), "--load-format", "dummy",
-               "--device", "cpu", "--kv-cache-memory", "4000000", "--num-requests", "6", "--input-len", "12",
+               "--device", "cpu", "--kv-cache-memory", "4000000", "--num-requests", "6",
+               "--input-len", "12",
                "--output-len", "5", "--max-batch-size", "4", "--warmup-requests", "2",
                "--baseline", "hf", "--hf-batch-size", "4", "--output-json", str(out)])
     assert rc == 0
@@ -38,7 +39,8 @@ def test_throughput_on_the_real_engine(tiny_model_dir, tmp_path, capsys):
 def test_latency_on_the_real_engine(tiny_model_dir, tmp_path):
     out = tmp_path / "lat.json"
     rc = main(["latency", "--model", str(tiny_model_dir), "--load-format", "dummy",
-               "--device", "cpu", "--kv-cache-memory", "4000000", "--input-len", "8", "--output-len", "6",
+               "--device", "cpu", "--kv-cache-memory", "4000000", "--input-len", "8",
+               "--output-len", "6",
                "--num-iters", "2", "--num-iters-warmup", "1", "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())

@@ -63,9 +63,9 @@ def test_chunked_prefill_preemption_and_prefix_hits(arch, tmp_path):
     prompts = random_prompts(5, 500, seed=2) + [shared + [5, 6], shared + [9]]
     expected = hf_greedy(path, prompts, MAX_NEW)
     # 16-token budget: long prompts prefill over many steps beside running decodes.
-    # 24 blocks of 8 tokens cannot hold every sequence at once: preemption must happen.
+    # 16 blocks of 8 tokens cannot hold every sequence at once: preemption must happen.
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_tokens=16, block_size=8,
-              kv_cache_memory=_bytes_for_blocks(path, 24, 8), max_num_seqs=8)
+              kv_cache_memory=_bytes_for_blocks(path, 16, 8), max_num_seqs=8)
     outs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.get_stats()

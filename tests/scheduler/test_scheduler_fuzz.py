@@ -184,8 +184,8 @@ def test_random_operations_leak_nothing(name):
             else:
                 fz.step()
         if seed == 2:  # also end with everything aborted at once
-            fz.abort_all = [fz._retire(r.request_id)
-                            for r in fz.sched.abort_requests(list(fz.live))]
+            for req in fz.sched.abort_requests(list(fz.live)):
+                fz._retire(req.request_id)
         fz.drain()
         totals["preemptions"] += fz.sched.num_preemptions
         totals["hits"] += fz.sched.kv.prefix_cache_hits
