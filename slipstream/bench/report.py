@@ -175,26 +175,37 @@ def print_result(r: dict[str, Any]) -> None:
     print(format_table(rows, f"slipstream bench {r['mode']}"), flush=True)
 
 
+def _median(r: dict[str, Any], key: str) -> str:
+    return _fmt((r.get(key) or {}).get("median"))
+
+
 def summary_line(r: dict[str, Any]) -> list[str]:
+    """workload, shape, requests, out tok/s, total tok/s, HF tok/s, vs HF/bound, TTFT, TPOT."""
     if r.get("mode") == "latency":
-        dec = (r.get("decode_tok_s") or {}).get("median")
-        return [r["workload"], r["model"]["shape"], _fmt(dec), "-", _fmt(r.get("sol_pct")) + "%",
-                _fmt((r.get("ttft_ms") or {}).get("median"))]
-    ratio = r.get("ratio_vs_baseline")
-    return [r["workload"], r["model"]["shape"], _fmt(r.get("output_tok_s")),
-            _fmt(r.get("total_tok_s")), "-" if ratio is None else f"{ratio:.2f}x HF",
-            _fmt((r.get("ttft_ms") or {}).get("median"))]
+        pct = r.get("sol_pct")
+        return [r["workload"], r["model"]["shape"], f"b{r['batch_size']}",
+                _median(r, "decode_tok_s"), "-", "-",
+                "-" if pct is None else f"{pct:.1f}% of SoL", _median(r, "ttft_ms"), "-"]
+    ratio, base = r.get("ratio_vs_baseline"), r.get("baseline") or {}
+    return [r["workload"], r["model"]["shape"], str(r.get("num_requests")),
+            _fmt(r.get("output_tok_s")), _fmt(r.get("total_tok_s")),
+            _fmt(base.get("output_tok_s")), "-" if ratio is None else f"{ratio:.2f}x HF",
+            _median(r, "ttft_ms"), _median(r, "tpot_ms")]
+
+
+SUMMARY_HEADER = ["workload", "shape", "requests", "out tok/s", "total tok/s", "HF tok/s",
+                  "vs HF / bound", "TTFT p50 ms", "TPOT p50 ms"]
 
 
 def print_summary(results_dir: str | Path) -> int:
     """One line per JSON result in `results_dir` (sorted by name)."""
-    header = ["workload", "shape", "out tok/s", "total tok/s", "vs bound / HF", "TTFT p50 ms"]
+    header = SUMMARY_HEADER
     lines = [header]
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             lines.append(summary_line(json.loads(path.read_text())))
         except (KeyError, TypeError, ValueError) as exc:
-            lines.append([path.stem, f"unreadable: {exc}", "", "", "", ""])
+            lines.append([path.stem, f"unreadable: {exc!r}"] + [""] * (len(header) - 2))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     print("== slipstream GPU suite summary ==")
     for row in lines:

@@ -1,0 +1,1 @@
+"""Sampling: logits -> token ids (greedy, temperature, top-k/p, min-p, penalties, seeds, logprobs)."""

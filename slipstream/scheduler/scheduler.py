@@ -140,11 +140,13 @@ class Scheduler:
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running requests first, then waiting ones while all fits."""
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_tokens)
         if not out.preempted_request_ids:  # memory is tight: admit nothing new this step
             self._schedule_waiting(out, budget)
+        if out.seqs:
+            # Held back while idle: callers skip the runner for an empty output.
+            out.finished_request_ids, self._finished_ids = self._finished_ids, []
         now = time.monotonic()
         for seq in out.seqs:
             if seq.request.first_scheduled_time is None:

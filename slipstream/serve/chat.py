@@ -136,9 +136,10 @@ class _ChatJob:
         chunks = []
         if delta.first:  # the role goes first, on its own, as OpenAI does
             chunks.append(self._chunk(c.index, DeltaMessage(role="assistant", content="")))
-        if delta.text or delta.token_ids or delta.finish_reason:
+        wants_logprobs = bool(self.req.logprobs and delta.token_ids)
+        if delta.text or delta.finish_reason or wants_logprobs:
             logprobs = None
-            if self.req.logprobs and delta.token_ids:
+            if wants_logprobs:
                 logprobs = chat_logprobs(self.token_text, delta.token_ids,
                                          delta.logprobs or [], self.num_top)
             chunks.append(self._chunk(

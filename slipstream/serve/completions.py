@@ -178,6 +178,9 @@ class _CompletionJob:
         if delta is None:
             return None
         text = delta.text
+        if not (text or delta.finish_reason or delta.first
+                or (self.req.logprobs is not None and delta.token_ids)):
+            return None  # tokens that do not make a whole character yet
         logprobs = None
         if self.req.logprobs is not None:
             ids, lps = delta.token_ids, list(delta.logprobs or [])

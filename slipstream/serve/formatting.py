@@ -125,7 +125,10 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int],
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(_clamp(entry.get(tid)))
-        out.top_logprobs.append({token_text(t): _clamp(lp) for t, lp in _top(entry, num_top)})
+        top: dict[str, float] = {}
+        for t, lp in _top(entry, num_top):
+            top.setdefault(token_text(t), _clamp(lp))  # distinct ids may share a text
+        out.top_logprobs.append(top)
     return out
 
 

@@ -54,6 +54,14 @@ def test_decode_only_auto_splits() -> None:
     _check(q, kc, vc, meta)
 
 
+def test_causal_boundary_sweep() -> None:
+    """Prefix lengths around a tile edge: the unmasked/masked tile split must be exact."""
+    ctx = list(range(11, 20))
+    q, kc, vc, meta = make_batch([3] * len(ctx), [3 + c for c in ctx], num_kv_heads=1, group=1,
+                                 head_dim=64, block_size=16, dtype=torch.float32, seed=11)
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 1, 4, 1))
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # merge reads padding rows
 def test_padding_rows_and_empty_sequence() -> None:
     """CUDA-graph style padding rows and a sequence with no query tokens this step."""

@@ -332,6 +332,7 @@ def test_multi_token_output_truncated_at_stop_and_finished_freed_same_call():
     assert req.output_token_ids == [4, 9] and outs[0].new_token_ids == [4, 9]
     assert outs[0].finish_reason == "stop" and outs[0].stop_reason == 9
     assert sched.kv.num_free_blocks == 64 and sched.get_request("r") is None
+    sched.add_request(make_request("r2", range(3)))
     assert sched.schedule().finished_request_ids == ["r"]
 
 
@@ -389,7 +390,9 @@ def test_abort_running_and_waiting_frees_now():
     assert sched.num_running == 0 and sched.num_waiting == 0
     assert sched.kv.num_free_blocks == 64 and not sched.has_unfinished_requests()
     out = sched.schedule()
-    assert out.is_empty and out.finished_request_ids == ["run", "wait"]
+    assert out.is_empty and out.finished_request_ids == []  # kept for the next real step
+    sched.add_request(make_request("next", range(3)))
+    assert sched.schedule().finished_request_ids == ["run", "wait"]
     stopped = make_scheduler()
     stopped.add_request(make_request("s", range(3)))
     (r,) = stopped.abort_requests(["s"], status=RequestStatus.FINISHED_STOPPED)

@@ -44,6 +44,7 @@ class Fuzz:
         self.tokens: dict[str, list[int]] = {}
         self.prompt_lps: dict[str, list] = {}
         self.finished: set[str] = set()
+        self.delivered: list[str] = []  # SchedulerOutput.finished_request_ids seen
         self.next_id = 0
 
     # ---- operations ----------------------------------------------------------------------
@@ -85,6 +86,8 @@ class Fuzz:
     def step(self) -> None:
         sched, cfg = self.sched, self.cfg
         out = sched.schedule()
+        self.delivered += out.finished_request_ids
+        assert out.seqs or not out.finished_request_ids
         assert out.num_batched_tokens <= cfg["max_num_tokens"]
         assert len(out.seqs) <= cfg["max_num_seqs"]
         assert len({s.request_id for s in out.seqs}) == len(out.seqs)
@@ -166,8 +169,8 @@ class Fuzz:
         assert all(c == 0 for c in kv.pool.ref_cnt)
         assert not kv._tables and not kv._hashes and not kv._pending_stats
         assert not self.sched._plp_received and not self.sched._plp_emitted
-        self.sched.schedule()
-        assert not self.sched._finished_ids
+        pending = self.delivered + self.sched._finished_ids
+        assert sorted(pending) == sorted(self.finished)  # each finished id reported once
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
