@@ -14,10 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import transformers
 
-import torch  # noqa: E402
-import transformers  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from default_model import corpus, evaluate  # noqa: E402
 

@@ -106,10 +106,11 @@ def settings_for(role: str, args: Namespace) -> TrainSettings:
         lr=args.lr_target if target else args.lr_draft,
         batch_size=args.batch_size,
         max_epochs=args.max_epochs_target if target else args.max_epochs_draft,
+        eval_every=10 if args.tiny else None,
         steps=args.target_steps if target else args.draft_steps,
         distill_weight=0.0 if target else args.draft_distill,
         warmup_steps=2 if args.tiny else 100, log_every=5 if args.tiny else 50,
-        calib_steps=30, num_evals=2 if args.tiny else 10,
+        calib_steps=30,
     )
 
 

@@ -1,19 +1,21 @@
-"""Training loop for the default models: packed 512-token windows, AdamW, cosine schedule.
+"""Training loop for the default models: packed 512-token windows, AdamW, bf16 autocast.
 
-The number of steps is fixed in advance (given, or planned from the measured step time so the
-run fits its time budget), capped by an epoch limit because the corpus is small; the weights
-with the best validation loss are kept.
+The learning rate follows a warmup-stable-decay schedule (schedule.py) whose decay starts when
+validation stalls or the step limit (given, or planned from the measured step time to fit the
+time budget, capped by an epoch limit) nears; the best-validation weights are kept.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from .schedule import WsdSchedule
 
 
 @dataclass
@@ -28,11 +30,12 @@ class TrainSettings:
     max_epochs: float
     steps: int | None = None  # fixed step count (reproducible); None: planned from the budget
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.1
+    decay_frac: float = 0.25  # decay length, as a fraction of the steps before it
+    patience: int = 4  # validation evaluations without improvement before the decay
+    eval_every: int | None = None  # None: twice per epoch
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     log_every: int = 50
-    num_evals: int = 10
     calib_steps: int = 30
     seed: int = 0
     compile: bool = False
@@ -45,7 +48,8 @@ class TrainStats:
 
     params: int = 0
     steps: int = 0
-    planned_steps: int = 0
+    decay_start: int = 0
+    decay_reason: str = ""
     tokens_seen: int = 0
     epochs: float = 0.0
     train_seconds: float = 0.0
@@ -129,14 +133,6 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def _lr_at(step: int, total: int, s: TrainSettings) -> float:
-    warmup = min(s.warmup_steps, max(1, total // 10))
-    if step < warmup:
-        return s.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _make_optimizer(model: torch.nn.Module, s: TrainSettings, device: torch.device):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -146,20 +142,36 @@ def _make_optimizer(model: torch.nn.Module, s: TrainSettings, device: torch.devi
                              fused=device.type == "cuda")
 
 
-def plan_steps(s: TrainSettings, steps_per_epoch: int, done: int, elapsed: float,
-               sec_per_step: float, eval_seconds: float) -> int:
-    """Total steps: the given count, or what fits in the budget, capped by max_epochs."""
+def plan_max_total(s: TrainSettings, steps_per_epoch: int, done: int, elapsed: float,
+                   sec_per_step: float, eval_seconds: float, eval_every: int) -> int:
+    """Step limit: what fits in the remaining time budget (evaluations included), capped by
+    max_epochs."""
     epoch_cap = max(1, int(s.max_epochs * steps_per_epoch))
-    if s.steps is not None:
-        return s.steps
-    remaining = s.time_budget_s - elapsed - s.num_evals * eval_seconds
-    fit = done + int(0.92 * max(0.0, remaining) / max(sec_per_step, 1e-9))
+    per_step = sec_per_step + eval_seconds / max(1, eval_every)
+    fit = done + int(0.95 * max(0.0, s.time_budget_s - elapsed) / max(per_step, 1e-9))
     return max(done + 1, min(epoch_cap, fit))
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Run:
+    """Mutable state of one training run."""
+
+    model: LlamaForCausalLM
+    s: TrainSettings
+    sampler: WindowSampler
+    sched: WsdSchedule
+    val_windows: torch.Tensor
+    stats: TrainStats
+    eval_every: int
+    log: Callable[[str], None]
+    t0: float = field(default_factory=time.perf_counter)
+    best_val: float = float("inf")
+    best_state: dict | None = None
 
 
 def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch.Tensor,
@@ -169,18 +181,20 @@ def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch
     device = train_tokens.device
     torch.manual_seed(s.seed)
     model = LlamaForCausalLM(model_config).to(device)
-    stats = TrainStats(params=count_params(model))
     fwd = torch.compile(model) if s.compile else model
     opt = _make_optimizer(model, s, device)
     sampler = WindowSampler(train_tokens, s.seq_len, s.batch_size, s.seed)
-    total = s.steps or max(1, int(s.max_epochs * sampler.steps_per_epoch))
-    log(f"[{s.name}] params={stats.params:,} train_tokens={len(train_tokens):,} "
+    max_total = s.steps or max(1, int(s.max_epochs * sampler.steps_per_epoch))
+    sched = WsdSchedule(s.lr, s.warmup_steps, max_total, s.decay_frac,
+                        patience=None if s.steps else s.patience)
+    run = _Run(model, s, sampler, sched, val_windows, TrainStats(params=count_params(model)),
+               s.eval_every or max(10, sampler.steps_per_epoch // 2), log)
+    log(f"[{s.name}] params={run.stats.params:,} train_tokens={len(train_tokens):,} "
         f"steps/epoch={sampler.steps_per_epoch} budget={s.time_budget_s:.0f}s")
-    state = _LoopState(best_val=float("inf"), best_state=None, t0=time.perf_counter())
     step, loss_acc, t_log = 0, torch.zeros((), device=device), time.perf_counter()
-    while step < total:
+    while not sched.finished(step):
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, total, s)
+            group["lr"] = sched.lr(step)
         with _autocast(device):
             loss, ce = lm_loss(fwd, sampler.next_batch(), teacher, s.distill_weight)
         loss.backward()
@@ -190,74 +204,77 @@ def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch
         loss_acc += ce
         step += 1
         if step == s.calib_steps and s.steps is None:
-            total = _calibrate(model, s, sampler, val_windows, state, step, log)
-        if step % s.log_every == 0 or step == total:
-            t_log = _log_progress(s, stats, step, total, loss_acc, t_log, state.t0, log)
+            _calibrate(run, step)
+        if step % s.log_every == 0:
+            t_log = _log_progress(run, step, loss_acc, t_log)
             loss_acc.zero_()
-        if step % max(1, total // s.num_evals) == 0 or step == total:
-            _evaluate(model, s, val_windows, state, stats, step, log)
-        if time.perf_counter() - state.t0 > 1.03 * s.time_budget_s:
-            stats.stopped_by = "time budget"
-            _evaluate(model, s, val_windows, state, stats, step, log)
+        if step % run.eval_every == 0:
+            _evaluate(run, step)
+        sched.after_step(step)
+        if time.perf_counter() - run.t0 > 1.03 * s.time_budget_s:
+            run.stats.stopped_by = "time budget"
             break
-    return _finish(model, s, sampler, state, stats, step, total)
+    _evaluate(run, step)
+    return _finish(run, step)
 
 
-@dataclass
-class _LoopState:
-    best_val: float
-    best_state: dict | None
-    t0: float
-    sec_per_step: float = 0.0
-
-
-def _calibrate(model, s, sampler, val_windows, state, step, log) -> int:
-    """Measure the step time (and one validation pass), then fix the total step count."""
-    _sync(val_windows.device)
-    elapsed = time.perf_counter() - state.t0
+def _calibrate(run: _Run, step: int) -> None:
+    """Measure the step time and one validation pass, then fix the step limit."""
+    _sync(run.val_windows.device)
+    elapsed = time.perf_counter() - run.t0
     t = time.perf_counter()
-    validation_loss(model, val_windows, s.batch_size)
+    validation_loss(run.model, run.val_windows, run.s.batch_size)
     eval_s = time.perf_counter() - t
-    state.sec_per_step = elapsed / step  # includes warm-up, so slightly pessimistic
-    total = plan_steps(s, sampler.steps_per_epoch, step, elapsed + eval_s,
-                       state.sec_per_step, eval_s)
-    log(f"[{s.name}] {state.sec_per_step * 1000:.1f} ms/step, eval {eval_s:.2f}s -> "
-        f"planned {total} steps ({total / sampler.steps_per_epoch:.1f} epochs)")
-    return total
+    sec_per_step = elapsed / step  # includes warm-up, so slightly pessimistic
+    run.sched.max_total = plan_max_total(run.s, run.sampler.steps_per_epoch, step,
+                                         elapsed + eval_s, sec_per_step, eval_s, run.eval_every)
+    run.log(f"[{run.s.name}] {sec_per_step * 1000:.1f} ms/step, eval {eval_s:.2f}s -> "
+            f"step limit {run.sched.max_total} "
+            f"({run.sched.max_total / run.sampler.steps_per_epoch:.1f} epochs)")
 
 
-def _log_progress(s, stats, step, total, loss_acc, t_log, t0, log) -> float:
-    n = step % s.log_every or s.log_every
+def _log_progress(run: _Run, step: int, loss_acc: torch.Tensor, t_log: float) -> float:
+    n = run.s.log_every
     loss = loss_acc.item() / n
     now = time.perf_counter()
-    tok_s = n * s.batch_size * s.seq_len / max(now - t_log, 1e-9)
-    stats.loss_curve.append([step, round(loss, 4)])
-    stats.final_train_loss = loss
-    log(f"[{s.name}] step {step}/{total} loss {loss:.4f} {tok_s / 1e6:.2f}M tok/s "
-        f"elapsed {now - t0:.1f}s")
+    tok_s = n * run.s.batch_size * run.s.seq_len / max(now - t_log, 1e-9)
+    run.stats.loss_curve.append([step, round(loss, 4)])
+    run.stats.final_train_loss = loss
+    limit = run.sched.total or run.sched.max_total
+    run.log(f"[{run.s.name}] step {step}/{limit} loss {loss:.4f} lr {run.sched.lr(step):.2e} "
+            f"{tok_s / 1e6:.2f}M tok/s elapsed {now - run.t0:.1f}s")
     return now
 
 
-def _evaluate(model, s, val_windows, state, stats, step, log) -> None:
+def _evaluate(run: _Run, step: int) -> None:
+    stats = run.stats
     if stats.val_curve and stats.val_curve[-1][0] == step:
         return
-    val = validation_loss(model, val_windows, s.batch_size)
+    val = validation_loss(run.model, run.val_windows, run.s.batch_size)
     stats.val_curve.append([step, round(val, 4)])
-    if val < state.best_val:
-        state.best_val, stats.best_step = val, step
-        state.best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    log(f"[{s.name}] step {step} val_loss {val:.4f} (best {state.best_val:.4f} @ {stats.best_step})")
+    if val < run.best_val:
+        run.best_val, stats.best_step = val, step
+        run.best_state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    if run.sched.decay_start is None:
+        run.sched.observe_validation(step, val)
+        if run.sched.decay_start is not None:
+            run.log(f"[{run.s.name}] validation stalled: decay from step {step} "
+                    f"to {run.sched.total}")
+    run.log(f"[{run.s.name}] step {step} val_loss {val:.4f} "
+            f"(best {run.best_val:.4f} @ {stats.best_step})")
 
 
-def _finish(model, s, sampler, state, stats, step, total):
+def _finish(run: _Run, step: int) -> tuple[LlamaForCausalLM, TrainStats]:
+    model, s, stats = run.model, run.s, run.stats
     _sync(next(model.parameters()).device)
-    stats.train_seconds = time.perf_counter() - state.t0
-    stats.steps, stats.planned_steps = step, total
+    stats.train_seconds = time.perf_counter() - run.t0
+    stats.steps, stats.decay_start = step, run.sched.decay_start or step
+    stats.decay_reason = run.sched.decay_reason or stats.stopped_by
     stats.tokens_seen = step * s.batch_size * s.seq_len
-    stats.epochs = step / sampler.steps_per_epoch
+    stats.epochs = step / run.sampler.steps_per_epoch
     stats.tokens_per_second = stats.tokens_seen / max(stats.train_seconds, 1e-9)
-    stats.best_val_loss = state.best_val
-    if state.best_state is not None:
-        model.load_state_dict(state.best_state)
+    stats.best_val_loss = run.best_val
+    if run.best_state is not None:
+        model.load_state_dict(run.best_state)
     model.eval()
     return model, stats
