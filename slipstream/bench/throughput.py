@@ -224,10 +224,29 @@ def run_engine(llm, requests: list[BenchRequest]) -> tuple[list[Any], float]:
     return outputs, time.perf_counter() - start
 
 
-def _output_lengths(outputs: list[Any], requests: list[BenchRequest]) -> tuple[int, int]:
+def timed_run(llm, requests: list[BenchRequest]) -> tuple[list[Any], float, dict[str, Any]]:
+    """The timed generate() with the step probe around it: (outputs, wall seconds, steps)."""
+    probe = StepProbe(llm)
+    try:
+        outputs, wall = run_engine(llm, requests)
+    finally:
+        probe.remove()
+    steps = probe.summary()
+    steps["steps_per_s"] = steps["num_steps"] / wall if steps["num_steps"] else None
+    return outputs, wall, steps
+
+
+def token_counts(outputs: list[Any], requests: list[BenchRequest],
+                 wall: float) -> dict[str, Any]:
+    """Tokens in and out (as produced), and the rates over the wall time."""
     produced = [len(o.outputs[0].token_ids) for o in outputs]
-    mismatches = sum(p != r.output_len for p, r in zip(produced, requests))
-    return sum(produced), mismatches
+    total_out, total_in = sum(produced), sum(r.input_len for r in requests)
+    return {
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "output_len_mismatches": sum(p != r.output_len for p, r in zip(produced, requests)),
+        "wall_time_s": wall, "output_tok_s": total_out / wall,
+        "total_tok_s": (total_out + total_in) / wall, "requests_per_s": len(requests) / wall,
+    }
 
 
 def _workload_label(args: argparse.Namespace, requests: list[BenchRequest]) -> str:
@@ -268,16 +287,10 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     reset_peak_memory(device)
     llm = build_llm(kwargs)
     warmup_engine(llm, requests, vocab, args.seed or 0, args.warmup_requests)
-    probe = StepProbe(llm)
-    try:
-        outputs, wall = run_engine(llm, requests)
-    finally:
-        probe.remove()
-    steps = probe.summary()
+    outputs, wall, steps = timed_run(llm, requests)
     settings = engine_settings(llm, kwargs, device)
     memory = peak_memory_gib(device)
-    total_out, mismatches = _output_lengths(outputs, requests)
-    total_in = sum(r.input_len for r in requests)
+    counts = token_counts(outputs, requests, wall)
     result: dict[str, Any] = {
         "mode": "throughput", "workload": _workload_label(args, requests),
         "model": model_info(shape, model_dir, cfg), "dtype": dtype,
@@ -285,23 +298,18 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "dataset": args.dataset, "num_requests": len(requests),
         "input_len": args.input_len if args.dataset == "random" else "mixed",
         "output_len": args.output_len if args.dataset == "random" else "mixed",
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "output_len_mismatches": mismatches, "wall_time_s": wall,
-        "output_tok_s": total_out / wall, "total_tok_s": (total_out + total_in) / wall,
-        "requests_per_s": len(requests) / wall,
-        **latency_stats(outputs),
+        **counts, **latency_stats(outputs),
         "peak_gpu_memory_gib": memory["allocated"], "gpu_memory_gib": memory,
         "kv_cache": kv_summary(llm, requests, settings["block_size"],
                                settings["max_batch_size"], steps),
-        "steps": {**steps, "steps_per_s": steps["num_steps"] / wall if steps["num_steps"]
-                  else None},
-        "baseline": baseline,
-        "ratio_vs_baseline": (total_out / wall) / baseline["output_tok_s"] if baseline else None,
+        "steps": steps, "baseline": baseline,
+        "ratio_vs_baseline": counts["output_tok_s"] / baseline["output_tok_s"]
+        if baseline else None,
         "meta": report.run_meta(),
     }
-    if mismatches:
-        print(f"[bench] WARNING: {mismatches} requests did not produce their output length",
-              flush=True)
+    if counts["output_len_mismatches"]:
+        print(f"[bench] WARNING: {counts['output_len_mismatches']} requests did not produce "
+              "their output length", flush=True)
     return result
 
 

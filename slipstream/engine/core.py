@@ -11,6 +11,7 @@ import time
 
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
+from slipstream.engine.step_timer import StepTimer
 from slipstream.outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,9 @@ class EngineCore:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
+        self.timer = StepTimer(config.device)
+        self.runner.timer = self.timer
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
@@ -62,11 +66,13 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one iteration, run the model, return per-request news."""
-        sched_out = self.scheduler.schedule()
+        with self.timer.phase("schedule"):
+            sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         runner_out = self.runner.execute_model(sched_out)
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        with self.timer.phase("update"):
+            outputs = self.scheduler.update_from_output(sched_out, runner_out)
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is not None and request.first_scheduled_time is not None:

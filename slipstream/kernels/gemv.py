@@ -45,8 +45,13 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                  stride_om, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end."""
+                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
+
+    PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
+    flight per program (Triton does not software-pipeline loads that feed no tl.dot).
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,19 +62,33 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PREFETCH:
+        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:
+            w = w_next
+            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        else:
+            w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         if EVEN_K:
-            w = tl.load(w_ptrs + k)
             x = tl.load(x_ptr + k + offs_k)
         else:
-            k_ok = k + offs_k < k_hi
-            w = tl.load(w_ptrs + k, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0)
+            x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < k_hi, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at column k of this program's K range."""
+    if EVEN_K:
+        # Past the end (the prefetch after the last tile) re-read the last tile: no mask needed.
+        return tl.load(w_ptrs + tl.minimum(k, k_hi - BLOCK_K))
+    else:
+        return tl.load(w_ptrs + k, mask=(k + offs_k < k_hi)[None, :], other=0.0)
 
 
 @triton.jit
@@ -113,6 +132,7 @@ class GemvConfig:
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: bool = False  # M == 1 kernel only: keep two weight tiles in flight
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -141,19 +161,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """A reasonable config without measuring (used when tuning is not possible)."""
     if m == 1:
-        return GemvConfig(block_n=16, block_k=512, num_warps=4)
+        return GemvConfig(block_n=16, block_k=512, num_warps=4, prefetch=True)
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     """The configs a per-shape tuner measures (see triton_ops.linear)."""
-    if m == 1:  # (block_n, block_k, split_k, num_warps, num_stages); split_k 0: from the shape
-        tiles = [(16, 512, 0, 4, 1), (16, 512, 0, 4, 3), (8, 1024, 0, 4, 1), (32, 256, 0, 4, 1),
-                 (32, 256, 0, 4, 3), (16, 1024, 0, 8, 1), (64, 128, 0, 4, 2), (4, 1024, 0, 2, 1),
-                 (16, 512, 1, 4, 1)]
-    else:
-        tiles = [(32, 128, 0, 4, 4), (64, 128, 0, 4, 4), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
-                 (32, 256, 0, 4, 4), (64, 128, 1, 4, 4)]
+    if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
+        tiles = [(16, 512, 0, 4, False), (16, 512, 0, 4, True), (8, 1024, 0, 4, False),
+                 (8, 512, 0, 4, True), (32, 256, 0, 4, False), (32, 256, 0, 4, True),
+                 (16, 1024, 0, 8, False), (64, 128, 0, 4, False), (4, 1024, 0, 2, False),
+                 (16, 512, 1, 4, True)]
+        return [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles]
+    tiles = [(32, 128, 0, 4, 4), (64, 128, 0, 4, 4), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
+             (32, 256, 0, 4, 4), (64, 128, 1, 4, 4)]
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
 
 
@@ -197,7 +218,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
             per_split)
     if m == 1:
-        _gemv_kernel[(n_tiles, split)](*args, **common)
+        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)

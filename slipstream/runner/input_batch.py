@@ -93,17 +93,21 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def prepare_inputs(seqs: list[ScheduledSeq], block_size: int, device: torch.device,
                    max_blocks_per_seq: int | None = None) -> ModelInputs:
     """The step's model inputs and attention metadata on `device`."""
-    hb = build_host_batch(seqs, block_size, max_blocks_per_seq)
+    return inputs_from_host_batch(build_host_batch(seqs, block_size, max_blocks_per_seq), device)
+
+
+def inputs_from_host_batch(hb: HostBatch, device: torch.device) -> ModelInputs:
+    """Copy a host batch to `device` and wrap it with attention metadata."""
     qsl_cpu = hb.query_start_loc.tolist()
     lens_cpu = hb.seq_lens.tolist()
     meta = AttentionMetadata(
-        num_seqs=len(seqs),
+        num_seqs=len(hb.seq_lens),
         num_tokens=len(hb.input_ids),
         query_start_loc=to_device(hb.query_start_loc, device),
         seq_lens=to_device(hb.seq_lens, device),
         block_tables=to_device(hb.block_tables, device),
         slot_mapping=to_device(hb.slot_mapping, device),
-        max_query_len=max(s.num_tokens for s in seqs),
+        max_query_len=int(np.diff(hb.query_start_loc).max()),
         max_seq_len=max(lens_cpu),
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=lens_cpu,

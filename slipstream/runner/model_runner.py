@@ -12,6 +12,7 @@ from torch import nn
 
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
+from slipstream.engine.step_timer import StepTimer
 from slipstream.runner.input_batch import ModelInputs, prepare_inputs
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -34,6 +35,8 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         self._sampler = None
+        self._graphs = None
+        self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
 
     # ---- set-up --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -141,8 +144,39 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("call load_model() and initialize_kv_cache() before running")
         inputs = prepare_inputs(seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return inputs, hidden
+        return inputs, self._forward_inputs(inputs)
+
+    def _forward_inputs(self, inputs: ModelInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+    def capture_cuda_graphs(self) -> None:
+        """Record decode steps for the batch sizes the engine allows (CUDA, not enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        from slipstream.runner.cuda_graphs import DecodeGraphs
+
+        sched = self.config.scheduler
+        self._graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.device, max_batch_size=sched.max_num_seqs,
+            max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
+        self._graphs.capture()
+
+    def _max_blocks_per_seq(self) -> int:
+        return -(-(self.config.scheduler.max_model_len + 1) // self.block_size)
+
+    def _decode_logits(self, sched: SchedulerOutput):
+        """Logits from a replayed CUDA graph when the step is a pure decode, else None."""
+        graphs = self._graphs
+        if graphs is None or len(sched.seqs) > graphs.sizes[-1]:
+            return None
+        if any(s.num_tokens != 1 or not s.needs_sample for s in sched.seqs):
+            return None
+        from slipstream.runner.input_batch import build_host_batch
+
+        hb = build_host_batch(sched.seqs, self.block_size)
+        if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
+            return None
+        return graphs.run(hb)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -150,26 +184,39 @@ class ModelRunner:
         out = RunnerOutput()
         if sched.is_empty:
             return out
-        inputs, hidden = self._forward(sched.seqs)
+        with self.timer.phase("graph"):
+            logits = self._decode_logits(sched)
+        if logits is not None:
+            with self.timer.phase("sample"):
+                self._sample_into(out, logits, [s.request for s in sched.seqs])
+            return out
+        with self.timer.phase("prepare"):
+            inputs = prepare_inputs(sched.seqs, self.block_size, self.device)
+        with self.timer.phase("forward"):
+            hidden = self._forward_inputs(inputs)
         if inputs.sample_seq_indices:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
-            sampled = self._get_sampler()(logits, requests)
-            for req, token, lps in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
-                out.sampled_token_ids[req.request_id] = [int(token)]
-                if lps is not None:
-                    out.logprobs[req.request_id] = [lps]
+            with self.timer.phase("sample"):
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
+                self._sample_into(out, logits, requests)
         for i, seq in enumerate(sched.seqs):
             entries = self._prompt_logprobs(seq, hidden, inputs.query_start_loc_cpu[i])
             if entries:
                 out.prompt_logprobs[seq.request_id] = entries
         return out
 
+    def _sample_into(self, out: RunnerOutput, logits: torch.Tensor, requests: list[Request]) -> None:
+        sampled = self._get_sampler()(logits, requests)
+        for req, token, lps in zip(requests, sampled.token_ids, sampled.logprobs, strict=True):
+            out.sampled_token_ids[req.request_id] = [int(token)]
+            if lps is not None:
+                out.logprobs[req.request_id] = [lps]
+
     def _get_sampler(self):
         if self._sampler is None:
             from slipstream.sampling.sampler import Sampler
 
-            self._sampler = Sampler()
+            self._sampler = Sampler(seed=self.config.seed)
         return self._sampler
 
     def _prompt_logprobs(self, seq: ScheduledSeq, hidden: torch.Tensor,

@@ -12,6 +12,9 @@ from slipstream.serve.auth import send_json
 from slipstream.serve.errors import error_body
 
 
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this, just close the connection on the sender
+
+
 class _BodyTooLarge(HTTPException):
     """An HTTPException so FastAPI's body parser re-raises it instead of turning it into a 400."""
 
@@ -30,6 +33,8 @@ class BodySizeLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
+            if declared <= DRAIN_LIMIT_BYTES:
+                await _drain(receive, declared)
             await self._reject(send)
             return
         received = 0
@@ -41,6 +46,8 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
+                    if message.get("more_body", False):
+                        await _drain(receive, DRAIN_LIMIT_BYTES - received)
                     raise _BodyTooLarge(self.max_bytes)
             return message
 
@@ -60,6 +67,18 @@ class BodySizeLimitMiddleware:
         msg = _too_large_message(self.max_bytes)
         await send_json(send, 413, error_body(msg, 413, code="request_too_large"),
                         [(b"connection", b"close")])
+
+
+async def _drain(receive: Receive, budget: int) -> None:
+    """Read and drop the rest of the body first: closing a socket with unread input makes the
+    kernel send a reset, and the client would never see our 413."""
+    while budget > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        budget -= len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _content_length(scope: Scope) -> int | None:

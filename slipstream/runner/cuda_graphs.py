@@ -1,0 +1,114 @@
+"""CUDA graphs for pure-decode steps: captured once per padded batch size at start-up.
+
+A decode step is the same sequence of kernels whatever the tokens, so it is recorded once per
+batch size and replayed: one launch instead of hundreds. Inputs live in static buffers that each
+step overwrites; a batch is padded up to the nearest captured size (padding rows write no KV).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.runner.input_batch import HostBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_batch_size (always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    if max_batch_size not in sizes:
+        sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Static decode buffers plus one captured graph (model + logits) per batch size."""
+
+    def __init__(self, model, kv_caches, device: torch.device, max_batch_size: int,
+                 max_blocks_per_seq: int, max_seq_len: int):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_seq_len = max_seq_len
+        b = self.sizes[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(b, **i64)
+        self.positions = torch.zeros(b, **i64)
+        self.slot_mapping = torch.full((b,), -1, **i64)
+        self.seq_lens = torch.ones(b, **i32)
+        self.block_tables = torch.zeros((b, max_blocks_per_seq), **i32)
+        self.query_start_loc = torch.arange(b + 1, **i32)
+        self._host = torch.zeros((4 * b + b * max_blocks_per_seq,), dtype=torch.int64).pin_memory()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_seqs=b, num_tokens=b, query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b], max_query_len=1, max_seq_len=self.max_seq_len)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        mem_before = torch.cuda.memory_allocated(self.device)
+        for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            for _ in range(2):  # warm-up: autotuning and lazy init happen outside capture
+                self._forward(b)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[b] = self._forward(b)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
+                    (torch.cuda.memory_allocated(self.device) - mem_before) / 2**20)
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        for b in self.sizes:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def run(self, hb: HostBatch) -> torch.Tensor:
+        """Replay for a pure-decode host batch; returns logits [num_seqs, vocab]."""
+        n = len(hb.input_ids)
+        b = self.padded_size(n)
+        width = hb.block_tables.shape[1]
+        # One pinned staging buffer, one copy per field, all non-blocking.
+        host = self._host.numpy()
+        host[0:n] = hb.input_ids
+        host[b : b + n] = hb.positions
+        host[2 * b : 2 * b + n] = hb.slot_mapping
+        host[3 * b : 3 * b + n] = hb.seq_lens
+        if n < b:  # padding rows: write nowhere, attend to one (ignored) position
+            host[n:b] = 0
+            host[b + n : 2 * b] = 0
+            host[2 * b + n : 3 * b] = -1
+            host[3 * b + n : 4 * b] = 1
+        tables = host[4 * b : 4 * b + b * width].reshape(b, width)
+        tables[:n] = hb.block_tables
+        tables[n:] = 0
+        staged = self._host[: 4 * b + b * width].to(self.device, non_blocking=True)
+        self.input_ids[:b].copy_(staged[0:b])
+        self.positions[:b].copy_(staged[b : 2 * b])
+        self.slot_mapping[:b].copy_(staged[2 * b : 3 * b])
+        self.seq_lens[:b].copy_(staged[3 * b : 4 * b])
+        self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
+        self.graphs[b].replay()
+        return self.logits[b][:n]
+
