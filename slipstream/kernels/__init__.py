@@ -1,6 +1,7 @@
 """The kernel table: one set of fused ops per device, same signatures as kernels/reference.py."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 from slipstream.kernels import reference
@@ -18,7 +19,8 @@ def reference_ops() -> SimpleNamespace:
 def get_ops(device: str, use_triton: bool | None = None) -> SimpleNamespace:
     """Reference ops on the CPU; Triton ops on CUDA when available (unless use_triton=False)."""
     if use_triton is None:
-        use_triton = str(device).startswith("cuda")
+        forced = os.environ.get("SLIPSTREAM_KERNELS", "auto")  # auto | reference | triton
+        use_triton = forced == "triton" or (forced == "auto" and str(device).startswith("cuda"))
     if not use_triton:
         return reference_ops()
     from slipstream.kernels import triton_ops  # imported lazily: needs triton
