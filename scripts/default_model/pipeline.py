@@ -109,7 +109,7 @@ def settings_for(role: str, args: Namespace) -> TrainSettings:
         eval_every=10 if args.tiny else None,
         steps=args.target_steps if target else args.draft_steps,
         distill_weight=0.0 if target else args.draft_distill,
-        warmup_steps=2 if args.tiny else 100, log_every=5 if args.tiny else 50,
+        warmup_steps=2 if args.tiny else 100, log_every=5 if args.tiny else 100,
         calib_steps=30,
     )
 

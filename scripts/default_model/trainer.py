@@ -242,7 +242,7 @@ def _log_progress(run: _Run, step: int, loss_acc: torch.Tensor, t_log: float) ->
     run.stats.final_train_loss = loss
     limit = run.sched.total or run.sched.max_total
     run.log(f"[{run.s.name}] step {step}/{limit} loss {loss:.4f} lr {run.sched.lr(step):.2e} "
-            f"{tok_s / 1e6:.2f}M tok/s elapsed {now - run.t0:.1f}s")
+            f"{tok_s:,.0f} tok/s elapsed {now - run.t0:.1f}s")
     return now
 
 

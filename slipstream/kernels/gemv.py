@@ -18,20 +18,20 @@ MAX_M = 16
 
 @triton.jit
 def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-            stride_om, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+            stride_om, split_k, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Write part ([BLOCK_M, BLOCK_N] float32) to the output, reducing over the K splits."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ws_off = offs_m[:, None] * N + offs_n[None, :]
     done = True
-    if SPLIT_K > 1:
+    if SPLIT:
         tl.store(ws_ptr + pid_k * M * N + ws_off, part, mask=mask)
         # All threads' partial stores happen before the release of the arrival count.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        done = arrived == SPLIT_K - 1
+        done = arrived == split_k - 1
         if done:
             part = tl.zeros_like(part)
-            for i in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
+            for i in range(0, split_k):  # fixed order: the same sum on every run
                 part += tl.load(ws_ptr + i * M * N + ws_off, mask=mask, other=0.0,
                                 cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
@@ -42,10 +42,11 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
                  part.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# M and the split count are runtime values (no recompile per batch size or shape).
+@triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, k_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
@@ -78,7 +79,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-            stride_om, SPLIT_K, HAS_BIAS)
+            stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -91,10 +92,10 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
         return tl.load(w_ptrs + k, mask=(k + offs_k < k_hi)[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                   stride_wn, stride_om, k_per_split, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
     """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
     pid_n = tl.program_id(0)
@@ -120,7 +121,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
             x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
     _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-            stride_om, SPLIT_K, HAS_BIAS)
+            stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _NUM_SMS: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of the device (4 off CUDA, so the interpreter exercises split paths)."""
     if device.type != "cuda":
         return 4
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -149,7 +151,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters shared by every call on a device; each call leaves them at zero."""
+    """Arrival counters shared by every call on a device; each call leaves them at zero.
+
+    Shared, so two split-K calls must not run concurrently on different streams.
+    """
     key = (device.type, device.index)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
@@ -161,20 +166,19 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def default_config(m: int, n: int, k: int) -> GemvConfig:
     """A reasonable config without measuring (used when tuning is not possible)."""
     if m == 1:
-        return GemvConfig(block_n=16, block_k=512, num_warps=4, prefetch=True)
+        return GemvConfig(block_n=8, block_k=512, num_warps=4, prefetch=True)
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
 def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
-    """The configs a per-shape tuner measures (see triton_ops.linear)."""
+    """The configs a per-shape tuner measures (see triton_ops.linear): few, since each one is a
+    compile at start-up (shared across shapes: split count and M are runtime values)."""
     if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
-        tiles = [(16, 512, 0, 4, False), (16, 512, 0, 4, True), (8, 1024, 0, 4, False),
-                 (8, 512, 0, 4, True), (32, 256, 0, 4, False), (32, 256, 0, 4, True),
-                 (16, 1024, 0, 8, False), (64, 128, 0, 4, False), (4, 1024, 0, 2, False),
+        tiles = [(8, 512, 0, 4, True), (16, 512, 0, 4, False), (8, 1024, 0, 4, False),
+                 (32, 256, 0, 4, True), (16, 1024, 0, 8, False), (4, 1024, 0, 2, False),
                  (16, 512, 1, 4, True)]
         return [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles]
-    tiles = [(32, 128, 0, 4, 4), (64, 128, 0, 4, 4), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
-             (32, 256, 0, 4, 4), (64, 128, 1, 4, 4)]
+    tiles = [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (64, 256, 0, 4, 3), (64, 128, 1, 4, 4)]
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
 
 
@@ -184,7 +188,7 @@ def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int
     split = cfg.split_k
     if split <= 0:
         n_tiles = triton.cdiv(n, cfg.block_n)
-        split = min(triton.cdiv(4 * _num_sms(device), n_tiles), k_tiles, 16)
+        split = min(triton.cdiv(4 * num_sms(device), n_tiles), k_tiles, 16)
     split = max(1, min(split, k_tiles))
     per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     return triton.cdiv(k, per_split), per_split
@@ -212,11 +216,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device, n_tiles) if split > 1 else out
     b = bias if bias is not None else out
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-            per_split)
+            per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:

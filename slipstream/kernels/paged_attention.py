@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from slipstream.attention.backend import AttentionMetadata
+from slipstream.kernels.gemv import num_sms
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
@@ -68,14 +69,15 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     return acc, m_new, l_i
 
 
-@triton.jit
+# The split count and batch size vary step to step: runtime ints, never recompile triggers.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    num_seqs, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
+    num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
     stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt, stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -104,7 +106,7 @@ def _paged_attn_kernel(
     # KV tiles this program covers: its share of [0, last visible position of the q tile].
     kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     # Tiles before t_full are visible to every row of the q tile: no causal mask needed there.
@@ -129,7 +131,7 @@ def _paged_attn_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
@@ -141,16 +143,16 @@ def _paged_attn_kernel(
         tl.store(part_lse_ptr + p_row, lse, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot,
+                         stride_oh, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, BLOCK_D)
-    base = (token * num_heads + head) * NUM_SPLITS
-    s_ok = offs_s < NUM_SPLITS
+    base = (token * num_heads + head) * num_splits
+    s_ok = offs_s < num_splits
     lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -174,20 +176,8 @@ class AttnConfig:
     num_stages: int
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: keep the split logic exercised on small shapes
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
-                  device: torch.device) -> AttnConfig:
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16) -> AttnConfig:
     """Tile sizes from host ints only: small M tiles for pure decode, splits when programs are few.
 
     For CUDA-graph capture pass metadata whose max_seq_len is the longest context the graph
@@ -198,10 +188,13 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     decode = meta.max_query_len <= 1
     block_m = max(16 if decode else 64, group_p)
     block_n = 64 if head_dim <= 128 else 32
+    if dtype == torch.float32:
+        # Exact float32 products run on FMAs, not tensor cores: small tiles or registers spill.
+        block_m, block_n = max(16, group_p), 32
     block_q = block_m // group_p
     q_tiles = meta.num_seqs if decode else triton.cdiv(meta.num_tokens, block_q)
     programs = max(q_tiles * num_kv_heads, 1)
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     splits = 1
     if programs < target:
         splits = min(triton.cdiv(target, programs),
@@ -211,7 +204,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
             splits //= 2
             scratch //= 2
     num_warps = 4 if block_m <= 64 else 8
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, 3 if decode else 2)
+    stages = 1 if dtype == torch.float32 else 3 if decode else 2
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages)
 
 
 def paged_attention(
@@ -231,7 +225,7 @@ def paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    cfg = config or choose_config(meta, num_kv_heads, group, head_dim, q.device)
+    cfg = config or choose_config(meta, num_kv_heads, group, head_dim, q.device, q.dtype)
     group_p = triton.next_power_of_2(group)
     block_m = max(cfg.block_m, group_p)
     block_q = block_m // group_p
@@ -243,22 +237,22 @@ def paged_attention(
         part_lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32,
                                device=q.device)
     else:
-        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+        part_out = part_lse = out  # unused by the kernel without SPLIT_KV
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, meta.num_seqs, scale * _LOG2E, q.stride(0), q.stride(1),
+        meta.block_tables, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         num_heads * splits, splits, 1,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=splits,
+        BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=splits,
+            part_out, part_lse, out, num_heads, splits, out.stride(0), out.stride(1),
             SPLITS_P=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=head_dim,
             num_warps=4,
         )

@@ -11,7 +11,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from slipstream.serve.auth import send_json
 from slipstream.serve.errors import error_body
 
-
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # past this, just close the connection on the sender
 
 

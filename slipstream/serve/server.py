@@ -58,7 +58,7 @@ async def _stop_when_engine_dies(engine, server) -> None:
     await engine.dead.wait()
     logger.error("engine died (%s): failing in-flight requests and shutting down",
                  engine.dead_reason)
-    await asyncio.sleep(0.5)  # let in-flight handlers write their error responses
+    await asyncio.sleep(1.0)  # let in-flight handlers write their errors; /health says 503
     server.should_exit = True
 
 

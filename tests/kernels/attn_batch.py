@@ -16,6 +16,8 @@ def make_batch(
     pad_tokens extra query rows after the last sequence mimic CUDA-graph padding.
     """
     gen = torch.Generator().manual_seed(seed)
+    # Random values drawn on the device itself: GPU cases reach gigabytes of KV cache.
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks
     perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
@@ -32,9 +34,9 @@ def make_batch(
     num_tokens = sum(query_lens) + pad_tokens
     hq = num_kv_heads * group
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn((num_tokens, hq, head_dim), generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=dev_gen, device=device).to(dtype)
+    q = torch.randn((num_tokens, hq, head_dim), generator=dev_gen, device=device).to(dtype)
     qsl = [0]
     for q_len in query_lens:
         qsl.append(qsl[-1] + q_len)
@@ -47,4 +49,4 @@ def make_batch(
         max_query_len=max(query_lens + [0]), max_seq_len=max(seq_lens + [0]),
         query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
     )
-    return q.to(device), k_cache.to(device), v_cache.to(device), meta
+    return q, k_cache, v_cache, meta

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import _OP_NAMES, get_ops, gemv, triton_ops
+from slipstream.kernels import _OP_NAMES, gemv, get_ops, triton_ops
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
@@ -67,6 +67,28 @@ def test_linear_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.testing.assert_close(triton_ops.linear(big, w, b, impl="triton"), F.linear(big, w, b))
 
 
+def test_measured_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner keeps the fastest correct config, skips wrong ones, and can pick cuBLAS."""
+    w, b = torch.randn(40, 64), torch.randn(40)
+    cands = gemv.candidate_configs(1, 40, 64)[:3]
+    monkeypatch.setattr(gemv, "candidate_configs", lambda m, n, k: cands)
+    times = iter([5.0, 3.0, 1.0, 2.0])  # cuBLAS, then each candidate timed, in order
+    monkeypatch.setattr(triton_ops, "_bench", lambda fn: (fn(), next(times))[1])
+    real_gemv = gemv.gemv
+
+    def broken_second(x, w_, b_=None, cfg=None):  # candidate 1 computes a wrong answer
+        out = real_gemv(x, w_, b_, cfg)
+        return out + 1.0 if cfg == cands[1] else out
+
+    monkeypatch.setattr(gemv, "gemv", broken_second)
+    # Candidate 1 is never timed (wrong result), so candidate 2 gets 1.0 ms and wins; had
+    # candidate 1 been timed it would have taken the 1.0 ms and been chosen.
+    assert triton_ops._measure(1, w, b, torch.float32) == cands[2]
+    times = iter([0.5, 3.0, 2.0])
+    monkeypatch.setattr(triton_ops, "_bench", lambda fn: (fn(), next(times))[1])
+    assert triton_ops._measure(1, w, b, torch.float32) is None  # cuBLAS is fastest
+
+
 def test_op_table_names() -> None:
     table = get_ops("cpu", use_triton=True)
     assert table.name == "triton"
@@ -80,19 +102,36 @@ def test_op_table_names() -> None:
 LLAMA_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (4096, 128256)]
 
 
+def _gpu_inputs(m: int, k: int, n: int):
+    dev, dt = "cuda", torch.bfloat16
+    return (torch.randn(m, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt),
+            torch.randn(n, device=dev, dtype=dt))
+
+
+def _gpu_check(x, w, b, cfg) -> None:
+    want = F.linear(x.float(), w.float(), b.float())
+    got = gemv.gemv(x, w, b, cfg).float()
+    # float32 accumulation of bf16 products, one bf16 rounding of the result.
+    err = (got - want).norm() / want.norm()
+    assert torch.isfinite(got).all() and err < 5e-3, f"{cfg}: relative error {err:.2e}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", LLAMA_8B + [(1000, 333), (4104, 72)])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_gpu_gemv_bf16(k: int, n: int, m: int) -> None:
-    dev, dt = "cuda", torch.bfloat16
-    x, w, b = (torch.randn(m, k, device=dev, dtype=dt), torch.randn(n, k, device=dev, dtype=dt),
-               torch.randn(n, device=dev, dtype=dt))
-    want = F.linear(x.float(), w.float(), b.float())
+    _gpu_check(*_gpu_inputs(m, k, n), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 333)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_gemv_every_candidate(k: int, n: int, m: int) -> None:
+    """Every config the tuner may pick (split-K and prefetch variants included) is correct."""
+    x, w, b = _gpu_inputs(m, k, n)
     for cfg in gemv.candidate_configs(m, n, k):
-        got = gemv.gemv(x, w, b, cfg).float()
-        # float32 accumulation of bf16 products, one bf16 rounding of the result.
-        err = (got - want).norm() / want.norm()
-        assert err < 5e-3, f"{cfg}: relative error {err:.2e}"
+        _gpu_check(x, w, b, cfg)
+        _gpu_check(x, w, b, cfg)  # second call: the split-K counters were left at zero
 
 
 @pytest.mark.gpu
@@ -105,3 +144,19 @@ def test_gpu_linear_measured_choice() -> None:
         want = F.linear(x.float(), w.float())
         assert (got - want).norm() / want.norm() < 5e-3
     assert triton_ops.linear_choices()  # the small-M shapes were measured and recorded
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_graph_replay() -> None:
+    """Split-K arrival counters reset themselves: graph replays stay correct."""
+    x, w, b = _gpu_inputs(1, 14336, 4096)
+    cfg = gemv.GemvConfig(block_n=16, block_k=512, split_k=4)
+    gemv.gemv(x, w, b, cfg)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv.gemv(x, w, b, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = F.linear(x.float(), w.float(), b.float())
+        assert (out.float() - want).norm() / want.norm() < 5e-3

@@ -116,3 +116,33 @@ def test_gpu_decode_bf16(context: int, batch: int) -> None:
 @pytest.mark.gpu
 def test_gpu_long_prefill_chunk_bf16() -> None:
     _gpu_case([2048, 1], [8192, 8192], 4, 128, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_exact_path() -> None:
+    """float32 (the engine's exact GPU mode) uses IEEE products: near float32 rounding."""
+    q, kc, vc, meta = make_batch([1, 37, 1], [1, 300, 2000], num_kv_heads=2, group=4,
+                                 head_dim=128, block_size=16, dtype=torch.float32, device="cuda")
+    torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.08),
+                               reference.paged_attention(q, kc, vc, meta, 0.08),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graph_replay_with_new_lengths() -> None:
+    """Captured once (split count fixed by the max_seq_len bound), replayed on new lengths."""
+    lens = [4096, 4096, 4096, 4096]
+    q, kc, vc, meta = make_batch([1] * 4, lens, num_kv_heads=8, group=4, head_dim=128,
+                                 block_size=16, dtype=torch.bfloat16, device="cuda")
+    paged_attention(q, kc, vc, meta, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, kc, vc, meta, 0.1)
+    for new_lens in ([1000, 17, 4096, 3], [1, 4000, 129, 2048]):
+        meta.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        now = type(meta)(**{**meta.__dict__, "seq_lens_cpu": new_lens,
+                            "max_seq_len": max(new_lens)})
+        want = reference.paged_attention(q, kc, vc, now, 0.1).float()
+        assert (out.float() - want).norm() / want.norm() < 1e-2

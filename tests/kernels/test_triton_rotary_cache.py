@@ -98,3 +98,20 @@ def test_gpu_rotary_and_cache_write_bf16(tokens: int, hq: int, hkv: int, d: int)
     for got, want in ((got_q, want_q), (got_kr, want_kr), (kc, want_k)):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(vc, want_v, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_rotary_and_kv_write_separately_bf16() -> None:
+    dev, dt, bs, tokens = "cuda", torch.bfloat16, 32, 777
+    q, k, v = _qkv(tokens, 32, 8, 128, dt, dev)
+    cs = _cos_sin(4096, 128).to(dev)
+    pos = torch.randint(0, 4096, (tokens,), device=dev)
+    torch.testing.assert_close(apply_rotary(q, pos, cs), reference.apply_rotary(q, pos, cs),
+                               atol=2e-2, rtol=1e-2)
+    kc, vc = _caches(tokens // bs + 4, bs, 8, 128, dt, dev)
+    slots = _slots(tokens, kc.shape[0] * bs, device=dev)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, want_k, want_v, slots)
+    write_kv_cache(k, v, kc, vc, slots)
+    torch.testing.assert_close(kc, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(vc, want_v, atol=0, rtol=0)

@@ -1,0 +1,66 @@
+"""Killing the engine process: in-flight requests fail with an error (503 / an error event),
+/health turns 503, and the server exits non-zero instead of hanging.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.serve.conftest import MODEL, start_server, stop_server
+
+LONG = {"model": MODEL, "prompt": "keep going", "max_tokens": 100, "ignore_eos": True}
+
+
+def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path):
+    handle = start_server(tiny_model_dir, tmp_path / "server.log", api_key=None)
+    try:
+        engine_pid = handle.engine_pid()
+        assert engine_pid is not None
+        results: dict = {}
+        streaming = threading.Event()
+
+        def plain() -> None:
+            resp = httpx.post(handle.base_url + "/v1/completions", json=LONG, timeout=60)
+            results["plain"] = (resp.status_code, resp.json())
+
+        def stream() -> None:
+            events = []
+            with httpx.stream("POST", handle.base_url + "/v1/completions",
+                              json={**LONG, "stream": True}, timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        streaming.set()
+            results["stream"] = events
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        assert streaming.wait(60), handle.log_tail()
+        os.kill(engine_pid, signal.SIGKILL)
+
+        health = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and 503 not in health:
+            try:
+                health.append(httpx.get(handle.base_url + "/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                break  # already gone
+            time.sleep(0.05)
+        for t in threads:
+            t.join(30)
+
+        assert 503 in health, f"/health never reported 503: {health}\n{handle.log_tail()}"
+        status, body = results["plain"]
+        assert status == 503 and body["error"]["code"] == "engine_dead", body
+        events = results["stream"]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_dead", events[-2]
+        assert handle.proc.wait(timeout=30) == 1, handle.log_tail()
+    finally:
+        stop_server(handle)
