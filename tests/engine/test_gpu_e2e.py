@@ -26,7 +26,7 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _run(path, monkeypatch, kernels: str, **kwargs):
     monkeypatch.setenv("SLIPSTREAM_KERNELS", kernels)
     llm = LLM(str(path), device="cuda", max_num_seqs=16, max_num_tokens=256, max_model_len=1024,
-              gpu_memory_utilization=0.3, **kwargs)
+              kv_cache_memory=256 << 20, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     return llm.generate(_prompts(12, 0), params, use_tqdm=False)
 
