@@ -27,8 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget-draft", type=float, default=120.0, help="seconds")
     p.add_argument("--target-steps", type=int, help="fixed step count (else planned)")
     p.add_argument("--draft-steps", type=int, help="fixed step count (else planned)")
-    p.add_argument("--max-epochs-target", type=float, default=10.0)
-    p.add_argument("--max-epochs-draft", type=float, default=10.0)
+    p.add_argument("--max-epochs-target", type=float, default=40.0,
+                   help="step cap; the decay usually starts earlier, when validation stalls")
+    p.add_argument("--max-epochs-draft", type=float, default=40.0)
     p.add_argument("--lr-target", type=float, default=2e-3)
     p.add_argument("--lr-draft", type=float, default=3e-3)
     p.add_argument("--draft-distill", type=float, default=0.5,
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--chat-examples", type=int, default=3000)
+    p.add_argument("--chat-examples", type=int, default=1500,
+                   help="chat-formatted (docstring -> function) examples added to the corpus")
     p.add_argument("--quality-prompts", type=int, default=100)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)

@@ -36,7 +36,7 @@ class TrainSettings:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     log_every: int = 50
-    calib_steps: int = 30
+    calib_steps: int = 30  # the step time is measured over steps 10..calib_steps (warm)
     seed: int = 0
     compile: bool = False
     distill_weight: float = 0.0  # share of the loss that is KL to the teacher (draft only)
@@ -172,6 +172,7 @@ class _Run:
     t0: float = field(default_factory=time.perf_counter)
     best_val: float = float("inf")
     best_state: dict | None = None
+    t_calib: float = 0.0
 
 
 def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch.Tensor,
@@ -203,6 +204,9 @@ def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch
         opt.zero_grad(set_to_none=True)
         loss_acc += ce
         step += 1
+        if step == 10:
+            _sync(device)
+            run.t_calib = time.perf_counter()
         if step == s.calib_steps and s.steps is None:
             _calibrate(run, step)
         if step % s.log_every == 0:
@@ -221,11 +225,11 @@ def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch
 def _calibrate(run: _Run, step: int) -> None:
     """Measure the step time and one validation pass, then fix the step limit."""
     _sync(run.val_windows.device)
+    sec_per_step = (time.perf_counter() - run.t_calib) / (step - 10)  # warm steps only
     elapsed = time.perf_counter() - run.t0
     t = time.perf_counter()
     validation_loss(run.model, run.val_windows, run.s.batch_size)
     eval_s = time.perf_counter() - t
-    sec_per_step = elapsed / step  # includes warm-up, so slightly pessimistic
     run.sched.max_total = plan_max_total(run.s, run.sampler.steps_per_epoch, step,
                                          elapsed + eval_s, sec_per_step, eval_s, run.eval_every)
     run.log(f"[{run.s.name}] {sec_per_step * 1000:.1f} ms/step, eval {eval_s:.2f}s -> "

@@ -350,7 +350,7 @@ class AsyncLLM:
             self._child_parent.pop(cid, None)
             self._last_token_time.pop(cid, None)
         if child_ids and not self.dead.is_set():
-            pass  # MUTATION
+            self._outbox.put_nowait({"t": "abort", "ids": child_ids})
         if child_ids and record and self.stat_logger is not None:
             self.stat_logger.on_request_finished(["abort"] * len(child_ids), None, None)
 

@@ -131,6 +131,7 @@ class EngineLoop:
         self._stats_dirty = True
         self._stats_wanted = False
         self._last_stats = 0.0
+        self.num_aborted = 0  # abort requests received (client gone, stop string matched)
 
     def run(self) -> None:
         while self.running:
@@ -162,6 +163,7 @@ class EngineLoop:
                 self._add(data)
         elif kind == "abort":
             self.core.abort_requests(list(msg["ids"]))
+            self.num_aborted += len(msg["ids"])
         elif kind == "stats":
             self._stats_wanted = True
         elif kind == "shutdown":
@@ -181,8 +183,8 @@ class EngineLoop:
         idle = not self.core.has_unfinished_requests()
         due = self._stats_dirty and (idle or now - self._last_stats >= STATS_INTERVAL_S)
         if self._stats_wanted or due:
-            self.outbox.send(pack({"t": "stats", "stats": self.core.get_stats(),
-                                   "reply": self._stats_wanted}))
+            stats = {**self.core.get_stats(), "num_aborted_requests": self.num_aborted}
+            self.outbox.send(pack({"t": "stats", "stats": stats, "reply": self._stats_wanted}))
             self._stats_wanted = False
             self._stats_dirty = False
             self._last_stats = now

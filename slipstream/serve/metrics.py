@@ -34,6 +34,8 @@ _ENGINE_METRICS = (
     ("prefix_cache_hits", "prefix_cache_hits", "Tokens found in the prefix cache.", "counter"),
     ("num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks.",
      "counter"),
+    ("num_aborted_requests", "engine_aborted_requests",
+     "Abort requests the engine received (client gone, stop string matched).", "counter"),
 )
 
 

@@ -153,3 +153,22 @@ def test_distillation_loss_is_zero_kl_against_itself():
     loss, ce = trainer.lm_loss(model, batch, teacher=model, distill_weight=0.5)
     assert loss.item() == pytest.approx(0.5 * ce.item(), rel=1e-5)
     assert math.isfinite(ce.item()) and ce.item() > 0
+
+
+def test_train_model_decays_when_validation_stalls():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=64)
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 64, (6000,), generator=gen)  # nothing to learn beyond ln(64)
+    s = trainer.TrainSettings(name="t", time_budget_s=120, lr=1e-2, batch_size=4, seq_len=16,
+                              max_epochs=10, warmup_steps=5, eval_every=10, patience=3,
+                              log_every=1000)
+    val = trainer.fixed_windows(torch.randint(0, 64, (400,), generator=gen), 16, 8)
+    model, stats = trainer.train_model(cfg, s, noise, val, log=lambda _: None)
+    assert stats.decay_reason == "validation plateau"
+    assert stats.decay_start < stats.steps < 10 * 93  # stopped long before the epoch cap
+    assert stats.steps == stats.decay_start + -(-stats.decay_start // 4)
+    assert abs(stats.best_val_loss - math.log(64)) < 0.1
+    assert not model.training

@@ -92,7 +92,13 @@ def _engine_idle(http: httpx.Client) -> tuple[bool, str]:
     return running == 0 and waiting == 0 and free == total and total > 0, state
 
 
+def _engine_aborts(http: httpx.Client) -> float:
+    return _metric(http.get("/metrics").text, "slipstream_engine_aborted_requests_total")
+
+
 def test_abort_storm_frees_everything(server, http):
+    aborts_before = _engine_aborts(http)
+
     async def storm() -> list[int]:
         # A fresh connection per request: closing a stream must really drop the connection.
         limits = httpx.Limits(max_keepalive_connections=0)
@@ -102,6 +108,11 @@ def test_abort_storm_frees_everything(server, http):
 
     seen = asyncio.run(storm())
     assert all(s >= 2 for s in seen)
+    # Every cancelled stream reached the engine as an abort (none could finish 100 tokens).
+    deadline = time.monotonic() + 10.0
+    while _engine_aborts(http) < aborts_before + len(seen) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _engine_aborts(http) == aborts_before + len(seen)
     deadline = time.monotonic() + 10.0
     idle, state = _engine_idle(http)
     while not idle and time.monotonic() < deadline:
@@ -126,6 +137,7 @@ def _aborts(http: httpx.Client) -> float:
 def test_non_streaming_disconnect_aborts(server, http):
     """A plain request whose client times out is aborted too (nothing left running)."""
     before = _aborts(http)
+    engine_before = _engine_aborts(http)
     body = {"model": MODEL, "prompt": "slow one", "max_tokens": 120, "ignore_eos": True}
     client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=0.3)
     try:
@@ -141,3 +153,4 @@ def test_non_streaming_disconnect_aborts(server, http):
         idle, state = _engine_idle(http)
     assert idle, state
     assert _aborts(http) == before + 1
+    assert _engine_aborts(http) == engine_before + 1
