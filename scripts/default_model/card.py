@@ -45,7 +45,7 @@ def _results(m: dict, role: str) -> str:
     q = m[role]["quality"]
     lines = ["\n".join(rows), "",
              f"Held-out set: {m['target']['heldout']['tokens']:,} tokens, non-overlapping "
-             f"512-token windows per file.", "",
+             f"{m['settings']['target']['seq_len']}-token windows per file.", "",
              f"**Quality check ({role} model):** greedy completions of {q['num_prompts']} held-out function "
              f"signatures, cut at the first blank line (or the first line back at column 0): "
              f"**{q['num_parse']} / {q['num_prompts']}** parse with `ast`."]

@@ -212,12 +212,16 @@ def train_model(model_config: LlamaConfig, s: TrainSettings, train_tokens: torch
         if step % s.log_every == 0:
             t_log = _log_progress(run, step, loss_acc, t_log)
             loss_acc.zero_()
+            if s.steps is None and step > s.calib_steps and sched.decay_start is None:
+                _replan(run, step)
         if step % run.eval_every == 0:
             _evaluate(run, step)
         sched.after_step(step)
         if time.perf_counter() - run.t0 > 1.03 * s.time_budget_s:
             run.stats.stopped_by = "time budget"
             break
+    if step % s.log_every:  # the last, partial interval: final_train_loss covers the end
+        _log_progress(run, step, loss_acc, t_log)
     _evaluate(run, step)
     return _finish(run, step)
 
@@ -237,8 +241,17 @@ def _calibrate(run: _Run, step: int) -> None:
             f"({run.sched.max_total / run.sampler.steps_per_epoch:.1f} epochs)")
 
 
+def _replan(run: _Run, step: int) -> None:
+    """Refit the step limit to the time budget with the step rate measured so far (a slower
+    machine must not run into the budget before its learning rate has decayed)."""
+    now = time.perf_counter()
+    sec_per_step = (now - run.t_calib) / (step - 10)  # evaluations included
+    run.sched.max_total = plan_max_total(run.s, run.sampler.steps_per_epoch, step,
+                                         now - run.t0, sec_per_step, 0.0, run.eval_every)
+
+
 def _log_progress(run: _Run, step: int, loss_acc: torch.Tensor, t_log: float) -> float:
-    n = run.s.log_every
+    n = step % run.s.log_every or run.s.log_every
     loss = loss_acc.item() / n
     now = time.perf_counter()
     tok_s = n * run.s.batch_size * run.s.seq_len / max(now - t_log, 1e-9)

@@ -64,6 +64,11 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="at most this many requests in flight")
     p.add_argument("--tokenizer", default=None, help="local tokenizer dir: exact-length prompts")
+    p.add_argument("--prompt-token-ids", action="store_true",
+                   help="send random token ids as prompts (completions only; exact lengths, "
+                        "for servers without a tokenizer)")
+    p.add_argument("--max-token-id", type=int, default=30000,
+                   help="--prompt-token-ids draws ids from [max/30, max)")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (servers that reject unknown fields)")
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
@@ -87,8 +92,12 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return slos
 
 
-def make_prompts(args: argparse.Namespace) -> list[str]:
+def make_prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
     rng = random.Random(args.seed)
+    if args.prompt_token_ids:  # exact lengths with no tokenizer anywhere (dummy-weight models)
+        hi = args.max_token_id
+        return [[rng.randrange(hi // 30, hi) for _ in range(args.input_len)]
+                for _ in range(args.num_prompts)]
     if args.tokenizer:
         from slipstream.tokenizer.tokenizer import load_tokenizer
 
@@ -101,7 +110,7 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
             for _ in range(args.num_prompts)]
 
 
-def _body(args: argparse.Namespace, model: str, prompt: str) -> tuple[str, dict]:
+def _body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> tuple[str, dict]:
     body: dict[str, Any] = {"model": model, "max_tokens": args.output_len, "stream": True,
                             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if args.ignore_eos:
@@ -113,12 +122,16 @@ def _body(args: argparse.Namespace, model: str, prompt: str) -> tuple[str, dict]
     return "/v1/completions", body
 
 
-def _chunk_text(event: dict) -> str:
+def _has_tokens(event: dict) -> bool:
+    """Does this chunk carry generated output? (Not the usage chunk, not a role-only delta.)"""
     choices = event.get("choices") or []
     if not choices:
-        return ""
+        return False
     c = choices[0]
-    return c.get("text") or (c.get("delta") or {}).get("content") or ""
+    if "delta" not in c:
+        return c.get("text") is not None  # completions: one chunk per engine step
+    delta = c["delta"] or {}
+    return bool(delta.get("content")) or (delta.get("content") == "" and not delta.get("role"))
 
 
 async def send_request(client: httpx.AsyncClient, path: str, body: dict) -> RequestResult:
@@ -140,7 +153,7 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict) -> Requ
                 if event.get("usage"):
                     res.prompt_tokens = event["usage"]["prompt_tokens"]
                     res.output_tokens = event["usage"]["completion_tokens"]
-                if _chunk_text(event):
+                if _has_tokens(event):
                     now = time.perf_counter()
                     if res.ttft_s is None:
                         res.ttft_s = now - start
@@ -164,8 +177,8 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return [rng.gammavariate(burstiness, 1.0 / (rate * burstiness)) for _ in range(n)]
 
 
-async def _run(args: argparse.Namespace, prompts: list[str]) -> tuple[list[RequestResult],
-                                                                        float, str]:
+async def _run(args: argparse.Namespace,
+               prompts: list[Any]) -> tuple[list[RequestResult], float, str]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000,
                           max_keepalive_connections=args.max_concurrency or 1000)
@@ -176,7 +189,7 @@ async def _run(args: argparse.Namespace, prompts: list[str]) -> tuple[list[Reque
             await send_request(client, *_body(args, model, prompt))
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
-        async def one(prompt: str) -> RequestResult:
+        async def one(prompt: Any) -> RequestResult:
             if gate is None:
                 return await send_request(client, *_body(args, model, prompt))
             async with gate:
@@ -234,6 +247,8 @@ def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     slos = parse_goodput(args.goodput)
+    if args.prompt_token_ids and args.endpoint == "chat":
+        raise ValueError("--prompt-token-ids works with --endpoint completions only")
     prompts = make_prompts(args)
     results, duration, model = asyncio.run(_run(args, prompts))
     result = {

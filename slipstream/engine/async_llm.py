@@ -117,7 +117,11 @@ class AsyncLLM:
                 from slipstream.tokenizer.tokenizer import load_tokenizer
 
                 path = config.tokenizer_path or config.model_path
-                llm.set_tokenizer(await asyncio.to_thread(load_tokenizer, path))
+                try:
+                    llm.set_tokenizer(await asyncio.to_thread(load_tokenizer, path))
+                except (OSError, ValueError) as exc:
+                    logger.warning("no tokenizer in %s (%s): serving token-id prompts only, "
+                                   "outputs carry no text", path, str(exc).splitlines()[0][:120])
             await llm._wait_ready(startup_timeout_s)
         except BaseException:
             await llm.shutdown()
@@ -363,7 +367,7 @@ class AsyncLLM:
         self._outbox.put_nowait({"t": "stats"})
         try:
             return dict(await asyncio.wait_for(asyncio.shield(fut), timeout_s))
-        except TimeoutError:
+        except (TimeoutError, EngineDeadError):
             return dict(self.stats)
 
     @property

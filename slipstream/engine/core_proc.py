@@ -193,7 +193,10 @@ class EngineLoop:
 def _watch_parent() -> None:
     """Exit as soon as stdin closes: the front end died or shut us down."""
     def watch() -> None:
-        sys.stdin.buffer.read()
+        # os.read on the raw fd: a thread blocked inside sys.stdin's buffered reader would hold
+        # its lock and make interpreter shutdown abort.
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
         os._exit(0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -229,7 +232,11 @@ def main() -> None:
     header = json.loads(sys.stdin.buffer.readline())
     config = config_from_dict(EngineConfig, header["config"])
     _watch_parent()
-    sys.exit(run_engine_core(config, header["input_addr"], header["output_addr"]))
+    code = run_engine_core(config, header["input_addr"], header["output_addr"])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # sockets are closed; skip the slow teardown of torch and friends
 
 
 if __name__ == "__main__":

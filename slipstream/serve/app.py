@@ -111,6 +111,8 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext) -> None:
         if len(req.tokens) > ctx.limits.max_model_len * 4:
             raise APIError("too many tokens", param="tokens")
         ctx.check_token_ids(req.tokens, "tokens")
+        if ctx.tokenizer is None:
+            raise APIError("this model has no tokenizer", param="tokens")
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 

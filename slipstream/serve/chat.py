@@ -47,6 +47,9 @@ from slipstream.serve.streaming import SSEResponse, run_until_disconnect
 def render_chat(ctx: ServeContext, messages: list[ChatMessage],
                 add_generation_prompt: bool) -> list[int]:
     """Token ids of the rendered conversation; template problems are the client's 400."""
+    if ctx.tokenizer is None:
+        raise APIError("this model has no tokenizer, so no chat template: use "
+                       "/v1/completions with token ids", param="messages")
     dicts = [{"role": m.role, "content": m.text(),
               **({"name": m.name} if m.name else {})} for m in messages]
     try:
@@ -136,10 +139,9 @@ class _ChatJob:
         chunks = []
         if delta.first:  # the role goes first, on its own, as OpenAI does
             chunks.append(self._chunk(c.index, DeltaMessage(role="assistant", content="")))
-        wants_logprobs = bool(self.req.logprobs and delta.token_ids)
-        if delta.text or delta.finish_reason or wants_logprobs:
+        if delta.text or delta.token_ids or delta.finish_reason:
             logprobs = None
-            if wants_logprobs:
+            if self.req.logprobs and delta.token_ids:
                 logprobs = chat_logprobs(self.token_text, delta.token_ids,
                                          delta.logprobs or [], self.num_top)
             chunks.append(self._chunk(

@@ -60,6 +60,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config, args))
     except KeyboardInterrupt:
         return 0
+    except RuntimeError as exc:  # the engine failed to start: its log says why
+        logging.getLogger("slipstream.serve").error("%s", exc)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ def _prompts(req: CompletionRequest, ctx: ServeContext) -> list[tuple[str, list[
         else:
             ids = list(item)
             ctx.check_token_ids(ids, "prompt")
-            text = ctx.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else ""
+            text = ctx.decode(ids) if req.echo else ""
         if not ids:
             raise APIError("prompt is empty: give at least one token", param="prompt")
         out.append((text, ids))
@@ -86,6 +86,8 @@ async def create_completion(req: CompletionRequest, raw_request: Request,
     _check_request(req, ctx)
     prompts = _prompts(req, ctx)
     params = [completion_params(req, len(ids), ctx.limits) for _, ids in prompts]
+    if ctx.tokenizer is None and params[0].stop:
+        raise APIError("stop strings need a tokenizer; this model has none", param="stop")
     request_id = random_id("cmpl")
     sub_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     streams = []
@@ -178,9 +180,6 @@ class _CompletionJob:
         if delta is None:
             return None
         text = delta.text
-        if not (text or delta.finish_reason or delta.first
-                or (self.req.logprobs is not None and delta.token_ids)):
-            return None  # tokens that do not make a whole character yet
         logprobs = None
         if self.req.logprobs is not None:
             ids, lps = delta.token_ids, list(delta.logprobs or [])

@@ -50,7 +50,15 @@ class ServeContext:
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer: send the prompt as token ids",
+                           param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size

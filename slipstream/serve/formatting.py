@@ -92,6 +92,8 @@ class TokenText:
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
+        if text is None and self._tokenizer is None:
+            return f"token_id:{token_id}"
         if text is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             if len(self._cache) < 100_000:

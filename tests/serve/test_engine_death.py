@@ -1,10 +1,14 @@
 """Killing the engine process: in-flight requests fail with an error (503 / an error event),
 /health turns 503, and the server exits non-zero instead of hanging.
+
+This server runs a model directory with no tokenizer (as dummy-weight benchmark models are), so
+it also checks token-id-only serving.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -13,12 +17,32 @@ import httpx
 
 from tests.serve.conftest import MODEL, start_server, stop_server
 
-LONG = {"model": MODEL, "prompt": "keep going", "max_tokens": 100, "ignore_eos": True}
+LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
+
+
+def _without_tokenizer(model_dir, dest):
+    dest.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model_dir / name, dest / name)
+    return dest
+
+
+def _check_token_id_serving(base_url: str) -> None:
+    text = httpx.post(base_url + "/v1/completions", json={**LONG, "prompt": "words"})
+    assert text.status_code == 400 and "tokenizer" in text.json()["error"]["message"]
+    ids = httpx.post(base_url + "/v1/completions",
+                     json={**LONG, "max_tokens": 3, "logprobs": 1}, timeout=60)
+    assert ids.status_code == 200, ids.text
+    out = ids.json()
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
 
 
 def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path):
-    handle = start_server(tiny_model_dir, tmp_path / "server.log", api_key=None)
+    bare = _without_tokenizer(tiny_model_dir, tmp_path / "bare")
+    handle = start_server(bare, tmp_path / "server.log", api_key=None)
     try:
+        _check_token_id_serving(handle.base_url)
         engine_pid = handle.engine_pid()
         assert engine_pid is not None
         results: dict = {}

@@ -1,0 +1,191 @@
+"""Triton dequant-GEMV for decode: out = x @ (q * scale[:, None])^T (+ bias), M <= 16.
+
+The weight q [N, K] is INT8 (or FP8 E4M3) with one float32 scale per output channel. It is read
+once, converted in registers, and the scale is applied to each program's partial sum (the scale
+does not depend on k). Split-K and its in-kernel reduction are those of kernels/gemv.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.gemv import (
+    MAX_M,
+    GemvConfig,
+    _counters,
+    _finish,
+    _load_w_tile,
+    _split_k,
+)
+
+QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+    """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PREFETCH:
+        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:
+            w = w_next
+            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        else:
+            w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_ptr + k + offs_k)
+        else:
+            x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < k_hi, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    scale = tl.load(s_ptr + rows)
+    part = (tl.sum(acc, 1) * scale)[None, :]
+    offs_m = tl.arange(0, 1)
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k)
+        else:
+            k_ok = k + offs_k < k_hi
+            w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+        # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
+    scale = tl.load(s_ptr + rows)
+    _finish(acc * scale[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m,
+            offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+def default_qconfig(m: int) -> GemvConfig:
+    """One-byte weights: twice gemv's K tile at M == 1 keeps the bytes per load the same."""
+    if m == 1:
+        return GemvConfig(block_n=8, block_k=1024, num_warps=4, prefetch=True)
+    return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+
+
+def candidate_qconfigs(m: int) -> list[GemvConfig]:
+    """The few configs qlinear_small measures per shape (each one a compile at start-up)."""
+    if m == 1:
+        tiles = [(8, 1024, 4, True), (16, 1024, 4, False), (8, 2048, 8, False),
+                 (32, 512, 4, True), (4, 2048, 4, False), (16, 512, 4, True)]
+        return [GemvConfig(bn, bk, 0, w, 1, pf) for bn, bk, w, pf in tiles]
+    tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
+    return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
+
+
+_QCHOICES: dict[tuple, GemvConfig] = {}
+
+
+def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA."""
+    k = x.shape[-1]
+    m = x.numel() // k
+    bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
+    key = (bucket, qweight.shape[0], k, x.dtype, qweight.dtype, x.device.index)
+    cfg = _QCHOICES.get(key)
+    if cfg is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return qgemv(x, qweight, scale, bias)
+        cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype)
+    return qgemv(x, qweight, scale, bias, cfg)
+
+
+def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             dtype: torch.dtype) -> GemvConfig:
+    import triton.testing
+
+    x = torch.randn((m, qweight.shape[1]), device=qweight.device, dtype=dtype)
+    expect = qgemv_reference(x, qweight, scale, bias).float()
+    tol = 2e-2 * expect.abs().max().item()
+    best, best_ms = default_qconfig(m), float("inf")
+    for cfg in candidate_qconfigs(m):
+        try:
+            got = qgemv(x, qweight, scale, bias, cfg).float()
+            if not torch.allclose(got, expect, rtol=2e-2, atol=tol):
+                continue  # a miscompiled config must never be chosen
+            ms = triton.testing.do_bench(lambda cfg=cfg: qgemv(x, qweight, scale, bias, cfg),
+                                         warmup=5, rep=20, return_mode="median")
+        except Exception:  # e.g. out of shared memory for this tile
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best
+
+
+def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+          bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] * scale [N, 1])^T (+ bias), at most MAX_M rows of x."""
+    if qweight.dtype not in QUANT_WEIGHT_DTYPES:
+        raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"qgemv handles at most {MAX_M} rows, got {m}")
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scale = scale.float().contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config or default_qconfig(m)
+    split, per_split = _split_k(cfg, n, k, x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    b = bias if bias is not None else out
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
+            out.stride(0), per_split, split)
+    if m == 1:
+        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+    else:
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
+    return out.view(*x.shape[:-1], n)
+
+
+def qgemv_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch twin: dequantize, then F.linear in float32."""
+    w = qweight.float() * scale.float()[:, None]
+    out = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)

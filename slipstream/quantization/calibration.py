@@ -1,0 +1,116 @@
+"""Calibration for post-training quantization: sample texts, run the float model, record the
+inputs of every linear layer (per-channel max and mean magnitude, plus a row sample for AWQ).
+
+Runs through LLM.generate (one output token per sample), so the prefill path computes the stats.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Built-in calibration set: mixed code and prose, since the default model is a code model.
+BUILTIN_TEXTS = (
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "The quick brown fox jumps over the lazy dog. Every sentence of this kind holds each letter.",
+    "import numpy as np\n\ndef softmax(x):\n    e = np.exp(x - x.max())\n    return e / e.sum()\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "Quantization stores each weight in fewer bits; a scale per channel keeps the error small.",
+    "for (int i = 0; i < n; ++i) {\n    sum += a[i] * b[i];\n}\nreturn sum;\n",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name HAVING COUNT(*) > 10 ORDER BY 2 DESC;",
+    "def binary_search(xs, target):\n    lo, hi = 0, len(xs) - 1\n    while lo <= hi:\n"
+    "        mid = (lo + hi) // 2\n        if xs[mid] == target:\n            return mid\n",
+    "A language model predicts the next token from the ones before it, one step at a time.",
+    "async def fetch(session, url):\n    async with session.get(url) as response:\n"
+    "        return await response.text()\n",
+)
+MAX_ROWS = 512  # rows of each layer's input kept for the AWQ loss (memory: rows * K floats)
+
+
+def load_calib_texts(path: str | Path | None, num_samples: int) -> list[str]:
+    """Texts from a .jsonl ({"text": ...} per line), .json (list of strings) or plain text file
+    (blank-line separated); the built-in set when path is None. At most num_samples."""
+    if path is None:
+        texts = list(BUILTIN_TEXTS)
+    else:
+        p = Path(path)
+        raw = p.read_text(encoding="utf-8")
+        if p.suffix == ".jsonl":
+            texts = [json.loads(line)["text"] for line in raw.splitlines() if line.strip()]
+        elif p.suffix == ".json":
+            texts = [str(t) for t in json.loads(raw)]
+        else:
+            texts = [t for t in raw.split("\n\n") if t.strip()]
+    if not texts:
+        raise ValueError(f"no calibration texts in {path}")
+    return texts[:num_samples]
+
+
+@dataclass
+class LayerStats:
+    """Input statistics of one linear layer over the calibration tokens."""
+
+    absmax: torch.Tensor  # [K] float32
+    abssum: torch.Tensor  # [K] float32
+    count: int = 0
+    rows: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def absmean(self) -> torch.Tensor:
+        return self.abssum / max(self.count, 1)
+
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows)[:MAX_ROWS]
+
+
+def _record(stats: dict[str, LayerStats], name: str, x: torch.Tensor) -> None:
+    x = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+    s = stats.get(name)
+    if s is None:
+        s = stats[name] = LayerStats(torch.zeros(x.shape[1]), torch.zeros(x.shape[1]))
+    s.absmax = torch.maximum(s.absmax, x.abs().amax(dim=0))
+    s.abssum += x.abs().sum(dim=0)
+    s.count += x.shape[0]
+    kept = sum(r.shape[0] for r in s.rows)
+    if kept < MAX_ROWS:
+        s.rows.append(x[: MAX_ROWS - kept].clone())
+
+
+def calibration_prompts(tokenizer, texts: list[str], max_len: int, vocab_size: int,
+                        seed: int = 0) -> list[list[int]]:
+    """Token ids per text, cut to max_len; seeded random ids when there is no tokenizer."""
+    if tokenizer is None:
+        logger.warning("no tokenizer: calibrating on random token ids")
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randint(3, vocab_size, (min(max_len, 64),), generator=g).tolist()
+                for _ in texts]
+    return [tokenizer.encode(t)[:max_len] or [0] for t in texts]
+
+
+@torch.no_grad()
+def collect_linear_stats(llm, texts: list[str], max_len: int = 512) -> dict[str, LayerStats]:
+    """Run each text through `llm` (an LLM) and return input stats per linear-layer name."""
+    from slipstream.layers.linear import LinearBase
+    from slipstream.sampling_params import SamplingParams
+
+    model: nn.Module = llm.engine.runner.model
+    stats: dict[str, LayerStats] = {}
+    handles = [module.register_forward_pre_hook(
+                   lambda mod, args, name=name: _record(stats, name, args[0]))
+               for name, module in model.named_modules() if isinstance(module, LinearBase)]
+    try:
+        vocab = llm.engine_config.model.vocab_size
+        prompts = calibration_prompts(llm.tokenizer, texts, max_len, vocab)
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats

@@ -1,0 +1,61 @@
+"""`slipstream quantize`: post-training quantization of a checkpoint directory into a new one.
+
+The lead wires `add_quantize_parser(subparsers)` into slipstream/cli.py; the output directory
+loads with `LLM(model=OUTPUT)` (its config.json carries the quantization_config).
+"""
+from __future__ import annotations
+
+import argparse
+
+from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
+
+
+def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "quantize", help="quantize a checkpoint (int8_wo, fp8, int4_awq, w8a8_sq) into a new one",
+        description="Post-training quantization. Calibrates on --calib-data (built-in texts when "
+                    "omitted) for the methods that need it, writes a checkpoint to --output.")
+    p.add_argument("--model", default=None, help="source checkpoint directory "
+                   "(default: the embedded model)")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--calib-data", default=None,
+                   help=".jsonl ({'text': ...} per line), .json (list of strings) or text file")
+    p.add_argument("--num-calib-samples", type=int, default=128)
+    p.add_argument("--max-calib-len", type=int, default=512, help="tokens per sample at most")
+    p.add_argument("--group-size", type=int, default=128, help="int4_awq: input channels per scale")
+    p.add_argument("--no-awq", dest="awq", action="store_false",
+                   help="int4_awq: plain round-to-nearest, no activation-aware scale search")
+    p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="only 'auto' for now: KV-cache quantization is not implemented")
+    p.add_argument("--device", default="cpu", help="where calibration and quantization run")
+    p.set_defaults(func=run_quantize)
+    return p
+
+
+def _options(ns: argparse.Namespace) -> dict:
+    if ns.method == "int4_awq":
+        return {"group_size": ns.group_size, "awq": ns.awq}
+    if ns.method == "w8a8_sq":
+        return {"alpha": ns.alpha}
+    return {}
+
+
+def run_quantize(ns: argparse.Namespace) -> int:
+    if ns.kv_cache_dtype != "auto":
+        raise SystemExit("slipstream quantize: --kv-cache-dtype other than 'auto' is not "
+                         "supported yet")
+    if ns.num_calib_samples < 1:
+        raise SystemExit("--num-calib-samples must be at least 1")
+    model = ns.model
+    if model is None:
+        from slipstream.assets import default_model_path
+
+        model = str(default_model_path())
+    out = quantize_checkpoint(model, ns.method, ns.output, calib_data=ns.calib_data,
+                              num_calib_samples=ns.num_calib_samples,
+                              max_calib_len=ns.max_calib_len, device=ns.device,
+                              options=_options(ns))
+    print(f"wrote {ns.method} checkpoint to {out}")
+    return 0

@@ -1,0 +1,133 @@
+"""fp8: W8A8 with FP8 E4M3 weights (per-channel scales) and dynamic per-token FP8 activations.
+
+Large batches run torch._scaled_mm (row-wise scales); decode-size batches stream the FP8 weight
+through the Triton dequant-GEMV with bf16 activations (same bytes, cuBLAS FP8 is slow at M=1).
+Loads HF FP8 checkpoints (`quant_method: fp8`) with per-tensor or per-channel weight scales.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.quantization.base import QuantMethod, register_quant_method
+from slipstream.quantization.int8_wo import _SMALL_M, _qlinear_small
+from slipstream.quantization.utils import (
+    FP8_DTYPE,
+    check_checkpoint_method,
+    new_param,
+    packed_shard_loader,
+    quant_config_of,
+    quantize_fp8_per_channel,
+    quantize_per_token,
+    replace_param,
+)
+
+CHECKPOINT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                     "weight_scale": "per_channel"}
+MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 matmuls need compute capability 8.9+ (Ada / Hopper): say so instead of failing later."""
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if cap < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise RuntimeError(f"quantization='fp8' needs a GPU of compute capability >= 8.9; "
+                           f"{name} has {cap[0]}.{cap[1]} (use 'int8_wo' or no quantization)")
+
+
+class Fp8LinearMethod(QuantMethod):
+    """weight fp8 [N, K], weight_scale float32 [N]; activations quantized per token at run time."""
+
+    def __init__(self, prequantized: bool = False, static_input_scale: bool = False):
+        self.prequantized = prequantized
+        self.static_input_scale = static_input_scale
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        check_fp8_device(torch.empty(0).device)  # the device the model is being built on
+        n = sum(output_sizes)
+        if not self.prequantized:
+            layer.register_parameter("weight", new_param(
+                torch.empty(n, input_size, dtype=params_dtype), output_dim=0, input_dim=1))
+            return
+        layer.register_parameter("weight", new_param(
+            torch.empty(n, input_size, dtype=FP8_DTYPE), output_dim=0, input_dim=1))
+        # Per-tensor checkpoint scales (one per q/k/v shard) broadcast over the shard's rows.
+        layer.register_parameter("weight_scale", new_param(
+            torch.empty(n, dtype=torch.float32), output_dim=0,
+            weight_loader=packed_shard_loader(output_sizes, 0, broadcast_scalar=True)))
+        if self.static_input_scale:  # accepted, unused: activation scales are computed per token
+            layer.register_parameter("input_scale", new_param(
+                torch.empty(len(output_sizes), dtype=torch.float32),
+                weight_loader=_per_shard_scalar_loader))
+
+    @torch.no_grad()
+    def process_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.dtype == FP8_DTYPE:
+            return
+        q, scale = quantize_fp8_per_channel(layer.weight.data)
+        replace_param(layer, "weight", q, output_dim=0, input_dim=1)
+        replace_param(layer, "weight_scale", scale, output_dim=0)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+        return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}
+
+
+def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+    param.data[shard or 0] = loaded.reshape(-1)[0]
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ (qweight * scale)^T (+ bias); W8A8 with per-token activation scales."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], qweight.shape[0]
+    if x.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
+        return _qlinear_small()(x, qweight, scale, bias)
+    if x.is_cuda and k % 16 == 0 and n % 16 == 0 and m > 0:
+        out = _scaled_mm_linear(x2, qweight, scale)
+    else:
+        out = fp8_linear_reference(x2, qweight, scale)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _scaled_mm_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    xq, x_scale = quantize_per_token(x2, FP8_DTYPE)
+    # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
+    return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                            out_dtype=torch.bfloat16)
+
+
+def fp8_linear_reference(x2: torch.Tensor, qweight: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """The oracle: quantize x per token to FP8, then float32 math on the dequantized operands."""
+    xq, x_scale = quantize_per_token(x2, FP8_DTYPE)
+    return F.linear(xq.float() * x_scale, qweight.float() * scale.float()[:, None])
+
+
+@register_quant_method("fp8")
+def make_fp8(hf_config: dict):
+    prequantized = check_checkpoint_method("fp8", hf_config)
+    qc = quant_config_of(hf_config)
+    static = prequantized and qc.get("activation_scheme", "dynamic") == "static"
+    return lambda prefix: Fp8LinearMethod(prequantized, static)
+
+
+def make_method() -> Fp8LinearMethod:
+    """A method that quantizes a loaded float weight (used by `slipstream quantize`)."""
+    return Fp8LinearMethod(prequantized=False)
+
+
+def checkpoint_config() -> dict:
+    return dict(CHECKPOINT_CONFIG)

@@ -1,0 +1,202 @@
+"""Quantize / dequantize helpers shared by the quant methods (plain torch: CPU reference math).
+
+Conventions: a linear weight is [N, K] (out, in); per-channel scales are float32 [N]; activation
+scales are float32 [M, 1]; INT4 values are groupwise along K with a zero point (AWQ style).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INT8_MAX = 127.0
+_TINY = 1e-12  # all-zero rows/tokens get scale _TINY instead of 0 (no division by zero)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8: (q int8 [N, K], scale float32 [N]); w ~= q * scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
+    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8 E4M3: (q [N, K], scale float32 [N]); w ~= q * scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] (int8 or fp8) times scale [N] -> dtype."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row (token) activation quantization: (q [M, K], scale float32 [M, 1])."""
+    qmax = FP8_MAX if qdtype == FP8_DTYPE else INT8_MAX
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(_TINY)
+    y = (x / scale).clamp_(-qmax, qmax)
+    if qdtype == torch.int8:
+        y = torch.round(y)
+    return y.to(qdtype), scale
+
+
+# --- INT4 groupwise (asymmetric, zero point), canonical layout: values 0..15 ---------------------
+
+def quantize_int4_groupwise(w: torch.Tensor, group_size: int,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K] in 0..15, scales float32 [N, K/G], zeros uint8 [N, K/G]); RTN.
+
+    w ~= (q - zero) * scale within each group of `group_size` input channels.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"INT4 groupwise: input size {k} is not a multiple of group {group_size}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo = g.amin(dim=2).clamp(max=0.0)
+    hi = g.amax(dim=2).clamp(min=0.0)  # the range always holds 0, so zeros stay exact
+    scale = ((hi - lo) / 15.0).clamp_min(1e-8)
+    zero = torch.round(-lo / scale).clamp_(0, 15)
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp_(0, 15)
+    return q.reshape(n, k).to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_int4_groupwise: q [N, K], scales/zeros [N, K/G] -> [N, K]."""
+    n, k = q.shape
+    groups = scales.shape[1]
+    g = q.float().reshape(n, groups, k // groups)
+    w = (g - zeros.float()[..., None]) * scales.float()[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] values 0..15 -> uint8 [N, K/2]: even k in the low nibble, odd k in the high one."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4_rows."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+# --- AutoAWQ (GEMM) and GPTQ int32 packing -------------------------------------------------------
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def pack_int32_cols(q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """[R, C] values 0..15 -> int32 [R, C/8]; nibble i of each word holds column order[i]."""
+    r, c = q.shape
+    cols = q.to(torch.int64).reshape(r, c // 8, 8)
+    word = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i, col in enumerate(order):
+        word |= cols[..., col] << (4 * i)
+    return _to_int32(word)
+
+
+def unpack_int32_cols(packed: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Inverse of pack_int32_cols -> uint8 [R, C]."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(*packed.shape, 8, dtype=torch.uint8)
+    for i, col in enumerate(order):
+        out[..., col] = ((words >> (4 * i)) & 0xF).to(torch.uint8)
+    return out.reshape(packed.shape[0], -1)
+
+
+def _to_int32(word: torch.Tensor) -> torch.Tensor:
+    """Reinterpret the low 32 bits as a signed int32 (checkpoints store packed words signed)."""
+    word = word & 0xFFFFFFFF
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+# --- parameters and fused-shard loading ----------------------------------------------------------
+
+def new_param(data: torch.Tensor, output_dim: int | None = None, input_dim: int | None = None,
+              weight_loader: Callable | None = None) -> nn.Parameter:
+    """A frozen parameter carrying the loader attributes of QuantMethod's contract."""
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim, p.input_dim = output_dim, input_dim
+    if weight_loader is not None:
+        p.weight_loader = weight_loader
+    return p
+
+
+def replace_param(layer: nn.Module, name: str, data: torch.Tensor,
+                  output_dim: int | None = None, input_dim: int | None = None) -> None:
+    """Swap `layer.<name>` for a new parameter (frees the old storage once unreferenced)."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    layer.register_parameter(name, new_param(data, output_dim, input_dim))
+
+
+def packed_shard_loader(output_sizes: list[int], out_dim: int, pack: int = 1,
+                        broadcast_scalar: bool = False) -> Callable:
+    """weight_loader for a fused parameter whose output dim is packed `pack` values per element.
+
+    broadcast_scalar: a one-element checkpoint tensor (a per-tensor scale) fills the whole shard.
+    Tensor parallelism is not handled here (these checkpoints load at tp_size 1).
+    """
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        dest = param.data
+        if shard is not None:
+            offset = sum(output_sizes[:shard]) // pack
+            dest = dest.narrow(out_dim, offset, output_sizes[shard] // pack)
+        if broadcast_scalar and loaded.numel() == 1:
+            dest.fill_(loaded.reshape(()).item())
+            return
+        loaded = loaded.reshape(dest.shape) if loaded.numel() == dest.numel() else loaded
+        if dest.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs "
+                             f"parameter slice {tuple(dest.shape)}")
+        dest.copy_(loaded)
+
+    return load
+
+
+def quant_config_of(hf_config: dict | None) -> dict:
+    """The checkpoint's `quantization_config` (or {} when it is not pre-quantized)."""
+    return dict((hf_config or {}).get("quantization_config") or {})
+
+
+# checkpoint quant_method -> slipstream method that loads it
+_CHECKPOINT_METHODS = {"int8_wo": "int8_wo", "fp8": "fp8", "awq": "int4_awq", "gptq": "int4_awq",
+                       "int4_awq": "int4_awq", "w8a8_sq": "w8a8_sq"}
+
+
+def detect_quant_method(hf_config: dict | None) -> str | None:
+    """The method that loads a pre-quantized checkpoint (None: not quantized).
+
+    Unknown layouts are an error rather than a silent load of packed integers as floats.
+    """
+    qc = quant_config_of(hf_config)
+    if not qc:
+        return None
+    name = str(qc.get("quant_method", "")).lower()
+    if name not in _CHECKPOINT_METHODS:
+        raise ValueError(f"checkpoint quantization_config.quant_method={name!r} is not supported; "
+                         f"supported: {', '.join(sorted(_CHECKPOINT_METHODS))}")
+    return _CHECKPOINT_METHODS[name]
+
+
+def check_checkpoint_method(method: str, hf_config: dict | None) -> bool:
+    """True when the checkpoint is pre-quantized for `method`; error when it is for another one."""
+    found = detect_quant_method(hf_config)
+    if found is None:
+        return False
+    if found != method:
+        raise ValueError(f"quantization={method!r} asked for, but the checkpoint is already "
+                         f"quantized with {found!r}; pass quantization={found!r} or None")
+    return True

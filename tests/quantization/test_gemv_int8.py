@@ -1,0 +1,86 @@
+"""Triton dequant-GEMV (kernels/gemv_int8.py) against its reference twin.
+
+CPU: Triton's interpreter with float32 activations (bf16 tl.dot is wrong in the interpreter).
+GPU (`-m gpu`): bf16 activations, INT8 and FP8 weights, the Llama-3.1-8B layer shapes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels import gemv_int8
+from slipstream.kernels.gemv import GemvConfig
+from slipstream.quantization import utils
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _qweight(n: int, k: int, dtype: torch.dtype, device: str = "cpu"):
+    w = torch.randn(n, k, device=device)
+    if dtype == torch.int8:
+        return utils.quantize_int8_per_channel(w)
+    return utils.quantize_fp8_per_channel(w)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 37, 300), (1, 64, 1024), (3, 50, 333), (16, 65, 256)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None:
+    x = torch.randn(m, k)
+    q, s = _qweight(n, k, torch.int8)
+    b = torch.randn(n) if with_bias else None
+    got = gemv_int8.qgemv(x, q, s, b)
+    want = gemv_int8.qgemv_reference(x.double(), q, s, None if b is None else b.double())
+    assert got.shape == (m, n) and _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=16, block_k=64, split_k=5),
+                                 GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True)])
+@pytest.mark.parametrize("m", [1, 4])
+def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
+    x = torch.randn(m, 300)
+    q, s = _qweight(45, 300, torch.int8)
+    got = gemv_int8.qgemv(x, q, s, None, cfg)
+    assert _rel(got, gemv_int8.qgemv_reference(x.double(), q, s)) < 1e-5
+    torch.testing.assert_close(gemv_int8.qgemv(x, q, s, None, cfg), got, atol=0, rtol=0)
+
+
+def test_qgemv_rejects_float_weights() -> None:
+    with pytest.raises(TypeError):
+        gemv_int8.qgemv(torch.randn(1, 8), torch.randn(4, 8), torch.ones(4))
+
+
+_SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("k,n", _SHAPES_8B + [(333, 50)])
+def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
+    if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s = _qweight(n, k, wdtype, "cuda")
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = gemv_int8.qgemv_reference(x.float(), q, s, b.float())
+    assert _rel(gemv_int8.qgemv(x, q, s, b), want) < 1e-2
+    assert _rel(gemv_int8.qlinear_small(x, q, s, b), want) < 1e-2  # the measured config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 17, 256])
+def test_int8_and_fp8_linear_gpu(m: int) -> None:
+    from slipstream.quantization.fp8 import fp8_linear, fp8_linear_reference
+    from slipstream.quantization.int8_wo import int8_linear
+
+    k, n = 4096, 6144
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s = _qweight(n, k, torch.int8, "cuda")
+    want = gemv_int8.qgemv_reference(x.float(), q, s)
+    assert _rel(int8_linear(x, q, s, None), want) < 1e-2
+    if torch.cuda.get_device_capability() >= (8, 9):
+        q8, s8 = _qweight(n, k, torch.float8_e4m3fn, "cuda")
+        want8 = fp8_linear_reference(x.float(), q8, s8)  # W8A8 oracle (small M is W8A16: closer)
+        assert _rel(fp8_linear(x, q8, s8, None), want8) < 3e-2

@@ -1,0 +1,114 @@
+"""Quant helpers and methods: round trips with error bounds, reference apply vs dequantized math."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from slipstream.quantization import utils
+from slipstream.quantization.base import get_quant_method_factory
+from slipstream.quantization.fp8 import fp8_linear_reference
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_int8_per_channel_round_trip() -> None:
+    w = torch.randn(64, 256) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different size
+    q, s = utils.quantize_int8_per_channel(w)
+    assert q.dtype == torch.int8 and s.shape == (64,)
+    err = (utils.dequantize_per_channel(q, s) - w).abs()
+    # Round to nearest: at most half a step per element, per row.
+    assert (err <= s[:, None] / 2 + 1e-6).all()
+    assert q.abs().amax(dim=1).eq(127).all()
+
+
+def test_fp8_per_channel_round_trip() -> None:
+    w = torch.randn(32, 128)
+    q, s = utils.quantize_fp8_per_channel(w)
+    assert q.dtype == utils.FP8_DTYPE
+    assert _rel(utils.dequantize_per_channel(q, s), w) < 0.04  # E4M3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("qdtype,bound", [(torch.int8, 0.01), (utils.FP8_DTYPE, 0.04)])
+def test_per_token_round_trip(qdtype: torch.dtype, bound: float) -> None:
+    x = torch.randn(9, 200) * torch.rand(9, 1) * 10
+    x[3] = 0.0  # an all-zero token must not divide by zero
+    q, s = utils.quantize_per_token(x, qdtype)
+    back = q.float() * s
+    assert torch.isfinite(back).all() and back[3].abs().max() == 0
+    assert _rel(back, x) < bound
+
+
+def test_int4_groupwise_round_trip_and_packing() -> None:
+    w = torch.randn(16, 256)
+    q, s, z = utils.quantize_int4_groupwise(w, 64)
+    assert q.max() <= 15 and s.shape == (16, 4) and z.shape == (16, 4)
+    err = (utils.dequantize_int4_groupwise(q, s, z) - w).abs().reshape(16, 4, 64)
+    assert (err <= s[..., None] / 2 + 1e-5).all()
+    assert torch.equal(utils.unpack_int4_rows(utils.pack_int4_rows(q)), q)
+    for order in (utils.AWQ_ORDER, tuple(range(8))):
+        packed = utils.pack_int32_cols(q, order)
+        assert packed.dtype == torch.int32 and packed.shape == (16, 32)
+        assert torch.equal(utils.unpack_int32_cols(packed, order), q)
+    # AWQ's documented interleave: the second nibble of a word is column 2.
+    one = torch.zeros(1, 8, dtype=torch.uint8)
+    one[0, 2] = 5
+    assert utils.pack_int32_cols(one, utils.AWQ_ORDER).item() == 5 << 4
+
+
+def _layer(method: str, fused: bool) -> torch.nn.Module:
+    factory = get_quant_method_factory(method, {})
+    if fused:
+        layer = QKVParallelLinear(64, 16, 4, 2, bias=True, params_dtype=torch.float32,
+                                  quant_method=factory("qkv"))
+    else:
+        layer = ColumnParallelLinear(64, 48, bias=True, params_dtype=torch.float32,
+                                     quant_method=factory("x"))
+    w = torch.randn(layer.output_size, 64)
+    for shard in range(len(layer.output_sizes)) if fused else [None]:
+        lo = sum(layer.output_sizes[:shard]) if fused else 0
+        size = layer.output_sizes[shard] if fused else layer.output_size
+        layer.weight_loader(layer.weight, w[lo:lo + size], shard)
+    layer.bias.data.normal_()
+    layer.quant_method.process_after_loading(layer)
+    return layer, w
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_int8_wo_apply_matches_dequantized(fused: bool) -> None:
+    layer, w = _layer("int8_wo", fused)
+    assert layer.weight.dtype == torch.int8
+    x = torch.randn(5, 64)
+    deq = utils.dequantize_per_channel(layer.weight, layer.weight_scale)
+    torch.testing.assert_close(layer(x), F.linear(x, deq, layer.bias), rtol=1e-5, atol=1e-5)
+    assert _rel(layer(x), F.linear(x, w, layer.bias)) < 0.01  # vs the unquantized layer
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_apply_matches_dequantized(fused: bool) -> None:
+    layer, w = _layer("fp8", fused)
+    assert layer.weight.dtype == utils.FP8_DTYPE
+    x = torch.randn(5, 64)
+    # W8A8: the oracle quantizes x per token too.
+    xq, sx = utils.quantize_per_token(x, utils.FP8_DTYPE)
+    deq = utils.dequantize_per_channel(layer.weight, layer.weight_scale)
+    want = F.linear(xq.float() * sx, deq, layer.bias)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8_linear_reference(x, layer.weight, layer.weight_scale),
+                               want - layer.bias, rtol=1e-5, atol=1e-5)
+    assert _rel(layer(x), F.linear(x, w, layer.bias)) < 0.06
+
+
+def test_unknown_and_mismatched_methods_are_errors() -> None:
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        get_quant_method_factory("int3_magic", {})
+    hf = {"quantization_config": {"quant_method": "fp8"}}
+    with pytest.raises(ValueError, match="already quantized with 'fp8'"):
+        get_quant_method_factory("int8_wo", hf)
+    with pytest.raises(ValueError, match="not supported"):
+        utils.detect_quant_method({"quantization_config": {"quant_method": "bitsandbytes"}})
+    assert utils.detect_quant_method({"quantization_config": {"quant_method": "awq"}}) == "int4_awq"
+    assert utils.detect_quant_method({}) is None
