@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "metrics.json")
     p.add_argument("--archive", help="also write one .tar.gz with both models + metrics")
     p.add_argument("--tiny", action="store_true", help="CPU smoke scale: few files, tiny models")
-    p.add_argument("--time-budget-target", type=float, default=300.0, help="seconds")
-    p.add_argument("--time-budget-draft", type=float, default=120.0, help="seconds")
+    p.add_argument("--time-budget-target", type=float, default=240.0, help="seconds")
+    p.add_argument("--time-budget-draft", type=float, default=100.0, help="seconds")
     p.add_argument("--target-steps", type=int, help="fixed step count (else planned)")
     p.add_argument("--draft-steps", type=int, help="fixed step count (else planned)")
     p.add_argument("--max-epochs-target", type=float, default=40.0,

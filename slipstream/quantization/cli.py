@@ -24,6 +24,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-calib-samples", type=int, default=128)
     p.add_argument("--max-calib-len", type=int, default=512, help="tokens per sample at most")
     p.add_argument("--group-size", type=int, default=128, help="int4_awq: input channels per scale")
+    p.add_argument("--awq", dest="awq", action="store_true", default=True,
+                   help="int4_awq: activation-aware scale search (default)")
     p.add_argument("--no-awq", dest="awq", action="store_false",
                    help="int4_awq: plain round-to-nearest, no activation-aware scale search")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")

@@ -78,7 +78,8 @@ class Int4LinearMethod(QuantMethod):
             zeros = qu.unpack_int32_cols(qzeros, qu.AWQ_ORDER).t()
         else:
             q = qu.unpack_int32_cols(qweight.t().contiguous())  # packed along K
-            zeros = (qu.unpack_int32_cols(qzeros).t() + self.gptq_zero_offset).clamp_(0, 15)
+            # v1 stores zero - 1 in 4 bits: a zero of 0 wraps to 15 and back (mod 16).
+            zeros = (qu.unpack_int32_cols(qzeros).t() + self.gptq_zero_offset) & 0xF
             g_idx = layer.g_idx.data.cpu().long()
             if not torch.equal(g_idx, torch.arange(q.shape[1]) // self.group_size):
                 raise NotImplementedError("GPTQ act-order (desc_act, permuted g_idx) checkpoints "
@@ -181,13 +182,19 @@ def prepare_for_quantization(model: nn.Module, stats: dict, group_size: int = DE
         s = _scale(mlp.gate_up_proj, stats[f"{pre}.mlp.gate_up_proj"], group_size)
         layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight))
         s = _scale(mlp.down_proj, stats[f"{pre}.mlp.down_proj"], group_size)
-        up = mlp.gate_up_proj.weight[mlp.gate_up_proj.output_sizes[0]:]  # down's input = act*up
-        up.div_(s.to(up)[:, None])
+        _divide_rows(mlp.gate_up_proj, mlp.gate_up_proj.output_sizes[0], s)  # act(gate) * up
         v_rows = attn.qkv_proj.output_sizes[2]
         if v_rows == attn.o_proj.input_size:  # no GQA: o's input channels are v's output rows
             s = _scale(attn.o_proj, stats[f"{pre}.self_attn.o_proj"], group_size)
-            v = attn.qkv_proj.weight[-v_rows:]
-            v.div_(s.to(v)[:, None])
+            _divide_rows(attn.qkv_proj, attn.qkv_proj.output_size - v_rows, s)
+
+
+def _divide_rows(linear: nn.Module, start: int, s: torch.Tensor) -> None:
+    """Divide output rows start.. (and their bias) by s: the next layer's input shrinks by s."""
+    w = linear.weight.data[start:]
+    w.div_(s.to(w)[:, None])
+    if linear.bias is not None:
+        linear.bias.data[start:].div_(s.to(w))
 
 
 def _scale(linear: nn.Module, st, group_size: int) -> torch.Tensor:

@@ -104,3 +104,21 @@ def test_quantize_cli_rejects_kv_cache_dtype(tiny, tmp_path) -> None:
     with pytest.raises(SystemExit, match="kv-cache-dtype"):
         _run_cli(["quantize", "--model", str(tiny), "--method", "int8_wo",
                   "--output", str(tmp_path / "x"), "--kv-cache-dtype", "fp8"])
+
+
+def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, reference,
+                                                             tmp_path) -> None:
+    base, base_lps = reference
+    dlogp = {}
+    for flag in ("--awq", "--no-awq"):
+        out = tmp_path / flag
+        argv = ["quantize", "--model", str(tiny), "--method", "int4_awq", "--output", str(out),
+                "--num-calib-samples", "4"]
+        assert _run_cli(argv + ([flag] if flag == "--no-awq" else [])) == 0
+        config = json.loads((out / "config.json").read_text())
+        assert config["quantization_config"]["quant_method"] == "awq"
+        lps = _score(_llm(out, detect_quant_method(config)), prompts, base)[1]
+        dlogp[flag] = sum(abs(a - b) for a, b in zip(lps, base_lps)) / len(lps)
+    # Measured (seed 0): printed below on failure mean |logprob difference|.
+    assert dlogp["--awq"] <= dlogp["--no-awq"] * 1.05, dlogp
+    assert dlogp["--awq"] < 1.0, dlogp
