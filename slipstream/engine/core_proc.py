@@ -190,6 +190,21 @@ class EngineLoop:
             self._last_stats = now
 
 
+def _leave_a_core_for_the_front_end(config: EngineConfig) -> None:
+    """On a CPU engine, run torch on all cores but one (unless OMP_NUM_THREADS says otherwise).
+
+    The front end detokenizes while the engine steps; if torch's OpenMP team spans every core,
+    each parallel region waits for a thread the OS has parked behind the front end, and a 10 ms
+    step becomes hundreds of milliseconds.
+    """
+    if not config.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+
+
 def _watch_parent() -> None:
     """Exit as soon as stdin closes: the front end died or shut us down."""
     def watch() -> None:
@@ -212,6 +227,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     try:
         from slipstream.engine.core import EngineCore
 
+        _leave_a_core_for_the_front_end(config)
         core = EngineCore(config)
         outbox.send(pack({"t": "ready", "stats": core.get_stats()}))
         EngineLoop(core, inbox, outbox).run()

@@ -138,8 +138,10 @@ def test_non_streaming_disconnect_aborts(server, http):
     """A plain request whose client times out is aborted too (nothing left running)."""
     before = _aborts(http)
     engine_before = _engine_aborts(http)
-    body = {"model": MODEL, "prompt": "slow one", "max_tokens": 120, "ignore_eos": True}
-    client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=0.3)
+    # 16 samples x 120 tokens: far longer than the client's patience.
+    body = {"model": MODEL, "prompt": "slow one", "max_tokens": 120, "ignore_eos": True,
+            "n": 16}
+    client = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=0.2)
     try:
         client.post("/v1/completions", json=body)
     except httpx.TimeoutException:
@@ -152,5 +154,5 @@ def test_non_streaming_disconnect_aborts(server, http):
         time.sleep(0.1)
         idle, state = _engine_idle(http)
     assert idle, state
-    assert _aborts(http) == before + 1
-    assert _engine_aborts(http) == engine_before + 1
+    assert _aborts(http) == before + 16
+    assert _engine_aborts(http) == engine_before + 16
