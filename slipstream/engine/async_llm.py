@@ -97,7 +97,7 @@ class AsyncLLM:
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
-        self._outbox: asyncio.Queue[dict] = asyncio.Queue()
+        self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._proc: subprocess.Popen | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="slipstream-")
@@ -142,8 +142,10 @@ class AsyncLLM:
         output_addr = f"ipc://{self._ipc_dir}/out"
         self._to_engine.bind(input_addr)
         self._from_engine.bind(output_addr)
+        # Own session: a Ctrl-C on the terminal (or a signal to our process group) reaches the
+        # front end only, which then shuts the engine down in order.
         self._proc = subprocess.Popen([sys.executable, "-m", "slipstream.engine.core_proc"],
-                                      stdin=subprocess.PIPE)
+                                      stdin=subprocess.PIPE, start_new_session=True)
         header = {"config": config_to_dict(self.config), "input_addr": input_addr,
                   "output_addr": output_addr}
         self._proc.stdin.write(json.dumps(header).encode() + b"\n")
@@ -174,7 +176,7 @@ class AsyncLLM:
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         if self._proc is not None and self._proc.poll() is None and self._tasks:
-            self._outbox.put_nowait({"t": "shutdown"})
+            self._send({"t": "shutdown"})
             with contextlib.suppress(asyncio.TimeoutError, subprocess.TimeoutExpired):
                 await asyncio.wait_for(asyncio.to_thread(self._proc.wait, timeout_s), timeout_s)
         for task in self._tasks:
@@ -206,10 +208,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ socket loops
 
+    def _send(self, msg: dict) -> None:
+        """Queue a message for the engine, in order (packed here, so a bad value fails now)."""
+        self._outbox.put_nowait(pack(msg))
+
     async def _send_loop(self) -> None:
         while True:
-            msg = await self._outbox.get()
-            await self._to_engine.send(pack(msg))
+            data = await self._outbox.get()
+            await self._to_engine.send(data)
 
     async def _output_loop(self) -> None:
         try:
@@ -251,7 +257,7 @@ class AsyncLLM:
         self._record_token_stats(outputs, now)
         request_outputs, to_abort = self.output_processor.process(outputs)
         if to_abort:  # stop strings matched in the front end: free the engine's blocks now
-            self._outbox.put_nowait({"t": "abort", "ids": to_abort})
+            self._send({"t": "abort", "ids": to_abort})
         for ro in request_outputs:
             if ro.finished:
                 self._on_finished(ro, now)
@@ -308,13 +314,17 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority)
+        try:
+            add_msg = pack({"t": "add", "reqs": [encode_request(c) for c in children]})
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"the request holds a value the engine cannot take: {exc}") from exc
         self.output_processor.add(request_id, prompt if isinstance(prompt, str) else None,
                                   prompt_ids, params, children)
         stream = _RequestStream()
         self._streams[request_id] = stream
         for child in children:
             self._child_parent[child.request_id] = request_id
-        self._outbox.put_nowait({"t": "add", "reqs": [encode_request(c) for c in children]})
+        self._outbox.put_nowait(add_msg)
         if self.stat_logger is not None:
             self.stat_logger.on_request_start(len(prompt_ids))
         return self._iterate(request_id, stream)
@@ -354,7 +364,7 @@ class AsyncLLM:
             self._child_parent.pop(cid, None)
             self._last_token_time.pop(cid, None)
         if child_ids and not self.dead.is_set():
-            self._outbox.put_nowait({"t": "abort", "ids": child_ids})
+            self._send({"t": "abort", "ids": child_ids})
         if child_ids and record and self.stat_logger is not None:
             self.stat_logger.on_request_finished(["abort"] * len(child_ids), None, None)
 
@@ -364,7 +374,7 @@ class AsyncLLM:
             return dict(self.stats)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        self._outbox.put_nowait({"t": "stats"})
+        self._send({"t": "stats"})
         try:
             return dict(await asyncio.wait_for(asyncio.shield(fut), timeout_s))
         except (TimeoutError, EngineDeadError):

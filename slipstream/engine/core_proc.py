@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -245,6 +246,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("SLIPSTREAM_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine %(levelname)s %(message)s")
+    # The front end decides when we stop (shutdown message, or stdin EOF when it is gone); a
+    # SIGINT/SIGTERM sent to every process (systemd, a terminal) must not cut a step short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     header = json.loads(sys.stdin.buffer.readline())
     config = config_from_dict(EngineConfig, header["config"])
     _watch_parent()

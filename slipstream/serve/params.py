@@ -22,6 +22,7 @@ class ServeLimits:
     max_tokens: int | None = None  # None: up to the context length
     max_prompts: int = 32  # prompts in one batched /v1/completions request
     max_request_bytes: int = 4 * 1024 * 1024
+    vocab_size: int | None = None  # top_k at or above it means "off"
 
 
 def check_common(req: SamplingFields, limits: ServeLimits) -> None:
@@ -61,7 +62,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ServeLimi
     return requested
 
 
-def _base_kwargs(req: SamplingFields) -> dict:
+def _base_kwargs(req: SamplingFields, limits: ServeLimits) -> dict:
     kwargs: dict = dict(
         n=req.n,
         presence_penalty=req.presence_penalty or 0.0,
@@ -78,6 +79,8 @@ def _base_kwargs(req: SamplingFields) -> dict:
                           ("repetition_penalty", 1.0)):
         value = getattr(req, name)
         kwargs[name] = default if value is None else value
+    if limits.vocab_size is not None and kwargs["top_k"] >= limits.vocab_size:
+        kwargs["top_k"] = 0  # keeping every token is no top-k at all
     return kwargs
 
 
@@ -94,7 +97,7 @@ def _build(kwargs: dict) -> SamplingParams:
 def completion_params(req: CompletionRequest, prompt_len: int,
                       limits: ServeLimits) -> SamplingParams:
     check_logprobs(req.logprobs, limits, "logprobs")
-    kwargs = _base_kwargs(req)
+    kwargs = _base_kwargs(req, limits)
     kwargs["max_tokens"] = resolve_max_tokens(req.max_tokens, prompt_len, limits)
     kwargs["logprobs"] = req.logprobs
     if req.echo and req.logprobs is not None:
@@ -107,7 +110,7 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int,
     check_logprobs(req.top_logprobs, limits, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
-    kwargs = _base_kwargs(req)
+    kwargs = _base_kwargs(req, limits)
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"

@@ -54,7 +54,7 @@ class SamplingFields(StrictModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # accepted only when empty: not supported
     # Common extras beyond the OpenAI API.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     min_tokens: int = Field(0, ge=0)

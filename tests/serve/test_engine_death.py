@@ -10,12 +10,14 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 
-from tests.serve.conftest import MODEL, start_server, stop_server
+from tests.serve.conftest import MODEL, free_port, start_server, stop_server
 
 LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
 
@@ -88,3 +90,18 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path)
         assert handle.proc.wait(timeout=30) == 1, handle.log_tail()
     finally:
         stop_server(handle)
+
+
+def test_engine_start_failure_exits_nonzero(tiny_model_dir, tmp_path):
+    """A checkpoint the engine cannot load: the server says why and exits 1, no hang."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", broken / "config.json")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    port = free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream.serve", "--model", str(broken), "--port", str(port),
+         "--device", "cpu", "--max-model-len", "64", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "engine failed to start" in proc.stderr
