@@ -98,6 +98,9 @@ class SchedulerConfig:
     max_num_tokens: int = 2048  # token budget per step
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Decode steps run back to back on the GPU without a host round trip (pure-decode batches
+    # of greedy requests only); 1 = a host round trip every token.
+    decode_steps: int = 1
 
 
 @dataclass(frozen=True)

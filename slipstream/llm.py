@@ -25,6 +25,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
+        # Offline batches favour throughput: several greedy decode steps per host round trip.
+        kwargs.setdefault("decode_steps", 8)
         args = EngineArgs(model=model, **kwargs)
         self.engine_config = args.create_engine_config()
         self.tokenizer = _maybe_load_tokenizer(self.engine_config.tokenizer_path)

@@ -37,6 +37,7 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    decode_steps: int = 1
 
     def create_engine_config(self) -> EngineConfig:
         model_path = self.model or _default_model_path()
@@ -69,6 +70,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_tokens=self.max_num_tokens,
                 max_model_len=max_len,
+                decode_steps=self.decode_steps,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             quant=QuantConfig(method=self.quantization),
@@ -104,6 +106,9 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--quantization", default=None)
         g.add_argument("--kv-cache-dtype", default="auto")
+        g.add_argument("--decode-steps", type=int, default=1,
+                       help="decode steps per host round trip for greedy pure-decode batches "
+                            "(GPU multi-step decoding; the offline LLM API defaults to 8)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -112,7 +117,8 @@ class EngineArgs:
 
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:
-    for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size"):
+    for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size",
+                 "decode_steps"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -70,7 +70,11 @@ class EngineCore:
             sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        runner_out = self.runner.execute_model(sched_out)
+        num_steps = self._plan_decode_steps(sched_out)
+        if num_steps > 1:
+            runner_out = self.runner.execute_decode_steps(sched_out, num_steps)
+        else:
+            runner_out = self.runner.execute_model(sched_out)
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         for out in outputs:
@@ -81,8 +85,48 @@ class EngineCore:
                 self._requests.pop(out.request_id, None)
         return outputs
 
+    def _plan_decode_steps(self, sched_out) -> int:
+        """How many decode steps this batch may run without the host (1: the normal path).
+
+        Only pure-decode batches of greedy requests whose output needs no per-token host work
+        (no logprobs, penalties, stop strings, pending min_tokens) qualify; the blocks for the
+        extra steps are reserved here, and the scheduler cuts tokens after any stop.
+        """
+        steps = self.config.scheduler.decode_steps
+        seqs = sched_out.seqs
+        if steps <= 1 or not seqs or len(seqs) > self.runner.max_decode_batch:
+            return 1
+        max_len = self.config.scheduler.max_model_len
+        for seq in seqs:
+            request, params = seq.request, seq.request.sampling_params
+            if seq.num_tokens != 1 or not seq.needs_sample or not _multi_step_ok(request):
+                return 1
+            left = max_len - request.num_tokens
+            if params.max_tokens is not None:
+                left = min(left, params.max_tokens - request.num_output_tokens)
+            steps = min(steps, left)
+        if steps <= 1:
+            return 1
+        kv = self.scheduler.kv
+        for seq in seqs:
+            if not kv.allocate_slots(seq.request, steps):
+                for s in seqs:  # blocks already taken stay with their requests
+                    s.num_lookahead = 0
+                return 1
+            seq.block_ids = list(kv.get_block_ids(seq.request_id))
+            seq.num_lookahead = steps - 1
+        return steps
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
+
+
+def _multi_step_ok(request: Request) -> bool:
+    from slipstream.sampling.penalties import has_penalties
+
+    p = request.sampling_params
+    return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
+            and request.num_output_tokens >= p.min_tokens)

@@ -180,6 +180,8 @@ class OutputProcessor:
             state.prompt_logprobs.extend(out.prompt_logprobs)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if not out.new_token_ids:
+            if out.finish_reason is not None:  # e.g. aborted or failed before a new token
+                choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             return False
         if metrics.first_token_time is None:
             metrics.first_token_time = now

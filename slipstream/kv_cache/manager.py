@@ -159,7 +159,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        num_full = total_tokens // self.block_size
+        # Only blocks whose tokens are all known (multi-step decode reserves slots ahead).
+        num_full = min(total_tokens, request.num_tokens) // self.block_size
         start = self._num_hashed[rid]
         if num_full <= start:
             return

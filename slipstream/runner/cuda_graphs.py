@@ -44,7 +44,9 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, **i32)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), **i32)
         self.query_start_loc = torch.arange(b + 1, **i32)
-        self._host = torch.zeros((4 * b + b * max_blocks_per_seq,), dtype=torch.int64).pin_memory()
+        self._host = torch.zeros((4 * b + b * max_blocks_per_seq,), dtype=torch.int64)
+        if device.type == "cuda":
+            self._host = self._host.pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -87,6 +89,42 @@ class DecodeGraphs:
     def run(self, hb: HostBatch) -> torch.Tensor:
         """Replay for a pure-decode host batch; returns logits [num_seqs, vocab]."""
         n = len(hb.input_ids)
+        b = self._stage(hb)
+        return self._step(b)[:n]
+
+    def run_steps(self, hb: HostBatch, num_steps: int, block_size: int) -> torch.Tensor:
+        """`num_steps` greedy decode steps back to back, each argmax fed in as the next input.
+
+        Nothing waits for the host between steps: positions, sequence lengths and slots advance
+        on the device (the block tables already cover every step). Returns token ids
+        [num_steps, num_seqs] on the device; reading them is the one sync.
+        """
+        n = len(hb.input_ids)
+        b = self._stage(hb)
+        tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
+        rows = torch.arange(n, device=self.device)
+        for step in range(num_steps):
+            torch.argmax(self._step(b)[:n], dim=-1, out=tokens[step])
+            if step + 1 < num_steps:
+                self.input_ids[:n].copy_(tokens[step])
+                self.positions[:n].add_(1)
+                self.seq_lens[:n].add_(1)
+                pos = self.positions[:n]
+                block = self.block_tables[rows, pos // block_size].to(torch.int64)
+                self.slot_mapping[:n].copy_(block * block_size + pos % block_size)
+        return tokens
+
+    def _step(self, b: int) -> torch.Tensor:
+        """Logits of all b (padded) rows: a graph replay, or an eager forward when not captured."""
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.logits[b]
+        with torch.inference_mode():
+            return self._forward(b)
+
+    def _stage(self, hb: HostBatch) -> int:
+        """Copy a host batch into the static buffers (padded to a captured size); returns it."""
+        n = len(hb.input_ids)
         b = self.padded_size(n)
         width = hb.block_tables.shape[1]
         # One pinned staging buffer, one copy per field, all non-blocking.
@@ -109,6 +147,5 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(staged[2 * b : 3 * b])
         self.seq_lens[:b].copy_(staged[3 * b : 4 * b])
         self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
-        self.graphs[b].replay()
-        return self.logits[b][:n]
+        return b
 

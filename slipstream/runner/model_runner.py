@@ -36,6 +36,7 @@ class ModelRunner:
         self.num_blocks = 0
         self._sampler = None
         self._graphs = None
+        self._use_graph_replay = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
 
     # ---- set-up --------------------------------------------------------------------------
@@ -150,16 +151,44 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
     def capture_cuda_graphs(self) -> None:
-        """Record decode steps for the batch sizes the engine allows (CUDA, not enforce_eager)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        """Record decode steps for the batch sizes the engine allows (CUDA, not enforce_eager).
+
+        Without graphs (CPU, enforce_eager) the same static decode buffers still back
+        multi-step decoding when decode_steps > 1, running the model eagerly.
+        """
+        sched = self.config.scheduler
+        use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
+        if not use_graphs and sched.decode_steps <= 1:
             return
         from slipstream.runner.cuda_graphs import DecodeGraphs
 
-        sched = self.config.scheduler
         self._graphs = DecodeGraphs(
             self.model, self.kv_caches, self.device, max_batch_size=sched.max_num_seqs,
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
-        self._graphs.capture()
+        self._use_graph_replay = use_graphs
+        if use_graphs:
+            self._graphs.capture()
+
+    @property
+    def max_decode_batch(self) -> int:
+        """Largest batch the multi-step decode path takes (0: none)."""
+        return self._graphs.sizes[-1] if self._graphs is not None else 0
+
+    @torch.inference_mode()
+    def execute_decode_steps(self, sched: SchedulerOutput, num_steps: int) -> RunnerOutput:
+        """Greedy pure-decode batch, num_steps tokens per request in one host round trip.
+
+        The scheduler has reserved blocks for every step (ScheduledSeq.num_lookahead).
+        """
+        from slipstream.runner.input_batch import build_host_batch
+
+        hb = build_host_batch(sched.seqs, self.block_size)
+        with self.timer.phase("graph"):
+            tokens = self._graphs.run_steps(hb, num_steps, self.block_size).T.tolist()
+        out = RunnerOutput()
+        for seq, row in zip(sched.seqs, tokens, strict=True):
+            out.sampled_token_ids[seq.request_id] = row
+        return out
 
     def _max_blocks_per_seq(self) -> int:
         return -(-(self.config.scheduler.max_model_len + 1) // self.block_size)
@@ -167,7 +196,7 @@ class ModelRunner:
     def _decode_logits(self, sched: SchedulerOutput):
         """Logits from a replayed CUDA graph when the step is a pure decode, else None."""
         graphs = self._graphs
-        if graphs is None or len(sched.seqs) > graphs.sizes[-1]:
+        if graphs is None or not self._use_graph_replay or len(sched.seqs) > graphs.sizes[-1]:
             return None
         if any(s.num_tokens != 1 or not s.needs_sample for s in sched.seqs):
             return None

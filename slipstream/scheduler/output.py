@@ -15,6 +15,9 @@ class ScheduledSeq:
     start_pos: int  # == request.num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids))
     needs_sample: bool  # this chunk reaches the last known token: sample a new one
+    # Multi-step decode: extra tokens the runner feeds back on the device after the first
+    # (each sampled token becomes the next input), so num_lookahead + 1 tokens come back.
+    num_lookahead: int = 0
 
     @property
     def request_id(self) -> str:

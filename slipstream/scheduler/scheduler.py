@@ -261,7 +261,7 @@ class Scheduler:
             rid = request.request_id
             if request.status != RequestStatus.RUNNING or self.requests.get(rid) is not request:
                 continue  # aborted or preempted since it was scheduled
-            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            request.num_computed_tokens = seq.start_pos + seq.num_tokens + seq.num_lookahead
             new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
             prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
             if not new_ids and not prompt_lps:

@@ -128,3 +128,19 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
 def test_missing_model_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         LLM(str(tmp_path / "nope"), device="cpu")
+
+
+def test_multi_step_decode_equals_single_step(ckpt):
+    prompts = [[1, 2, 3], [7] * 40, [400, 9]]
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    single = LLM(str(ckpt), dtype="float32", device="cpu", decode_steps=1)
+    multi = LLM(str(ckpt), dtype="float32", device="cpu", decode_steps=8)
+    calls = []
+    run_steps = multi.engine.runner.execute_decode_steps
+    multi.engine.runner.execute_decode_steps = lambda s, k: calls.append(k) or run_steps(s, k)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
+    assert got == expected and all(len(t) == 21 for t in got)
+    assert calls == [8, 8, 4]  # 1 prefill token + 8 + 8 + 4 = 21, never past max_tokens
+    stats = multi.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
