@@ -55,14 +55,17 @@ run() {
   esac
 }
 
-run W1 60 latency --model llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
+WORKLOADS=${WORKLOADS:-"W1 W2 W3 W5"}   # run a subset, e.g. WORKLOADS="W1 W2"
+want() { [[ " $WORKLOADS " == *" $1 "* ]]; }
+
+want W1 && run W1 60 latency --model llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256 \
   --num-iters-warmup 1 --num-iters 3 $EXTRA
-run W2 180 throughput --model llama-3.1-8b --input-len 128 --output-len 128 \
+want W2 && run W2 180 throughput --model llama-3.1-8b --input-len 128 --output-len 128 \
   --num-requests "$W2_REQUESTS" --max-batch-size "$MAX_BATCH" --max-num-tokens "$MAX_TOKENS" \
   --baseline hf --hf-batch-size 256 --hf-num-requests "$W2_HF_REQUESTS" $EXTRA
-run W3 100 throughput --model llama-3.1-8b --input-len 1000 --output-len 1000 \
+want W3 && run W3 "${W3_CAP:-100}" throughput --model llama-3.1-8b --input-len 1000 --output-len 1000 \
   --num-requests "$W3_REQUESTS" --max-batch-size "$MAX_BATCH" --max-num-tokens "$MAX_TOKENS" $EXTRA
-run W5 110 throughput --model qwen3-0.6b --dataset w5 --max-batch-size "$MAX_BATCH" \
+want W5 && run W5 "${W5_CAP:-110}" throughput --model qwen3-0.6b --dataset w5 --max-batch-size "$MAX_BATCH" \
   --max-num-tokens "$MAX_TOKENS" --baseline hf --hf-batch-size 64 \
   --hf-num-requests "$W5_HF_REQUESTS" $EXTRA
 
