@@ -84,6 +84,9 @@ def _add_optional(sub) -> None:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+    from slipstream.quantization.cli import add_quantize_parser
+
+    add_quantize_parser(sub)
     try:
         from slipstream.bench.cli import add_bench_parsers
     except ImportError:

@@ -14,6 +14,7 @@ from slipstream.config import (
     QuantConfig,
     SchedulerConfig,
 )
+from slipstream.quantization.utils import detect_quant_method
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -73,7 +74,7 @@ class EngineArgs:
                 decode_steps=self.decode_steps,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            quant=QuantConfig(method=self.quantization),
+            quant=QuantConfig(method=self.quantization or detect_quant_method(model_cfg.hf_config)),
             device=device,
             dtype=dtype,
             seed=self.seed,
