@@ -30,7 +30,7 @@ def test_throughput_on_the_real_engine(tiny_model_dir, tmp_path, capsys):
     assert r["engine"]["max_batch_size"] == 4 and r["engine"]["load_format"] == "dummy"
     assert r["ttft_ms"]["count"] == 6 and r["ttft_ms"]["median"] > 0
     assert r["e2e_ms"]["p99"] >= r["ttft_ms"]["p99"]
-    assert r["steps"]["num_steps"] >= 5 and 1 <= r["steps"]["peak_running"] <= 4
+    assert r["steps"]["num_steps"] >= 2 and 1 <= r["steps"]["peak_running"] <= 4
     assert r["kv_cache"]["num_blocks"] and r["kv_cache"]["peak_used_blocks"] >= 4
     assert r["baseline"]["useful_output_tokens"] == 30 and r["ratio_vs_baseline"] > 0
     assert "ratio vs baseline" in capsys.readouterr().out
