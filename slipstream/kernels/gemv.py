@@ -176,7 +176,9 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
         tiles = [(8, 512, 0, 4, True), (16, 512, 0, 4, False), (8, 1024, 0, 4, False),
                  (32, 256, 0, 4, True), (16, 1024, 0, 8, False), (4, 1024, 0, 2, False),
-                 (16, 512, 1, 4, True)]
+                 (16, 512, 1, 4, True),
+                 # Narrow tiles without split: more programs in flight for N of 4-6k (o, qkv).
+                 (4, 512, 1, 2, True), (4, 256, 1, 2, True), (8, 256, 1, 4, True)]
         return [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles]
     tiles = [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (64, 256, 0, 4, 3), (64, 128, 1, 4, 4)]
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
