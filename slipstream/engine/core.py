@@ -28,6 +28,7 @@ class EngineCore:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.warmup()
         self.runner.capture_cuda_graphs()
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer

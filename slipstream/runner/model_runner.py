@@ -169,6 +169,26 @@ class ModelRunner:
         if use_graphs:
             self._graphs.capture()
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run a short prefill, a mixed prefill+decode batch and an eager decode once, so kernel
+        variants those shapes need are compiled at start-up rather than on the first requests."""
+        bs = self.block_size
+        nb = -(-(2 * bs + 1) // bs)
+        if self.model is None or self.num_blocks < 2 * nb:
+            return
+
+        def seq(i: int, n: int, start: int, first_block: int) -> ScheduledSeq:
+            req = Request(f"warmup-{i}", [1] * (start + n), SamplingParams(max_tokens=1))
+            return ScheduledSeq(req, [1] * n, start, list(range(first_block, first_block + nb)),
+                                True)
+
+        for seqs in ([seq(0, 2 * bs, 0, 0)], [seq(0, 17, 0, 0), seq(1, 1, bs, nb)],
+                     [seq(0, 1, bs, 0)]):
+            self.forward_logits(SchedulerOutput(seqs=seqs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def max_decode_batch(self) -> int:
         """Largest batch the multi-step decode path takes (0: none)."""
