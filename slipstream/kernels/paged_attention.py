@@ -253,7 +253,8 @@ def paged_attention(
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, splits, out.stride(0), out.stride(1),
-            SPLITS_P=triton.next_power_of_2(splits), BLOCK_D=block_d, HEAD_DIM=head_dim,
+            # Fixed width: a split count first seen mid-serving must not trigger a compile.
+            SPLITS_P=_MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
             num_warps=4,
         )
     return out
