@@ -48,17 +48,10 @@ class EngineCore:
         self._requests[request.request_id] = request
 
     def _validate(self, request: Request) -> None:
-        if not request.prompt_token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab = self.config.model.vocab_size
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        max_len = self.config.scheduler.max_model_len
-        if request.num_prompt_tokens >= max_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens but max_model_len is {max_len}: "
-                "the prompt must leave room for at least one output token")
+        from slipstream.engine.frontend import validate_prompt_tokens
+
+        validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
+                               self.config.scheduler.max_model_len)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -22,6 +22,19 @@ def child_request_id(request_id: str, index: int) -> str:
     return f"{request_id}-{index}"
 
 
+def validate_prompt_tokens(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """ValueError for a prompt that can never run: empty, unknown token ids, or too long."""
+    if not token_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}: "
+            "the prompt must leave room for at least one output token")
+
+
 def read_eos_token_ids(config: EngineConfig, tokenizer: Any | None) -> tuple[int, ...]:
     """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
     ids = list(config.model.eos_token_ids)
@@ -50,18 +63,8 @@ class InputProcessor:
         return [int(t) for t in prompt]
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
         vocab = self.config.model.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        max_len = self.config.scheduler.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
-                "the prompt must leave room for at least one output token"
-            )
+        validate_prompt_tokens(token_ids, vocab, self.config.scheduler.max_model_len)
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})")
