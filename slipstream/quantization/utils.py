@@ -200,3 +200,43 @@ def check_checkpoint_method(method: str, hf_config: dict | None) -> bool:
         raise ValueError(f"quantization={method!r} asked for, but the checkpoint is already "
                          f"quantized with {found!r}; pass quantization={found!r} or None")
     return True
+
+
+# --- per-input-channel scales folded into the op before each projection (AWQ, SmoothQuant) ------
+
+ScaleFn = Callable[[str, nn.Module], torch.Tensor]
+
+
+def divide_rows(linear: nn.Module, start: int, s: torch.Tensor) -> None:
+    """Divide output rows start.. (and their bias) by s: the next layer's input shrinks by s."""
+    w = linear.weight.data[start:]
+    w.div_(s.to(w)[:, None])
+    if linear.bias is not None:
+        linear.bias.data[start:].div_(s.to(w))
+
+
+@torch.no_grad()
+def fold_input_scales(model: nn.Module, scale_for: ScaleFn) -> None:
+    """Llama family: for qkv, gate_up, down (and o when v feeds it one-to-one, i.e. no GQA),
+    s = scale_for(name, linear) multiplies the linear's input channels and divides the op before
+    it (the norm weight; for down, the up half of gate_up, since act(gate) * up is linear in up;
+    for o, v's rows). The float model computes the same function; only quantization sees s.
+    """
+    def scale(name: str, linear: nn.Module) -> torch.Tensor:
+        s = scale_for(name, linear).float()
+        linear.weight.data.mul_(s.to(linear.weight)[None, :])
+        return s
+
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        s = scale(f"{pre}.self_attn.qkv_proj", attn.qkv_proj)
+        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight))
+        s = scale(f"{pre}.mlp.gate_up_proj", mlp.gate_up_proj)
+        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight))
+        s = scale(f"{pre}.mlp.down_proj", mlp.down_proj)
+        divide_rows(mlp.gate_up_proj, mlp.gate_up_proj.output_sizes[0], s)
+        v_rows = attn.qkv_proj.output_sizes[2]
+        if v_rows == attn.o_proj.input_size:
+            s = scale(f"{pre}.self_attn.o_proj", attn.o_proj)
+            divide_rows(attn.qkv_proj, attn.qkv_proj.output_size - v_rows, s)
