@@ -20,7 +20,7 @@ from slipstream.quantization.calibration import collect_linear_stats, load_calib
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8_wo", "fp8", "int4_awq")  # w8a8_sq: not yet written
+METHODS = ("int8_wo", "fp8", "int4_awq", "w8a8_sq")
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -12,7 +12,7 @@ from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "quantize", help="quantize a checkpoint (int8_wo, fp8, int4_awq) into a new one",
+        "quantize", help="quantize a checkpoint (int8_wo, fp8, int4_awq, w8a8_sq) into a new one",
         description="Post-training quantization. Calibrates on --calib-data (built-in texts when "
                     "omitted) for the methods that need it, writes a checkpoint to --output.")
     p.add_argument("--model", default=None, help="source checkpoint directory "

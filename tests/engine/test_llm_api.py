@@ -144,3 +144,14 @@ def test_multi_step_decode_equals_single_step(ckpt):
     assert calls == [8, 8, 4]  # 1 prefill token + 8 + 8 + 4 = 21, never past max_tokens
     stats = multi.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_n_samples_share_the_prompt_blocks(ckpt):
+    llm = LLM(str(ckpt), dtype="float32", device="cpu", block_size=16)
+    prompt = list(range(10, 74))  # 64 tokens: 3 full blocks shareable (the last is recomputed)
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 4 for c in out.outputs)
+    stats = llm.get_stats()
+    assert stats["prefix_cache_hits"] == 3 * 48  # children 1..3 reuse child 0's three blocks
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
