@@ -24,7 +24,10 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+        return _FINISH_REASONS[self]
+
+
+_FINISH_REASONS = (None, None, None, "stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)

@@ -91,6 +91,12 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the table already covers the new tokens.
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if total_tokens <= len(table) * self.block_size:
+                self._cache_full_blocks(request, table, total_tokens)
+                return True
         hits = new_computed_blocks or []
         if hits and table:
             raise ValueError(f"request {rid!r} already has blocks: prefix hits only on admission")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +70,8 @@ def stdlib_calib_texts(num_samples: int = STDLIB_SAMPLES, chars: int = STDLIB_CH
     base = Path(root or sysconfig.get_paths().get("stdlib") or "")
     if not base.is_dir():
         return []
-    paths = sorted(p for p in base.rglob("*.py")
-                   if not _STDLIB_SKIP.intersection(p.relative_to(base).parts[:-1]))
     texts: list[str] = []
+    paths = _stdlib_sources(base)
     step = max(1, len(paths) // max(num_samples, 1))
     for path in paths[::step]:
         if len(texts) >= num_samples:
@@ -84,6 +84,16 @@ def stdlib_calib_texts(num_samples: int = STDLIB_SAMPLES, chars: int = STDLIB_CH
         if len(text.strip()) >= chars // 4:  # skip near-empty __init__ files
             texts.append(text)
     return texts
+
+
+def _stdlib_sources(base: Path) -> list[Path]:
+    """Sorted *.py paths under base; skipped directories are pruned, never walked (a virtualenv's
+    site-packages can hold 100k files)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP and not d.startswith("config-")]
+        found += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(found)
 
 
 @dataclass

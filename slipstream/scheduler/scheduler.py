@@ -235,7 +235,8 @@ class Scheduler:
             request=request,
             token_ids=request.token_ids_slice(start, end),
             start_pos=start,
-            block_ids=list(self.kv.get_block_ids(request.request_id)),
+            # The live table, not a copy: the runner reads it before the next schedule().
+            block_ids=self.kv.get_block_ids(request.request_id),
             needs_sample=end == request.num_tokens,
         )
 
@@ -275,7 +276,9 @@ class Scheduler:
                 finish_reason=request.status.finish_reason,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                timestamps=_timestamps(request) if new_ids else {},
+                # Timestamps matter once: with the first tokens (and again at the end).
+                timestamps=_timestamps(request) if new_ids and (
+                    request.num_output_tokens == len(new_ids) or request.is_finished) else {},
             ))
             if request.is_finished:
                 self.running.remove(request)
