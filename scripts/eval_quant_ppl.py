@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "slipstream" / "assets" / "default_model"
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "2026-11-30-cpu" / "quant_accuracy.json"
 # Issue 6: relative perplexity increase allowed per method (int4 must also beat RTN with AWQ).
-TARGETS = {"int8_wo": 1.0, "fp8": 2.0, "int4_awq": 10.0}
+TARGETS = {"int8_wo": 1.0, "fp8": 2.0, "int4_awq": 10.0, "w8a8_sq": 5.0}
 # name -> (quantization passed to LLM, checkpoint: "float" or "awq")
 ROWS = {
     "none": (None, "float"),
@@ -38,6 +38,8 @@ ROWS = {
     "int4_rtn": ("int4_awq", "float"),
     "int4_awq": (None, "awq"),  # the quantized checkpoint's config selects the method
     "int4_awq_stdlib": (None, "awq_stdlib"),  # AWQ calibrated on stdlib training files
+    "w8a8_rtn": ("w8a8_sq", "float"),  # load time: plain per-channel W8A8, no smoothing
+    "w8a8_sq": (None, "sq"),  # `slipstream quantize --method w8a8_sq`, stdlib training calib
 }
 CALIB_FILES, CALIB_CHARS = 128, 8000
 
@@ -50,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows scored, spread evenly over all held-out windows (0: all)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--awq-checkpoint", help="an existing int4_awq checkpoint (skip quantize)")
-    p.add_argument("--calib-data", help="int4_awq row: passed to `slipstream quantize` "
+    p.add_argument("--calib-data", help="int4_awq / w8a8_sq rows: passed to `slipstream quantize` "
                    "(default: its built-in texts); int4_awq_stdlib always uses training files")
+    p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: SmoothQuant migration")
     p.add_argument("--no-hf-check", dest="hf_check", action="store_false",
                    help="skip the transformers fp32 reference on the same windows")
     p.add_argument("--output-json", default=str(DEFAULT_JSON))
@@ -107,10 +110,11 @@ def hf_nll(model_dir: str, windows: list[list[int]]) -> tuple[float, int]:
     return nll, count
 
 
-def quantize_awq(model: str, out_dir: str, calib_data: str | None) -> dict:
-    """`slipstream quantize --method int4_awq` as a user runs it; its wall time and log tail."""
+def quantize_awq(model: str, out_dir: str, calib_data: str | None,
+                 method: str = "int4_awq", extra: tuple[str, ...] = ()) -> dict:
+    """`slipstream quantize --method METHOD` as a user runs it; its wall time and log tail."""
     cmd = [sys.executable, "-m", "slipstream", "quantize", "--model", model,
-           "--method", "int4_awq", "--output", out_dir]
+           "--method", method, "--output", out_dir, *extra]
     if calib_data:
         cmd += ["--calib-data", calib_data]
     t0 = time.perf_counter()
@@ -155,6 +159,7 @@ def judge(rows: dict[str, dict]) -> None:
             continue
         row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0)
         key = "int4_awq" if name.startswith("int4") else name
+        key = "w8a8_sq" if name.startswith("w8a8") else key
         if key in TARGETS:
             row["target"] = f"<= +{TARGETS[key]:g}%"
             row["meets_target"] = row["delta_pct"] <= TARGETS[key]
@@ -193,6 +198,13 @@ def prepare_checkpoints(args, names: list[str], tmp: Path, result: dict) -> dict
         result["quantize_stdlib"] = quantize_awq(args.model, ckpts["awq_stdlib"], str(calib))
         print(f"quantized int4_awq (stdlib calibration) in "
               f"{result['quantize_stdlib']['seconds']} s")
+    if "w8a8_sq" in names:
+        # Training files only: the default calibration set may include held-out modules.
+        calib = args.calib_data or str(write_stdlib_calib(tmp / "calib_stdlib.jsonl"))
+        ckpts["sq"] = str(tmp / "sq")
+        result["quantize_sq"] = quantize_awq(args.model, ckpts["sq"], calib, "w8a8_sq",
+                                             ("--alpha", str(args.alpha)))
+        print(f"quantized w8a8_sq in {result['quantize_sq']['seconds']} s")
     return ckpts
 
 

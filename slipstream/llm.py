@@ -102,7 +102,7 @@ class LLM:
         bar = _progress(len(order), use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
-                outputs, to_abort = self._outputs.process(self.engine.step())
+                outputs, to_abort = self._outputs.process(self.engine.step(), emit_unfinished=False)
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 for out in outputs:

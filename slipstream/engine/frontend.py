@@ -149,8 +149,14 @@ class OutputProcessor:
             self._child_to_parent.pop(cid, None)
         return ids
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply engine outputs; returns (updated outputs, child ids to abort: stop strings)."""
+    def process(
+        self, outputs: list[EngineCoreOutput], emit_unfinished: bool = True,
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply engine outputs; returns (updated outputs, child ids to abort: stop strings).
+
+        emit_unfinished=False returns only finished requests (offline callers), which saves
+        copying every running request's tokens each step.
+        """
         touched: dict[str, _ParentState] = {}
         to_abort: list[str] = []
         now = time.monotonic()
@@ -171,7 +177,8 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 self._parents.pop(state.request_id, None)
-            results.append(self._to_output(state, finished))
+            if finished or emit_unfinished:
+                results.append(self._to_output(state, finished))
         return results, to_abort
 
     def _apply(self, state: _ParentState, choice: _Choice, out: EngineCoreOutput, now: float) -> bool:

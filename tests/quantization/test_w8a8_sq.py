@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.layers.linear import ColumnParallelLinear
@@ -142,7 +143,7 @@ def test_load_time_w8a8_close_to_unquantized(tiny, prompts, reference, caplog) -
     assert "no SmoothQuant" in caplog.text
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
     agree, dlogp = _closeness(llm, prompts, reference)
-    # Measured (seed 0): 0.95 / 0.06 (int8_wo: 0.94 / 0.04).
+    # Measured (seed 0): 0.94 / 0.064 (int8_wo: 0.94 / 0.042).
     assert agree >= 0.85 and dlogp <= 0.15, (agree, dlogp)
 
 
@@ -159,9 +160,10 @@ def test_quantize_cli_smoothquant_round_trip(tiny, prompts, reference, tmp_path)
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
     assert isinstance(model.model.layers[0].mlp.down_proj.quant_method, sq.W8A8SmoothQuantMethod)
     agree, dlogp = _closeness(first, prompts, reference)
+    # Measured (seed 0, 4 random-id calibration prompts): 0.92 / 0.083.
     assert agree >= 0.85 and dlogp <= 0.15, (agree, dlogp)
     # Smoothing was folded into the saved norms: they differ from the source checkpoint's.
-    src = _llm(tiny).engine.runner.model.model.layers[0].input_layernorm.weight
+    src = load_file(str(tiny / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
     assert not torch.allclose(model.model.layers[0].input_layernorm.weight, src)
     assert _greedy(first, prompts) == _greedy(_llm(out, "w8a8_sq"), prompts)
 
