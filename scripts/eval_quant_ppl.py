@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows scored, spread evenly over all held-out windows (0: all)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--awq-checkpoint", help="an existing int4_awq checkpoint (skip quantize)")
-    p.add_argument("--calib-data", help="int4_awq / w8a8_sq rows: passed to `slipstream quantize` "
-                   "(default: its built-in texts); int4_awq_stdlib always uses training files")
+    p.add_argument("--calib-data", help="int4_awq / w8a8_sq rows: passed to `slipstream "
+                   "quantize` (default: int4_awq its built-in set, w8a8_sq stdlib training "
+                   "files); int4_awq_stdlib always uses training files")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: SmoothQuant migration")
     p.add_argument("--no-hf-check", dest="hf_check", action="store_false",
                    help="skip the transformers fp32 reference on the same windows")
