@@ -38,6 +38,7 @@ class RequestResult:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    sent_s: float | None = None  # when it was sent, from the start of the timed run
 
     @property
     def tpot_s(self) -> float | None:
@@ -190,10 +191,14 @@ async def _run(args: argparse.Namespace,
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def one(prompt: Any) -> RequestResult:
+            sent = time.perf_counter() - start
             if gate is None:
-                return await send_request(client, *_body(args, model, prompt))
-            async with gate:
-                return await send_request(client, *_body(args, model, prompt))
+                res = await send_request(client, *_body(args, model, prompt))
+            else:
+                async with gate:
+                    res = await send_request(client, *_body(args, model, prompt))
+            res.sent_s = sent
+            return res
 
         tasks = []
         start = time.perf_counter()
@@ -229,7 +234,19 @@ def summarize_results(results: list[RequestResult], duration_s: float,
         "e2e_ms": report.summarize([r.e2e_s for r in ok]),
         "goodput": {"slo_ms": slos, "req_s": len(good) / duration_s if slos else None},
         "errors": sorted({r.error for r in results if r.error})[:5],
+        # Per request, in send order: to find which requests make a tail (e.g. TTFT p99).
+        "requests": [{"sent_s": _round(r.sent_s), "ok": r.ok, "ttft_ms": _ms(r.ttft_s),
+                      "e2e_ms": _ms(r.e2e_s), "output_tokens": r.output_tokens}
+                     for r in results],
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 4)
 
 
 def _meets(r: RequestResult, slos: dict[str, float]) -> bool:
