@@ -174,31 +174,9 @@ def prepare_for_quantization(model: nn.Module, stats: dict, group_size: int = DE
     """Scale each decoder layer's projections (Llama family) before round-to-nearest."""
     if not awq:
         return
-    for i, layer in enumerate(model.model.layers):
-        pre = f"model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        s = _scale(attn.qkv_proj, stats[f"{pre}.self_attn.qkv_proj"], group_size)
-        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight))
-        s = _scale(mlp.gate_up_proj, stats[f"{pre}.mlp.gate_up_proj"], group_size)
-        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight))
-        s = _scale(mlp.down_proj, stats[f"{pre}.mlp.down_proj"], group_size)
-        _divide_rows(mlp.gate_up_proj, mlp.gate_up_proj.output_sizes[0], s)  # act(gate) * up
-        v_rows = attn.qkv_proj.output_sizes[2]
-        if v_rows == attn.o_proj.input_size:  # no GQA: o's input channels are v's output rows
-            s = _scale(attn.o_proj, stats[f"{pre}.self_attn.o_proj"], group_size)
-            _divide_rows(attn.qkv_proj, attn.qkv_proj.output_size - v_rows, s)
 
+    def search(name: str, linear: nn.Module) -> torch.Tensor:
+        st = stats[name]
+        return awq_search(linear.weight.data, st.sample(), st.absmean, group_size)
 
-def _divide_rows(linear: nn.Module, start: int, s: torch.Tensor) -> None:
-    """Divide output rows start.. (and their bias) by s: the next layer's input shrinks by s."""
-    w = linear.weight.data[start:]
-    w.div_(s.to(w)[:, None])
-    if linear.bias is not None:
-        linear.bias.data[start:].div_(s.to(w))
-
-
-def _scale(linear: nn.Module, st, group_size: int) -> torch.Tensor:
-    """Search s for `linear`, multiply its input channels by it; the caller divides the input."""
-    s = awq_search(linear.weight.data, st.sample(), st.absmean, group_size)
-    linear.weight.data.mul_(s.to(linear.weight)[None, :])
-    return s
+    qu.fold_input_scales(model, search)
