@@ -36,8 +36,11 @@ class EngineCore:
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
         self._requests: dict[str, Request] = {}
-        logger.info("engine ready in %.1f s: %d KV blocks of %d tokens on %s",
-                    time.perf_counter() - start, num_blocks, cache.block_size, config.device)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
+        logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
+                    "(%d blocks of %d tokens)", time.perf_counter() - start, config.device,
+                    weight_bytes / 2**30, kv_bytes / 2**30, num_blocks, cache.block_size)
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (engine unchanged) if it can never run."""
