@@ -13,6 +13,7 @@ from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
 from slipstream.outputs import EngineCoreOutput
+from slipstream.sampling.penalties import has_penalties
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,11 @@ class EngineCore:
             return 1
         kv = self.scheduler.kv
         for seq in seqs:
+            # seq.block_ids is the live table, so it already shows the blocks added here.
             if not kv.allocate_slots(seq.request, steps):
                 for s in seqs:  # blocks already taken stay with their requests
                     s.num_lookahead = 0
                 return 1
-            seq.block_ids = list(kv.get_block_ids(seq.request_id))
             seq.num_lookahead = steps - 1
         return steps
 
@@ -122,8 +123,6 @@ class EngineCore:
 
 
 def _multi_step_ok(request: Request) -> bool:
-    from slipstream.sampling.penalties import has_penalties
-
     p = request.sampling_params
     return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
             and request.num_output_tokens >= p.min_tokens)
