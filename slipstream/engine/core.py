@@ -12,6 +12,7 @@ import time
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
+from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
 from slipstream.sampling.penalties import has_penalties
 
@@ -33,6 +34,7 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
+        self.trace = StepTrace()
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
@@ -75,6 +77,8 @@ class EngineCore:
             runner_out = self.runner.execute_model(sched_out)
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.trace.enabled:
+            self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:
             request = self._requests.get(out.request_id)
             if request is not None and request.first_scheduled_time is not None:
