@@ -134,6 +134,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False  # M == 1 kernel only: keep two weight tiles in flight
+    int8_magic: bool = False  # int8 dequant-GEMV at M == 1: convert by the exponent trick
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

@@ -6,6 +6,8 @@ does not depend on k). Split-K and its in-kernel reduction are those of kernels/
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -22,11 +24,23 @@ from slipstream.kernels.gemv import (
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
+@triton.jit
+def _to_float(w, INT8_MAGIC: tl.constexpr):
+    """w as float32. INT8_MAGIC: int8 through the exponent trick instead of a conversion
+    instruction (int->float converts run at a quarter of the FMA rate, too slow to keep up with
+    the memory): bits b ^ 0x4B000080 read as float32 are 2^23 + 128 + value."""
+    if INT8_MAGIC:
+        bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return w.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                   stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, INT8_MAGIC: tl.constexpr):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -49,7 +63,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             x = tl.load(x_ptr + k + offs_k)
         else:
             x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < k_hi, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _to_float(w, INT8_MAGIC) * x.to(tl.float32)[None, :]
     scale = tl.load(s_ptr + rows)
     part = (tl.sum(acc, 1) * scale)[None, :]
     offs_m = tl.arange(0, 1)
@@ -97,12 +111,15 @@ def default_qconfig(m: int) -> GemvConfig:
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
-def candidate_qconfigs(m: int) -> list[GemvConfig]:
+def candidate_qconfigs(m: int, int8: bool = True) -> list[GemvConfig]:
     """The few configs qlinear_small measures per shape (each one a compile at start-up)."""
-    if m == 1:
-        tiles = [(8, 1024, 4, True), (16, 1024, 4, False), (8, 2048, 8, False),
-                 (32, 512, 4, True), (4, 2048, 4, False), (16, 512, 4, True)]
-        return [GemvConfig(bn, bk, 0, w, 1, pf) for bn, bk, w, pf in tiles]
+    if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
+        tiles = [(8, 1024, 0, 4, True), (16, 1024, 0, 4, False), (8, 2048, 0, 8, False),
+                 (32, 512, 0, 4, True), (4, 2048, 0, 4, False), (16, 512, 0, 4, True),
+                 # Narrow tiles without split: more programs in flight for N of 4-6k (o, qkv).
+                 (4, 1024, 1, 2, True), (4, 512, 1, 2, True), (8, 512, 1, 4, True)]
+        cfgs = [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles]
+        return cfgs + [dataclasses.replace(c, int8_magic=True) for c in cfgs if int8]
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
     return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
 
@@ -133,7 +150,7 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     expect = qgemv_reference(x, qweight, scale, bias).float()
     tol = 2e-2 * expect.abs().max().item()
     best, best_ms = default_qconfig(m), float("inf")
-    for cfg in candidate_qconfigs(m):
+    for cfg in candidate_qconfigs(m, qweight.dtype == torch.int8):
         try:
             got = qgemv(x, qweight, scale, bias, cfg).float()
             if not torch.allclose(got, expect, rtol=2e-2, atol=tol):
@@ -176,7 +193,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+        magic = cfg.int8_magic and qweight.dtype == torch.int8
+        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, INT8_MAGIC=magic, **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)

@@ -36,7 +36,8 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
 
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=16, block_k=64, split_k=5),
-                                 GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True)])
+                                 GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
+                                 GemvConfig(block_n=4, block_k=64, split_k=3, int8_magic=True)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     x = torch.randn(m, 300)
@@ -44,6 +45,18 @@ def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     got = gemv_int8.qgemv(x, q, s, None, cfg)
     assert _rel(got, gemv_int8.qgemv_reference(x.double(), q, s)) < 1e-5
     torch.testing.assert_close(gemv_int8.qgemv(x, q, s, None, cfg), got, atol=0, rtol=0)
+
+
+def test_int8_magic_conversion_is_exact_for_every_value() -> None:
+    # All 256 int8 values in one row: the exponent trick must reproduce each one exactly.
+    q = torch.arange(-128, 128, dtype=torch.int8).reshape(1, 256)
+    x = torch.zeros(1, 256)
+    for j in (0, 1, 127, 128, 255):
+        x.zero_()
+        x[0, j] = 1.0
+        got = gemv_int8.qgemv(x, q, torch.ones(1), None,
+                              GemvConfig(block_n=4, block_k=64, split_k=1, int8_magic=True))
+        assert got.item() == float(j - 128)
 
 
 def test_qgemv_rejects_float_weights() -> None:

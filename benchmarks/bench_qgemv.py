@@ -1,0 +1,87 @@
+"""Batch-1 GEMV per weight format: every candidate config on the Llama-3.1-8B layer shapes.
+
+For bf16 (kernels/gemv.py), int8 and fp8 (kernels/gemv_int8.py) weights, times each candidate
+config at M=1 and prints the best, its effective bandwidth and its share of the device-to-device
+copy bandwidth measured in the same run. Shows which tiles the start-up tuner should consider
+and how far each format is from streaming its bytes at copy speed.
+
+  python benchmarks/bench_qgemv.py --output-json $OUT/qgemv.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from slipstream.kernels import gemv, gemv_int8
+from slipstream.quantization import utils
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096), "lm_head": (4096, 128256)}
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
+
+
+def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if fmt == "bf16":
+        configs = gemv.candidate_configs(1, n, k)
+        run = lambda cfg: gemv.gemv(x, w, None, cfg)  # noqa: E731
+        nbytes = w.numel() * 2
+        rows = [{"config": "cuBLAS", "us": 1e3 * _ms(lambda: torch.nn.functional.linear(x, w))}]
+    else:
+        q, s = (utils.quantize_int8_per_channel(w) if fmt == "int8"
+                else utils.quantize_fp8_per_channel(w))
+        configs = gemv_int8.candidate_qconfigs(1, fmt == "int8")
+        run = lambda cfg: gemv_int8.qgemv(x, q, s, None, cfg)  # noqa: E731
+        nbytes = q.numel()
+        rows = []
+    for cfg in configs:
+        try:
+            rows.append({"config": repr(cfg), "us": 1e3 * _ms(lambda cfg=cfg: run(cfg))})
+        except Exception as exc:  # a tile that does not fit: skip
+            rows.append({"config": repr(cfg), "error": str(exc)[:200]})
+    ok = [r for r in rows if "us" in r]
+    best = min(ok, key=lambda r: r["us"])
+    return {"layer": name, "format": fmt, "k": k, "n": n, "bytes": nbytes, "best": best,
+            "best_gbps": nbytes / best["us"] / 1e3, "all": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="bf16,int8,fp8")
+    ap.add_argument("--output-json")
+    ns = ap.parse_args()
+    peak = copy_gbps()
+    results = []
+    print(f"copy bandwidth {peak:.0f} GB/s")
+    print(f"{'layer':<8} {'fmt':<5} {'best us':>8} {'GB/s':>7} {'% copy':>7}  config")
+    step = {}
+    for fmt in ns.formats.split(","):
+        for name, (k, n) in SHAPES.items():
+            r = bench_shape(name, k, n, fmt)
+            results.append(r)
+            mult = 32 if name != "lm_head" else 1
+            step[fmt] = step.get(fmt, 0.0) + mult * r["best"]["us"]
+            print(f"{name:<8} {fmt:<5} {r['best']['us']:8.1f} {r['best_gbps']:7.0f} "
+                  f"{100 * r['best_gbps'] / peak:6.1f}%  {r['best']['config']}", flush=True)
+    for fmt, us in step.items():
+        print(f"GEMV-only decode step {fmt}: {us / 1e3:.3f} ms")
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump({"copy_gbps": peak, "results": results, "step_ms": step}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
