@@ -13,23 +13,19 @@ import argparse
 import json
 
 import torch
-import triton.testing
 
 from slipstream.kernels import gemv, gemv_int8
+from slipstream.kernels.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096), "lm_head": (4096, 128256)}
 
 
-def _ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-
-
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / graph_time_us(lambda a: a[1].copy_(a[0]), [(src, dst)], 4) / 1e3
 
 
 def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
@@ -37,19 +33,22 @@ def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if fmt == "bf16":
         configs = gemv.candidate_configs(1, n, k)
-        run = lambda cfg: gemv.gemv(x, w, None, cfg)  # noqa: E731
+        sets = weight_copies((x, w))
+        run = lambda cfg: lambda a: gemv.gemv(*a, config=cfg)  # noqa: E731
         nbytes = w.numel() * 2
-        rows = [{"config": "cuBLAS", "us": 1e3 * _ms(lambda: torch.nn.functional.linear(x, w))}]
+        rows = [{"config": "cuBLAS",
+                 "us": graph_time_us(lambda a: torch.nn.functional.linear(*a), sets)}]
     else:
         q, s = (utils.quantize_int8_per_channel(w) if fmt == "int8"
                 else utils.quantize_fp8_per_channel(w))
-        configs = gemv_int8.candidate_qconfigs(1, fmt == "int8")
-        run = lambda cfg: gemv_int8.qgemv(x, q, s, None, cfg)  # noqa: E731
+        configs = gemv_int8.candidate_qconfigs(1)
+        sets = weight_copies((x, q, s))
+        run = lambda cfg: lambda a: gemv_int8.qgemv(*a, config=cfg)  # noqa: E731
         nbytes = q.numel()
         rows = []
     for cfg in configs:
         try:
-            rows.append({"config": repr(cfg), "us": 1e3 * _ms(lambda cfg=cfg: run(cfg))})
+            rows.append({"config": repr(cfg), "us": graph_time_us(run(cfg), sets)})
         except Exception as exc:  # a tile that does not fit: skip
             rows.append({"config": repr(cfg), "error": str(exc)[:200]})
     ok = [r for r in rows if "us" in r]

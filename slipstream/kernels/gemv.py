@@ -134,7 +134,10 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     prefetch: bool = False  # M == 1 kernel only: keep two weight tiles in flight
-    int8_magic: bool = False  # int8 dequant-GEMV at M == 1: convert by the exponent trick
+    # Dequant-GEMV (kernels/gemv_int8.py) at M == 1 only: convert int8 / fp8 weights by bit
+    # tricks instead of conversion instructions; or run the tensor-core (tl.dot) kernel.
+    bit_convert: bool = False
+    dot: bool = False
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
 from slipstream.kernels import gemv as _gemv
+from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +52,14 @@ def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and x.dtype in _KERNEL_DTYPES and (bias is None or bias.dim() == 1))
 
 
-def _bench(fn) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-
-
 def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
              dtype: torch.dtype) -> _gemv.GemvConfig | None:
     """Time cuBLAS and each candidate config on random rows; return the fastest (None: cuBLAS)."""
     n, k = weight.shape
     x = torch.randn((m, k), device=weight.device, dtype=dtype)
     expect = F.linear(x, weight, bias).float()
-    best_cfg, best_ms = None, _bench(lambda: F.linear(x, weight, bias))
+    arg_sets = weight_copies((x, weight) if bias is None else (x, weight, bias))
+    best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets)
     for cfg in _gemv.candidate_configs(m, n, k):
         try:
             got = _gemv.gemv(x, weight, bias, cfg).float()
@@ -71,14 +67,13 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
             if not torch.allclose(got, expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()):
                 logger.warning("gemv config %s gave a wrong result for %s; skipped", cfg, (m, n, k))
                 continue
-            ms = _bench(lambda cfg=cfg: _gemv.gemv(x, weight, bias, cfg))
+            us = graph_time_us(lambda a, cfg=cfg: _gemv.gemv(*a, config=cfg), arg_sets)
         except Exception as exc:  # e.g. out of shared memory for this tile
             logger.debug("gemv config %s failed for %s: %s", cfg, (m, n, k), exc)
             continue
-        if ms < best_ms:
-            best_cfg, best_ms = cfg, ms
-    logger.info("linear M<=%d N=%d K=%d: %s (%.1f us)", m, n, k,
-                best_cfg or "cuBLAS", best_ms * 1e3)
+        if us < best_us:
+            best_cfg, best_us = cfg, us
+    logger.info("linear M<=%d N=%d K=%d: %s (%.1f us)", m, n, k, best_cfg or "cuBLAS", best_us)
     return best_cfg
 
 

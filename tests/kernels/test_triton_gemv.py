@@ -73,19 +73,18 @@ def test_measured_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
     cands = gemv.candidate_configs(1, 40, 64)[:3]
     monkeypatch.setattr(gemv, "candidate_configs", lambda m, n, k: cands)
     times = iter([5.0, 3.0, 1.0, 2.0])  # cuBLAS, then each candidate timed, in order
-    monkeypatch.setattr(triton_ops, "_bench", lambda fn: (fn(), next(times))[1])
+    monkeypatch.setattr(triton_ops, "graph_time_us", lambda call, sets: (call(sets[0]), next(times))[1])
     real_gemv = gemv.gemv
 
-    def broken_second(x, w_, b_=None, cfg=None):  # candidate 1 computes a wrong answer
-        out = real_gemv(x, w_, b_, cfg)
-        return out + 1.0 if cfg == cands[1] else out
+    def broken_second(x, w_, b_=None, config=None):  # candidate 1 computes a wrong answer
+        out = real_gemv(x, w_, b_, config)
+        return out + 1.0 if config == cands[1] else out
 
     monkeypatch.setattr(gemv, "gemv", broken_second)
     # Candidate 1 is never timed (wrong result), so candidate 2 gets 1.0 ms and wins; had
     # candidate 1 been timed it would have taken the 1.0 ms and been chosen.
     assert triton_ops._measure(1, w, b, torch.float32) == cands[2]
     times = iter([0.5, 3.0, 2.0])
-    monkeypatch.setattr(triton_ops, "_bench", lambda fn: (fn(), next(times))[1])
     assert triton_ops._measure(1, w, b, torch.float32) is None  # cuBLAS is fastest
 
 

@@ -37,7 +37,8 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=16, block_k=64, split_k=5),
                                  GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
-                                 GemvConfig(block_n=4, block_k=64, split_k=3, int8_magic=True)])
+                                 GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
+                                 GemvConfig(block_n=32, block_k=64, dot=True)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     x = torch.randn(m, 300)
@@ -55,8 +56,20 @@ def test_int8_magic_conversion_is_exact_for_every_value() -> None:
         x.zero_()
         x[0, j] = 1.0
         got = gemv_int8.qgemv(x, q, torch.ones(1), None,
-                              GemvConfig(block_n=4, block_k=64, split_k=1, int8_magic=True))
+                              GemvConfig(block_n=4, block_k=64, split_k=1, bit_convert=True))
         assert got.item() == float(j - 128)
+
+
+def test_fp8_bit_conversion_is_exact_for_every_value() -> None:
+    bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN
+    q = bits.view(torch.float8_e4m3fn).reshape(1, -1)
+    k = q.shape[1]
+    x = torch.zeros(1, k)
+    cfg = GemvConfig(block_n=4, block_k=64, split_k=1, bit_convert=True)
+    for j in (0, 1, 7, 8, 100, 126, 127, 128, 200, k - 1):  # zero, subnormals, normals, max, signs
+        x.zero_()
+        x[0, j] = 1.0
+        assert gemv_int8.qgemv(x, q, torch.ones(1), None, cfg).item() == q[0, j].float().item()
 
 
 def test_qgemv_rejects_float_weights() -> None:
