@@ -42,12 +42,31 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
                  part.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    """A tile of the GEMV input. GATED: the input is the gate/up projection's [gate | up]
+    output (up at gate_off past gate) and the tile is silu(gate) * up, rounded to the input
+    dtype as the separate silu_and_mul kernel would store it: the activation needs no launch."""
+    if EVEN_K:
+        g = tl.load(ptrs)
+    else:
+        g = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        if EVEN_K:
+            u = tl.load(ptrs + gate_off)
+        else:
+            u = tl.load(ptrs + gate_off, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        g = (gf * tl.sigmoid(gf) * u.to(tl.float32)).to(g.dtype)
+    return g
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                  stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREFETCH: tl.constexpr):
+                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -71,10 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + k + offs_k)
-        else:
-            x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < k_hi, other=0.0)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
@@ -96,7 +112,8 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                   GATED: tl.constexpr = False):
     """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -112,13 +129,12 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k + offs_k < k_hi
         if EVEN_K:
             w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k)
         else:
-            k_ok = k + offs_k < k_hi
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
     _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
@@ -201,16 +217,12 @@ def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"gemv handles at most {MAX_M} rows, got {m}")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
+
+    gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
+    """
+    x2, m, n, k = _gemv_operands(x, weight, gated)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -223,7 +235,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cnt = _counters(x.device, n_tiles) if split > 1 else out
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
             per_split, split)
@@ -233,3 +245,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
+
+
+def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool
+                   ) -> tuple[torch.Tensor, int, int, int]:
+    """(x as [M, K or 2K] with unit column stride, M, N, K), checking the shapes."""
+    k = weight.shape[1]
+    if x.shape[-1] != (2 * k if gated else k):
+        raise ValueError(f"gemv: x has {x.shape[-1]} columns, weight has K={k}"
+                         f"{' (gated input needs 2K)' if gated else ''}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > MAX_M:
+        raise ValueError(f"gemv handles at most {MAX_M} rows, got {x2.shape[0]}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, x2.shape[0], weight.shape[0], k

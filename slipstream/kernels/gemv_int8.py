@@ -17,7 +17,9 @@ from slipstream.kernels.gemv import (
     GemvConfig,
     _counters,
     _finish,
+    _gemv_operands,
     _load_w_tile,
+    _load_x,
     _split_k,
 )
 from slipstream.kernels.tuning import graph_time_us, weight_copies
@@ -49,7 +51,8 @@ def _to_float(w, BIT_CONVERT: tl.constexpr):
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                   stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
+                  GATED: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -68,10 +71,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        if EVEN_K:
-            x = tl.load(x_ptr + k + offs_k)
-        else:
-            x = tl.load(x_ptr + k + offs_k, mask=k + offs_k < k_hi, other=0.0)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         xf = x.to(tl.float32)
         if BIT_CONVERT == 2:
             xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
@@ -89,7 +89,8 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
 def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                     stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    GATED: tl.constexpr = False):
     """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,13 +105,12 @@ def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k + offs_k < k_hi
         if EVEN_K:
             w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k)
         else:
-            k_ok = k + offs_k < k_hi
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-            x = tl.load(x_ptrs + k, mask=k_ok[None, :], other=0.0)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
         # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
     scale = tl.load(s_ptr + rows)
@@ -145,18 +145,19 @@ _QCHOICES: dict[tuple, GemvConfig] = {}
 
 
 def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA."""
-    k = x.shape[-1]
-    m = x.numel() // k
+                  bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA (gated: see qgemv;
+    it shares the plain product's measured config)."""
+    k = qweight.shape[1]
+    m = x.numel() // x.shape[-1]
     bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
     key = (bucket, qweight.shape[0], k, x.dtype, qweight.dtype, x.device.index)
     cfg = _QCHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return qgemv(x, qweight, scale, bias)
+            return qgemv(x, qweight, scale, bias, gated=gated)
         cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype)
-    return qgemv(x, qweight, scale, bias, cfg)
+    return qgemv(x, qweight, scale, bias, cfg, gated=gated)
 
 
 def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -180,17 +181,15 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
 
 
 def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-          bias: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] * scale [N, 1])^T (+ bias), at most MAX_M rows of x."""
+          bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+          gated: bool = False) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] * scale [N, 1])^T (+ bias), at most MAX_M rows of x.
+
+    gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
+    """
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
-    k = x.shape[-1]
-    n = qweight.shape[0]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"qgemv handles at most {MAX_M} rows, got {m}")
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2, m, n, k = _gemv_operands(x, qweight, gated)
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -203,7 +202,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     cnt = _counters(x.device, n_tiles) if split > 1 else out
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
+                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)

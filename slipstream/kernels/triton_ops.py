@@ -82,8 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear semantics (weight [N, K]). impl: "triton", "torch" or None (measured choice).
 
     On the CPU (and the interpreter) the automatic choice is torch; ask for impl="triton"
-    explicitly to run the kernel there. During CUDA-graph capture an unmeasured shape uses the
-    default Triton config: capture after a warm-up pass so that every shape has been measured.
+    explicitly to run the kernel there.
     """
     impl = impl or os.environ.get("SLIPSTREAM_LINEAR", "auto")
     k = x.shape[-1]
@@ -93,13 +92,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _gemv.gemv(x, weight, bias)
     if impl == "torch" or not small or not x.is_cuda:
         return F.linear(x, weight, bias)
-    key = (_m_bucket(m), weight.shape[0], k, x.dtype, bias is not None, x.device.index)
+    cfg = _choice(m, weight, bias, x)
+    return F.linear(x, weight, bias) if cfg is None else _gemv.gemv(x, weight, bias, cfg)
+
+
+def linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 act) -> torch.Tensor:
+    """linear(act(gate_up), weight, bias) where gate_up = [gate | up] and act is silu_and_mul:
+    when the measured choice for the shape is a Triton GEMV, the activation is computed inside
+    it (one launch less per layer); otherwise act runs first."""
+    m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
+    impl = os.environ.get("SLIPSTREAM_LINEAR", "auto")
+    if (gate_up.is_cuda and impl != "torch" and 0 < m <= _gemv.MAX_M
+            and _kernel_fits(gate_up, weight, bias)):
+        cfg = _choice(m, weight, bias, gate_up)
+        if cfg is not None:
+            return _gemv.gemv(gate_up, weight, bias, cfg, gated=True)
+    return linear(act(gate_up), weight, bias)
+
+
+def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
+            x: torch.Tensor) -> _gemv.GemvConfig | None:
+    """The measured config for this shape (None: cuBLAS), measuring it the first time.
+
+    During CUDA-graph capture an unmeasured shape gets the default Triton config: capture after
+    a warm-up pass so that every shape has been measured.
+    """
+    n, k = weight.shape
+    key = (_m_bucket(m), n, k, x.dtype, bias is not None, x.device.index)
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
-            return _gemv.gemv(x, weight, bias)
+            return _gemv.default_config(m, n, k)
         _CHOICES[key] = _measure(key[0], weight, bias, x.dtype)
-    cfg = _CHOICES[key]
-    return F.linear(x, weight, bias) if cfg is None else _gemv.gemv(x, weight, bias, cfg)
+    return _CHOICES[key]
 
 
 def linear_choices() -> dict[str, str]:

@@ -117,3 +117,11 @@ class RowParallelLinear(LinearBase):
         y = self.quant_method.apply(self, x, None)
         torch.distributed.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def forward_gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
+        """forward(act(gate_up)), letting the quant method fuse the activation into its kernel."""
+        if self.tp_size == 1:
+            return self.quant_method.apply_gated(self, gate_up, self.bias, act)
+        y = self.quant_method.apply_gated(self, gate_up, None, act)
+        torch.distributed.all_reduce(y)
+        return y if self.bias is None else y + self.bias

@@ -87,7 +87,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul(ctx.ops, cfg.hf_config.get("hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,12 @@ class QuantMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """y = x @ W^T (+ bias) for x [..., input_size]."""
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
+                    act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """apply(act(gate_up)) for the down projection of a gated MLP (act: silu_and_mul).
+        Methods whose decode kernel can compute the activation while loading x override it."""
+        return self.apply(layer, act(gate_up), bias)
+
 
 class UnquantizedLinearMethod(QuantMethod):
     """Plain weight [out, in] in the model dtype; apply is F.linear."""
@@ -53,21 +60,29 @@ class UnquantizedLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:  # small batches: a Triton GEMV when it measured faster than cuBLAS
-            return _cuda_linear()(x, layer.weight, bias)
+            return _triton_ops().linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
+                    act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if gate_up.is_cuda:
+            return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
+        return F.linear(act(gate_up), layer.weight, bias)
 
-def _cuda_linear():
-    global _CUDA_LINEAR
-    if _CUDA_LINEAR is None:
+
+def _triton_ops():
+    """kernels.triton_ops, or a stand-in with torch's linear when Triton cannot load."""
+    global _TRITON_OPS
+    if _TRITON_OPS is None:
         try:
-            from slipstream.kernels.triton_ops import linear as _CUDA_LINEAR
+            from slipstream.kernels import triton_ops as _TRITON_OPS
         except ImportError:  # no triton: cuBLAS for every shape
-            _CUDA_LINEAR = F.linear
-    return _CUDA_LINEAR
+            _TRITON_OPS = SimpleNamespace(
+                linear=F.linear, linear_gated=lambda gu, w, b, act: F.linear(act(gu), w, b))
+    return _TRITON_OPS
 
 
-_CUDA_LINEAR = None
+_TRITON_OPS = None
 
 
 # name -> factory(prefix) -> QuantMethod; quantization modules register themselves here.

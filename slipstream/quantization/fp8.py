@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization.base import QuantMethod, register_quant_method
-from slipstream.quantization.int8_wo import _SMALL_M, _qlinear_small
+from slipstream.quantization.int8_wo import _SMALL_M, _qlinear_small, gated_small_or
 from slipstream.quantization.utils import (
     FP8_DTYPE,
     check_checkpoint_method,
@@ -75,6 +75,11 @@ class Fp8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
+                    act) -> torch.Tensor:
+        return gated_small_or(gate_up, layer.weight, layer.weight_scale, bias, act, self.apply,
+                              layer)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}

@@ -48,6 +48,19 @@ def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     torch.testing.assert_close(gemv_int8.qgemv(x, q, s, None, cfg), got, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
+                                 GemvConfig(block_n=16, block_k=64, split_k=2)])
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+def test_qgemv_gated_input(cfg: GemvConfig, m: int, wdtype: torch.dtype) -> None:
+    from slipstream.kernels.reference import silu_and_mul
+
+    gate_up = torch.randn(m, 600)
+    q, s = _qweight(45, 300, wdtype)
+    got = gemv_int8.qgemv(gate_up, q, s, None, cfg, gated=True)
+    assert _rel(got, gemv_int8.qgemv_reference(silu_and_mul(gate_up).double(), q, s)) < 1e-5
+
+
 def test_int8_magic_conversion_is_exact_for_every_value() -> None:
     # All 256 int8 values in one row: the exponent trick must reproduce each one exactly.
     q = torch.arange(-128, 128, dtype=torch.int8).reshape(1, 256)
