@@ -51,6 +51,23 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
 
+    @property
+    def _advance(self):
+        """argmax + next-step inputs on the device: the fused Triton kernel on CUDA."""
+        if self.device.type == "cuda":
+            from slipstream.kernels.greedy import argmax_and_advance
+
+            return argmax_and_advance
+        return argmax_and_advance_reference
+
+    @property
+    def _argmax(self):
+        if self.device.type == "cuda":
+            from slipstream.kernels.greedy import argmax_rows
+
+            return argmax_rows
+        return lambda x, out: torch.argmax(x, dim=-1, out=out)
+
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_seqs=b, num_tokens=b, query_start_loc=self.query_start_loc[: b + 1],
@@ -102,16 +119,13 @@ class DecodeGraphs:
         n = len(hb.input_ids)
         b = self._stage(hb)
         tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
-        rows = torch.arange(n, device=self.device)
         for step in range(num_steps):
-            torch.argmax(self._step(b)[:n], dim=-1, out=tokens[step])
+            logits = self._step(b)[:n]
             if step + 1 < num_steps:
-                self.input_ids[:n].copy_(tokens[step])
-                self.positions[:n].add_(1)
-                self.seq_lens[:n].add_(1)
-                pos = self.positions[:n]
-                block = self.block_tables[rows, pos // block_size].to(torch.int64)
-                self.slot_mapping[:n].copy_(block * block_size + pos % block_size)
+                self._advance(logits, tokens[step], self.input_ids, self.positions, self.seq_lens,
+                              self.slot_mapping, self.block_tables, block_size)
+            else:
+                self._argmax(logits, out=tokens[step])
         return tokens
 
     def _step(self, b: int) -> torch.Tensor:
@@ -149,3 +163,17 @@ class DecodeGraphs:
         self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
         return b
 
+
+def argmax_and_advance_reference(logits, out, input_ids, positions, seq_lens, slot_mapping,
+                                 block_tables, block_size: int) -> None:
+    """Twin of kernels.greedy.argmax_and_advance: out = argmax of each logits row, fed back as
+    the next input (input_ids), one position on (positions, seq_lens +1, slot_mapping)."""
+    n = logits.shape[0]
+    torch.argmax(logits, dim=-1, out=out)
+    input_ids[:n].copy_(out)
+    positions[:n].add_(1)
+    seq_lens[:n].add_(1)
+    pos = positions[:n]
+    rows = torch.arange(n, device=logits.device)
+    block = block_tables[rows, pos // block_size].to(torch.int64)
+    slot_mapping[:n].copy_(block * block_size + pos % block_size)

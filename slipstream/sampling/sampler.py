@@ -110,7 +110,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = _Params.build(requests, logits.device)
         if params.all_greedy:
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         x = logits / params.temperature.view(-1, 1)
         x = apply_top_k_top_p(x, params.top_k, params.top_p, params.max_k)
         if params.min_p is not None:
@@ -175,3 +175,15 @@ def _request_generator(request: Request, device: torch.device) -> torch.Generato
         gen.manual_seed(request.sampling_params.seed)
         request.generator = gen
     return gen
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax: the chunked Triton kernel on CUDA (torch's one-pass reduction is slow over a
+    large vocabulary), torch elsewhere."""
+    if logits.is_cuda and logits.dim() == 2:
+        try:
+            from slipstream.kernels.greedy import argmax_rows
+        except ImportError:
+            return logits.argmax(dim=-1)
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
