@@ -1,0 +1,46 @@
+"""Dynamic per-token FP8 activation quantization in one launch (twin: quantization.utils.
+quantize_per_token). The torch version is seven launches (copy, abs, amax, divide, clamp,
+divide, cast) per linear layer, which the eager mixed prefill/decode steps pay in host time.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.quantization.utils import _TINY, FP8_DTYPE, FP8_MAX
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr,
+                          TINY: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 E4M3 [M, K], float32 scale [M, 1]) with x ~= q * scale per row."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        _per_token_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX,
+                                    TINY=_TINY, BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
+                                    num_warps=4)
+    return q, scale
