@@ -1,0 +1,125 @@
+"""W4A16 (int4_awq, group 128) kernels against bf16 F.linear on the Llama-3.1-8B layer shapes.
+
+For each (N, K) and M: bf16 cuBLAS and the engine's bf16 `linear` (Triton GEMV for M <= 16) on a
+random bf16 weight; then the same weight quantized to int4 through every candidate config of
+w4_gemv (M <= 16) or w4_gemm (M > 16), dequantize + cuBLAS, and int4_linear's measured choice.
+Times are do_bench medians with L2 flushed (cold weights). Prints effective GB/s (weight bytes
+incl. scales / zeros, plus activations), TFLOP/s, the speed-up over bf16 (the better of cuBLAS
+and the engine's linear) and the max error against the reference; `--output-json` keeps it all.
+
+  python benchmarks/bench_w4.py --output-json $OUT/w4.json [--ms 1,16,256,2048] [--group 128]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from slipstream.kernels import gemm_int4, gemv_int4, triton_ops
+from slipstream.quantization import utils as qu
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+          "down": (4096, 14336)}  # (N, K)
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def row(impl: str, ms: float, nbytes: int, flops: int, err: float | None = None) -> dict:
+    return {"impl": impl, "us": 1e3 * ms, "gbps": nbytes / ms / 1e6,
+            "tflops": flops / ms / 1e9, "max_err": err}
+
+
+def bench_case(name: str, n: int, k: int, m: int, group: int) -> dict:
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s, z = qu.quantize_int4_groupwise(w, group)
+    packed = (qu.pack_int4_rows(q), s.half(), z)
+    del q, s, z
+    act = 2 * m * (k + n)
+    flops = 2 * m * n * k
+    bf16_bytes, w4_bytes = 2 * n * k + act, n * k // 2 + 3 * n * (k // group) + act
+    rows = [row("bf16 cuBLAS", time_ms(lambda: F.linear(x, w)), bf16_bytes, flops),
+            row("bf16 engine linear", time_ms(lambda: triton_ops.linear(x, w)), bf16_bytes,
+                flops)]
+    want = gemv_int4.w4_linear_reference(x, *packed, group)
+    if m <= gemv_int4.MAX_M:
+        cands = [(c.label(), lambda c=c: gemv_int4.w4_gemv(x, *packed, group, None, c))
+                 for c in gemv_int4.candidate_w4_configs(m)]
+    else:
+        cands = [(c.label(), lambda c=c: gemm_int4.w4_gemm(x, *packed, group, None, c))
+                 for c in gemm_int4.candidate_gemm_configs(m)]
+        cands.append((gemm_int4.CUBLAS,
+                      lambda: gemm_int4.w4_dequant_linear(x, *packed, group)))
+    cands.append(("int4_linear (measured choice)",
+                  lambda: gemv_int4.int4_linear(x, *packed, group)))
+    for label, fn in cands:
+        try:
+            err = max_err(fn(), want)
+            rows.append(row(label, time_ms(fn), w4_bytes, flops, err))
+        except Exception as exc:  # a tile that does not fit: record and go on
+            rows.append({"impl": label, "error": str(exc)[:200]})
+    bf16_us = min(r["us"] for r in rows[:2])
+    ok = [r for r in rows[2:] if "us" in r and r["max_err"] < 2e-2]
+    best = min(ok, key=lambda r: r["us"]) if ok else None
+    return {"layer": name, "n": n, "k": k, "m": m, "group": group, "bf16_us": bf16_us,
+            "w4_best": best, "speedup": bf16_us / best["us"] if best else None, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ms", default="1,16,256,2048")
+    ap.add_argument("--group", type=int, default=128)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--output-json")
+    ns = ap.parse_args()
+    peak = copy_gbps()
+    print(f"copy bandwidth {peak:.0f} GB/s ({torch.cuda.get_device_name()})", flush=True)
+    results = []
+    for m in [int(v) for v in ns.ms.split(",")]:
+        for name in ns.shapes.split(","):
+            n, k = SHAPES[name]
+            r = bench_case(name, n, k, m, ns.group)
+            results.append(r)
+            print(f"\nM={m} {name} N={n} K={k}: bf16 {r['bf16_us']:.1f} us, best w4 "
+                  f"{r['w4_best']['us'] if r['w4_best'] else float('nan'):.1f} us "
+                  f"(x{r['speedup'] or float('nan'):.2f})", flush=True)
+            for x in r["rows"]:
+                if "error" in x:
+                    print(f"  {x['impl']:<48} ERROR {x['error'][:60]}")
+                    continue
+                err = "" if x["max_err"] is None else f" err {x['max_err']:.1e}"
+                print(f"  {x['impl']:<48} {x['us']:9.1f} us {x['gbps']:7.0f} GB/s "
+                      f"({100 * x['gbps'] / peak:5.1f}% copy) {x['tflops']:7.1f} TFLOP/s{err}")
+    # Batch-1 decode: the four projections of 32 layers (lm_head and attention not counted).
+    dec = [r for r in results if r["m"] == 1 and r["w4_best"]]
+    if len(dec) == len(SHAPES):
+        bf16 = 32 * sum(r["bf16_us"] for r in dec)
+        w4 = 32 * sum(r["w4_best"]["us"] for r in dec)
+        print(f"\nM=1 projections x 32 layers: bf16 {bf16 / 1e3:.3f} ms, w4 {w4 / 1e3:.3f} ms "
+              f"(x{bf16 / w4:.2f})")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(
+            {"copy_gbps": peak, "device": torch.cuda.get_device_name(), "results": results},
+            indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Triton W4A16 dequant-GEMV for decode (M <= 16): out = x @ ((q - zero) * scale)^T (+ bias).
+
+int4_awq layout (quantization/utils.py): qweight uint8 [N, K/2] read as int32 words (see
+int4_common), scales float16 and zeros uint8 [N, K/G]. The packed weight is streamed once and
+unpacked in registers; each K chunk lies in one group, so its scale and zero apply per row and
+chunk. M == 1 accumulates FMAs on float32 (or, as a tuner candidate, takes the M <= 16 path);
+1 < M <= 16 runs a tensor-core product per chunk. Split-K and its in-kernel reduction are those
+of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
+from slipstream.kernels.gemv import MAX_M, GemvConfig, _counters, _finish, _split_k
+from slipstream.kernels.int4_common import (
+    measure_best,
+    packed_words,
+    row_major,
+    unpack_paired,
+    w4_linear_reference,
+)
+
+__all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
+           "w4_linear_large", "w4_linear_reference", "w4_linear_small"]
+
+
+@triton.jit
+def _tail(w, one, NIB: tl.constexpr):
+    """Nibble NIB of each word and the nibbles below it as float32 1 + u, u = q_NIB/16 +
+    q_(NIB-1)/256 + ... (truncated to 23 bits): one left shift drops the nibbles above, and the
+    shift right under the exponent of 1.0 is a single LEA.HI. u_i - u_(i-1)/16 = q_i/16, so the
+    caller multiplies by x'_i = x_i - x_(i+1)/16 instead of masking each nibble out.
+    `one` is a runtime 1: a constant shift would be folded with the right shift into shift + mask
+    + or (three instructions); a multiply by a runtime power of two stays one IMAD."""
+    y = w.to(tl.uint32, bitcast=True)
+    if NIB < 7:
+        y = y * (one << (28 - 4 * NIB))
+    return ((y >> 9) + 0x3F800000).to(tl.float32, bitcast=True)
+
+
+# M and the split count are runtime values (no recompile per batch size or shape).
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
+                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+    """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
+    constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
+    end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
+    BLOCK_N / (8 num_warps) rows each thread holds."""
+    WORDS: tl.constexpr = CHUNK // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
+    offs_w = tl.arange(0, WORDS)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK: no K mask either
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
+    x_ptrs = x_ptr + 8 * offs_w
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
+    if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
+        w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    for k in range(k_lo, k_hi, CHUNK):
+        if PREFETCH:
+            w = w_next
+            k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
+            w_next = tl.load(w_ptrs + tl.multiple_of(k_next // 8, WORDS))
+        else:
+            w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
+        g = k // GROUP
+        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
+        # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word, with
+        # x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all rows.
+        x0 = tl.load(x_ptrs + k).to(tl.float32)
+        x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
+        x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
+        x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
+        x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
+        x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
+        x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
+        x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
+        sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
+        t += _tail(w, one, 7) * x7[None, :]
+        t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
+        t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
+        t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
+        t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
+        t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
+        t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
+        t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
+        acc += t * (16.0 * s)
+    part = tl.sum(acc, 1)[None, :]
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1), offs_n, M,
+            N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                      stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
+                      split_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """1 < M <= 16: per chunk a tensor-core product with v = 1 + q/16 (exact in x's dtype),
+    then acc += s (16 x.v - (16 + z) sum(x)) with the chunk's group scale and zero."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + tl.arange(0, CHUNK // 8)[None, :]
+    # x as [M, words, v, a] (k = 8 word + 4 v + a), read contiguously; permuted to
+    # unpack_paired's order (column 8 word + 2 a + v) for the product, summed as it is.
+    offs_x = (8 * tl.arange(0, CHUNK // 8)[:, None, None] + 4 * tl.arange(0, 2)[None, :, None]
+              + tl.arange(0, 4)[None, None, :])
+    x_ptrs = x_ptr + x_rows[:, None, None, None] * stride_xm + offs_x[None, :, :, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_lo, k_hi, CHUNK):
+        x4 = tl.load(x_ptrs + k)
+        x = tl.reshape(tl.permute(x4, (0, 1, 3, 2)), [BLOCK_M, CHUNK])
+        sx = tl.sum(tl.reshape(x4, [BLOCK_M, CHUNK]).to(tl.float32), 1)
+        v = unpack_paired(tl.load(w_ptrs + tl.multiple_of(k // 8, CHUNK // 8)), x.dtype)
+        t = tl.dot(x, tl.trans(v), input_precision=DOT_PREC)
+        g = k // GROUP
+        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
+        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
+        acc += t * (16.0 * s)[None, :] - sx[:, None] * (s * (16.0 + z))[None, :]
+    _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@dataclass(frozen=True)
+class W4Config(GemvConfig):
+    """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
+    has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
+    tensor-core (M <= 16) kernel instead of float32 FMAs."""
+
+    dot: bool = False
+
+    def label(self) -> str:
+        """A short name for logs and benchmark tables."""
+        kind = "dot" if self.dot else "fma" + (" prefetch" if self.prefetch else "")
+        split = f"split {self.split_k}" if self.split_k else "split auto"
+        return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
+                + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
+
+
+def default_w4_config(m: int) -> W4Config:
+    """An untuned config: 8 KiB of packed weight per tile (as gemv's 8 x 512 bf16 at M == 1)."""
+    if m == 1:
+        return W4Config(block_n=128, block_k=128, num_warps=2, prefetch=True)
+    return W4Config(block_n=128, block_k=128, num_warps=4, dot=True)
+
+
+def candidate_w4_configs(m: int) -> list[W4Config]:
+    """The configs w4_linear_small measures per shape. Compiles are per tile shape only: split_k
+    is a runtime value, so the split variants (0: from the shape) cost just their timing.
+    M == 1 FMA kernel: rows per thread = block_n / (8 num_warps); 8 amortizes the x work best."""
+    dot = [W4Config(bn, 128, sk, w, st, dot=True) for bn, sk, w, st in
+           [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
+            (128, 4, 4, 1)]]
+    if m > 1:
+        return dot + [W4Config(128, 64, 0, 4, dot=True)]
+    fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
+           [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
+    splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
+    return fma + splits + dot[:2]
+
+
+def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group_size: int, bias: torch.Tensor | None = None,
+            config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(qweight)^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
+
+    Constraints: group_size a multiple of 16 dividing K (K itself: one group per row); any N.
+    The K chunk is gcd(config.block_k, group_size); block_k is also the split-K granularity.
+    """
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    words = packed_words(qweight, scales, zeros, group_size, k)
+    x2 = row_major(x.reshape(-1, k))
+    m = x2.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"w4_gemv handles at most {MAX_M} rows, got {m}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config or default_w4_config(m)
+    chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
+    split, per_split = _split_k(cfg, n, k, x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    scales, zeros = row_major(scales), row_major(zeros)
+    args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, m, n, k,
+            x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+            per_split, split)
+    common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
+                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if m == 1 and not getattr(cfg, "dot", False):
+        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+    else:
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
+    return out.view(*x.shape[:-1], n)
+
+
+_SMALL_CHOICES: dict[tuple, W4Config] = {}
+
+
+def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """w4_gemv with a config measured once per (M bucket, N, K, group, dtype) on CUDA. Off CUDA,
+    and for an unmeasured shape during CUDA-graph capture, the default config runs."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
+    key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
+    cfg = _SMALL_CHOICES.get(key)
+    if cfg is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return w4_gemv(x, qweight, scales, zeros, group_size, bias)
+        xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
+        cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
+                 for c in candidate_w4_configs(bucket)]
+        want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
+        label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
+        cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
+                                                 default_w4_config(bucket), label)
+    return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
+
+
+def w4_choices() -> dict[str, str]:
+    """The per-shape choices made so far (both M ranges), for the start-up log."""
+    from slipstream.kernels import gemm_int4
+
+    out = {}
+    for (m, n, k, g, dt, b, _), cfg in {**_SMALL_CHOICES, **gemm_int4._LARGE_CHOICES}.items():
+        label = cfg.label() if hasattr(cfg, "label") else str(cfg)
+        out[f"M<={m} N={n} K={k} G={g} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}"] = label
+    return out
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_awq's apply: on CUDA, M <= 16 -> w4_linear_small, larger M -> w4_linear_large (the
+    measured faster of w4_gemm and dequantize + cuBLAS); elsewhere the reference twin."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if not x.is_cuda or m == 0:
+        return w4_linear_reference(x, qweight, scales, zeros, group_size, bias)
+    if m <= MAX_M:
+        return w4_linear_small(x, qweight, scales, zeros, group_size, bias)
+    return w4_linear_large(x, qweight, scales, zeros, group_size, bias)

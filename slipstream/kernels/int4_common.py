@@ -1,0 +1,152 @@
+"""Shared pieces of the W4A16 kernels (gemv_int4, gemm_int4): in-register nibble unpacking, the
+layout checks, the plain-torch reference twin and the measured choice among candidates.
+
+Packed words: qweight uint8 [N, K/2] (even k in the low nibble) read as int32 [N, K/8]; nibble i
+(bits 4i..4i+3) of word j is k = 8j + i. Nibbles become floats by the exponent trick: 4 bits
+placed in the mantissa under the exponent of 1.0 read as 1 + q/16, exact in fp32, fp16 and bf16
+(int->float conversion instructions run at a quarter of the FMA rate: too slow to keep up).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from slipstream.quantization import utils as qu
+
+logger = logging.getLogger(__name__)
+
+
+@triton.jit
+def _shift(w, S: tl.constexpr):
+    if S >= 0:
+        return w << S
+    else:
+        return w >> (-S)  # arithmetic: the sign bits land above the field and are masked off
+
+
+@triton.jit
+def magic_pair(w, A: tl.constexpr, DT: tl.constexpr):
+    """Nibbles A and A+4 (A < 4) of each word as 1 + q/16 in DT. For 16-bit DT both come from
+    one shift and one AND/OR of the word (they sit 16 bits apart): the two halves of a register."""
+    if DT == tl.float32:
+        lo = ((_shift(w, 19 - 4 * A) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        hi = ((_shift(w, 3 - 4 * A) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+        return lo, hi
+    else:
+        if DT == tl.float16:
+            p = (_shift(w, 6 - 4 * A) & 0x3C003C0) | 0x3C003C00
+        else:
+            p = (_shift(w, 3 - 4 * A) & 0x780078) | 0x3F803F80
+        p = p.to(tl.uint32, bitcast=True)
+        lo = p.to(tl.uint16).to(DT, bitcast=True)
+        hi = (p >> 16).to(tl.uint16).to(DT, bitcast=True)
+        return lo, hi
+
+
+@triton.jit
+def unpack_natural(w, DT: tl.constexpr):
+    """int32 words [R, W] -> [R, 8W] values 1 + q/16 in DT in k order (column 8j + i is nibble
+    i of word j): three rounds of interleaving, column bits (t, u, v) = nibble 4t + 2u + v."""
+    l0, h0 = magic_pair(w, 0, DT)
+    l1, h1 = magic_pair(w, 1, DT)
+    l2, h2 = magic_pair(w, 2, DT)
+    l3, h3 = magic_pair(w, 3, DT)
+    a0 = tl.interleave(l0, h0)
+    a1 = tl.interleave(l1, h1)
+    a2 = tl.interleave(l2, h2)
+    a3 = tl.interleave(l3, h3)
+    return tl.interleave(tl.interleave(a0, a2), tl.interleave(a1, a3))
+
+
+@triton.jit
+def unpack_paired(w, DT: tl.constexpr):
+    """Like unpack_natural, but column 8j + o holds nibble o // 2 + 4 (o % 2) of word j: each
+    register's two halves (nibbles a, a+4) stay side by side, so nothing is re-packed. The
+    caller reads x in the same order."""
+    l0, h0 = magic_pair(w, 0, DT)
+    l1, h1 = magic_pair(w, 1, DT)
+    l2, h2 = magic_pair(w, 2, DT)
+    l3, h3 = magic_pair(w, 3, DT)
+    lo = tl.interleave(tl.interleave(l0, l2), tl.interleave(l1, l3))
+    hi = tl.interleave(tl.interleave(h0, h2), tl.interleave(h1, h3))
+    return tl.interleave(lo, hi)
+
+
+@triton.jit
+def dequant_tile(q, s, z, DT: tl.constexpr):
+    """int32 words [R, W] with the rows' scale s and zero z (float32 [R], one group) -> [R, 8W]
+    (q - z) * s in DT, k order. (v - (1 + z/16)) = (q - z)/16 is exact in DT; 16 s is split in
+    two DT parts so that a bf16 result is rounded once, not once for s and once for the product."""
+    d = unpack_natural(q, DT) - (1.0 + 0.0625 * z).to(DT)[:, None]
+    s_hi = (16.0 * s).to(DT)
+    s_lo = (16.0 * s - s_hi.to(tl.float32)).to(DT)
+    return tl.fma(d, s_hi[:, None], d * s_lo[:, None])
+
+
+def packed_words(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, k: int) -> torch.Tensor:
+    """qweight uint8 [N, K/2] viewed as int32 [N, K/8], after checking the layout's shapes."""
+    n = qweight.shape[0]
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != k:
+        raise ValueError(f"int4 kernels: qweight must be uint8 [N, K/2] = [{n}, {k // 2}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    if group_size % 16 or k % group_size:
+        raise ValueError(f"int4 kernels: the group size ({group_size}) must be a multiple of 16 "
+                         f"that divides K ({k})")
+    want = (n, k // group_size)
+    if tuple(scales.shape) != want or tuple(zeros.shape) != want or zeros.dtype != torch.uint8:
+        raise ValueError(f"int4 kernels: scales and uint8 zeros must be {want}, got "
+                         f"{tuple(scales.shape)} / {zeros.dtype} {tuple(zeros.shape)}")
+    if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
+        qweight = qweight.contiguous()
+    return qweight.view(torch.int32)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def w4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, group_size: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain-torch twin: dequantize (utils), then F.linear in float32; output in x's dtype."""
+    if scales.shape[1] * group_size != x.shape[-1]:
+        raise ValueError(f"w4 reference: {scales.shape[1]} groups of {group_size} != K "
+                         f"{x.shape[-1]}")
+    w = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(qweight), scales, zeros, torch.float32)
+    out = F.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def measure_best(candidates: list[tuple[object, Callable[..., torch.Tensor]]],
+                 args: tuple[torch.Tensor, ...], want: torch.Tensor, fallback: object,
+                 label: str) -> object:
+    """The fastest candidate `run(*args)` whose result matches `want` (bf16 accuracy relative to
+    max|want|); a wrong or failing candidate (a miscompile, a tile that does not fit) is never
+    chosen. Timed like the other tuners (kernels/tuning.py: CUDA graph, L2-sized weight copies).
+    `fallback` when none qualifies."""
+    from slipstream.kernels.tuning import graph_time_us, weight_copies
+
+    want = want.float()
+    tol = 2e-2 * want.abs().max().item() + 1e-6
+    name = lambda c: c.label() if hasattr(c, "label") else str(c)  # noqa: E731
+    arg_sets = weight_copies(args)
+    best, best_us = fallback, float("inf")
+    for choice, run in candidates:
+        try:
+            if not torch.allclose(run(*args).float(), want, rtol=2e-2, atol=tol):
+                logger.warning("%s: %s gave a wrong result; skipped", label, name(choice))
+                continue
+            us = graph_time_us(lambda a, run=run: run(*a), arg_sets)
+        except Exception as exc:  # e.g. out of shared memory for this tile
+            logger.debug("%s: %s failed: %s", label, name(choice), exc)
+            continue
+        if us < best_us:
+            best, best_us = choice, us
+    logger.info("%s: %s (%.1f us)", label, name(best), best_us)
+    return best

@@ -1,0 +1,250 @@
+"""W4A16 kernels (kernels/gemv_int4.py, gemm_int4.py, int4_common.py) against the reference twin.
+
+CPU: Triton's interpreter with float32 activations (bf16 tl.dot is wrong in the interpreter);
+weights from utils.quantize_int4_groupwise + pack_int4_rows, the layout int4_awq stores.
+GPU (`-m gpu`): bf16 activations on the Llama-3.1-8B layer shapes; each output within
+1e-2 * max|reference| (bf16 output rounding, and in the GEMM bf16 weights, are ~4e-3).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import gemm_int4, gemv_int4, int4_common
+from slipstream.kernels.gemv import _COUNTERS
+from slipstream.kernels.gemv_int4 import W4Config
+from slipstream.quantization import utils as qu
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh torch.empty tensors hold NaN, so an output element a kernel skips cannot pass."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+
+
+def _quantized(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device=device)
+    q, scales, zeros = qu.quantize_int4_groupwise(w, group)
+    return qu.pack_int4_rows(q), scales.half(), zeros
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _check(got, x, packed, bias, group, rel=1e-5) -> None:
+    """float64 reference: the kernel must land within float32 rounding of it."""
+    want = gemv_int4.w4_linear_reference(x.double(), *packed, group,
+                                         None if bias is None else bias.double())
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert _rel(got, want) < rel, f"relative error {_rel(got, want):.2e}"
+
+
+@triton.jit
+def _unpack_kernel(w_ptr, nat_ptr, pair_ptr, W: tl.constexpr):
+    w = tl.load(w_ptr + tl.arange(0, 2)[:, None] * W + tl.arange(0, W)[None, :])
+    cols = tl.arange(0, 2)[:, None] * 8 * W + tl.arange(0, 8 * W)[None, :]
+    tl.store(nat_ptr + cols, int4_common.unpack_natural(w, nat_ptr.dtype.element_ty))
+    tl.store(pair_ptr + cols, int4_common.unpack_paired(w, pair_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unpack_orders_and_magic_values(dtype: torch.dtype) -> None:
+    """Every nibble value in every position: 1 + q/16, in k order and in the paired order."""
+    q = torch.randint(0, 16, (2, 32), dtype=torch.uint8)
+    q[0, :16] = torch.arange(16, dtype=torch.uint8)
+    words = qu.pack_int4_rows(q).view(torch.int32)
+    nat, pair = torch.empty(2, 32, dtype=dtype), torch.empty(2, 32, dtype=dtype)
+    _unpack_kernel[(1,)](words, nat, pair, W=4)
+    want = 1 + q.float() / 16
+    assert torch.equal(nat.float(), want)
+    o = torch.arange(32)
+    paired_k = (o // 8) * 8 + (o % 8) // 2 + 4 * (o % 2)
+    assert torch.equal(pair.float(), want[:, paired_k])
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("m,n,k,group", [(1, 37, 256, 128), (1, 45, 384, 64), (3, 37, 256, 128),
+                                         (16, 33, 256, 64), (2, 24, 192, 192)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4_gemv_default_config(m: int, n: int, k: int, group: int, with_bias: bool) -> None:
+    packed = _quantized(n, k, group)
+    x = torch.randn(m, k)
+    b = torch.randn(n) if with_bias else None
+    _check(gemv_int4.w4_gemv(x, *packed, group, b), x, packed, b, group)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("cfg", [
+    W4Config(block_n=16, block_k=64, split_k=3),            # chunk divides the group of 128
+    W4Config(block_n=32, block_k=256, split_k=2, prefetch=True),  # chunk = group, uneven splits
+    W4Config(block_n=16, block_k=128, split_k=4, dot=True),  # M == 1 through the tl.dot kernel
+])
+@pytest.mark.parametrize("m", [1, 4])
+def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
+    n, k, group = 45, 640, 128
+    packed = _quantized(n, k, group)
+    x, b = torch.randn(m, k), torch.randn(n)
+    out = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
+    _check(out, x, packed, b, group)
+    for buf in _COUNTERS.values():  # the last program to arrive resets every tile counter
+        assert int(buf.abs().sum()) == 0
+    torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, b, cfg), out, atol=0, rtol=0)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("group,cfg", [
+    (128, None),
+    (64, gemm_int4.W4GemmConfig(32, 32, 128, 4, 1)),  # block_k clamped to the group
+    (128, gemm_int4.W4GemmConfig(16, 64, 32, 4, 1)),  # four K steps per group
+    (384, None),  # one group per row (GPTQ group_size -1): K steps of gcd(64, 384)
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4_gemm(group: int, cfg, with_bias: bool) -> None:
+    n, k = 37, 384
+    packed = _quantized(n, k, group)
+    x = torch.randn(2, 20, k)  # leading dims: M = 40
+    b = torch.randn(n) if with_bias else None
+    out = gemm_int4.w4_gemm(x, *packed, group, b, cfg)
+    assert out.shape == (2, 20, n)
+    _check(out.reshape(40, n), x.reshape(40, k), packed, b, group)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("group", [128, 64, 192])
+def test_w4_dequantize_kernel_matches_utils(group: int) -> None:
+    q, s, z = _quantized(37, 384, group)
+    want = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(q), s, z)
+    got = gemm_int4.w4_dequantize(q, s, z, group, torch.float32, kernel=True)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)  # (q - z) * s rounded once, both
+
+
+def test_int4_linear_on_cpu_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = _quantized(24, 128, 64)
+    monkeypatch.setattr(gemv_int4, "w4_gemv", lambda *a, **kw: pytest.fail("kernel on CPU"))
+    for m in (1, 40):
+        x, b = torch.randn(m, 128), torch.randn(24)
+        want = gemv_int4.w4_linear_reference(x, *packed, 64, b)
+        torch.testing.assert_close(gemv_int4.int4_linear(x, *packed, 64, b), want, atol=0, rtol=0)
+    # The reference itself: dequantize + F.linear.
+    w = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(packed[0]), packed[1], packed[2])
+    torch.testing.assert_close(want, x @ w.t() + b)
+
+
+def test_w4_linear_small_off_cuda_runs_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = _quantized(24, 128, 128)
+    monkeypatch.setattr(gemv_int4, "measure_best", lambda *a: pytest.fail("measured on CPU"))
+    x = torch.randn(1, 128)
+    _check(gemv_int4.w4_linear_small(x, *packed, 128), x, packed, None, 128)
+
+
+def test_layout_errors() -> None:
+    q, s, z = _quantized(16, 256, 128)
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError):
+        gemv_int4.w4_gemv(x, q, s, z, 96)  # group does not divide K
+    with pytest.raises(ValueError):
+        gemv_int4.w4_gemv(x, q.view(torch.int8), s, z, 128)
+    with pytest.raises(ValueError):
+        gemv_int4.w4_gemv(x, q, s[:, :1], z, 128)
+    with pytest.raises(ValueError):
+        gemv_int4.w4_gemv(torch.randn(17, 256), q, s, z, 128)  # more rows than MAX_M
+
+
+def test_measure_best_skips_wrong_and_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.kernels import tuning
+
+    want = torch.ones(4)
+    times = {"fast_wrong": 0.1, "slow": 2.0, "fast": 1.0}
+    called: list[str] = []
+
+    def fake_time(call, arg_sets):  # the time of whichever candidate the timed call ran
+        call(arg_sets[0])
+        return times[called[-1]]
+
+    monkeypatch.setattr(tuning, "graph_time_us", fake_time)
+
+    def fast_wrong(x):
+        called.append("fast_wrong")
+        return want + 1
+
+    def slow(x):
+        called.append("slow")
+        return want
+
+    def fast(x):
+        called.append("fast")
+        return want
+
+    def broken(x):
+        raise RuntimeError("out of resources")
+
+    cands = [(name, fn) for name, fn in [("fast_wrong", fast_wrong), ("broken", broken),
+                                         ("slow", slow), ("fast", fast)]]
+    args = (torch.zeros(2),)
+    assert int4_common.measure_best(cands, args, want, "fallback", "t") == "fast"
+    assert int4_common.measure_best(cands[:2], args, want, "fallback", "t") == "fallback"
+
+
+def test_w4_choices_for_the_startup_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = (1, 4096, 4096, 128, torch.bfloat16, False, 0)
+    large = (256, 4096, 4096, 128, torch.bfloat16, True, 0)
+    monkeypatch.setitem(gemv_int4._SMALL_CHOICES, small, W4Config(128, 128, 0, 2, 1, True))
+    monkeypatch.setitem(gemm_int4._LARGE_CHOICES, large, gemm_int4.CUBLAS)
+    assert gemv_int4.w4_choices() == {
+        "M<=1 N=4096 K=4096 G=128 bfloat16": "w4 fma prefetch n128 k128 split auto warps 2",
+        "M<=256 N=4096 K=4096 G=128 bfloat16 +bias": gemm_int4.CUBLAS}
+
+
+# ---------------------------------------------------------------------------- GPU (bf16)
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv o gate_up down
+
+
+def _gpu_check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.float(), want.float()
+    err = (got - want).abs().max().item()
+    assert torch.isfinite(got).all() and err <= 1e-2 * want.abs().max().item(), \
+        f"{what}: max error {err:.3e}, max |ref| {want.abs().max().item():.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", SHAPES_8B)
+@pytest.mark.parametrize("m", [1, 2, 8, 16, 64, 512])
+def test_int4_linear_gpu(n: int, k: int, m: int) -> None:
+    packed = _quantized(n, k, 128, "cuda", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = gemv_int4.w4_linear_reference(x, *packed, 128, b)
+    _gpu_check(gemv_int4.int4_linear(x, *packed, 128, b), want, "int4_linear")  # measured
+    if m <= 16:
+        _gpu_check(gemv_int4.w4_gemv(x, *packed, 128, b), want, "w4_gemv default")
+    else:
+        _gpu_check(gemm_int4.w4_gemm(x, *packed, 128, b), want, "w4_gemm default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group,dtype", [(128, torch.bfloat16), (64, torch.float16)])
+def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
+    """Every config the tuners may pick, run twice (split-K counters left at zero)."""
+    n, k = 4104, 4096
+    packed = _quantized(n, k, group, "cuda")
+    for m in (1, 3, 16):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        want = gemv_int4.w4_linear_reference(x, *packed, group)
+        for cfg in gemv_int4.candidate_w4_configs(m):
+            for _ in range(2):
+                _gpu_check(gemv_int4.w4_gemv(x, *packed, group, None, cfg), want, repr(cfg))
+    for m in (40, 300):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        want = gemv_int4.w4_linear_reference(x, *packed, group)
+        for cfg in gemm_int4.candidate_gemm_configs(m):
+            _gpu_check(gemm_int4.w4_gemm(x, *packed, group, None, cfg), want, repr(cfg))
+        _gpu_check(gemm_int4.w4_dequant_linear(x, *packed, group), want, "dequant+cuBLAS")
+    deq = gemm_int4.w4_dequantize(*packed, group, dtype)
+    ref = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(packed[0]), *packed[1:], torch.float32)
+    # One rounding of (q - z) * s (bf16: up to one ulp apart where splitting 16 s breaks a tie).
+    torch.testing.assert_close(deq.float(), ref.to(dtype).float(), atol=0, rtol=8e-3)
