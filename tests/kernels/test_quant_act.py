@@ -33,4 +33,8 @@ def test_gpu_matches_torch_twin(m: int, k: int) -> None:
     q, s = quantize_per_token_fp8(x)
     want_q, want_s = quantize_per_token(x, FP8_DTYPE)
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
-    assert (q.float() - want_q.float()).abs().max() <= 0.0
+    # Triton's float32 division is not correctly rounded: a value on a rounding edge may land
+    # on the neighbouring e4m3 code (same sign, codes one apart), and rarely.
+    codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    assert (codes - want_codes).abs().max() <= 1
+    assert (codes != want_codes).float().mean() < 1e-4
