@@ -1,7 +1,8 @@
 """Reference attention backend: rotary + paged KV write, then attention over the paged cache.
 
 It composes two ops of the kernel table, so on the CPU it is the plain-PyTorch oracle; a
-fused Triton backend implements the same `forward` signature.
+fused Triton backend implements the same `forward` signature. fp8 / int8 caches pass the
+layer's k_scale / v_scale (device scalars) to both ops.
 """
 from __future__ import annotations
 
@@ -24,8 +25,12 @@ class ReferenceAttentionBackend:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, scale: float,
+        meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # Scales travel only when given, so op tables without the keywords keep working.
+        kv = {} if k_scale is None and v_scale is None else {"k_scale": k_scale,
+                                                            "v_scale": v_scale}
         q, _ = self.ops.rotary_and_cache_write(
-            q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        return self.ops.paged_attention(q, k_cache, v_cache, meta, scale)
+            q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, **kv)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, scale, **kv)

@@ -5,6 +5,8 @@ rows (BLOCK_Q tokens x the GROUP query heads that share one KV head, so every K/
 once per group), walks the sequence's K/V through its block table with an online softmax, and
 for long contexts with few programs splits the KV range across programs (flash-decoding) and
 merges the partial results in a second small kernel. Metadata is read from device tensors only.
+fp8 / int8 caches are read as stored values: k_scale folds into the score scale and v_scale into
+the output, so the inner loop only adds a widening cast.
 """
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import triton.language as tl
 
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.kernels.gemv import num_sms
+from slipstream.kernels.rotary_cache import kv_quant_args
 
 _LOG2E = 1.4426950408889634
-_MIN_TOKENS_PER_SPLIT = 128
+_MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
+_MERGE_SPLITS = 8  # partials merged per loop iteration
 _MAX_SCRATCH_BYTES = 256 << 20
 
 
@@ -50,7 +54,8 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     row = (offs_n % PAGE_SIZE).to(tl.int64)
     k_off = blk * stride_kb + row * stride_ks + kv_head_off_k
     v_off = blk * stride_vb + row * stride_vs + kv_head_off_v
-    # K is loaded transposed ([D, N]) so the score product needs no layout change.
+    # K is loaded transposed ([D, N]) so the score product needs no layout change. fp8 / int8
+    # values convert exactly to q's dtype (bf16, fp16, fp32); their scales act outside.
     kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
     s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
@@ -73,11 +78,13 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks,
-    stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt, stride_ph, stride_ps,
+    ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
+    stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,6 +109,8 @@ def _paged_attn_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=q_mask, other=0.0)
     q_pos = ctx_len + row_q
+    if KV_QUANT:  # scores of stored K times k_scale; read on the device (CUDA-graph safe)
+        qk_scale = qk_scale * tl.load(ks_ptr)
 
     # KV tiles this program covers: its share of [0, last visible position of the q tile].
     kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
@@ -131,6 +140,8 @@ def _paged_attn_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if KV_QUANT:  # P @ (stored V) * v_scale; linear, so split partials merge unchanged
+        o = o * tl.load(vs_ptr)
     if not SPLIT_KV:
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -147,20 +158,29 @@ def _paged_attn_kernel(
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot,
                          stride_oh, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
                          HEAD_DIM: tl.constexpr):
+    """Log-sum-exp merge of the split partials, SPLITS_P at a time: one compiled variant serves
+    every split count (a new count mid-serving must not compile) and few splits stay cheap."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, BLOCK_D)
     base = (token * num_heads + head) * num_splits
-    s_ok = offs_s < num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=s_ok[:, None], other=0.0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    m = float("-inf")
+    denom = 0.0
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, SPLITS_P):
+        offs_s = s0 + tl.arange(0, SPLITS_P)
+        s_ok = offs_s < num_splits
+        lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        alpha = tl.math.exp2(m - m_ref)
+        w = tl.math.exp2(lse - m_ref)
+        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=s_ok[:, None], other=0.0)
+        o = o * alpha + tl.sum(parts * w[:, None], 0)
+        denom = denom * alpha + tl.sum(w, 0)
+        m = m_new
+    o = o / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -210,12 +230,14 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float, *, config: AttnConfig | None = None,
+    scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    config: AttnConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
 
     Rows of q outside every sequence (padding past query_start_loc[-1]) are left unwritten,
-    as in the reference. `config` overrides the tile choice (tests, tuning).
+    as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
+    device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -239,22 +261,22 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
+    quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
+        meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         num_heads * splits, splits, 1,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant != 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, num_heads, splits, out.stride(0), out.stride(1),
-            # Fixed width: a split count first seen mid-serving must not trigger a compile.
-            SPLITS_P=_MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
+            SPLITS_P=_MERGE_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
             num_warps=4,
         )
     return out

@@ -50,35 +50,72 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
     return out.to(x.dtype)
 
 
+# 1-byte KV caches: largest magnitude each format stores (real value = stored * scale).
+KV_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype,
+                scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """x in the cache's element type: fp8 / int8 store x / scale clamped to the format's range
+    (int8 rounded half up, the Triton kernels' rule); other dtypes a plain cast (scale unused)."""
+    if dtype not in KV_QMAX:
+        return x.to(dtype)
+    qmax = KV_QMAX[dtype]
+    y = (x.float() / (1.0 if scale is None else scale)).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.floor(y + 0.5)
+    return y.to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """float32 values of cache entries: stored * scale for fp8 / int8, a cast otherwise."""
+    if x.dtype not in KV_QMAX:
+        return x.float()
+    return x.float() * (1.0 if scale is None else scale)
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k, v ([T, Hkv, D]) at their flat slots; slot -1 is skipped."""
+    """Store k, v ([T, Hkv, D]) at their flat slots; slot -1 is skipped.
+
+    fp8 / int8 caches store k / k_scale and v / v_scale (quantize_kv; scale None = 1.0).
+    """
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = quantize_kv(
+        k[valid], k_cache.dtype, k_scale)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = quantize_kv(
+        v[valid], v_cache.dtype, v_scale)
 
 
 def rotary_and_cache_write(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k, store rotated k and v into the paged cache; return (q_rot, k_rot)."""
+    """Rotate q and k, store rotated k and v into the paged cache; return (q_rot, k_rot).
+
+    The cache gets k_rot as returned (in k's dtype), quantized as in write_kv_cache.
+    """
     q_rot = apply_rotary(q, positions, cos_sin_cache)
     k_rot = apply_rotary(k, positions, cos_sin_cache)
-    write_kv_cache(k_rot, v, k_cache, v_cache, slot_mapping)
+    write_kv_cache(k_rot, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q_rot, k_rot
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    scale: float,
+    scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D]."""
+    """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
+
+    fp8 / int8 caches are read as stored * k_scale / v_scale (dequantize_kv).
+    """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
@@ -90,8 +127,8 @@ def paged_attention(
         seq_len = lens[s]
         n_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[s, :n_blocks].long()
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        k = dequantize_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], k_scale)
+        v = dequantize_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], v_scale)
         out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale).to(q.dtype)
     return out
 

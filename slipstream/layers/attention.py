@@ -1,4 +1,8 @@
-"""Attention layer: picks the attention backend and runs it on one layer's paged KV cache."""
+"""Attention layer: picks the attention backend and runs it on one layer's paged KV cache.
+
+It owns the layer's KV-cache scales (k_scale, v_scale: float32 scalars, real = stored * scale),
+used when the cache is fp8 or int8; quantization/kv_cache.py fills them.
+"""
 from __future__ import annotations
 
 import logging
@@ -36,6 +40,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        # Buffers, not parameters: weight loading, dummy init and checkpoint export skip them;
+        # they follow the model's device and stay put for CUDA-graph replay.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.kv_scales_from_checkpoint: set[str] = set()  # "k_scale" / "v_scale" loaded
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -47,6 +56,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
+        kv = {}
+        if k_cache.element_size() == 1:  # fp8 / int8 cache: the kernels (de)quantize
+            kv = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
-                                   self.scale)
+                                   self.scale, **kv)
         return out.reshape(t, self.num_heads * self.head_dim)

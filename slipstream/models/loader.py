@@ -1,7 +1,8 @@
 """Build a model on its device without random init, then fill it from memory-mapped safetensors.
 
 q/k/v and gate/up checkpoint tensors land in slices of one fused parameter each (the model's
-`packed_modules_mapping`). load_format="dummy" fills seeded random values instead.
+`packed_modules_mapping`). load_format="dummy" fills seeded random values instead. Optional
+per-layer KV-cache scales (`...self_attn.k_scale` / `v_scale`) go to the attention layers.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from slipstream.layers.attention import get_attention_backend
 from slipstream.models.llama import BuildContext
 from slipstream.models.registry import get_model_class
 from slipstream.quantization.base import get_quant_method_factory
+from slipstream.quantization.kv_cache import load_kv_scale
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -117,6 +119,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if ignored(name):
             continue
+        if name not in name_map and load_kv_scale(model, name, tensor):
+            continue  # optional per-layer KV-cache scale (fp8 / int8 caches)
         if name not in name_map:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint: no such parameter "
                              f"in {type(model).__name__}")

@@ -2,7 +2,9 @@
 
 quantize_checkpoint loads the float model, calibrates when the method needs it, quantizes every
 linear layer, and writes safetensors with HF names (fused q/k/v and gate/up split back) plus a
-config.json whose `quantization_config` tells the loader which method reads it.
+config.json whose `quantization_config` tells the loader which method reads it. With a KV-cache
+dtype it also calibrates per-layer k_scale / v_scale and records `kv_cache_dtype` in config.json;
+method "none" keeps the weights as they are (copied) and adds only the KV scales.
 """
 from __future__ import annotations
 
@@ -16,45 +18,99 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from slipstream.quantization.calibration import collect_linear_stats, load_calib_texts
+from slipstream.quantization.calibration import (
+    calibration_prompts,
+    collect_linear_stats,
+    load_calib_texts,
+)
+from slipstream.quantization.kv_cache import (
+    KV_CACHE_DTYPES,
+    QUANT_KV_NAMES,
+    attention_layers,
+    calibrate_kv_amax,
+    kv_scale_tensors,
+    set_kv_scales,
+)
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8_wo", "fp8", "int4_awq", "w8a8_sq")
+METHODS = ("int8_wo", "fp8", "int4_awq", "w8a8_sq", "none")
+KV_SCALES_FILE = "kv_cache_scales.safetensors"  # method "none": scales beside the copied weights
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Path, *,
                         calib_data: str | Path | None = None, num_calib_samples: int = 128,
                         max_calib_len: int = 512, device: str = "cpu",
-                        options: dict | None = None) -> Path:
+                        options: dict | None = None, kv_cache_dtype: str | None = None) -> Path:
     """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
 
-    options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha).
+    options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
+    "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
+    computes) and make that the checkpoint's default KV dtype.
     """
-    from slipstream.layers.linear import LinearBase
     from slipstream.llm import LLM
 
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    options = dict(options or {})
-    module = importlib.import_module(f"slipstream.quantization.{method}")
+    if kv_cache_dtype not in (None, "auto", *QUANT_KV_NAMES):
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose one of auto, "
+                         f"{', '.join(QUANT_KV_NAMES)}")
+    kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
+    if method == "none" and kv_cache_dtype is None:
+        raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
     dtype = "float32" if device == "cpu" else "bfloat16"
+    # A float KV cache while calibrating: every layer must see exact K/V.
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
-              kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False)
+              kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False,
+              kv_cache_dtype=dtype)
     model: nn.Module = llm.engine.runner.model
-    if getattr(module, "NEEDS_CALIBRATION", False):
-        texts = load_calib_texts(calib_data, num_calib_samples)
-        stats = collect_linear_stats(llm, texts, max_calib_len)
-        module.prepare_for_quantization(model, stats, **options)
-    make = module.make_method
+    texts = None
+    if method != "none":
+        module = importlib.import_module(f"slipstream.quantization.{method}")
+        if getattr(module, "NEEDS_CALIBRATION", False):
+            texts = load_calib_texts(calib_data, num_calib_samples)
+            stats = collect_linear_stats(llm, texts, max_calib_len)
+            module.prepare_for_quantization(model, stats, **dict(options or {}))
+        _quantize_linears(model, module, dict(options or {}))
+    kv_tensors: dict[str, torch.Tensor] = {}
+    if kv_cache_dtype is not None:
+        texts = texts or load_calib_texts(calib_data, num_calib_samples)
+        kv_tensors = calibrate_kv_scales(llm, texts, max_calib_len, kv_cache_dtype)
+    if method == "none":
+        save_kv_scales_only(model_dir, output_dir, kv_tensors, kv_cache_dtype)
+    else:
+        save_checkpoint(model, model_dir, output_dir, module.checkpoint_config(**(options or {})),
+                        kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype)
+    return Path(output_dir)
+
+
+def _quantize_linears(model: nn.Module, module, options: dict) -> None:
+    from slipstream.layers.linear import LinearBase
+
     with torch.no_grad():
         for layer in model.modules():
             if isinstance(layer, LinearBase):
-                layer.quant_method = make(**options)
+                layer.quant_method = module.make_method(**options)
                 layer.quant_method.process_after_loading(layer)
-    save_checkpoint(model, model_dir, output_dir, module.checkpoint_config(**options))
-    return Path(output_dir)
+
+
+def calibrate_kv_scales(llm, texts: list[str], max_len: int,
+                        kv_cache_dtype: str) -> dict[str, torch.Tensor]:
+    """Per-layer k_scale / v_scale for a `kv_cache_dtype` cache from `texts` run through llm's
+    model (calibrate_kv_amax, as at engine start); checkpoint name -> float32 scalar."""
+    from slipstream.models.loader import resolve_dtype
+
+    cfg = llm.engine_config
+    model: nn.Module = llm.engine.runner.model
+    max_len = min(max_len, cfg.scheduler.max_model_len)
+    prompts = calibration_prompts(llm.tokenizer, texts, max_len, cfg.model.vocab_size)
+    amax = calibrate_kv_amax(model, prompts, dtype=resolve_dtype(cfg.dtype), device=cfg.device,
+                             block_size=cfg.cache.block_size)
+    set_kv_scales([a for _, a in attention_layers(model)], amax, KV_CACHE_DTYPES[kv_cache_dtype])
+    logger.info("calibrated %s KV-cache scales on %d prompts (%d tokens)", kv_cache_dtype,
+                len(prompts), sum(map(len, prompts)))
+    return kv_scale_tensors(model)
 
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -91,8 +147,13 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Path,
-                    quant_config: dict) -> None:
-    """model.safetensors + config.json (with quantization_config) + the source's other files."""
+                    quant_config: dict, *, kv_tensors: dict[str, torch.Tensor] | None = None,
+                    kv_cache_dtype: str | None = None) -> None:
+    """model.safetensors + config.json (with quantization_config) + the source's other files.
+
+    kv_tensors (per-layer KV scales, float32) go into model.safetensors as they are and
+    kv_cache_dtype into config.json; without them a stale `kv_cache_dtype` is dropped.
+    """
     src, dst = Path(src_dir), Path(output_dir)
     dst.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
@@ -104,14 +165,59 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
         if name in float_names and t.is_floating_point():
             t = t.to(save_dtype)
         tensors[name] = t.detach().contiguous().cpu()
+    tensors.update(kv_tensors or {})
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = quant_config
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _write_config(dst, config, kv_cache_dtype)
     for f in src.iterdir():  # tokenizer, generation config, README ...
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst / f.name)
     logger.info("wrote %d tensors to %s", len(tensors), dst)
+
+
+def save_kv_scales_only(src_dir: str | Path, output_dir: str | Path,
+                        kv_tensors: dict[str, torch.Tensor], kv_cache_dtype: str) -> None:
+    """The source checkpoint copied unchanged, plus KV_SCALES_FILE (listed in the shard index
+    when there is one) and kv_cache_dtype in config.json."""
+    src, dst = Path(src_dir), Path(output_dir)
+    clash = _names_in(src, set(kv_tensors))
+    if clash:
+        raise ValueError(f"{src} already holds KV-cache scales ({sorted(clash)[0]} ...); "
+                         "quantize its weights too, or remove them first")
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in kv_tensors.items()}, str(dst / KV_SCALES_FILE),
+              metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("weight_map", {}).update({k: KV_SCALES_FILE for k in kv_tensors})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    _write_config(dst, json.loads((src / "config.json").read_text()), kv_cache_dtype)
+    logger.info("wrote %d KV-cache scales to %s", len(kv_tensors), dst)
+
+
+def _names_in(src: Path, names: set[str]) -> set[str]:
+    """Which of `names` the source's weight files hold (other than our own scales file)."""
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for f in src.glob("*.safetensors"):
+        if f.name != KV_SCALES_FILE:
+            with safe_open(str(f), framework="pt") as st:
+                found |= names & set(st.keys())
+    return found
+
+
+def _write_config(dst: Path, config: dict, kv_cache_dtype: str | None) -> None:
+    if kv_cache_dtype is None:
+        config.pop("kv_cache_dtype", None)
+    else:
+        config["kv_cache_dtype"] = kv_cache_dtype
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _float_names(model: nn.Module) -> set[str]:

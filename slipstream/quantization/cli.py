@@ -1,23 +1,27 @@
 """`slipstream quantize`: post-training quantization of a checkpoint directory into a new one.
 
 The lead wires `add_quantize_parser(subparsers)` into slipstream/cli.py; the output directory
-loads with `LLM(model=OUTPUT)` (its config.json carries the quantization_config).
+loads with `LLM(model=OUTPUT)` (its config.json carries the quantization_config and, with
+--kv-cache-dtype, the KV dtype whose calibrated per-layer scales the checkpoint holds).
 """
 from __future__ import annotations
 
 import argparse
 
 from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
+from slipstream.quantization.kv_cache import QUANT_KV_NAMES
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "quantize", help="quantize a checkpoint (int8_wo, fp8, int4_awq, w8a8_sq) into a new one",
+        "quantize", help="quantize a checkpoint (int8_wo, fp8, int4_awq, w8a8_sq; KV cache fp8, "
+                         "int8) into a new one",
         description="Post-training quantization. Calibrates on --calib-data (built-in texts when "
                     "omitted) for the methods that need it, writes a checkpoint to --output.")
     p.add_argument("--model", default=None, help="source checkpoint directory "
                    "(default: the embedded model)")
-    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--method", required=True, choices=METHODS,
+                   help="weight quantization; 'none' keeps the weights (KV-cache scales only)")
     p.add_argument("--output", required=True, help="directory to write")
     p.add_argument("--calib-data", default=None,
                    help=".jsonl ({'text': ...} per line), .json (list of strings) or text file")
@@ -29,8 +33,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-awq", dest="awq", action="store_false",
                    help="int4_awq: plain round-to-nearest, no activation-aware scale search")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="only 'auto' for now: KV-cache quantization is not implemented")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *QUANT_KV_NAMES),
+                   help="fp8 / int8: calibrate per-layer K/V scales on the calibration set and "
+                        "make this the checkpoint's KV-cache dtype (auto: no KV quantization)")
     p.add_argument("--device", default="cpu", help="where calibration and quantization run")
     p.set_defaults(func=run_quantize)
     return p
@@ -45,9 +50,10 @@ def _options(ns: argparse.Namespace) -> dict:
 
 
 def run_quantize(ns: argparse.Namespace) -> int:
-    if ns.kv_cache_dtype != "auto":
-        raise SystemExit("slipstream quantize: --kv-cache-dtype other than 'auto' is not "
-                         "supported yet")
+    kv = None if ns.kv_cache_dtype == "auto" else ns.kv_cache_dtype
+    if ns.method == "none" and kv is None:
+        raise SystemExit("slipstream quantize: --method none quantizes only the KV cache; "
+                         "pass --kv-cache-dtype fp8 or int8")
     if ns.num_calib_samples < 1:
         raise SystemExit("--num-calib-samples must be at least 1")
     model = ns.model
@@ -58,6 +64,7 @@ def run_quantize(ns: argparse.Namespace) -> int:
     out = quantize_checkpoint(model, ns.method, ns.output, calib_data=ns.calib_data,
                               num_calib_samples=ns.num_calib_samples,
                               max_calib_len=ns.max_calib_len, device=ns.device,
-                              options=_options(ns))
-    print(f"wrote {ns.method} checkpoint to {out}")
+                              options=_options(ns), kv_cache_dtype=kv)
+    kv_note = f" with {kv} KV-cache scales" if kv else ""
+    print(f"wrote {ns.method} checkpoint{kv_note} to {out}")
     return 0

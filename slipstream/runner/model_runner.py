@@ -20,7 +20,6 @@ from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOut
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PROMPT_LOGPROB_ROWS = 512  # rows of [rows, vocab] float32 logits materialised at once
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -37,6 +36,7 @@ class ModelRunner:
         self._sampler = None
         self._graphs = None
         self._use_graph_replay = False
+        self._kv_scales_ready = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
 
     # ---- set-up --------------------------------------------------------------------------
@@ -47,13 +47,24 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        name = self.config.cache.kv_cache_dtype
-        if name == "auto":
-            name = self.config.dtype
-        if name not in _KV_DTYPES:
-            raise ValueError(f"unsupported kv_cache_dtype {name!r}; supported: auto, "
-                             f"{', '.join(_KV_DTYPES)}")
-        return _KV_DTYPES[name]
+        """float32 / bfloat16 / float16, or 1-byte fp8 (e4m3) / int8 with per-layer scales.
+        "auto": the checkpoint's kv_cache_dtype if its config names one, else the model dtype."""
+        from slipstream.quantization.kv_cache import check_kv_cache_device, resolve_kv_cache_dtype
+
+        dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.dtype,
+                                       self.config.model.hf_config)
+        check_kv_cache_device(dtype, self.device)
+        return dtype
+
+    def prepare_kv_scales(self) -> None:
+        """fp8 / int8 cache: each layer's k_scale / v_scale from the checkpoint, else 1.0 (fp8)
+        or a calibration run now (int8). Once, before any cache is allocated (it needs memory)."""
+        if self._kv_scales_ready or self.model is None:
+            return
+        from slipstream.quantization.kv_cache import prepare_kv_scales
+
+        prepare_kv_scales(self.model, self.config, self.kv_cache_dtype)
+        self._kv_scales_ready = True
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         m = self.config.model
@@ -61,15 +72,17 @@ class ModelRunner:
         return (num_blocks, self.block_size, kv_heads, m.head_dim)
 
     def kv_cache_bytes_per_block(self) -> int:
-        """K and V of one block in every layer."""
+        """K and V of one block in every layer (fp8 / int8: 1 byte an element; the per-layer
+        scales are model buffers, not cache)."""
         _, bs, heads, dim = self._kv_shape(1)
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         return 2 * self.config.model.num_hidden_layers * bs * heads * dim * elem
 
     def determine_num_blocks(self) -> int:
         """cache.num_blocks if set; else a byte budget (cache.kv_cache_memory, CPU default 1 GiB,
         CUDA: gpu_memory_utilization * total memory - peak of a profiling forward) / block."""
         cache = self.config.cache
+        self.prepare_kv_scales()  # a start-up calibration must run before memory is profiled
         if cache.num_blocks is not None:
             return cache.num_blocks
         if cache.kv_cache_memory is not None:
@@ -87,6 +100,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate (zeroed) K and V of `num_blocks` blocks for every layer."""
+        self.prepare_kv_scales()
         shape = self._kv_shape(num_blocks)
         dtype = self.kv_cache_dtype
         self.kv_caches = [

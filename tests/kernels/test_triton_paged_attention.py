@@ -39,6 +39,8 @@ def test_mixed_batch(group: int, head_dim: int, block_size: int) -> None:
     AttnConfig(block_m=16, block_n=16, num_splits=1, num_warps=4, num_stages=1),
     AttnConfig(block_m=32, block_n=16, num_splits=3, num_warps=4, num_stages=1),
     AttnConfig(block_m=64, block_n=32, num_splits=2, num_warps=4, num_stages=1),
+    # More splits than the merge takes per iteration (8), several of them empty.
+    AttnConfig(block_m=16, block_n=16, num_splits=11, num_warps=4, num_stages=1),
 ])
 def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
     """Several tiles per sequence, tiles smaller than a page, KV split across programs."""
@@ -77,6 +79,64 @@ def test_strided_q_view() -> None:
     wide = torch.randn(q.shape[0], q.shape[1] + 3, q.shape[2])
     wide[:, : q.shape[1]] = q
     _check(wide[:, : q.shape[1]], kc, vc, meta)
+
+
+# ------------------------------------------------------- fp8 / int8 caches (interpreter)
+QUANT_DTYPES = [torch.float8_e4m3fn, torch.int8]
+
+
+def _quantize_caches(kc: torch.Tensor, vc: torch.Tensor, dtype: torch.dtype):
+    """The random caches stored as `dtype` with per-tensor scales from their amax (K scaled up
+    first, so scores are not all near zero)."""
+    qmax = reference.KV_QMAX[dtype]
+    kc = kc.float() * 3
+    ks = (kc.abs().amax() / qmax).float()
+    vs = (vc.float().abs().amax() / qmax).float()
+    return (reference.quantize_kv(kc, dtype, ks), reference.quantize_kv(vc.float(), dtype, vs),
+            ks, vs)
+
+
+def _check_quant(q, kc, vc, ks, vs, meta, cfg=None, scale=0.125) -> None:
+    want = reference.paged_attention(q, kc, vc, meta, scale, k_scale=ks, v_scale=vs)
+    got = paged_attention(q, kc, vc, meta, scale, k_scale=ks, v_scale=vs, config=cfg)
+    real = meta.query_start_loc_cpu[-1]
+    # The same dequantized operands: float32 rounding only (k_scale folded into the score
+    # scale, v_scale applied after the softmax division).
+    torch.testing.assert_close(got[:real], want[:real], atol=ATOL, rtol=RTOL)
+
+
+# Smaller than MIXED (the interpreter is slow): decodes, a chunk over a prefix, a fresh prefill.
+QMIXED = ([1, 6, 1, 9], [1, 22, 45, 9])
+SPLIT3 = AttnConfig(block_m=32, block_n=16, num_splits=3, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,cfg", [
+    (torch.float8_e4m3fn, 1, 64, None), (torch.int8, 1, 64, None),
+    (torch.float8_e4m3fn, 4, 64, SPLIT3), (torch.int8, 4, 64, SPLIT3),
+    (torch.float8_e4m3fn, 8, 128, SPLIT3), (torch.int8, 8, 128, None),
+])
+def test_mixed_batch_quantized_cache(dtype: torch.dtype, group: int, head_dim: int,
+                                     cfg: AttnConfig | None) -> None:
+    """Prefill chunks and decodes, GQA, split-KV over fp8 / int8 caches."""
+    q, kc, vc, meta = make_batch(*QMIXED, num_kv_heads=2, group=group, head_dim=head_dim,
+                                 block_size=16, dtype=torch.float32, seed=group)
+    kq, vq, ks, vs = _quantize_caches(kc, vc, dtype)
+    _check_quant(q, kq, vq, ks, vs, meta, cfg)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_quantized_cache_scales_are_applied(dtype: torch.dtype) -> None:
+    """Doubling k_scale sharpens the softmax and doubling v_scale doubles the output, in both
+    implementations: the kernel must read the scales, not assume 1.0."""
+    q, kc, vc, meta = make_batch([1, 4], [40, 9], num_kv_heads=1, group=2, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=2)
+    kq, vq, ks, vs = _quantize_caches(kc, vc, dtype)
+    base = paged_attention(q, kq, vq, meta, 0.125, k_scale=ks, v_scale=vs)
+    _check_quant(q, kq, vq, ks * 2, vs, meta)
+    doubled_v = paged_attention(q, kq, vq, meta, 0.125, k_scale=ks, v_scale=vs * 2)
+    torch.testing.assert_close(doubled_v, base * 2, atol=ATOL, rtol=RTOL)
+    sharper = paged_attention(q, kq, vq, meta, 0.125, k_scale=ks * 2, v_scale=vs)
+    assert (sharper - base).abs().max() > 1e-3
 
 
 # ---------------------------------------------------------------------------- GPU (bf16)
@@ -146,3 +206,60 @@ def test_gpu_decode_graph_replay_with_new_lengths() -> None:
                             "max_seq_len": max(new_lens)})
         want = reference.paged_attention(q, kc, vc, now, 0.1).float()
         assert (out.float() - want).norm() / want.norm() < 1e-2
+
+
+def _gpu_quant_case(dtype, query_lens, seq_lens, group, head_dim, block_size=16,
+                    num_kv_heads=8) -> None:
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, num_kv_heads=num_kv_heads, group=group,
+                                 head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
+                                 device="cuda", seed=len(seq_lens))
+    kq, vq, ks, vs = _quantize_caches(kc, vc, dtype)
+    scale = head_dim ** -0.5
+    want = reference.paged_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs).float()
+    got = paged_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs).float()
+    assert torch.isfinite(got).all()
+    # Same bound as the bf16 cache: the fp8 / int8 values are exact in bf16, so only the bf16
+    # P @ V rounding separates the kernel from the float32 reference.
+    rel = (got - want).norm() / want.norm()
+    assert rel < 1e-2, f"relative error {rel:.2e}"
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_mixed_batch_quantized_cache_bf16(dtype, group: int, head_dim: int) -> None:
+    # Decode tokens at contexts 1 .. 4k, a chunk over a cached prefix and a fresh prefill.
+    _gpu_quant_case(dtype, [1, 1, 1, 1, 256, 512], [1, 17, 1000, 4096, 3000, 512], group,
+                    head_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("context", [100, 1024, 4096])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_quantized_cache_bf16(dtype, context: int, batch: int) -> None:
+    """Pure decode: the flash-decoding split path at small batch."""
+    lens = [max(1, context - 13 * i) for i in range(batch)]
+    _gpu_quant_case(dtype, [1] * batch, lens, 4, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_gpu_quantized_cache_graph_replay_reads_new_scales(dtype) -> None:
+    """Scales are read on the device: a captured graph sees scale changes made after capture."""
+    q, kc, vc, meta = make_batch([1] * 4, [4096, 1000, 17, 2048], num_kv_heads=8, group=4,
+                                 head_dim=128, block_size=16, dtype=torch.bfloat16,
+                                 device="cuda")
+    kq, vq, ks, vs = _quantize_caches(kc, vc, dtype)
+    ks, vs = ks.clone(), vs.clone()
+    paged_attention(q, kq, vq, meta, 0.1, k_scale=ks, v_scale=vs)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(q, kq, vq, meta, 0.1, k_scale=ks, v_scale=vs)
+    ks.mul_(1.5)
+    vs.mul_(0.5)
+    graph.replay()
+    want = reference.paged_attention(q, kq, vq, meta, 0.1, k_scale=ks, v_scale=vs).float()
+    assert (out.float() - want).norm() / want.norm() < 1e-2

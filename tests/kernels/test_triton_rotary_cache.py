@@ -79,6 +79,82 @@ def test_rotary_and_cache_write(hq: int, hkv: int, d: int, block_size: int) -> N
     torch.testing.assert_close(vc, want_v, atol=0, rtol=0)
 
 
+# ------------------------------------------------------- fp8 / int8 caches (interpreter)
+QUANT_DTYPES = [torch.float8_e4m3fn, torch.int8]
+
+
+def _qcaches(num_blocks: int, block_size: int, hkv: int, d: int, dtype: torch.dtype,
+             device="cpu"):
+    """1-byte caches holding random old entries (skipped slots must keep them)."""
+    kc, vc = _caches(num_blocks, block_size, hkv, d, device=device)
+    return reference.quantize_kv(kc * 20, dtype), reference.quantize_kv(vc * 20, dtype)
+
+
+def _scales(device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    # Small enough that the largest inputs clamp: the clamp path is exercised too.
+    return (torch.tensor(0.011, device=device), torch.tensor(0.019, device=device))
+
+
+def _same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+        f"{int((got.view(torch.uint8) != want.view(torch.uint8)).sum())} entries differ"
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_write_kv_cache_quantized(dtype: torch.dtype) -> None:
+    _, k, v = _qkv(11, 4, 2, 64)
+    kc, vc = _qcaches(5, 16, 2, 64, dtype)
+    ks, vs = _scales()
+    slots = _slots(11, 5 * 16)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.write_kv_cache(k, v, want_k, want_v, slots, k_scale=ks, v_scale=vs)
+    write_kv_cache(k, v, kc, vc, slots, k_scale=ks, v_scale=vs)
+    # Exact: the same float32 quotient, clamp and rounding rule (fp8: nearest even).
+    _same_bytes(kc, want_k)
+    _same_bytes(vc, want_v)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(8, 2, 64, 16), (6, 2, 80, 32)])
+def test_rotary_and_cache_write_quantized(dtype: torch.dtype, hq: int, hkv: int, d: int,
+                                          block_size: int) -> None:
+    tokens = 13
+    q, k, v = _qkv(tokens, hq, hkv, d)
+    kc, vc = _qcaches(4, block_size, hkv, d, dtype)
+    ks, vs = _scales()
+    cs = _cos_sin(256, d)
+    pos = torch.randint(0, 256, (tokens,))
+    slots = _slots(tokens, 4 * block_size)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q, want_kr = reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots,
+                                                       k_scale=ks, v_scale=vs)
+    got_q, got_kr = rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots, k_scale=ks,
+                                           v_scale=vs)
+    torch.testing.assert_close(got_q, want_q, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got_kr, want_kr, atol=ATOL, rtol=RTOL)
+    # K is rotated first: a last-bit difference in k_rot may move an entry across a rounding
+    # boundary, so K is compared dequantized to within one step; V is a pure quantized copy.
+    step = ks if dtype == torch.int8 else (want_k.float().abs() * ks / 8).clamp_min(ks * 2**-9)
+    assert ((kc.float() * ks - want_k.float() * ks).abs() <= step + 1e-7).all()
+    assert (kc.view(torch.uint8) != want_k.view(torch.uint8)).float().mean() < 0.01
+    _same_bytes(vc, want_v)
+
+
+def test_quantized_write_unwritten_rows_untouched() -> None:
+    """Slot -1 and rows no token maps to keep their old 1-byte values."""
+    _, k, v = _qkv(6, 2, 2, 64)
+    kc, vc = _qcaches(2, 16, 2, 64, torch.int8)
+    before_k, before_v = kc.clone(), vc.clone()
+    slots = torch.tensor([3, -1, 5, -1, 17, 30])
+    write_kv_cache(k, v, kc, vc, slots, k_scale=torch.tensor(0.05), v_scale=torch.tensor(0.05))
+    keep = torch.ones(32, dtype=torch.bool)
+    keep[[3, 5, 17, 30]] = False
+    for got, old in ((kc, before_k), (vc, before_v)):
+        _same_bytes(got.view(32, 2, 64)[keep], old.view(32, 2, 64)[keep])
+        assert not torch.equal(got.view(32, 2, 64)[~keep], old.view(32, 2, 64)[~keep])
+
+
 # ---------------------------------------------------------------------------- GPU (bf16)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
@@ -115,3 +191,29 @@ def test_gpu_rotary_and_kv_write_separately_bf16() -> None:
     write_kv_cache(k, v, kc, vc, slots)
     torch.testing.assert_close(kc, want_k, atol=0, rtol=0)
     torch.testing.assert_close(vc, want_v, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (28, 4, 128), (8, 8, 64), (8, 1, 64)])
+def test_gpu_rotary_and_cache_write_quantized_bf16(dtype: torch.dtype, tokens: int, hq: int,
+                                                   hkv: int, d: int) -> None:
+    dev, dt, bs = "cuda", torch.bfloat16, 16
+    q, k, v = _qkv(tokens, hq, hkv, d, dt, dev)
+    blocks = tokens // bs + 8
+    kc, vc = _qcaches(blocks, bs, hkv, d, dtype, dev)
+    ks, vs = _scales(dev)
+    cs = _cos_sin(8192, d).to(dev)
+    pos = torch.randint(0, 8192, (tokens,), device=dev)
+    slots = _slots(tokens, blocks * bs, device=dev)
+    want_k, want_v = kc.clone(), vc.clone()
+    reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots, k_scale=ks,
+                                     v_scale=vs)
+    rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots, k_scale=ks, v_scale=vs)
+    # bf16 k_rot may differ by one rounding (FMA), moving an entry by one quantization step:
+    # dequantized values within one step, and almost all entries bit-identical.
+    for got, want, s in ((kc, want_k, ks), (vc, want_v, vs)):
+        step = s if dtype == torch.int8 else (want.float().abs() * s / 8).clamp_min(s * 2**-9)
+        assert ((got.float() - want.float()).abs() * s <= step * 1.001).all()
+        assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.01
