@@ -3,8 +3,8 @@
 Same semantics as paged_attention in kernels/reference.py. Each program takes one tile of query
 rows (BLOCK_Q tokens x the GROUP query heads that share one KV head, so every K/V tile is loaded
 once per group), walks the sequence's K/V through its block table with an online softmax, and
-for long contexts with few programs splits the KV range across programs (flash-decoding) and
-merges the partial results in a second small kernel. Metadata is read from device tensors only.
+for long contexts with few programs splits the KV range across programs (flash-decoding); the
+last split of a tile to finish merges the partial results. Metadata is read from device tensors only.
 fp8 / int8 caches are read as stored values: k_scale folds into the score scale and v_scale into
 the output, so the inner loop only adds a widening cast.
 """
@@ -23,7 +23,6 @@ from slipstream.kernels.rotary_cache import kv_quant_args
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
-_MERGE_SPLITS = 8  # partials merged per loop iteration
 _MAX_SCRATCH_BYTES = 256 << 20
 
 
@@ -77,8 +76,8 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
 # The split count and batch size vary step to step: runtime ints, never recompile triggers.
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
-    ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, cnt_ptr, qsl_ptr, seq_lens_ptr,
+    bt_ptr, ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -152,37 +151,39 @@ def _paged_attn_kernel(
         # Log-sum-exp in the base-2 units of the scaled scores; -inf marks an empty split.
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + p_row, lse, mask=row_ok)
+        # The last split of this tile to finish merges all of them (no second launch) and
+        # resets the arrival counter; every thread's stores precede the release.
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid * tl.num_programs(1) + kv_head
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            o = _merge_splits(part_out_ptr, part_lse_ptr, token * stride_pt + head * stride_ph,
+                              row_ok, offs_d, num_splits, BLOCK_M, BLOCK_D)
+            o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.atomic_xchg(cnt, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ot,
-                         stride_oh, SPLITS_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
-    """Log-sum-exp merge of the split partials, SPLITS_P at a time: one compiled variant serves
-    every split count (a new count mid-serving must not compile) and few splits stay cheap."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = (token * num_heads + head) * num_splits
-    m = float("-inf")
-    denom = 0.0
-    o = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, SPLITS_P):
-        offs_s = s0 + tl.arange(0, SPLITS_P)
-        s_ok = offs_s < num_splits
-        lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Log-sum-exp merge over the splits of BLOCK_M rows (partials of row r at base[r] + split),
+    read past L1 (other programs wrote them)."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for sp in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + base + sp, mask=row_ok, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(part_out_ptr + (base + sp)[:, None] * BLOCK_D + offs_d[None, :],
+                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
         alpha = tl.math.exp2(m - m_ref)
         w = tl.math.exp2(lse - m_ref)
-        parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                        mask=s_ok[:, None], other=0.0)
-        o = o * alpha + tl.sum(parts * w[:, None], 0)
-        denom = denom * alpha + tl.sum(w, 0)
+        o = o * alpha[:, None] + part * w[:, None]
+        denom = denom * alpha + w
         m = m_new
-    o = o / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
 
 
 @dataclass(frozen=True)
@@ -261,9 +262,10 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
+    cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
     _paged_attn_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse, meta.query_start_loc, meta.seq_lens,
+        q, k_cache, v_cache, out, part_out, part_lse, cnt, meta.query_start_loc, meta.seq_lens,
         meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
@@ -273,10 +275,21 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant != 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, num_heads, splits, out.stride(0), out.stride(1),
-            SPLITS_P=_MERGE_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,
-            num_warps=4,
-        )
     return out
+
+
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Per-tile split arrival counters, zero between calls (the merging program resets its own).
+    Sized generously up front: growing it inside a CUDA-graph capture would be unsafe."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"attention split counters ({n}) outgrew their buffer during "
+                               "CUDA-graph capture; run an eager step of this size first")
+        buf = torch.zeros(max(n, 1 << 17), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf

@@ -54,6 +54,11 @@ def test_decode_only_auto_splits() -> None:
     q, kc, vc, meta = make_batch([1, 1, 1], [300, 5, 140], num_kv_heads=1, group=4,
                                  head_dim=64, block_size=16, dtype=torch.float32, seed=3)
     _check(q, kc, vc, meta)
+    # The merging program resets its tile's arrival counter: a replay starts from zero.
+    from slipstream.kernels import paged_attention as pa
+
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 5, 4, 1))
+    assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
 def test_causal_boundary_sweep() -> None:
