@@ -1,10 +1,13 @@
 """Held-out perplexity of the default model under each quantization method, through slipstream.
 
     python scripts/eval_quant_ppl.py [--max-windows 48] [--output-json PATH]
+    python scripts/eval_quant_ppl.py --methods none,kv_fp8,kv_int8,kv_fp8_calib,kv_int8_calib
 
 Scores the same non-overlapping 512-token windows of the held-out stdlib files (the training
 pipeline's list and windowing) with LLM(..., quantization=METHOD) and prompt_logprobs=0, and
 checks issue 6's accuracy targets against the unquantized (bf16 checkpoint, fp32 compute) row.
+kv_* rows quantize only the KV cache (fp8 / int8, scales from start-up defaults or from `slipstream
+quantize --method none --kv-cache-dtype`); --kv-cache-dtype applies one KV dtype to every row.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ DEFAULT_MODEL = REPO / "slipstream" / "assets" / "default_model"
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "2026-11-30-cpu" / "quant_accuracy.json"
 # Issue 6: relative perplexity increase allowed per method (int4 must also beat RTN with AWQ).
 TARGETS = {"int8_wo": 1.0, "fp8": 2.0, "int4_awq": 10.0, "w8a8_sq": 5.0}
-# name -> (quantization passed to LLM, checkpoint: "float" or "awq")
+# name -> (quantization passed to LLM, checkpoint kind[, kv_cache_dtype passed to LLM])
 ROWS = {
     "none": (None, "float"),
     "int8_wo": ("int8_wo", "float"),
@@ -40,6 +43,10 @@ ROWS = {
     "int4_awq_stdlib": (None, "awq_stdlib"),  # AWQ calibrated on stdlib training files
     "w8a8_rtn": ("w8a8_sq", "float"),  # load time: plain per-channel W8A8, no smoothing
     "w8a8_sq": (None, "sq"),  # `slipstream quantize --method w8a8_sq`, stdlib training calib
+    "kv_fp8": (None, "float", "fp8"),  # no scales in the checkpoint: 1.0
+    "kv_int8": (None, "float", "int8"),  # no scales: calibrated at engine start
+    "kv_fp8_calib": (None, "kv_fp8"),  # `quantize --method none --kv-cache-dtype fp8`
+    "kv_int8_calib": (None, "kv_int8"),  # the same, int8 (stdlib training calib)
 }
 CALIB_FILES, CALIB_CHARS = 128, 8000
 
@@ -56,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "quantize` (default: int4_awq its built-in set, w8a8_sq stdlib training "
                    "files); int4_awq_stdlib always uses training files")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: SmoothQuant migration")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV-cache dtype for every row without its own (auto, fp8, int8)")
     p.add_argument("--no-hf-check", dest="hf_check", action="store_false",
                    help="skip the transformers fp32 reference on the same windows")
     p.add_argument("--output-json", default=str(DEFAULT_JSON))
@@ -75,13 +84,13 @@ def select_windows(tok, seq_len: int, max_windows: int) -> tuple[list[list[int]]
     return rows, [f.rel_path for f in files]
 
 
-def engine_nll(model: str, quantization: str | None,
-               windows: list[list[int]]) -> tuple[float, int]:
+def engine_nll(model: str, quantization: str | None, windows: list[list[int]],
+               kv_cache_dtype: str = "auto") -> tuple[float, int]:
     """Summed negative log-likelihood of every window's tokens after the first, via slipstream."""
     from slipstream import LLM, SamplingParams
 
     llm = LLM(model=model, device="cpu", dtype="float32", quantization=quantization,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     nll, count = 0.0, 0
@@ -138,17 +147,43 @@ def write_stdlib_calib(path: Path) -> Path:
     return path
 
 
-def run_row(name: str, model: str, ckpts: dict[str, str], windows: list[list[int]]) -> dict:
-    quantization, ckpt = ROWS[name]
+def calib_overlap(calib_texts: list[str], heldout_texts: list[str], min_chars: int = 40) -> dict:
+    """Contamination check of a calibration set against the held-out files: its distinct lines of
+    at least min_chars (stripped) that also occur verbatim in a held-out file."""
+    held = {line.strip() for text in heldout_texts for line in text.splitlines()}
+    lines = {line.strip() for text in calib_texts for line in text.splitlines()
+             if len(line.strip()) >= min_chars}
+    shared = sorted(lines & held)
+    return {"calib_texts": len(calib_texts), "calib_lines": len(lines),
+            "shared_lines": len(shared), "shared_examples": shared[:5]}
+
+
+def builtin_calib_check(num_samples: int = 128) -> dict:
+    """The built-in set `slipstream quantize` calibrates on: it must skip the held-out files
+    (same list as the training pipeline's) and share no real code with them."""
+    from slipstream.quantization.calibration import DEFAULT_MODEL_HELDOUT, load_calib_texts
+
+    if tuple(DEFAULT_MODEL_HELDOUT) != tuple(corpus.HELDOUT_FILES):
+        raise SystemExit("calibration.DEFAULT_MODEL_HELDOUT differs from the training "
+                         "pipeline's HELDOUT_FILES: update it")
+    files, _ = corpus.load_heldout()
+    return calib_overlap(load_calib_texts(None, num_samples), [f.text for f in files])
+
+
+def run_row(name: str, model: str, ckpts: dict[str, str], windows: list[list[int]],
+            kv_cache_dtype: str = "auto") -> dict:
+    quantization, ckpt, *kv = ROWS[name]
+    kv_cache_dtype = kv[0] if kv else kv_cache_dtype
     path = ckpts.get(ckpt, model)
     t0 = time.perf_counter()
     try:
-        nll, count = engine_nll(path, quantization, windows)
+        nll, count = engine_nll(path, quantization, windows, kv_cache_dtype)
     except Exception as exc:  # report the failure as a row, keep measuring the others
         return {"method": name, "error": f"{type(exc).__name__}: {exc}",
                 "seconds": round(time.perf_counter() - t0, 1)}
     return {"method": name, "quantization": quantization, "checkpoint": path,
-            "loss": nll / count, "ppl": math.exp(nll / count), "tokens": count,
+            "kv_cache_dtype": kv_cache_dtype, "loss": nll / count, "ppl": math.exp(nll / count),
+            "tokens": count,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -181,7 +216,8 @@ def print_table(rows: dict[str, dict]) -> None:
             continue
         delta = f"{row['delta_pct']:+.2f}" if "delta_pct" in row else "-"
         ok = {True: "yes", False: "NO"}.get(row.get("meets_target"), "-")
-        print(f"{name:<16} {row['ppl']:>9.4f} {delta:>9}  {row.get('target', 'baseline'):<24} "
+        target = row.get("target", "baseline" if name == "none" else "-")
+        print(f"{name:<16} {row['ppl']:>9.4f} {delta:>9}  {target:<24} "
               f"{ok:<5} {row['seconds']:>6.1f}")
 
 
@@ -206,6 +242,13 @@ def prepare_checkpoints(args, names: list[str], tmp: Path, result: dict) -> dict
         result["quantize_sq"] = quantize_awq(args.model, ckpts["sq"], calib, "w8a8_sq",
                                              ("--alpha", str(args.alpha)))
         print(f"quantized w8a8_sq in {result['quantize_sq']['seconds']} s")
+    for kv in ("fp8", "int8"):
+        if f"kv_{kv}_calib" in names:
+            calib = args.calib_data or str(write_stdlib_calib(tmp / "calib_stdlib.jsonl"))
+            ckpts[f"kv_{kv}"] = str(tmp / f"kv_{kv}")
+            result[f"quantize_kv_{kv}"] = quantize_awq(
+                args.model, ckpts[f"kv_{kv}"], calib, "none", ("--kv-cache-dtype", kv))
+            print(f"calibrated {kv} KV scales in {result[f'quantize_kv_{kv}']['seconds']} s")
     return ckpts
 
 
@@ -220,13 +263,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(windows)} windows, {sum(len(w) - 1 for w in windows):,} scored tokens, "
           f"{len(files)} held-out files")
     result: dict = {"model": args.model, "seq_len": args.seq_len, "windows": len(windows),
+                    "kv_cache_dtype": args.kv_cache_dtype,
                     "max_windows": args.max_windows, "heldout_files": files,
                     "torch": torch.__version__, "device": "cpu", "dtype": "float32"}
+    if "int4_awq" in names and not args.calib_data and not args.awq_checkpoint:
+        result["builtin_calib_overlap"] = builtin_calib_check()
+        print(f"built-in calibration vs held-out files: {result['builtin_calib_overlap']}")
     with tempfile.TemporaryDirectory(prefix="slipstream-awq-") as tmp:
         ckpts = prepare_checkpoints(args, names, Path(tmp), result)
         rows = {}
         for name in names:
-            rows[name] = run_row(name, args.model, ckpts, windows)
+            rows[name] = run_row(name, args.model, ckpts, windows, args.kv_cache_dtype)
             print(f"{name}: {rows[name].get('ppl', rows[name].get('error'))}", flush=True)
     if args.hf_check:
         nll, count = hf_nll(args.model, windows)

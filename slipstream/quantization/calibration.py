@@ -1,5 +1,5 @@
 """Calibration for post-training quantization: sample texts, run the float model, record the
-inputs of every linear layer (per-channel max and mean magnitude, plus a row sample for AWQ).
+inputs of every linear layer (per-channel max and mean magnitude) and the prompts' token ids.
 
 Runs through LLM.generate (one output token per sample), so the prefill path computes the stats.
 """
@@ -9,7 +9,8 @@ import json
 import logging
 import os
 import sysconfig
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +37,18 @@ BUILTIN_TEXTS = (
 STDLIB_SAMPLES, STDLIB_CHARS = 64, 2000  # default set: this many ~2000-char stdlib excerpts
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                 "lib-dynload", "pydoc_data"}
-MAX_ROWS = 512  # rows of each layer's input kept for the AWQ loss (memory: rows * K floats)
+# The default model's held-out evaluation files (scripts/default_model/corpus.py HELDOUT_FILES,
+# also listed in its model card): never calibrate on them, so held-out perplexity stays clean.
+DEFAULT_MODEL_HELDOUT = (
+    "asyncio/locks.py", "asyncio/queues.py", "base64.py", "bisect.py", "calendar.py",
+    "cmd.py", "concurrent/futures/thread.py", "contextlib.py", "copy.py", "csv.py",
+    "difflib.py", "filecmp.py", "fileinput.py", "fnmatch.py", "fractions.py", "ftplib.py",
+    "gettext.py", "glob.py", "graphlib.py", "gzip.py", "heapq.py", "hmac.py",
+    "html/parser.py", "http/cookies.py", "json/decoder.py", "json/encoder.py",
+    "logging/handlers.py", "netrc.py", "numbers.py", "pprint.py", "queue.py", "quopri.py",
+    "sched.py", "shlex.py", "statistics.py", "textwrap.py", "timeit.py", "tracemalloc.py",
+    "urllib/robotparser.py", "xml/dom/minidom.py",
+)
 
 
 def load_calib_texts(path: str | Path | None, num_samples: int) -> list[str]:
@@ -60,9 +72,12 @@ def load_calib_texts(path: str | Path | None, num_samples: int) -> list[str]:
 
 
 def stdlib_calib_texts(num_samples: int = STDLIB_SAMPLES, chars: int = STDLIB_CHARS,
-                       root: str | Path | None = None) -> list[str]:
-    """Up to num_samples excerpts (the first `chars` characters) of stdlib *.py files, from
-    files spread evenly over the sorted list (deterministic), test directories skipped.
+                       root: str | Path | None = None,
+                       exclude: Collection[str] = DEFAULT_MODEL_HELDOUT) -> list[str]:
+    """Up to num_samples excerpts of stdlib *.py files, from files spread evenly over the sorted
+    list (deterministic), test directories and the `exclude` paths (relative to the stdlib root)
+    skipped. Each excerpt is `chars` characters from the middle of its file, starting at a line:
+    code bodies, like most of what a code model reads, rather than licence headers and imports.
 
     Real code of realistic length: ten short snippets under-sample the activation ranges that
     AWQ / SmoothQuant scales are computed from.
@@ -70,20 +85,28 @@ def stdlib_calib_texts(num_samples: int = STDLIB_SAMPLES, chars: int = STDLIB_CH
     base = Path(root or sysconfig.get_paths().get("stdlib") or "")
     if not base.is_dir():
         return []
+    skip = set(exclude)
+    paths = [p for p in _stdlib_sources(base) if p.relative_to(base).as_posix() not in skip]
     texts: list[str] = []
-    paths = _stdlib_sources(base)
     step = max(1, len(paths) // max(num_samples, 1))
     for path in paths[::step]:
         if len(texts) >= num_samples:
             break
         try:
-            with path.open(encoding="utf-8") as f:
-                text = f.read(chars)
+            text = _middle_excerpt(path.read_text(encoding="utf-8"), chars)
         except (OSError, UnicodeDecodeError):
             continue
         if len(text.strip()) >= chars // 4:  # skip near-empty __init__ files
             texts.append(text)
     return texts
+
+
+def _middle_excerpt(text: str, chars: int) -> str:
+    """`chars` characters from the middle of text, starting at the beginning of a line."""
+    start = max(0, (len(text) - chars) // 2)
+    if start:
+        start = text.find("\n", start) + 1 or start
+    return text[start:start + chars]
 
 
 def _stdlib_sources(base: Path) -> list[Path]:
@@ -96,6 +119,15 @@ def _stdlib_sources(base: Path) -> list[Path]:
     return sorted(found)
 
 
+class CalibrationStats(dict):
+    """{linear layer name: LayerStats}, plus the token ids of the calibration prompts (AWQ runs
+    them again, layer by layer)."""
+
+    def __init__(self, prompts: list[list[int]] | None = None):
+        super().__init__()
+        self.prompts: list[list[int]] = prompts or []
+
+
 @dataclass
 class LayerStats:
     """Input statistics of one linear layer over the calibration tokens."""
@@ -103,14 +135,10 @@ class LayerStats:
     absmax: torch.Tensor  # [K] float32
     abssum: torch.Tensor  # [K] float32
     count: int = 0
-    rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def absmean(self) -> torch.Tensor:
         return self.abssum / max(self.count, 1)
-
-    def sample(self) -> torch.Tensor:
-        return torch.cat(self.rows)[:MAX_ROWS]
 
 
 def _record(stats: dict[str, LayerStats], name: str, x: torch.Tensor) -> None:
@@ -121,9 +149,6 @@ def _record(stats: dict[str, LayerStats], name: str, x: torch.Tensor) -> None:
     s.absmax = torch.maximum(s.absmax, x.abs().amax(dim=0))
     s.abssum += x.abs().sum(dim=0)
     s.count += x.shape[0]
-    kept = sum(r.shape[0] for r in s.rows)
-    if kept < MAX_ROWS:
-        s.rows.append(x[: MAX_ROWS - kept].clone())
 
 
 def calibration_prompts(tokenizer, texts: list[str], max_len: int, vocab_size: int,
@@ -138,22 +163,42 @@ def calibration_prompts(tokenizer, texts: list[str], max_len: int, vocab_size: i
 
 
 @torch.no_grad()
-def collect_linear_stats(llm, texts: list[str], max_len: int = 512) -> dict[str, LayerStats]:
+def collect_linear_stats(llm, texts: list[str], max_len: int = 512) -> CalibrationStats:
     """Run each text through `llm` (an LLM) and return input stats per linear-layer name."""
     from slipstream.layers.linear import LinearBase
     from slipstream.sampling_params import SamplingParams
 
     model: nn.Module = llm.engine.runner.model
-    stats: dict[str, LayerStats] = {}
+    vocab = llm.engine_config.model.vocab_size
+    prompts = calibration_prompts(llm.tokenizer, texts, max_len, vocab)
+    stats = CalibrationStats(prompts)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, LinearBase)]
     handles = [module.register_forward_pre_hook(
                    lambda mod, args, name=name: _record(stats, name, args[0]))
-               for name, module in model.named_modules() if isinstance(module, LinearBase)]
+               for name, module in linears]
+    for name, module in linears:
+        _watch_gated(module, name, stats)
     try:
-        vocab = llm.engine_config.model.vocab_size
-        prompts = calibration_prompts(llm.tokenizer, texts, max_len, vocab)
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=True)
     finally:
         for h in handles:
             h.remove()
+        for _, module in linears:
+            module.__dict__.pop("forward_gated", None)
     return stats
+
+
+def _watch_gated(module: nn.Module, name: str, stats: dict[str, LayerStats]) -> None:
+    """A gated MLP's down projection is called as forward_gated(gate_up, act), which may fuse
+    the activation and bypasses forward hooks: record act(gate_up), its real input, instead
+    (an instance attribute shadowing the method until collect_linear_stats removes it)."""
+    gated = getattr(module, "forward_gated", None)
+    if gated is None:
+        return
+
+    def forward_gated(gate_up: torch.Tensor, act):
+        _record(stats, name, act(gate_up))
+        return gated(gate_up, act)
+
+    module.forward_gated = forward_gated

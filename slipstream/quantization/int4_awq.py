@@ -1,7 +1,7 @@
 """int4_awq: INT4 weight-only, groupwise along K (group 128) with zero points, bf16 activations.
 
-Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` adds AWQ's
-activation-aware scale search, folded into the preceding norm / projection), or pre-quantized
+Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` first runs AWQ's
+activation-aware scale and clipping search, awq.py), or pre-quantized
 AutoAWQ (GEMM) and GPTQ checkpoints. All become one layout: qweight uint8 [N, K/2] (two values
 per byte along K), scales float16 [N, K/G], zeros uint8 [N, K/G]; w = (q - zero) * scale.
 """
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.quantization import awq as awq_mod
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import QuantMethod, register_quant_method
 
@@ -20,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
 NEEDS_CALIBRATION = True
-_AWQ_GRID = 20  # alpha in 0, 1/20, ..., 19/20 (alpha 0 is plain round-to-nearest)
 
 
 class Int4LinearMethod(QuantMethod):
@@ -90,8 +90,11 @@ class Int4LinearMethod(QuantMethod):
         return q.contiguous(), scales.half(), zeros.to(torch.uint8).contiguous()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        w = dequantize_layer(layer, x.dtype)
-        return F.linear(x, w, bias)
+        fn = _int4_linear()
+        if fn is None:  # no Triton: dequantize and multiply
+            return F.linear(x, dequantize_layer(layer, x.dtype), bias)
+        group = x.shape[-1] // layer.scales.shape[1]  # also right for one group per row
+        return fn(x, layer.qweight, layer.scales, layer.zeros, group, bias)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
@@ -102,6 +105,21 @@ class Int4LinearMethod(QuantMethod):
                                           qu.AWQ_ORDER), 1, 8),
             "scales": (layer.scales.data.t().contiguous().half(), 1, 1),
         }
+
+
+_INT4_LINEAR: list = []
+
+
+def _int4_linear():
+    """kernels.gemv_int4.int4_linear (W4A16 GEMV / GEMM on CUDA, the float32 reference twin
+    elsewhere), or None when Triton cannot load."""
+    if not _INT4_LINEAR:
+        try:
+            from slipstream.kernels.gemv_int4 import int4_linear
+        except ImportError:
+            int4_linear = None
+        _INT4_LINEAR.append(int4_linear)
+    return _INT4_LINEAR[0]
 
 
 def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -146,37 +164,33 @@ def make_int4(hf_config: dict):
     return lambda prefix: Int4LinearMethod(group, layout, offset)
 
 
-# --- AWQ: activation-aware scale search, folded into the op before each linear layer -------------
+# --- AWQ: activation-aware scale and clipping search (slipstream/quantization/awq.py) ------------
 
 def awq_search(w: torch.Tensor, x: torch.Tensor, absmean: torch.Tensor,
                group_size: int) -> torch.Tensor:
-    """Per-input-channel scale s (w * s is quantized, x / s fed in) minimising ||x w^T - x w_q^T||.
-
-    s = absmean^alpha over a grid of alpha; alpha = 0 (s = 1, plain RTN) is in the grid, so the
-    result is never worse than RTN on the calibration rows.
-    """
+    """Per-input-channel scale s (w * s is quantized, x / s fed in) minimising ||x w^T - x w_q^T||
+    for one linear layer on its input rows x; s = 1 (plain RTN) is a candidate, so the result is
+    never worse than RTN on x. (`slipstream quantize` scores whole blocks: awq.awq_prepare.)"""
     w, x = w.float(), x.float()
     want = x @ w.t()
-    best_s, best_err = torch.ones_like(absmean), float("inf")
-    for i in range(_AWQ_GRID):
-        s = absmean.clamp_min(1e-4) ** (i / _AWQ_GRID)
-        s = s / (s.max() * s.min()).sqrt()
-        wq = qu.dequantize_int4_groupwise(*qu.quantize_int4_groupwise(w * s, group_size)) / s
-        err = (x @ wq.t() - want).pow(2).mean().item()
-        if err < best_err:
-            best_s, best_err = s, err
-    return best_s
+
+    def loss(wq: torch.Tensor) -> float:
+        return (x @ wq.t() - want).pow(2).mean().item()
+
+    return awq_mod.search_scale(w, absmean.float(), loss, group_size)[0]
 
 
 @torch.no_grad()
 def prepare_for_quantization(model: nn.Module, stats: dict, group_size: int = DEFAULT_GROUP,
                              awq: bool = True) -> None:
-    """Scale each decoder layer's projections (Llama family) before round-to-nearest."""
+    """AWQ scales and clipping on the calibration prompts, before round-to-nearest (Llama family).
+
+    stats: collect_linear_stats' result; AWQ reruns its prompts layer by layer.
+    """
     if not awq:
         return
-
-    def search(name: str, linear: nn.Module) -> torch.Tensor:
-        st = stats[name]
-        return awq_search(linear.weight.data, st.sample(), st.absmean, group_size)
-
-    qu.fold_input_scales(model, search)
+    prompts = getattr(stats, "prompts", None)
+    if not prompts:
+        raise ValueError("int4_awq: the AWQ search needs the calibration prompts "
+                         "(calibration.collect_linear_stats)")
+    awq_mod.awq_prepare(model, prompts, group_size)

@@ -215,28 +215,82 @@ def divide_rows(linear: nn.Module, start: int, s: torch.Tensor) -> None:
         linear.bias.data[start:].div_(s.to(w))
 
 
-@torch.no_grad()
-def fold_input_scales(model: nn.Module, scale_for: ScaleFn) -> None:
-    """Llama family: for qkv, gate_up, down (and o when v feeds it one-to-one, i.e. no GQA),
-    s = scale_for(name, linear) multiplies the linear's input channels and divides the op before
-    it (the norm weight; for down, the up half of gate_up, since act(gate) * up is linear in up;
-    for o, v's rows). The float model computes the same function; only quantization sees s.
-    """
-    def scale(name: str, linear: nn.Module) -> torch.Tensor:
-        s = scale_for(name, linear).float()
-        linear.weight.data.mul_(s.to(linear.weight)[None, :])
-        return s
+def kv_tied_scale(s: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """o_proj's input scale [Hq*D] -> the v-row scale [Hkv*D] it comes from under GQA.
 
+    Query heads h*rep .. h*rep+rep-1 read kv head h, so their channels must share one scale;
+    anything else cannot be folded into v exactly (ValueError).
+    """
+    rep = num_heads // num_kv_heads
+    heads = s.reshape(num_kv_heads, rep, -1)
+    if not torch.equal(heads, heads[:, :1].expand_as(heads)):
+        raise ValueError("o_proj scale under GQA must be equal across the query heads that share "
+                         "a kv head")
+    return heads[:, 0].reshape(-1)
+
+
+def _fold_into_norm(norm: nn.Module, s: torch.Tensor, norm_dtype: torch.dtype | None) -> torch.Tensor:
+    """norm.weight /= s; returns the scale actually applied.
+
+    With norm_dtype (the checkpoint's float dtype), the new norm weight is rounded to it here and
+    the returned scale is old / new exactly, so the linear after it can absorb the rounding:
+    saving the norm in bf16 then costs nothing.
+    """
+    old = norm.weight.data.float()
+    new = old / s
+    if norm_dtype is not None:
+        new = new.to(norm_dtype).float()
+        s = torch.where((new != 0) & (old != 0), old / new, s)
+    norm.weight.data.copy_(new.to(norm.weight))
+    return s
+
+
+@torch.no_grad()
+def fold_layer_input_scales(layer: nn.Module, prefix: str, scale_for: ScaleFn, *,
+                            gqa_o_proj: bool = False, norm_dtype: torch.dtype | None = None,
+                            ) -> dict[str, torch.Tensor]:
+    """One Llama decoder layer of fold_input_scales; returns {linear name: scale applied}."""
+    attn, mlp = layer.self_attn, layer.mlp
+    applied: dict[str, torch.Tensor] = {}
+
+    def scale(name: str, linear: nn.Module, s: torch.Tensor) -> None:
+        linear.weight.data.mul_(s.to(linear.weight)[None, :])
+        applied[name] = s
+
+    name = f"{prefix}.self_attn.qkv_proj"
+    s = _fold_into_norm(layer.input_layernorm, scale_for(name, attn.qkv_proj).float(), norm_dtype)
+    scale(name, attn.qkv_proj, s)
+    name = f"{prefix}.mlp.gate_up_proj"
+    s = _fold_into_norm(layer.post_attention_layernorm, scale_for(name, mlp.gate_up_proj).float(),
+                        norm_dtype)
+    scale(name, mlp.gate_up_proj, s)
+    name = f"{prefix}.mlp.down_proj"
+    s = scale_for(name, mlp.down_proj).float()
+    scale(name, mlp.down_proj, s)
+    divide_rows(mlp.gate_up_proj, mlp.gate_up_proj.output_sizes[0], s)
+    v_rows = attn.qkv_proj.output_sizes[2]
+    if v_rows == attn.o_proj.input_size or gqa_o_proj:
+        name = f"{prefix}.self_attn.o_proj"
+        s = scale_for(name, attn.o_proj).float()
+        s_v = s if v_rows == attn.o_proj.input_size else kv_tied_scale(
+            s, attn.attn.num_heads, attn.attn.num_kv_heads)
+        scale(name, attn.o_proj, s)
+        divide_rows(attn.qkv_proj, attn.qkv_proj.output_size - v_rows, s_v)
+    return applied
+
+
+@torch.no_grad()
+def fold_input_scales(model: nn.Module, scale_for: ScaleFn, *, gqa_o_proj: bool = False,
+                      norm_dtype: torch.dtype | None = None) -> None:
+    """Llama family: for qkv, gate_up, down and o, s = scale_for(name, linear) multiplies the
+    linear's input channels and divides the op before it (the norm weight; for down, the up half
+    of gate_up, since act(gate) * up is linear in up; for o, v's rows). The float model computes
+    the same function; only quantization sees s.
+
+    o under GQA (one v row feeds several o channels) only with gqa_o_proj, and then scale_for
+    must return a scale tied across the query heads of each kv head (kv_tied_scale). norm_dtype:
+    see _fold_into_norm.
+    """
     for i, layer in enumerate(model.model.layers):
-        pre = f"model.layers.{i}"
-        attn, mlp = layer.self_attn, layer.mlp
-        s = scale(f"{pre}.self_attn.qkv_proj", attn.qkv_proj)
-        layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight))
-        s = scale(f"{pre}.mlp.gate_up_proj", mlp.gate_up_proj)
-        layer.post_attention_layernorm.weight.div_(s.to(layer.post_attention_layernorm.weight))
-        s = scale(f"{pre}.mlp.down_proj", mlp.down_proj)
-        divide_rows(mlp.gate_up_proj, mlp.gate_up_proj.output_sizes[0], s)
-        v_rows = attn.qkv_proj.output_sizes[2]
-        if v_rows == attn.o_proj.input_size:
-            s = scale(f"{pre}.self_attn.o_proj", attn.o_proj)
-            divide_rows(attn.qkv_proj, attn.qkv_proj.output_size - v_rows, s)
+        fold_layer_input_scales(layer, f"model.layers.{i}", scale_for, gqa_o_proj=gqa_o_proj,
+                                norm_dtype=norm_dtype)
