@@ -6,6 +6,8 @@
 Scores the same non-overlapping 512-token windows of the held-out stdlib files (the training
 pipeline's list and windowing) with LLM(..., quantization=METHOD) and prompt_logprobs=0, and
 checks issue 6's accuracy targets against the unquantized (bf16 checkpoint, fp32 compute) row.
+With the int4_awq row on the built-in calibration set it first checks that set against the
+held-out files (same exclusion list as training; verbatim lines shared, in the JSON).
 kv_* rows quantize only the KV cache (fp8 / int8, scales from start-up defaults or from `slipstream
 quantize --method none --kv-cache-dtype`); --kv-cache-dtype applies one KV dtype to every row.
 """

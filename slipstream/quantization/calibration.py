@@ -162,6 +162,13 @@ def calibration_prompts(tokenizer, texts: list[str], max_len: int, vocab_size: i
     return [tokenizer.encode(t)[:max_len] or [0] for t in texts]
 
 
+def collect_prompts(llm, texts: list[str], max_len: int = 512) -> CalibrationStats:
+    """The calibration prompts' token ids only, no forward pass: for methods that run the model
+    on them themselves (AWQ, layer by layer). Same signature as collect_linear_stats."""
+    vocab = llm.engine_config.model.vocab_size
+    return CalibrationStats(calibration_prompts(llm.tokenizer, texts, max_len, vocab))
+
+
 @torch.no_grad()
 def collect_linear_stats(llm, texts: list[str], max_len: int = 512) -> CalibrationStats:
     """Run each text through `llm` (an LLM) and return input stats per linear-layer name."""

@@ -70,7 +70,9 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         module = importlib.import_module(f"slipstream.quantization.{method}")
         if getattr(module, "NEEDS_CALIBRATION", False):
             texts = load_calib_texts(calib_data, num_calib_samples)
-            stats = collect_linear_stats(llm, texts, max_calib_len)
+            # A method may gather its own calibration (AWQ reruns the prompts layer by layer).
+            collect = getattr(module, "collect_calibration", collect_linear_stats)
+            stats = collect(llm, texts, max_calib_len)
             module.prepare_for_quantization(model, stats, **dict(options or {}))
         _quantize_linears(model, module, dict(options or {}))
     kv_tensors: dict[str, torch.Tensor] = {}

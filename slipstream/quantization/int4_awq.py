@@ -16,11 +16,14 @@ from torch import nn
 from slipstream.quantization import awq as awq_mod
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import QuantMethod, register_quant_method
+from slipstream.quantization.calibration import collect_prompts
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
 NEEDS_CALIBRATION = True
+# AWQ runs the model on the prompts itself: the engine pass of collect_linear_stats is not needed.
+collect_calibration = collect_prompts
 
 
 class Int4LinearMethod(QuantMethod):
@@ -185,12 +188,13 @@ def prepare_for_quantization(model: nn.Module, stats: dict, group_size: int = DE
                              awq: bool = True) -> None:
     """AWQ scales and clipping on the calibration prompts, before round-to-nearest (Llama family).
 
-    stats: collect_linear_stats' result; AWQ reruns its prompts layer by layer.
+    stats: collect_calibration's (or collect_linear_stats') result; AWQ runs its prompts layer by
+    layer.
     """
     if not awq:
         return
     prompts = getattr(stats, "prompts", None)
     if not prompts:
         raise ValueError("int4_awq: the AWQ search needs the calibration prompts "
-                         "(calibration.collect_linear_stats)")
+                         "(calibration.collect_prompts)")
     awq_mod.awq_prepare(model, prompts, group_size)
