@@ -12,17 +12,10 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from slipstream.assets import DEFAULT_MODEL_HELDOUT_FILES
+
 # Held out for evaluation: 40 modules present (same path) in CPython 3.10 - 3.13.
-HELDOUT_FILES: tuple[str, ...] = (
-    "asyncio/locks.py", "asyncio/queues.py", "base64.py", "bisect.py", "calendar.py",
-    "cmd.py", "concurrent/futures/thread.py", "contextlib.py", "copy.py", "csv.py",
-    "difflib.py", "filecmp.py", "fileinput.py", "fnmatch.py", "fractions.py", "ftplib.py",
-    "gettext.py", "glob.py", "graphlib.py", "gzip.py", "heapq.py", "hmac.py",
-    "html/parser.py", "http/cookies.py", "json/decoder.py", "json/encoder.py",
-    "logging/handlers.py", "netrc.py", "numbers.py", "pprint.py", "queue.py", "quopri.py",
-    "sched.py", "shlex.py", "statistics.py", "textwrap.py", "timeit.py", "tracemalloc.py",
-    "urllib/robotparser.py", "xml/dom/minidom.py",
-)
+HELDOUT_FILES: tuple[str, ...] = DEFAULT_MODEL_HELDOUT_FILES
 CORPUS_LICENSE = "Python Software Foundation License Version 2 (PSF-2.0), the CPython licence"
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
              "lib-dynload", "pydoc_data"}

@@ -12,6 +12,19 @@ ASSETS_DIR = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = ASSETS_DIR / "default_model"
 DRAFT_MODEL_DIR = ASSETS_DIR / "draft_model"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# The default model's held-out evaluation files (paths under the Python stdlib; present in
+# CPython 3.10 - 3.13): never trained on (scripts/default_model/corpus.py) and never used to
+# calibrate quantization (quantization/calibration.py), so held-out perplexity stays clean.
+DEFAULT_MODEL_HELDOUT_FILES: tuple[str, ...] = (
+    "asyncio/locks.py", "asyncio/queues.py", "base64.py", "bisect.py", "calendar.py",
+    "cmd.py", "concurrent/futures/thread.py", "contextlib.py", "copy.py", "csv.py",
+    "difflib.py", "filecmp.py", "fileinput.py", "fnmatch.py", "fractions.py", "ftplib.py",
+    "gettext.py", "glob.py", "graphlib.py", "gzip.py", "heapq.py", "hmac.py",
+    "html/parser.py", "http/cookies.py", "json/decoder.py", "json/encoder.py",
+    "logging/handlers.py", "netrc.py", "numbers.py", "pprint.py", "queue.py", "quopri.py",
+    "sched.py", "shlex.py", "statistics.py", "textwrap.py", "timeit.py", "tracemalloc.py",
+    "urllib/robotparser.py", "xml/dom/minidom.py",
+)
 
 
 def _checked(path: Path, what: str) -> Path:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slipstream.assets import DEFAULT_MODEL_HELDOUT_FILES
+
 logger = logging.getLogger(__name__)
 
 # Built-in calibration set: mixed code and prose, since the default model is a code model.
@@ -37,18 +39,8 @@ BUILTIN_TEXTS = (
 STDLIB_SAMPLES, STDLIB_CHARS = 64, 2000  # default set: this many ~2000-char stdlib excerpts
 _STDLIB_SKIP = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
                 "lib-dynload", "pydoc_data"}
-# The default model's held-out evaluation files (scripts/default_model/corpus.py HELDOUT_FILES,
-# also listed in its model card): never calibrate on them, so held-out perplexity stays clean.
-DEFAULT_MODEL_HELDOUT = (
-    "asyncio/locks.py", "asyncio/queues.py", "base64.py", "bisect.py", "calendar.py",
-    "cmd.py", "concurrent/futures/thread.py", "contextlib.py", "copy.py", "csv.py",
-    "difflib.py", "filecmp.py", "fileinput.py", "fnmatch.py", "fractions.py", "ftplib.py",
-    "gettext.py", "glob.py", "graphlib.py", "gzip.py", "heapq.py", "hmac.py",
-    "html/parser.py", "http/cookies.py", "json/decoder.py", "json/encoder.py",
-    "logging/handlers.py", "netrc.py", "numbers.py", "pprint.py", "queue.py", "quopri.py",
-    "sched.py", "shlex.py", "statistics.py", "textwrap.py", "timeit.py", "tracemalloc.py",
-    "urllib/robotparser.py", "xml/dom/minidom.py",
-)
+# Never calibrate on the default model's held-out files: held-out perplexity stays clean.
+DEFAULT_MODEL_HELDOUT = DEFAULT_MODEL_HELDOUT_FILES
 
 
 def load_calib_texts(path: str | Path | None, num_samples: int) -> list[str]:
