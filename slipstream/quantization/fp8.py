@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.quantization.base import QuantMethod, register_quant_method
-from slipstream.quantization.int8_wo import _SMALL_M, _qlinear_small, gated_small_or
+from slipstream.quantization.base import register_quant_method
+from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
 from slipstream.quantization.utils import (
     FP8_DTYPE,
     check_checkpoint_method,
@@ -39,7 +39,7 @@ def check_fp8_device(device: torch.device) -> None:
                            f"{name} has {cap[0]}.{cap[1]} (use 'int8_wo' or no quantization)")
 
 
-class Fp8LinearMethod(QuantMethod):
+class Fp8LinearMethod(PerChannelMethod):
     """weight fp8 [N, K], weight_scale float32 [N]; activations quantized per token at run time."""
 
     def __init__(self, prequantized: bool = False, static_input_scale: bool = False):
@@ -75,14 +75,6 @@ class Fp8LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
-
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
-                    act) -> torch.Tensor:
-        return gated_small_or(gate_up, layer.weight, layer.weight_scale, bias, act, self.apply,
-                              layer)
-
-    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-        return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}
 
 
 def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:

@@ -20,7 +20,24 @@ from slipstream.quantization.utils import (
 CHECKPOINT_CONFIG = {"quant_method": "int8_wo", "bits": 8, "weight_scale": "per_channel"}
 
 
-class Int8WeightOnlyMethod(QuantMethod):
+class PerChannelMethod(QuantMethod):
+    """Shared by int8_wo and fp8: weight [N, K] in one byte, weight_scale float32 [N]."""
+
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
+                    act) -> torch.Tensor:
+        """Decode-size batches on CUDA: the dequant-GEMV computes act(gate_up) as it loads x
+        (one launch less); anything else: apply(act(gate_up))."""
+        m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
+        if gate_up.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
+            return _qlinear_small()(gate_up, layer.weight, layer.weight_scale, bias, gated=True)
+        return self.apply(layer, act(gate_up), bias)
+
+    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """Fused tensors in checkpoint layout: leaf -> (tensor, output dim, pack factor)."""
+        return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}
+
+
+class Int8WeightOnlyMethod(PerChannelMethod):
     """weight int8 [N, K] (output_dim 0), weight_scale float32 [N]; y = (x @ q^T) * scale."""
 
     def __init__(self, prequantized: bool = False):
@@ -49,15 +66,6 @@ class Int8WeightOnlyMethod(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
-                    act) -> torch.Tensor:
-        return gated_small_or(gate_up, layer.weight, layer.weight_scale, bias, act, self.apply,
-                              layer)
-
-    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """Fused tensors in checkpoint layout: leaf -> (tensor, output dim, pack factor)."""
-        return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}
-
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,15 +85,6 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 _SMALL_M = 16
 _QLINEAR_SMALL: list = []
 
-
-def gated_small_or(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None, act, apply, layer: nn.Module) -> torch.Tensor:
-    """Decode-size batches on CUDA: the dequant-GEMV computes act(gate_up) as it loads x (one
-    launch less); anything else: apply(layer, act(gate_up), bias)."""
-    m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
-    if gate_up.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
-        return _qlinear_small()(gate_up, qweight, scale, bias, gated=True)
-    return apply(layer, act(gate_up), bias)
 
 
 def _qlinear_small():

@@ -32,6 +32,8 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, device: torch.device, max_batch_size: int,
                  max_blocks_per_seq: int, max_seq_len: int):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        # Greedy choice + next-step inputs on the device: fused Triton kernels on CUDA.
+        self._advance, self._argmax = _greedy_ops(device)
         self.sizes = capture_sizes(max_batch_size)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
@@ -50,23 +52,6 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-
-    @property
-    def _advance(self):
-        """argmax + next-step inputs on the device: the fused Triton kernel on CUDA."""
-        if self.device.type == "cuda":
-            from slipstream.kernels.greedy import argmax_and_advance
-
-            return argmax_and_advance
-        return argmax_and_advance_reference
-
-    @property
-    def _argmax(self):
-        if self.device.type == "cuda":
-            from slipstream.kernels.greedy import argmax_rows
-
-            return argmax_rows
-        return lambda x, out: torch.argmax(x, dim=-1, out=out)
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -170,6 +155,15 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(staged[3 * b : 4 * b])
         self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
         return b
+
+
+def _greedy_ops(device: torch.device):
+    """(argmax_and_advance, argmax_rows) for the device, resolved once."""
+    if device.type == "cuda":
+        from slipstream.kernels.greedy import argmax_and_advance, argmax_rows
+
+        return argmax_and_advance, argmax_rows
+    return argmax_and_advance_reference, lambda x, out: torch.argmax(x, dim=-1, out=out)
 
 
 def argmax_and_advance_reference(logits, out, input_ids, positions, seq_lens, slot_mapping,

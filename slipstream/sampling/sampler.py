@@ -7,6 +7,7 @@ its own generator, whatever else is in the batch. The one host sync is the final
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -181,9 +182,14 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax: the chunked Triton kernel on CUDA (torch's one-pass reduction is slow over a
     large vocabulary), torch elsewhere."""
     if logits.is_cuda and logits.dim() == 2:
-        try:
-            from slipstream.kernels.greedy import argmax_rows
-        except ImportError:
-            return logits.argmax(dim=-1)
-        return argmax_rows(logits)
+        return _cuda_argmax()(logits)
     return logits.argmax(dim=-1)
+
+
+@functools.cache
+def _cuda_argmax():
+    try:
+        from slipstream.kernels.greedy import argmax_rows
+    except ImportError:  # no Triton
+        return lambda logits: logits.argmax(dim=-1)
+    return argmax_rows
