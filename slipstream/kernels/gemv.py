@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
+from slipstream.kernels.pdl import pdl_release, pdl_wait
+
 MAX_M = 16
 
 
@@ -66,12 +69,14 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                  stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
-    flight per program (Triton does not software-pipeline loads that feed no tl.dot).
+    flight per program (Triton does not software-pipeline loads that feed no tl.dot). Under PDL
+    the first tile's loads are issued before waiting for the previous kernel (kernels/pdl.py).
     """
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,6 +89,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    pdl_wait(USE_PDL)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next
@@ -113,8 +119,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                   GATED: tl.constexpr = False):
+                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -236,7 +244,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_kwargs(x.device))
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
             per_split, split)
     if m == 1:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import MAX_M, GemvConfig, _counters, _finish, _split_k
 from slipstream.kernels.int4_common import (
@@ -25,6 +26,7 @@ from slipstream.kernels.int4_common import (
     unpack_paired,
     w4_linear_reference,
 )
+from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_linear_large", "w4_linear_reference", "w4_linear_small"]
@@ -49,12 +51,14 @@ def _tail(w, one, NIB: tl.constexpr):
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
     BLOCK_N / (8 num_warps) rows each thread holds."""
     WORDS: tl.constexpr = CHUNK // 8
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,6 +72,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
     if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
         w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
     for k in range(k_lo, k_hi, CHUNK):
         if PREFETCH:
             w = w_next
@@ -109,9 +114,12 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                       stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
                       split_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                      USE_PDL: tl.constexpr = False):
     """1 < M <= 16: per chunk a tensor-core product with v = 1 + q/16 (exact in x's dtype),
     then acc += s (16 x.v - (16 + z) sum(x)) with the chunk's group scale and zero."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -208,7 +216,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
-                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_kwargs(x.device))
     if m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:

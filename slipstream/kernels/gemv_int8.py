@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
@@ -22,6 +23,7 @@ from slipstream.kernels.gemv import (
     _load_x,
     _split_k,
 )
+from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -52,8 +54,9 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                   stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
-                  GATED: tl.constexpr = False):
+                  GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
+    pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,6 +68,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next
@@ -90,8 +94,10 @@ def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
                     stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    GATED: tl.constexpr = False):
+                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -203,7 +209,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_kwargs(x.device))
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:

@@ -12,11 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
+from slipstream.kernels.pdl import pdl_release, pdl_wait
+
 _CHUNK = 4096
 
 
 @triton.jit
-def _chunk_argmax_kernel(x_ptr, stride_x, vals_ptr, idx_ptr, V, CHUNKS, BLOCK: tl.constexpr):
+def _chunk_argmax_kernel(x_ptr, stride_x, vals_ptr, idx_ptr, V, CHUNKS, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -31,7 +37,9 @@ def _chunk_argmax_kernel(x_ptr, stride_x, vals_ptr, idx_ptr, V, CHUNKS, BLOCK: t
 @triton.jit
 def _final_argmax_kernel(vals_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr,
                          bt_ptr, stride_bt, V, CHUNKS, CHUNKS_P: tl.constexpr,
-                         ADVANCE: tl.constexpr, PAGE: tl.constexpr):
+                         ADVANCE: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, CHUNKS_P)
     ok = offs < CHUNKS
@@ -56,7 +64,7 @@ def _partials(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
     _chunk_argmax_kernel[(rows, chunks)](x, x.stride(0), vals, idx, vocab, chunks, BLOCK=_CHUNK,
-                                         num_warps=8)
+                                         num_warps=8, **pdl.launch_kwargs(x.device))
     return vals, idx, chunks
 
 
@@ -70,7 +78,8 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         return out
     vals, idx, chunks = _partials(x)
     _final_argmax_kernel[(rows,)](vals, idx, out, out, out, out, out, out, 0, vocab, chunks,
-                                  CHUNKS_P=triton.next_power_of_2(chunks), ADVANCE=False, PAGE=1)
+                                  CHUNKS_P=triton.next_power_of_2(chunks), ADVANCE=False, PAGE=1,
+                                  **pdl.launch_kwargs(x.device))
     return out
 
 
@@ -88,5 +97,5 @@ def argmax_and_advance(logits: torch.Tensor, out: torch.Tensor, input_ids: torch
     _final_argmax_kernel[(rows,)](vals, idx, out, input_ids, positions, seq_lens, slot_mapping,
                                   block_tables, block_tables.stride(0), vocab, chunks,
                                   CHUNKS_P=triton.next_power_of_2(chunks), ADVANCE=True,
-                                  PAGE=block_size)
+                                  PAGE=block_size, **pdl.launch_kwargs(logits.device))
 

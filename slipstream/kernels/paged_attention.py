@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from slipstream.attention.backend import AttentionMetadata
+from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
+from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.rotary_cache import kv_quant_args
 
 _LOG2E = 1.4426950408889634
@@ -83,8 +85,10 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_QUANT: tl.constexpr,
+    KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -273,7 +277,7 @@ def paged_attention(
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant != 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
     )
     return out
 

@@ -9,10 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
+from slipstream.kernels.pdl import pdl_release, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -25,7 +30,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res,
-                         stride_out, stride_res_out, n_cols, eps, BLOCK: tl.constexpr):
+                         stride_out, stride_res_out, n_cols, eps, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -64,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block, num_warps = _launch_params(x2.shape[1])
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight, out2, x2.stride(0), out2.stride(0), x2.shape[1], eps,
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps, **pdl.launch_kwargs(x.device),
     )
     return out
 
@@ -91,6 +99,6 @@ def fused_add_rms_norm(
     block, num_warps = _launch_params(n_cols)
     _add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out2, ro2, x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
-        n_cols, eps, BLOCK=block, num_warps=num_warps,
+        n_cols, eps, BLOCK=block, num_warps=num_warps, **pdl.launch_kwargs(x.device),
     )
     return out, res_out

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import pdl
+from slipstream.kernels.pdl import pdl_release, pdl_wait
+
 # KV_QUANT constexpr: how values reach the cache (0: a cast, 1: fp8 e4m3, 2: int8); the
 # clamp limits below are kernels.reference.KV_QMAX.
 _KV_QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}
@@ -133,7 +136,10 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_pt
                        stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_cs,
                        n_q_heads, n_kv_heads,
                        HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr):
+                       BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin = _load_cos_sin(pos_ptr, cs_ptr, stride_cs, t, HALF, BLOCK_HALF)
     q1, q2 = _rotate_heads(q_ptr + t * stride_qt, stride_qh, n_q_heads, cos, sin, HALF, BLOCK_HQ,
@@ -260,5 +266,6 @@ def rotary_and_cache_write(
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         cos_sin_cache.stride(0), n_q_heads, n_kv_heads, HALF=half, BLOCK_HQ=_block(n_q_heads),
         BLOCK_HKV=_block(n_kv_heads), BLOCK_HALF=_block(half), KV_QUANT=mode, num_warps=4,
+        **pdl.launch_kwargs(q.device),
     )
     return q_out, k_out

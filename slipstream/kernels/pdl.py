@@ -1,0 +1,81 @@
+"""Programmatic dependent launch (PDL, Hopper and newer): a kernel starts while the one before it
+in the stream is still finishing, and waits on the device only where it reads that kernel's output.
+
+A decode step is ~300 small kernels; without PDL each one pays a launch gap and a cold start
+(the first weight loads in flight only after the previous kernel has fully drained). With it,
+a GEMV issues its first weight loads (never written by anyone) before `pdl_wait`, and every other
+kernel waits at its top. Rules for a kernel launched with `launch_kwargs(...)`:
+- read nothing an earlier kernel writes, and write nothing, before `pdl_wait(USE_PDL)`;
+- call `pdl_release(USE_PDL)` to let the next kernel launch (optional; it only starts it earlier).
+SLIPSTREAM_PDL=0 turns it off (the kernels then run exactly as without it).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAVE_GDC = True
+except ImportError:  # an older Triton: PDL stays off and these are never compiled
+    _HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+_ENV_ON = os.environ.get("SLIPSTREAM_PDL", "1") != "0"
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Block until the previous kernel in the stream has completed and its writes are visible."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Allow the next kernel in the stream to launch now (it still waits at its pdl_wait)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+
+
+def _triton_has_launch_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    return (_HAVE_GDC and _triton_has_launch_pdl()
+            and torch.cuda.get_device_capability(index) >= (9, 0))
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on this device launch with PDL (CUDA, compute capability 9.0+, a Triton
+    that supports it, and SLIPSTREAM_PDL not 0)."""
+    if device.type != "cuda" or not _ENV_ON:
+        return False
+    return _device_supports(device.index if device.index is not None
+                            else torch.cuda.current_device())
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Extra launch arguments for a kernel that takes USE_PDL: PDL on, or nothing."""
+    return _ON if enabled(device) else _OFF
+
+
+_ON = {"USE_PDL": True, "launch_pdl": True}
+_OFF: dict = {}
