@@ -90,8 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                 NORM_BLOCK: tl.constexpr = 1):
+                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -112,9 +111,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
-    offs_r = tl.arange(0, NORM_BLOCK)  # the whole row in one load (see norm_block)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_r, offs_r, K, k_hi, eps, pid_n, NORM, HAS_RES,
-                              NORM_BLOCK)
+    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_k, offs_k, K, k_hi, eps, pid_n, NORM, HAS_RES,
+                              BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next

@@ -58,8 +58,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                  NORM_BLOCK: tl.constexpr = 1):
+                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -74,9 +73,8 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-    offs_r = tl.arange(0, NORM_BLOCK)  # the whole row in one load (see norm_block)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_r, offs_r, K, k_hi, eps, pid_n, NORM, HAS_RES,
-                              NORM_BLOCK)
+    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_k, offs_k, K, k_hi, eps, pid_n, NORM, HAS_RES,
+                              BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next

@@ -74,22 +74,15 @@ def load_normed(x_ptr, r_ptr, nw_ptr, ro_ptr, offs, cols, mask, rstd, store_mask
     return ((s.to(tl.float32) * rstd) * w).to(s.dtype)
 
 
-# The M == 1 kernels read a row for its sum of squares in one load of up to this many elements
-# (a loop of BLOCK_K-wide loads took ~8 dependent L2 round trips: ~5 us per GEMV on the H200).
-MAX_NORM_BLOCK = 8192
-
-
 def norm_launch_args(x2: torch.Tensor, norm: NormInput | None) -> tuple[tuple, dict]:
-    """(r_ptr, nw_ptr, ro_ptr, eps) and the NORM / HAS_RES / NORM_BLOCK constexprs of a GEMV
-    launch; without a norm, x stands in for the unread pointers."""
+    """(r_ptr, nw_ptr, ro_ptr, eps) and the NORM / HAS_RES constexprs of a GEMV launch; without
+    a norm, x stands in for the unread pointers."""
     if norm is None:
         return (x2, x2, x2, 0.0), {}
-    flags = {"NORM": True, "HAS_RES": norm.residual is not None}
-    if x2.shape[0] == 1:
-        flags["NORM_BLOCK"] = min(triton.next_power_of_2(x2.shape[1]), MAX_NORM_BLOCK)
-    if norm.residual is None:
-        return (x2, norm.weight, x2, norm.eps), flags
-    return (norm.residual, norm.weight, norm.residual_out, norm.eps), flags
+    res = norm.residual
+    if res is None:
+        return (x2, norm.weight, x2, norm.eps), {"NORM": True}
+    return (res, norm.weight, norm.residual_out, norm.eps), {"NORM": True, "HAS_RES": True}
 
 
 def prepare_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -6,15 +6,10 @@ weight; `weight_loader(param, tensor, shard)` puts each one in its slice.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod
-
-# SLIPSTREAM_FUSED_NORM=0: the norm always runs as its own kernel (for measuring the fusion).
-_FUSED_NORM = os.environ.get("SLIPSTREAM_FUSED_NORM", "1") != "0"
 
 
 class LinearBase(nn.Module):
@@ -53,8 +48,7 @@ class LinearBase(nn.Module):
         records each layer's input: they must see the normalised one) and when the norm uses
         the reference kernels (the float32 oracle runs must stay reference).
         """
-        if (_FUSED_NORM and self.tp_split != "input" and not self._forward_pre_hooks
-                and not self._forward_hooks
+        if (self.tp_split != "input" and not self._forward_pre_hooks and not self._forward_hooks
                 and getattr(norm.ops, "name", None) == "triton"):
             fused = self.quant_method.apply_normed(self, x, residual, norm, self.bias)
             if fused is not None:
