@@ -14,13 +14,6 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels import pdl
-from slipstream.kernels.gemv_norm import (
-    NormInput,
-    check_norm,
-    load_normed,
-    norm_launch_args,
-    norm_setup,
-)
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 MAX_M = 16
@@ -71,26 +64,12 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
     return g
 
 
-@triton.jit
-def _x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, offs, cols, mask, res_mask, rstd, gate_off,
-            GATED: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """The GEMV input tile at offs (columns cols): plain, gated (see _load_x) or normalised
-    (kernels/gemv_norm.py; the new residual is stored where res_mask)."""
-    if NORM:
-        return load_normed(x_ptr, r_ptr, nw_ptr, ro_ptr, offs, cols, mask, rstd, res_mask,
-                           HAS_RES)
-    else:
-        return _load_x(x_ptr + offs, mask, gate_off, GATED, EVEN_K)
-
-
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, k_per_split, split_k, r_ptr, nw_ptr, ro_ptr, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -111,17 +90,13 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_k, offs_k, K, k_hi, eps, pid_n, NORM, HAS_RES,
-                              BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        cols = k + offs_k
-        x = _x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, cols, cols, cols < k_hi, cols < res_hi, rstd,
-                    K, GATED, EVEN_K, NORM, HAS_RES)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
@@ -139,24 +114,12 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
         return tl.load(w_ptrs + k, mask=(k + offs_k < k_hi)[None, :], other=0.0)
 
 
-@triton.jit
-def _skinny_x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, x_offs, offs_m, offs_k, k, k_ok, M, K, rstd,
-                   res_hi, GATED: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-                   HAS_RES: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] input tile at column k of the skinny kernels (see _x_tile)."""
-    res_mask = (offs_m < M)[:, None] & (k + offs_k < res_hi)[None, :]
-    return _x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, x_offs + k, k + offs_k[None, :], k_ok[None, :],
-                   res_mask, rstd, K, GATED, EVEN_K, NORM, HAS_RES)
-
-
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                   stride_wn, stride_om, k_per_split, split_k, r_ptr, nw_ptr, ro_ptr, eps,
-                   BLOCK_M: tl.constexpr,
+                   stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                   NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -171,18 +134,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
     k_hi = tl.minimum(k_lo + k_per_split, K)
     # The weight tile is read as [BLOCK_K, BLOCK_N] (K contiguous) to feed the product directly.
     w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
-    x_offs = x_rows[:, None] * stride_xm + offs_k[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, x_offs, offs_k[None, :], K, k_hi, eps, pid_n, NORM,
-                              HAS_RES, BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         k_ok = k + offs_k < k_hi
         if EVEN_K:
             w = tl.load(w_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-        x = _skinny_x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, x_offs, offs_m, offs_k, k, k_ok, M, K,
-                           rstd, res_hi, GATED, EVEN_K, NORM, HAS_RES)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
     _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
@@ -265,16 +225,12 @@ def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, gated: bool = False,
-         norm: NormInput | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
-    norm: the product is rms_norm(x (+ norm.residual)) @ weight^T; x + residual is written to
-    norm.residual_out (see gemv_norm.prepare_norm, which allocates it).
     """
     x2, m, n, k = _gemv_operands(x, weight, gated)
-    norm = check_norm(x2, norm)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -290,10 +246,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    norm_args, norm_flags = norm_launch_args(x2, norm)
-    common.update(norm_flags)
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-            per_split, split, *norm_args)
+            per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:

@@ -20,11 +20,9 @@ from slipstream.kernels.gemv import (
     _finish,
     _gemv_operands,
     _load_w_tile,
-    _skinny_x_tile,
+    _load_x,
     _split_k,
-    _x_tile,
 )
-from slipstream.kernels.gemv_norm import NormInput, check_norm, norm_launch_args, norm_setup
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
@@ -53,12 +51,10 @@ def _to_float(w, BIT_CONVERT: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                  stride_wn, stride_om, k_per_split, split_k, r_ptr, nw_ptr, ro_ptr, eps,
-                  BLOCK_N: tl.constexpr,
+                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
-                  GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                  GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -73,17 +69,13 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, offs_k, offs_k, K, k_hi, eps, pid_n, NORM, HAS_RES,
-                              BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             w = w_next
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        cols = k + offs_k
-        x = _x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, cols, cols, cols < k_hi, cols < res_hi, rstd,
-                    K, GATED, EVEN_K, NORM, HAS_RES)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         xf = x.to(tl.float32)
         if BIT_CONVERT == 2:
             xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
@@ -99,12 +91,10 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                    stride_wn, stride_om, k_per_split, split_k, r_ptr, nw_ptr, ro_ptr, eps,
-                    BLOCK_M: tl.constexpr,
+                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                    NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False):
+                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -118,18 +108,15 @@ def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
-    x_offs = x_rows[:, None] * stride_xm + offs_k[None, :]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    rstd, res_hi = norm_setup(x_ptr, r_ptr, x_offs, offs_k[None, :], K, k_hi, eps, pid_n, NORM,
-                              HAS_RES, BLOCK_K)
     for k in range(k_lo, k_hi, BLOCK_K):
         k_ok = k + offs_k < k_hi
         if EVEN_K:
             w = tl.load(w_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-        x = _skinny_x_tile(x_ptr, r_ptr, nw_ptr, ro_ptr, x_offs, offs_m, offs_k, k, k_ok, M, K,
-                           rstd, res_hi, GATED, EVEN_K, NORM, HAS_RES)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
         # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
     scale = tl.load(s_ptr + rows)
@@ -164,10 +151,9 @@ _QCHOICES: dict[tuple, GemvConfig] = {}
 
 
 def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None, gated: bool = False,
-                  norm: NormInput | None = None) -> torch.Tensor:
-    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA (gated, norm: see
-    qgemv; they share the plain product's measured config)."""
+                  bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA (gated: see qgemv;
+    it shares the plain product's measured config)."""
     k = qweight.shape[1]
     m = x.numel() // x.shape[-1]
     bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
@@ -175,9 +161,9 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     cfg = _QCHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return qgemv(x, qweight, scale, bias, gated=gated, norm=norm)
+            return qgemv(x, qweight, scale, bias, gated=gated)
         cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype)
-    return qgemv(x, qweight, scale, bias, cfg, gated=gated, norm=norm)
+    return qgemv(x, qweight, scale, bias, cfg, gated=gated)
 
 
 def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -202,16 +188,14 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
 
 def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
           bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-          gated: bool = False, norm: NormInput | None = None) -> torch.Tensor:
+          gated: bool = False) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] * scale [N, 1])^T (+ bias), at most MAX_M rows of x.
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
-    norm: the input is rms_norm(x (+ residual)), as in gemv.gemv.
     """
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
     x2, m, n, k = _gemv_operands(x, qweight, gated)
-    norm = check_norm(x2, norm)
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -227,10 +211,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    norm_args, norm_flags = norm_launch_args(x2, norm)
-    common.update(norm_flags)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
-            out.stride(0), per_split, split, *norm_args)
+            out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = (1 if qweight.dtype == torch.int8 else 2) if cfg.bit_convert else 0
         _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels.gemv_norm import prepare_norm
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -29,12 +28,8 @@ _OP_MODULES = {
 }
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LinearKey = tuple[int, int, int, torch.dtype, bool, int | None]
-# Per shape: the Triton config to use, or None for cuBLAS; and for a GEMV that also runs the
-# input's RMSNorm (linear_normed), which saves the norm's launch: the fastest Triton config when
-# it is within NORM_LAUNCH_US of cuBLAS, else None.
+# Per shape: the Triton config to use, or None for cuBLAS.
 _CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
-_NORMED_CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
-NORM_LAUNCH_US = 3.0
 
 
 def _load_op(name: str):
@@ -57,16 +52,14 @@ def _kernel_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and x.dtype in _KERNEL_DTYPES and (bias is None or bias.dim() == 1))
 
 
-def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-             ) -> tuple[_gemv.GemvConfig | None, _gemv.GemvConfig | None]:
-    """Time cuBLAS and each candidate config on random rows: (the fastest, None for cuBLAS;
-    the choice for a normed input, see _NORMED_CHOICES)."""
+def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
+             dtype: torch.dtype) -> _gemv.GemvConfig | None:
+    """Time cuBLAS and each candidate config on random rows; return the fastest (None: cuBLAS)."""
     n, k = weight.shape
     x = torch.randn((m, k), device=weight.device, dtype=dtype)
     expect = F.linear(x, weight, bias).float()
     arg_sets = weight_copies((x, weight) if bias is None else (x, weight, bias))
     best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets)
-    cublas_us, triton_cfg, triton_us = best_us, None, float("inf")
     for cfg in _gemv.candidate_configs(m, n, k):
         try:
             got = _gemv.gemv(x, weight, bias, cfg).float()
@@ -80,10 +73,8 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None, dtype: tor
             continue
         if us < best_us:
             best_cfg, best_us = cfg, us
-        if us < triton_us:
-            triton_cfg, triton_us = cfg, us
     logger.info("linear M<=%d N=%d K=%d: %s (%.1f us)", m, n, k, best_cfg or "cuBLAS", best_us)
-    return best_cfg, (triton_cfg if triton_us <= cublas_us + NORM_LAUNCH_US else None)
+    return best_cfg
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -120,31 +111,9 @@ def linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return linear(act(gate_up), weight, bias)
 
 
-def linear_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                  eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(linear(rms_norm(x + residual)), x + residual) with the norm and the residual add inside
-    a Triton GEMV (kernels/gemv_norm.py; residual None: the norm of x, and x), when that is the
-    measured choice for the shape; None otherwise (the caller runs the norm, then linear)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not x.is_cuda or os.environ.get("SLIPSTREAM_LINEAR", "auto") == "torch"
-            or not 0 < m <= _gemv.MAX_M or not _kernel_fits(x, weight, bias)
-            or norm_weight.dtype != x.dtype):
-        return None
-    cfg = _choice(m, weight, bias, x, normed=True)
-    if cfg is None:
-        return None
-    x2 = x.reshape(m, x.shape[-1]).contiguous()
-    norm = prepare_norm(x2, norm_weight, eps, residual)
-    out = _gemv.gemv(x2, weight, bias, cfg, norm=norm)
-    new_res = x if residual is None else norm.residual_out.view(x.shape)
-    return out.view(*x.shape[:-1], -1), new_res
-
-
-def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-            normed: bool = False) -> _gemv.GemvConfig | None:
-    """The measured config for this shape (None: cuBLAS), measuring it the first time; normed:
-    the choice for an input normalised inside the GEMV (see _NORMED_CHOICES).
+def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
+            x: torch.Tensor) -> _gemv.GemvConfig | None:
+    """The measured config for this shape (None: cuBLAS), measuring it the first time.
 
     During CUDA-graph capture an unmeasured shape gets the default Triton config: capture after
     a warm-up pass so that every shape has been measured.
@@ -154,8 +123,8 @@ def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Te
     if key not in _CHOICES:
         if torch.cuda.is_current_stream_capturing():
             return _gemv.default_config(m, n, k)
-        _CHOICES[key], _NORMED_CHOICES[key] = _measure(key[0], weight, bias, x.dtype)
-    return (_NORMED_CHOICES if normed else _CHOICES)[key]
+        _CHOICES[key] = _measure(key[0], weight, bias, x.dtype)
+    return _CHOICES[key]
 
 
 def linear_choices() -> dict[str, str]:

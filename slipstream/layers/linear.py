@@ -39,25 +39,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(x + residual)), x + residual); residual None: (forward(norm(x)), x).
-
-        Decode batches on the GPU run it as one GEMV that normalises x while loading it (see
-        QuantMethod.apply_normed). It runs unfused with forward hooks attached (calibration
-        records each layer's input: they must see the normalised one) and when the norm uses
-        the reference kernels (the float32 oracle runs must stay reference).
-        """
-        if (self.tp_split != "input" and not self._forward_pre_hooks and not self._forward_hooks
-                and getattr(norm.ops, "name", None) == "triton"):
-            fused = self.quant_method.apply_normed(self, x, residual, norm, self.bias)
-            if fused is not None:
-                return fused
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
-        return self(normed), residual
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
         custom = getattr(param, "weight_loader", None)

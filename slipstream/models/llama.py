@@ -62,18 +62,16 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention output, residual stream) for the input norm(hidden + residual)."""
-        qkv, residual = self.qkv_proj.forward_normed(hidden, residual, norm)
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t, d = q.shape[0], self.attn.head_dim
             q = self.q_norm.forward_heads(q.reshape(t, -1, d)).reshape(t, -1)
             k = self.k_norm.forward_heads(k.reshape(t, -1, d)).reshape(t, -1)
         out = self.attn(q, k, v, positions, cos_sin_cache, kv_cache, meta)
-        return self.o_proj(out), residual
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -88,11 +86,8 @@ class LlamaMLP(nn.Module):
                                            **ctx.linear_kwargs(f"{prefix}.down_proj"))
         self.act_fn = SiluAndMul(ctx.ops, cfg.hf_config.get("hidden_act", "silu"))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream) for the input norm(x + residual)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
-        return self.down_proj.forward_gated(gate_up, self.act_fn), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,11 +103,15 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm can fuse the add (and, for
-        # decode batches, the following projection: Linear.forward_normed).
-        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, positions,
-                                          cos_sin_cache, kv_cache, meta)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -44,15 +44,6 @@ class QuantMethod(ABC):
         Methods whose decode kernel can compute the activation while loading x override it."""
         return self.apply(layer, act(gate_up), bias)
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: nn.Module, bias: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(apply(norm(x + residual)), x + residual) computed by one kernel that normalises x as
-        it loads it (norm: an RMSNorm; residual None: no add, and x is returned as the residual),
-        or None when this method has no such kernel for the input: the layer then runs the norm
-        and apply separately. Methods with a decode GEMV that can do it override this."""
-        return None
-
 
 class UnquantizedLinearMethod(QuantMethod):
     """Plain weight [out, in] in the model dtype; apply is F.linear."""
@@ -77,16 +68,6 @@ class UnquantizedLinearMethod(QuantMethod):
         if gate_up.is_cuda:
             return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
         return F.linear(act(gate_up), layer.weight, bias)
-
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: nn.Module, bias: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not x.is_cuda:
-            return None
-        linear_normed = getattr(_triton_ops(), "linear_normed", None)
-        if linear_normed is None:
-            return None
-        return linear_normed(x, residual, norm.weight, norm.eps, layer.weight, bias)
 
 
 def _triton_ops():

@@ -32,22 +32,6 @@ class PerChannelMethod(QuantMethod):
             return _qlinear_small()(gate_up, layer.weight, layer.weight_scale, bias, gated=True)
         return self.apply(layer, act(gate_up), bias)
 
-    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                     norm: nn.Module, bias: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode-size batches on CUDA: the dequant-GEMV normalises x as it loads it."""
-        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not (x.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None
-                and norm.weight.dtype == x.dtype):
-            return None
-        from slipstream.kernels.gemv_norm import prepare_norm
-
-        x2 = x.reshape(m, x.shape[-1]).contiguous()
-        spec = prepare_norm(x2, norm.weight, norm.eps, residual)
-        out = _qlinear_small()(x2, layer.weight, layer.weight_scale, bias, norm=spec)
-        new_res = x if residual is None else spec.residual_out.view(x.shape)
-        return out.view(*x.shape[:-1], -1), new_res
-
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Fused tensors in checkpoint layout: leaf -> (tensor, output dim, pack factor)."""
         return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization import utils as qu
-from slipstream.quantization.base import QuantMethod, register_quant_method
+from slipstream.quantization.base import register_quant_method
 from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
 
 logger = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ class W8A8SmoothQuantMethod(Int8WeightOnlyMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias)
-
-    # Every product quantizes its input, decode included: not int8_wo's weight-only fused GEMVs.
-    apply_gated = QuantMethod.apply_gated
-    apply_normed = QuantMethod.apply_normed
 
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,

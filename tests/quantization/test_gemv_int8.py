@@ -61,24 +61,6 @@ def test_qgemv_gated_input(cfg: GemvConfig, m: int, wdtype: torch.dtype) -> None
     assert _rel(got, gemv_int8.qgemv_reference(silu_and_mul(gate_up).double(), q, s)) < 1e-5
 
 
-@pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
-                                 GemvConfig(block_n=16, block_k=64, split_k=2)])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
-def test_qgemv_normed_input(cfg: GemvConfig, m: int, wdtype: torch.dtype) -> None:
-    """norm=...: rms_norm(x + residual) computed while loading x, the new residual stored."""
-    from slipstream.kernels.gemv_norm import prepare_norm
-    from slipstream.kernels.reference import fused_add_rms_norm
-
-    x, res, norm_w = torch.randn(m, 300), torch.randn(m, 300), torch.rand(300) + 0.5
-    q, s = _qweight(45, 300, wdtype)
-    norm = prepare_norm(x, norm_w, 1e-5, res)
-    got = gemv_int8.qgemv(x, q, s, None, cfg, norm=norm)
-    normed, new_res = fused_add_rms_norm(x, res, norm_w, 1e-5)
-    torch.testing.assert_close(norm.residual_out, new_res, atol=0, rtol=0)
-    assert _rel(got, gemv_int8.qgemv_reference(normed.double(), q, s)) < 1e-5
-
-
 def test_int8_magic_conversion_is_exact_for_every_value() -> None:
     # All 256 int8 values in one row: the exponent trick must reproduce each one exactly.
     q = torch.arange(-128, 128, dtype=torch.int8).reshape(1, 256)
@@ -124,47 +106,6 @@ def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
     want = gemv_int8.qgemv_reference(x.float(), q, s, b.float())
     assert _rel(gemv_int8.qgemv(x, q, s, b), want) < 1e-2
     assert _rel(gemv_int8.qlinear_small(x, q, s, b), want) < 1e-2  # the measured config
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", ["none", "int8_wo", "fp8"])
-@pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_forward_normed_fused_gpu(method: str, m: int, with_residual: bool,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Linear.forward_normed on decode batches (one GEMV that normalises x as it loads it)
-    against the norm kernel then forward: the same residual bit for bit, outputs within bf16."""
-    from slipstream.kernels import get_ops
-    from slipstream.layers.linear import QKVParallelLinear
-    from slipstream.layers.norm import RMSNorm
-    from slipstream.quantization.base import get_quant_method_factory
-
-    from slipstream.kernels import gemv, triton_ops
-
-    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
-    # bf16: the Triton GEMV even where the tuner would measure cuBLAS faster.
-    monkeypatch.setattr(triton_ops, "_choice", lambda m_, w, b, x_, normed=False:
-                        gemv.default_config(m_, *w.shape))
-    torch.manual_seed(0)
-    k = 4096
-    factory = get_quant_method_factory(None if method == "none" else method)
-    layer = QKVParallelLinear(k, 128, 32, 8, False, torch.bfloat16, factory("qkv")).cuda()
-    layer.weight.data.normal_(0, k**-0.5)
-    layer.quant_method.process_after_loading(layer)
-    norm = RMSNorm(k, 1e-5, torch.bfloat16, get_ops("cuda")).cuda()
-    norm.weight.data.uniform_(0.5, 1.5)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) if with_residual else None
-    fused = layer.quant_method.apply_normed(layer, x, res, norm, None)
-    assert fused is not None, "decode batches on CUDA should take the fused GEMV"
-    out, new_res = fused
-    if res is None:
-        want_res, normed = x, norm(x)
-    else:
-        normed, want_res = norm(x.clone(), res.clone())
-    assert torch.equal(new_res, want_res)
-    assert _rel(out, layer(normed)) < 1e-2
 
 
 @pytest.mark.gpu
