@@ -73,8 +73,12 @@ def enabled(device: torch.device) -> bool:
 
 
 def launch_kwargs(device: torch.device) -> dict:
-    """Extra launch arguments for a kernel that takes USE_PDL: PDL on, or nothing."""
-    return _ON if enabled(device) else _OFF
+    """Extra launch arguments for a kernel that takes USE_PDL: PDL on while a CUDA graph is being
+    captured (the decode steps and the tuner's timing), else nothing. Eager steps go without:
+    a 128-token W1 prefill took 40 ms instead of 17 ms with PDL launches (measured on the H200)."""
+    if enabled(device) and torch.cuda.is_current_stream_capturing():
+        return _ON
+    return _OFF
 
 
 _ON = {"USE_PDL": True, "launch_pdl": True}

@@ -33,4 +33,8 @@ class LMHead(nn.Module):
                                        requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
+            from slipstream.quantization.base import _triton_ops
+
+            return _triton_ops().linear(hidden, self.weight).float()
         return F.linear(hidden, self.weight).float()
