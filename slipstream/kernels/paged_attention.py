@@ -20,7 +20,7 @@ from slipstream.attention.backend import AttentionMetadata
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.rotary_cache import kv_quant_args
+from slipstream.kernels.rotary_cache import kv_quant_args, load_rotated, store_new_kv
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
@@ -59,6 +59,9 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     # values convert exactly to q's dtype (bf16, fp16, fp32); their scales act outside.
     kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    # V is requested with K, before the score math: one memory round trip per tile, not two.
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
     s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & kv_ok[None, :]
@@ -69,8 +72,6 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -82,10 +83,12 @@ def _paged_attn_kernel(
     bt_ptr, ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_cs,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False,
+    KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
 ):
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
@@ -109,8 +112,12 @@ def _paged_attn_kernel(
     token = (q_start + row_q).to(tl.int64)
     head = kv_head * GROUP + row_h
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if FUSE_ROPE:  # decode: q arrives unrotated (see paged_attention's rope argument)
+        pos = tl.load(pos_ptr + token, mask=row_ok, other=0)[:, None]
+        q = load_rotated(q_rows, offs_d[None, :], pos, cs_ptr, stride_cs, q_mask, HEAD_DIM // 2)
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     q_pos = ctx_len + row_q
     if KV_QUANT:  # scores of stored K times k_scale; read on the device (CUDA-graph safe)
         qk_scale = qk_scale * tl.load(ks_ptr)
@@ -127,6 +134,11 @@ def _paged_attn_kernel(
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
     off_k = kv_head.to(tl.int64) * stride_kh
     off_v = kv_head.to(tl.int64) * stride_vh
+    if FUSE_ROPE:
+        _write_own_kv(k_ptr + off_k, v_ptr + off_v, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr,
+                      ks_ptr, vs_ptr, q_start, kv_head, n_tiles, t_lo, t_hi, stride_ks, stride_vs,
+                      stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, HEAD_DIM,
+                      BLOCK_D, KV_QUANT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -165,6 +177,26 @@ def _paged_attn_kernel(
             o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, ks_ptr, vs_ptr,
+                  token, kv_head, n_tiles, t_lo, t_hi, stride_ks, stride_vs, stride_knt,
+                  stride_knh, stride_vnt, stride_vnh, stride_cs, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
+    """Decode with fused RoPE: the program whose KV range holds the new token (the last tile)
+    rotates its k, stores k and v into the cache, then reads them back with the tile like
+    any other position (the barrier makes every thread's stores visible to the whole program).
+    Only that program reads the new slot, so no other program waits for it."""
+    if (t_lo <= n_tiles - 1) & (n_tiles - 1 < t_hi):
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            pos = tl.load(pos_ptr + token)
+            store_new_kv(kn_ptr + token * stride_knt + kv_head * stride_knh,
+                         vn_ptr + token * stride_vnt + kv_head * stride_vnh,
+                         kc_head + slot * stride_ks, vc_head + slot * stride_vs, pos, cs_ptr,
+                         stride_cs, ks_ptr, vs_ptr, HEAD_DIM, HEAD_DIM // 2, BLOCK_D, KV_QUANT)
+        tl.debug_barrier()
 
 
 @triton.jit
@@ -233,19 +265,34 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages)
 
 
+@dataclass(frozen=True)
+class RopeInput:
+    """Pure decode with RoPE and the KV-cache write done by the attention kernel: q is passed
+    unrotated, k and v ([T, Hkv, D], unrotated) are the new tokens' keys and values, stored at
+    meta.slot_mapping. Same result as rotary_and_cache_write, then paged_attention."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    config: AttnConfig | None = None,
+    config: AttnConfig | None = None, rope: RopeInput | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
 
     Rows of q outside every sequence (padding past query_start_loc[-1]) are left unwritten,
     as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
-    device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning).
+    device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning). `rope`:
+    decode batches only (one query token per sequence), see RopeInput.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if rope is not None and meta.max_query_len > 1:
+        raise ValueError("paged_attention: rope= is for decode batches (one token per sequence)")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -268,18 +315,33 @@ def paged_attention(
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
     cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
+    rope_args = _rope_args(q, meta, rope)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, cnt, meta.query_start_loc, meta.seq_lens,
         meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        num_heads * splits, splits, 1,
+        num_heads * splits, splits, 1, *rope_args,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant != 0,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
+        FUSE_ROPE=rope is not None,
     )
     return out
+
+
+def _rope_args(q: torch.Tensor, meta: AttentionMetadata, rope: RopeInput | None) -> tuple:
+    """(k, v, positions, cos_sin, slots, k/v token and head strides, cos_sin row stride); without
+    rope, q stands in for the unread tensors."""
+    if rope is None:
+        return (q, q, q, q, q, 0, 0, 0, 0, 0)
+    k, v = rope.k, rope.v
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    cs = rope.cos_sin_cache
+    return (k, v, rope.positions, cs, meta.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), cs.stride(0))
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

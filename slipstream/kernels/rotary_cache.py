@@ -103,6 +103,40 @@ def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, scale, HEAD_DIM: tl.c
 
 
 @triton.jit
+def load_rotated(row_ptrs, offs_d, pos, cs_ptr, stride_cs, mask, HALF: tl.constexpr):
+    """Rows at row_ptrs (+ offs_d), rotated (rotate_half) at positions pos and rounded to their
+    dtype, as _rope_cache_kernel stores them: each element and its partner half are loaded, so
+    any [rows, D] tile works (the attention kernel rotates q as it loads it)."""
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    c = tl.where(first, offs_d, offs_d - HALF)
+    x = tl.load(row_ptrs + offs_d, mask=mask, other=0.0)
+    xp = tl.load(row_ptrs + partner, mask=mask, other=0.0).to(tl.float32)
+    cs = cs_ptr + pos.to(tl.int64) * stride_cs
+    cos = tl.load(cs + c, mask=mask, other=0.0)
+    sin = tl.load(cs + HALF + c, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    y = tl.where(first, xf * cos - xp * sin, xf * cos + xp * sin)
+    return y.to(x.dtype)
+
+
+@triton.jit
+def store_new_kv(k_row, v_row, kc_row, vc_row, pos, cs_ptr, stride_cs, ks_ptr, vs_ptr,
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                 KV_QUANT: tl.constexpr):
+    """One token's k (rotated at pos) and v rows of one KV head into their cache rows, quantized
+    for an fp8 / int8 cache exactly as _rope_cache_kernel does."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = d < HEAD_DIM
+    k = load_rotated(k_row, d, pos, cs_ptr, stride_cs, mask, HALF)
+    k = _quantize(k, _load_scale(ks_ptr, KV_QUANT), KV_QUANT)
+    tl.store(kc_row + d, k.to(kc_row.dtype.element_ty), mask=mask)
+    v = _quantize(tl.load(v_row + d, mask=mask, other=0.0), _load_scale(vs_ptr, KV_QUANT),
+                  KV_QUANT)
+    tl.store(vc_row + d, v.to(vc_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, pos_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
                  stride_cs, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_HALF: tl.constexpr):

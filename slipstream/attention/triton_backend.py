@@ -1,0 +1,37 @@
+"""Triton attention backend: for pure decode batches one kernel rotates q and k, writes the new
+K/V into the paged cache and attends (kernels/paged_attention.py, RopeInput); other batches run
+the fused rotary + cache-write kernel, then paged attention, like the reference backend.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.attention.reference import ReferenceAttentionBackend
+from slipstream.kernels.paged_attention import RopeInput, paged_attention
+
+
+class TritonAttentionBackend(ReferenceAttentionBackend):
+    """Same forward as ReferenceAttentionBackend; decode batches save the rotary launch."""
+
+    name = "triton"
+
+    def __init__(self, ops: SimpleNamespace | None = None):
+        super().__init__(ops)
+        # The fused decode kernel is Triton's own: with the reference op table (the float32
+        # oracle runs) every batch takes the composed reference path.
+        self.fuse_decode = getattr(self.ops, "name", None) == "triton"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not (self.fuse_decode and q.is_cuda and meta.max_query_len <= 1):
+            return super().forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
+                                   scale, k_scale=k_scale, v_scale=v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale,
+                               v_scale=v_scale, rope=RopeInput(k, v, positions, cos_sin_cache))

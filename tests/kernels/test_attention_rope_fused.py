@@ -1,0 +1,103 @@
+"""Decode attention with RoPE and the KV-cache write inside the kernel (paged_attention's rope=)
+against the two-step path: rotary_and_cache_write, then paged_attention. CPU: Triton's
+interpreter in float32 against the reference ops; GPU: bit-equal to the two Triton kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_batch import make_batch
+
+from slipstream.kernels import reference
+from slipstream.kernels.paged_attention import AttnConfig, RopeInput, paged_attention
+from slipstream.kernels.rotary_cache import rotary_and_cache_write
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+
+def _cos_sin(max_pos: int, head_dim: int) -> torch.Tensor:
+    inv = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _decode_case(lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
+                 cache_dtype: torch.dtype | None = None, device: str = "cpu", pad: int = 0):
+    """A decode batch: raw q, the new tokens' k / v, positions, cos/sin, caches and metadata."""
+    hkv = 2
+    q, kc, vc, meta = make_batch([1] * len(lens), lens, num_kv_heads=hkv, group=group,
+                                 head_dim=head_dim, block_size=16, dtype=dtype, device=device,
+                                 pad_tokens=pad)
+    gen = torch.Generator(device=device).manual_seed(1)
+    k = torch.randn((q.shape[0], hkv, head_dim), generator=gen, device=device).to(dtype)
+    v = torch.randn((q.shape[0], hkv, head_dim), generator=gen, device=device).to(dtype)
+    positions = torch.tensor([n - 1 for n in lens] + [0] * pad, device=device)
+    scales = {}
+    if cache_dtype is not None:
+        kc, vc = (kc.float() / 4).to(cache_dtype), (vc.float() / 4).to(cache_dtype)
+        scales = {"k_scale": torch.tensor(0.5, device=device),
+                  "v_scale": torch.tensor(0.25, device=device)}
+    return q, k, v, positions, _cos_sin(max(lens) + 1, head_dim).to(device), kc, vc, meta, scales
+
+
+def _two_step(ops, q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
+    q_rot, _ = ops.rotary_and_cache_write(q, k, v, positions, cos_sin, kc, vc, meta.slot_mapping,
+                                          **scales)
+    return ops.paged_attention(q_rot, kc, vc, meta, 0.1, **scales, **kw)
+
+
+def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
+    return paged_attention(q, kc, vc, meta, 0.1, rope=RopeInput(k, v, positions, cos_sin),
+                           **scales, **kw)
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 64), (2, 80)])
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 1, 4, 1), AttnConfig(16, 32, 3, 4, 1)])
+def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
+    case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
+    q, k, v, positions, cos_sin, kc, vc, meta, scales = case
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = _two_step(reference, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales)
+    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, config=cfg)
+    rows = meta.num_tokens - 2  # padding rows are left unwritten by both
+    torch.testing.assert_close(kc, kc_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0)
+    torch.testing.assert_close(got[:rows], want[:rows], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype) -> None:
+    case = _decode_case([5, 70], 2, 64, torch.float32, cache_dtype)
+    q, k, v, positions, cos_sin, kc, vc, meta, scales = case
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = _two_step(reference, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales)
+    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales)
+    assert torch.equal(kc.float(), kc_ref.float()) and torch.equal(vc.float(), vc_ref.float())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_rope_rejects_prefill() -> None:
+    q, kc, vc, meta = make_batch([3], [3], num_kv_heads=1, group=1, head_dim=16, block_size=16,
+                                 dtype=torch.float32)
+    rope = RopeInput(q, q, torch.zeros(3, dtype=torch.int64), _cos_sin(4, 16))
+    with pytest.raises(ValueError, match="decode"):
+        paged_attention(q, kc, vc, meta, 0.1, rope=rope)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("lens", [[1], [200], [64, 129, 1000, 4097], [300] * 33])
+def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int]) -> None:
+    """bf16 on the H200: the fused kernel stores the same cache bytes and returns the same
+    output bits as the separate rotary + attention kernels."""
+    from slipstream.kernels import triton_ops
+
+    ops = triton_ops.ops()
+    case = _decode_case(lens, 4, 128, torch.bfloat16, cache_dtype, device="cuda", pad=3)
+    q, k, v, positions, cos_sin, kc, vc, meta, scales = case
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = _two_step(ops, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales)
+    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales)
+    rows = meta.num_tokens - 3
+    assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
+    assert torch.equal(got[:rows], want[:rows])
