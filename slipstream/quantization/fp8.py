@@ -1,9 +1,7 @@
 """fp8: W8A8 with FP8 E4M3 weights (per-channel scales) and dynamic per-token FP8 activations.
 
-Large batches run torch._scaled_mm (row-wise scales); decode-size batches run a Triton FP8 GEMV
-that quantizes x per token in the kernel and multiplies on the FP8 tensor cores
-(kernels/gemv_fp8.py; cuBLAS FP8 is slow at M=1), or the dequant-GEMV with bf16 activations
-where that measured faster for the shape.
+Large batches run torch._scaled_mm (row-wise scales); decode-size batches stream the FP8 weight
+through the Triton dequant-GEMV with bf16 activations (same bytes, cuBLAS FP8 is slow at M=1).
 Loads HF FP8 checkpoints (`quant_method: fp8`) with per-tensor or per-channel weight scales.
 """
 from __future__ import annotations
@@ -13,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization.base import register_quant_method
-from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod
+from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
 from slipstream.quantization.utils import (
     FP8_DTYPE,
     check_checkpoint_method,
@@ -78,29 +76,6 @@ class Fp8LinearMethod(PerChannelMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
-    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
-                    act) -> torch.Tensor:
-        """Decode-size batches on CUDA: the FP8 GEMV computes act(gate_up) as it loads x."""
-        m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
-        small = _fp8_linear_small() if gate_up.is_cuda and 0 < m <= _SMALL_M else None
-        if small is not None:
-            return small(gate_up, layer.weight, layer.weight_scale, bias, gated=True)
-        return self.apply(layer, act(gate_up), bias)
-
-
-_FP8_SMALL: list = []
-
-
-def _fp8_linear_small():
-    """kernels.gemv_fp8.fp8_linear_small, or None when Triton cannot load (then torch is used)."""
-    if not _FP8_SMALL:
-        try:
-            from slipstream.kernels.gemv_fp8 import fp8_linear_small
-        except ImportError:
-            fp8_linear_small = None
-        _FP8_SMALL.append(fp8_linear_small)
-    return _FP8_SMALL[0]
-
 
 def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
     param.data[shard or 0] = loaded.reshape(-1)[0]
@@ -112,9 +87,8 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], qweight.shape[0]
-    small = _fp8_linear_small() if x.is_cuda and 0 < m <= _SMALL_M else None
-    if small is not None:
-        return small(x, qweight, scale, bias)
+    if x.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
+        return _qlinear_small()(x, qweight, scale, bias)
     if x.is_cuda and k % 16 == 0 and n % 16 == 0 and m > 0:
         out = _scaled_mm_linear(x2, qweight, scale)
     else:
