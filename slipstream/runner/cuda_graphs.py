@@ -26,6 +26,14 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def _pdl_enabled(device: torch.device) -> bool:
+    try:
+        from slipstream.kernels import pdl
+    except ImportError:  # no Triton
+        return False
+    return pdl.enabled(device)
+
+
 class DecodeGraphs:
     """Static decode buffers plus one captured graph (model + logits) per batch size."""
 
@@ -86,9 +94,11 @@ class DecodeGraphs:
                 self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
-                    (torch.cuda.memory_allocated(self.device) - mem_before) / 2**20)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB; "
+                    "programmatic dependent launch %s", len(self.graphs), self.sizes[0],
+                    self.sizes[-1], time.perf_counter() - start,
+                    (torch.cuda.memory_allocated(self.device) - mem_before) / 2**20,
+                    "on" if _pdl_enabled(self.device) else "off")
 
     def padded_size(self, num_seqs: int) -> int | None:
         for b in self.sizes:
