@@ -20,7 +20,12 @@ from slipstream.attention.backend import AttentionMetadata
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.rotary_cache import kv_quant_args, load_rotated, store_new_kv
+from slipstream.kernels.rotary_cache import (
+    _check_cache,
+    kv_quant_args,
+    load_rotated,
+    store_new_kv,
+)
 
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
@@ -315,7 +320,7 @@ def paged_attention(
     grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
     cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
-    rope_args = _rope_args(q, meta, rope)
+    rope_args = _rope_args(q, k_cache, v_cache, meta, rope)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, cnt, meta.query_start_loc, meta.seq_lens,
         meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
@@ -331,11 +336,14 @@ def paged_attention(
     return out
 
 
-def _rope_args(q: torch.Tensor, meta: AttentionMetadata, rope: RopeInput | None) -> tuple:
+def _rope_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, rope: RopeInput | None) -> tuple:
     """(k, v, positions, cos_sin, slots, k/v token and head strides, cos_sin row stride); without
     rope, q stands in for the unread tensors."""
     if rope is None:
         return (q, q, q, q, q, 0, 0, 0, 0, 0)
+    _check_cache(k_cache)  # the new K/V row is addressed by its flat slot
+    _check_cache(v_cache)
     k, v = rope.k, rope.v
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
