@@ -6,8 +6,10 @@ A decode step is ~300 small kernels; without PDL each one pays a launch gap and 
 a GEMV issues its first weight loads (never written by anyone) before `pdl_wait`, and every other
 kernel waits at its top. Rules for a kernel launched with `launch_kwargs(...)`:
 - read nothing an earlier kernel writes, and write nothing, before `pdl_wait(USE_PDL)`;
+- reach `pdl_wait` on every path, early returns included: the wait covers only the previous
+  kernel, and it is that kernel's own wait that covers the ones before it;
 - call `pdl_release(USE_PDL)` to let the next kernel launch (optional; it only starts it earlier).
-SLIPSTREAM_PDL=0 turns it off (the kernels then run exactly as without it).
+Used only under CUDA-graph capture (see launch_kwargs); SLIPSTREAM_PDL=0 turns it off.
 """
 from __future__ import annotations
 
