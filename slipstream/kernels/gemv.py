@@ -271,38 +271,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
     """
     x2, m, n, k = _gemv_operands(x, weight, gated)
-    cfg = config or default_config(m, n, k)
-    return launch_gemv(x2, weight, None, bias, cfg, gated).view(*x.shape[:-1], n)
-
-
-def launch_gemv(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-                bias: torch.Tensor | None, cfg: GemvConfig, gated: bool,
-                bit_convert: int = 0) -> torch.Tensor:
-    """out [M, N] = x2 [M, K] @ weight^T (times scale [N] float32 for one-byte weights, see
-    kernels/gemv_int8.py; bit_convert: see _to_float) (+ bias), with cfg's tiles and split."""
-    m, n, k = x2.shape[0], weight.shape[0], weight.shape[1]
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
-    split, per_split = _split_k(cfg, n, k, x2.device)
+        return out.view(*x.shape[:-1], n)
+    cfg = config or default_config(m, n, k)
+    split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
-    cnt = _counters(x2.device, n_tiles) if split > 1 else out
-    # out stands in for the pointers a launch does not read (no scale, no bias).
-    args = (x2, weight, out if scale is None else scale, out if bias is None else bias, out, ws,
-            cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
-                  HAS_SCALE=scale is not None, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **pdl.launch_kwargs(x2.device))
-    if m == 1 and not cfg.dot:
-        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
-                                       **common)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_kwargs(x.device))
+    args = (x2, weight, out, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
+            out.stride(0), per_split, split)  # out stands in for the unread scale pointer
+    if m == 1:
+        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:
-        prec = "ieee" if x2.dtype == torch.float32 else "tf32"
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
-    return out
+    return out.view(*x.shape[:-1], n)
 
 
 def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool

@@ -10,12 +10,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import triton
 
+from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
+    _counters,
+    _gemv_kernel,
     _gemv_operands,
-    launch_gemv,
+    _skinny_kernel,
+    _split_k,
 )
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
@@ -94,9 +99,31 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
     x2, m, n, k = _gemv_operands(x, qweight, gated)
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scale = scale.float().contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
     cfg = config or default_qconfig(m)
-    bit_convert = (1 if qweight.dtype == torch.int8 else 2) if cfg.bit_convert else 0
-    out = launch_gemv(x2, qweight, scale.float().contiguous(), bias, cfg, gated, bit_convert)
+    split, per_split = _split_k(cfg, n, k, x.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    b = bias if bias is not None else out
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl.launch_kwargs(x.device))
+    args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
+            out.stride(0), per_split, split)
+    if m == 1 and not cfg.dot:
+        bit_convert = (1 if qweight.dtype == torch.int8 else 2) if cfg.bit_convert else 0
+        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
+                                       HAS_SCALE=True, **common)
+    else:
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, HAS_SCALE=True,
+                                         **common)
     return out.view(*x.shape[:-1], n)
 
 
