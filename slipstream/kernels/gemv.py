@@ -64,41 +64,17 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
     return g
 
 
-@triton.jit
-def _to_float(w, BIT_CONVERT: tl.constexpr):
-    """w as float32 (BIT_CONVERT 2: times 2^-120), converted without conversion instructions when
-    BIT_CONVERT is set (int->float and fp8->float converts run at a fraction of the FMA rate).
-
-    1 (int8): bits b ^ 0x4B000080 read as float32 are 2^23 + 128 + value.
-    2 (fp8 e4m3): sign to bit 31, exponent and mantissa to bits 20-26: e4m3's value times 2^-120
-    (subnormals land on float32 subnormals, the same scaling); the caller multiplies back.
-    """
-    if BIT_CONVERT == 1:
-        bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
-    elif BIT_CONVERT == 2:
-        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
-        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return w.to(tl.float32)
-
-
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
-                 USE_PDL: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-                 BIT_CONVERT: tl.constexpr = 0):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
     flight per program (Triton does not software-pipeline loads that feed no tl.dot). Under PDL
     the first tile's loads are issued before waiting for the previous kernel (kernels/pdl.py).
-    HAS_SCALE: one-byte weights (kernels/gemv_int8.py) with a float32 scale per output row,
-    applied to the row's sum; BIT_CONVERT: see _to_float.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -121,17 +97,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
-        xf = x.to(tl.float32)
-        if BIT_CONVERT == 2:
-            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
-        acc += _to_float(w, BIT_CONVERT) * xf[None, :]
-    part = tl.sum(acc, 1)
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows)
-        if BIT_CONVERT == 2:
-            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-        part = part * scale
-    part = part[None, :]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
@@ -148,15 +115,12 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                   HAS_SCALE: tl.constexpr = False):
-    """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step.
-    HAS_SCALE: one-byte weights, converted to x's dtype per tile (INT8 and FP8 E4M3 values are
-    exact in bf16 / fp16 / fp32), the row scales applied to the result."""
+                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
@@ -179,11 +143,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
         x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
-        if HAS_SCALE:
-            w = w.to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
-    if HAS_SCALE:
-        acc = acc * tl.load(s_ptr + rows)[None, :]
     _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
@@ -286,8 +246,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    args = (x2, weight, out, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
-            out.stride(0), per_split, split)  # out stands in for the unread scale pointer
+    args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+            per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:

@@ -2,8 +2,7 @@
 
 The weight q [N, K] is INT8 (or FP8 E4M3) with one float32 scale per output channel. It is read
 once, converted in registers, and the scale is applied to each program's partial sum (the scale
-does not depend on k). The kernels are kernels/gemv.py's with HAS_SCALE (split-K and its
-in-kernel reduction included); this module holds the tile candidates and the measured choice.
+does not depend on k). Split-K and its in-kernel reduction are those of kernels/gemv.py.
 """
 from __future__ import annotations
 
@@ -11,20 +10,118 @@ import dataclasses
 
 import torch
 import triton
+import triton.language as tl
 
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
     _counters,
-    _gemv_kernel,
+    _finish,
     _gemv_operands,
-    _skinny_kernel,
+    _load_w_tile,
+    _load_x,
     _split_k,
 )
+from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def _to_float(w, BIT_CONVERT: tl.constexpr):
+    """w as float32 (BIT_CONVERT 2: times 2^-120), converted without conversion instructions when
+    BIT_CONVERT is set (int->float and fp8->float converts run at a fraction of the FMA rate).
+
+    1 (int8): bits b ^ 0x4B000080 read as float32 are 2^23 + 128 + value.
+    2 (fp8 e4m3): sign to bit 31, exponent and mantissa to bits 20-26: e4m3's value times 2^-120
+    (subnormals land on float32 subnormals, the same scaling); the caller multiplies back.
+    """
+    if BIT_CONVERT == 1:
+        bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
+        return bits.to(tl.float32, bitcast=True) - 8388736.0
+    elif BIT_CONVERT == 2:
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
+                  GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end."""
+    pdl_release(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PREFETCH:
+        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:
+            w = w_next
+            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        else:
+            w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
+        xf = x.to(tl.float32)
+        if BIT_CONVERT == 2:
+            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
+        acc += _to_float(w, BIT_CONVERT) * xf[None, :]
+    scale = tl.load(s_ptr + rows)
+    if BIT_CONVERT == 2:
+        scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
+    part = (tl.sum(acc, 1) * scale)[None, :]
+    offs_m = tl.arange(0, 1)
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(offs_m, M - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = k + offs_k < k_hi
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+        else:
+            w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
+        # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
+    scale = tl.load(s_ptr + rows)
+    _finish(acc * scale[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m,
+            offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 def default_qconfig(m: int) -> GemvConfig:
@@ -118,12 +215,11 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = (1 if qweight.dtype == torch.int8 else 2) if cfg.bit_convert else 0
-        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
-                                       HAS_SCALE=True, **common)
+        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
+                                        **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, HAS_SCALE=True,
-                                         **common)
+        _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
 
 
