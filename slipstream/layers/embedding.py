@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.quantization.base import _triton_ops
+
 
 class VocabEmbedding(nn.Module):
     """[vocab, hidden] table, allocated uninitialised (the loader fills it)."""
@@ -34,7 +36,5 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
-            from slipstream.quantization.base import _triton_ops
-
             return _triton_ops().linear(hidden, self.weight).float()
         return F.linear(hidden, self.weight).float()

@@ -9,7 +9,6 @@ from attn_batch import make_batch
 
 from slipstream.kernels import reference
 from slipstream.kernels.paged_attention import AttnConfig, RopeInput, paged_attention
-from slipstream.kernels.rotary_cache import rotary_and_cache_write
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
