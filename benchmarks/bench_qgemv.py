@@ -41,7 +41,7 @@ def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
     else:
         q, s = (utils.quantize_int8_per_channel(w) if fmt == "int8"
                 else utils.quantize_fp8_per_channel(w))
-        configs = gemv_int8.candidate_qconfigs(1)
+        configs = gemv_int8.candidate_qconfigs(1, q.dtype)
         sets = weight_copies((x, q, s))
         run = lambda cfg: lambda a: gemv_int8.qgemv(*a, config=cfg)  # noqa: E731
         nbytes = q.numel()

@@ -159,8 +159,9 @@ class GemvConfig:
     num_stages: int = 1
     prefetch: bool = False  # M == 1 kernel only: keep two weight tiles in flight
     # Dequant-GEMV (kernels/gemv_int8.py) at M == 1 only: convert int8 / fp8 weights by bit
-    # tricks instead of conversion instructions; or run the tensor-core (tl.dot) kernel.
-    bit_convert: bool = False
+    # tricks instead of conversion instructions (1; 2: int8 by byte permutes in inline PTX);
+    # or run the tensor-core (tl.dot) kernel.
+    bit_convert: int = 0
     dot: bool = False
 
 

@@ -37,8 +37,11 @@ def _to_float(w, BIT_CONVERT: tl.constexpr):
     1 (int8): bits b ^ 0x4B000080 read as float32 are 2^23 + 128 + value.
     2 (fp8 e4m3): sign to bit 31, exponent and mantissa to bits 20-26: e4m3's value times 2^-120
     (subnormals land on float32 subnormals, the same scaling); the caller multiplies back.
+    3 (int8, CUDA only): the same float as 1, one PRMT per value from four packed bytes.
     """
-    if BIT_CONVERT == 1:
+    if BIT_CONVERT == 3:
+        return _int8x4_to_float(w)
+    elif BIT_CONVERT == 1:
         bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
         return bits.to(tl.float32, bitcast=True) - 8388736.0
     elif BIT_CONVERT == 2:
@@ -47,6 +50,24 @@ def _to_float(w, BIT_CONVERT: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return w.to(tl.float32)
+
+
+@triton.jit
+def _int8x4_to_float(w):
+    """int8 -> float32 as BIT_CONVERT 1 computes it, in fewer instructions: one XOR flips the
+    sign bits of four packed bytes, then one byte permute per value builds the float bits
+    0x4B0000uu (2^23 + uu); the subtraction leaves the value. Inline PTX: GPU only."""
+    f = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        xor.b32 t, $4, 0x80808080;
+        prmt.b32 $0, t, 0x4B000000, 0x7540;
+        prmt.b32 $1, t, 0x4B000000, 0x7541;
+        prmt.b32 $2, t, 0x4B000000, 0x7542;
+        prmt.b32 $3, t, 0x4B000000, 0x7543;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
+    return f - 8388736.0
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -131,7 +152,7 @@ def default_qconfig(m: int) -> GemvConfig:
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
-def candidate_qconfigs(m: int) -> list[GemvConfig]:
+def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[GemvConfig]:
     """The few configs qlinear_small measures per shape (each one a compile at start-up)."""
     if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
         tiles = [(8, 1024, 0, 4, True), (16, 1024, 0, 4, False), (8, 2048, 0, 8, False),
@@ -142,7 +163,10 @@ def candidate_qconfigs(m: int) -> list[GemvConfig]:
         # The same tiles with bit-trick conversion, and a few tensor-core (tl.dot) variants.
         dots = [GemvConfig(bn, bk, 0, w, st, dot=True) for bn, bk, w, st in
                 [(64, 128, 4, 4), (32, 256, 4, 3), (32, 128, 4, 4)]]
-        return cfgs + [dataclasses.replace(c, bit_convert=True) for c in cfgs] + dots
+        tricks = [dataclasses.replace(c, bit_convert=1) for c in cfgs]
+        if weight_dtype == torch.int8:  # the byte-permute conversion (int8 only)
+            tricks += [dataclasses.replace(c, bit_convert=2) for c in cfgs]
+        return cfgs + tricks + dots
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
     return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
 
@@ -173,7 +197,7 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     tol = 2e-2 * expect.abs().max().item()
     arg_sets = weight_copies((x, qweight, scale) if bias is None else (x, qweight, scale, bias))
     best, best_us = default_qconfig(m), float("inf")
-    for cfg in candidate_qconfigs(m):
+    for cfg in candidate_qconfigs(m, qweight.dtype):
         try:
             got = qgemv(x, qweight, scale, bias, cfg).float()
             if not torch.allclose(got, expect, rtol=2e-2, atol=tol):
@@ -214,13 +238,23 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
-        bit_convert = (1 if qweight.dtype == torch.int8 else 2) if cfg.bit_convert else 0
+        bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
                                         **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
+
+
+def _bit_convert_mode(cfg: GemvConfig, weight_dtype: torch.dtype, on_cuda: bool) -> int:
+    """The kernel's BIT_CONVERT for a config: 0 conversion instructions, 1 / 2 the int8 / fp8 bit
+    tricks, 3 the int8 byte permute (inline PTX: the interpreter runs 1 instead)."""
+    if not cfg.bit_convert:
+        return 0
+    if weight_dtype != torch.int8:
+        return 2
+    return 3 if cfg.bit_convert == 2 and on_cuda else 1
 
 
 def qgemv_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

@@ -31,6 +31,7 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
+_DIRECT_DECODE = True  # benchmarks/bench_attention.py turns it off to measure the search path
 
 
 @triton.jit
@@ -94,16 +95,23 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
+    DECODE: tl.constexpr = False,
 ):
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    if DECODE:
+        # At most one query token per sequence: program pid serves sequence pid. The search
+        # below is a chain of log2(num_seqs) dependent loads, which at batch 512 was most of
+        # the kernel's time.
+        s = pid
+    else:
+        s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
-    q0 = (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q
+    q0 = 0 if DECODE else (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + s)
@@ -317,7 +325,9 @@ def paged_attention(
                                device=q.device)
     else:
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
-    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, splits)
+    decode = meta.max_query_len <= 1 and _DIRECT_DECODE
+    grid = (meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs, num_kv_heads,
+            splits)
     cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
     rope_args = _rope_args(q, k_cache, v_cache, meta, rope)
@@ -331,7 +341,7 @@ def paged_attention(
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
-        FUSE_ROPE=rope is not None,
+        FUSE_ROPE=rope is not None, DECODE=decode,
     )
     return out
 

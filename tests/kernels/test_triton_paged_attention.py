@@ -77,6 +77,18 @@ def test_padding_rows_and_empty_sequence() -> None:
     _check(q, kc, vc, meta, AttnConfig(16, 16, 2, 4, 1))
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_decode_padding_rows_and_empty_sequence() -> None:
+    """Decode batches index sequences by program id (no search): padding rows after the last
+    sequence and a sequence without a query token this step must still come out right."""
+    q, kc, vc, meta = make_batch([1, 0, 1, 1], [9, 4, 33, 70], num_kv_heads=2, group=4,
+                                 head_dim=64, block_size=16, dtype=torch.float32, pad_tokens=4,
+                                 seed=9)
+    assert meta.max_query_len == 1
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 1, 4, 1))
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 3, 4, 1))
+
+
 def test_strided_q_view() -> None:
     """q as a slice of the fused QKV output (row stride wider than Hq * D)."""
     q, kc, vc, meta = make_batch([3, 1], [10, 17], num_kv_heads=2, group=2, head_dim=64,

@@ -73,6 +73,21 @@ def test_int8_magic_conversion_is_exact_for_every_value() -> None:
         assert got.item() == float(j - 128)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n,block_k", [(4, 64), (16, 512)])
+def test_int8_byte_permute_conversion_is_exact_on_gpu(block_n: int, block_k: int) -> None:
+    # Every byte position of the packed words and every value: the permute selectors must pick
+    # each weight's own byte.
+    q = torch.arange(-128, 128, dtype=torch.int8).repeat(1, 2).reshape(1, 512).cuda()
+    x = torch.zeros(1, 512, device="cuda", dtype=torch.bfloat16)
+    cfg = GemvConfig(block_n=block_n, block_k=block_k, split_k=1, bit_convert=2)
+    ones = torch.ones(1, device="cuda")
+    for j in range(0, 512, 3):
+        x.zero_()
+        x[0, j] = 1.0
+        assert gemv_int8.qgemv(x, q, ones, None, cfg).item() == float(j % 256 - 128)
+
+
 def test_fp8_bit_conversion_is_exact_for_every_value() -> None:
     bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN
     q = bits.view(torch.float8_e4m3fn).reshape(1, -1)

@@ -1,0 +1,103 @@
+"""Decode attention on one GPU: achieved KV-read bandwidth per batch shape and tile config.
+
+    python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep]
+For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
+(choose_config), the same with the sequence search instead of the direct decode index, and with
+--sweep a grid of tile configs; prints GB/s against a device copy measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "tests" / "kernels")]
+
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+from attn_batch import make_batch  # noqa: E402
+
+from slipstream.kernels import paged_attention as pa  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+CASES = [(512, 192), (512, 1000), (256, 512), (64, 1024), (8, 4096), (1, 1024), (1, 8192)]
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def copy_gbps() -> float:
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[dict]:
+    q, kc, vc, meta = make_batch([1] * batch, [ctx] * batch, num_kv_heads=HKV, group=HQ // HKV,
+                                 head_dim=D, block_size=16, dtype=torch.bfloat16, device="cuda")
+    scales = {}
+    if kv_dtype != torch.bfloat16:
+        kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
+        one = torch.ones(1, device="cuda", dtype=torch.float32)
+        scales = dict(k_scale=one, v_scale=one)
+    nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
+    base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype)
+    configs = [("default", base)]
+    if sweep:
+        for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (2, 4, 8)):
+            configs.append(("sweep", pa.AttnConfig(base.block_m, bn, base.num_splits, w, st)))
+    rows = []
+    expect = pa.paged_attention(q, kc, vc, meta, D ** -0.5, **scales)
+    for tag, cfg in configs:
+        fn = lambda cfg=cfg: pa.paged_attention(q, kc, vc, meta, D ** -0.5, config=cfg, **scales)
+        try:
+            if not torch.allclose(fn().float(), expect.float(), atol=2e-2, rtol=2e-2):
+                print(f"  mismatch {cfg}")
+                continue
+            ms = time_ms(fn)
+        except Exception as e:  # e.g. out of shared memory
+            print(f"  skip {cfg}: {type(e).__name__}")
+            continue
+        rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag=tag, config=str(cfg),
+                         us=ms * 1e3, gbps=nbytes / ms / 1e6))
+    pa._DIRECT_DECODE = False
+    ms = time_ms(lambda: pa.paged_attention(q, kc, vc, meta, D ** -0.5, config=base, **scales))
+    pa._DIRECT_DECODE = True
+    rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag="search", config=str(base),
+                     us=ms * 1e3, gbps=nbytes / ms / 1e6))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--output-json", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_gbps()
+    rows = []
+    for (batch, ctx), kv in itertools.product(CASES, (torch.bfloat16, torch.float8_e4m3fn)):
+        if kv != torch.bfloat16 and batch < 256:
+            continue
+        case = run_case(batch, ctx, kv, args.sweep)
+        rows += case
+        best = min(case, key=lambda r: r["us"])
+        by_tag = {r["tag"]: r for r in case}
+        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} default {by_tag['default']['us']:7.1f} us "
+              f"({100 * by_tag['default']['gbps'] / bw:4.1f}%)  search {by_tag['search']['us']:7.1f} us"
+              f"  best {best['us']:7.1f} us ({100 * best['gbps'] / bw:4.1f}%) {best['config']}",
+              flush=True)
+    result = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows,
+                  wall_s=time.time() - t0)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=1))
+    print(f"copy {bw:.0f} GB/s; wall {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
