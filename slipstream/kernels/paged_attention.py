@@ -335,7 +335,9 @@ def paged_attention(
                                device=q.device)
     else:
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
-    decode = meta.max_query_len <= 1 and _DIRECT_DECODE
+    # Direct indexing measured faster at batch 64-512 without splits; with splits (few
+    # sequences) the W1 batch-1 step was 1-3% slower with it, so the search stays there.
+    decode = meta.max_query_len <= 1 and splits == 1 and _DIRECT_DECODE
     grid = (meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs, num_kv_heads,
             splits)
     cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
