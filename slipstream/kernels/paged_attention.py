@@ -131,11 +131,6 @@ def _paged_attn_kernel(
         q = load_rotated(q_rows, offs_d[None, :], pos, cs_ptr, stride_cs, q_mask, HEAD_DIM // 2)
     else:
         q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
-    if KV_QUANT == 1 and q.dtype != tl.float32:
-        # fp8 K/V: products in fp16, which e4m3 pairs convert to in one instruction (bf16
-        # needs a float32 round trip, which made the fp8 cache slower than bf16); fp16 also
-        # holds q and the probabilities with more mantissa than bf16.
-        q = q.to(tl.float16)
     q_pos = ctx_len + row_q
     if KV_QUANT:  # scores of stored K times k_scale; read on the device (CUDA-graph safe)
         qk_scale = qk_scale * tl.load(ks_ptr)
@@ -281,8 +276,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     num_warps = 4 if block_m <= 64 else 8
     if decode and splits == 1 and dtype != torch.float32:
         # Many short programs (one per sequence and KV head): two warps each let more of them
-        # share an SM. Measured on the H200 at batch 64-512, contexts 192-1000 (bf16 and fp8
-        # caches): 3-10% faster than four warps; fp8 caches 19-25%.
+        # share an SM. Measured on the H200 at batch 64-512, contexts 192-1000: 3-10% faster
+        # than four warps with bf16 caches, 19-25% with fp8 caches.
         num_warps = 2
     stages = 1 if dtype == torch.float32 else 3 if decode else 2
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages)
