@@ -1,0 +1,112 @@
+"""Instruction mix of a Triton kernel's main loop for sm_90, compiled on a machine without a GPU.
+
+    python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 16 --block-k 512
+    python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
+Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
+specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
+a quick, device-free way to count the instructions a kernel spends per element.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_ALIGNED_INTS = ("N", "K", "k_per_split")  # multiples of 16 in every launch that matters
+
+
+def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int) -> str:
+    """SASS text of `kernel` for sm_90; pointers, strides and _ALIGNED_INTS are marked 16-divisible."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    sig, attrs = {}, {}
+    for i, name in enumerate(params):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = types.get(name, "*i32" if name.endswith("_ptr") else "i32")
+        if sig[name].startswith("*") or name.startswith("stride") or name in _ALIGNED_INTS:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = {(params.index(k),): v for k, v in constexprs.items()}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_histogram(sass: str) -> collections.Counter:
+    """Opcode counts of the longest backward branch's body (the main loop)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    counts: collections.Counter = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", line)
+        if m:
+            wide = m.group(1) in ("LDG", "LDS", "STS", "STG")
+            counts[m.group(1) + (m.group(2) if wide else "")] += 1
+    return counts
+
+
+def qgemv_case(ns) -> tuple:
+    from slipstream.kernels.gemv_int8 import _qgemv_kernel
+    types = dict(x_ptr="*bf16", w_ptr=f"*{ns.weight}", s_ptr="*fp32", bias_ptr="*bf16",
+                 out_ptr="*bf16", ws_ptr="*fp32")
+    consts = dict(BLOCK_N=ns.block_n, BLOCK_K=ns.block_k, SPLIT=False, EVEN_K=True,
+                  HAS_BIAS=False, PREFETCH=ns.prefetch, BIT_CONVERT=ns.bit_convert, GATED=False,
+                  USE_PDL=False)
+    return _qgemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
+
+
+def attention_case(ns) -> tuple:
+    from slipstream.kernels.paged_attention import _paged_attn_kernel
+    kv = f"*{ns.kv}"
+    types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", part_out_ptr="*fp32",
+                 part_lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", kn_ptr="*bf16",
+                 vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64", pos_ptr="*i64",
+                 qk_scale="fp32")
+    consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+                  HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
+                  KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
+                  FUSE_ROPE=True, DECODE=True)
+    return _paged_attn_kernel, types, consts, 64 * 128 * 2 / (32 * ns.num_warps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", choices=("qgemv", "attention"))
+    ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
+    ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
+    ap.add_argument("--block-n", type=int, default=16)
+    ap.add_argument("--block-k", type=int, default=512)
+    ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
+    ap.add_argument("--num-warps", type=int, default=4)
+    ns = ap.parse_args()
+    kernel, types, consts, elems = (qgemv_case if ns.kernel == "qgemv" else attention_case)(ns)
+    hist = loop_histogram(compile_sass(kernel, types, consts, ns.num_warps))
+    total = sum(hist.values())
+    print(f"{total} instructions per loop iteration, {total / elems:.2f} per element per thread")
+    for op, n in hist.most_common():
+        print(f"  {op:<14} {n}")
+
+
+if __name__ == "__main__":
+    main()
