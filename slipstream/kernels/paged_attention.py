@@ -104,8 +104,8 @@ def _paged_attn_kernel(
     split = tl.program_id(2)
     if DECODE:
         # At most one query token per sequence: program pid serves sequence pid. The search
-        # below is a chain of log2(num_seqs) dependent loads, which at batch 512 was most of
-        # the kernel's time.
+        # below is a chain of log2(num_seqs) dependent loads before the first KV load (2% of
+        # the kernel at batch 512 with a bf16 cache, 10% with fp8).
         s = pid
     else:
         s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
