@@ -69,12 +69,15 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                  stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                 STAGES: tl.constexpr = 1):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
-    flight per program (Triton does not software-pipeline loads that feed no tl.dot). Under PDL
-    the first tile's loads are issued before waiting for the previous kernel (kernels/pdl.py).
+    flight per program, in registers. STAGES > 1 instead asks Triton to pipeline the loop
+    (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
+    without the registers. Under PDL the first tile's loads are issued before waiting for the
+    previous kernel (kernels/pdl.py).
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -90,7 +93,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             w = w_next
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
@@ -156,7 +159,7 @@ class GemvConfig:
     block_k: int
     split_k: int = 0
     num_warps: int = 4
-    num_stages: int = 1
+    num_stages: int = 1  # M == 1 without prefetch: > 1 pipelines tiles through shared memory
     prefetch: bool = False  # M == 1 kernel only: keep two weight tiles in flight
     # Dequant-GEMV (kernels/gemv_int8.py) at M == 1 only: convert int8 / fp8 weights by bit
     # tricks instead of conversion instructions (1; 2: int8 by byte permutes in inline PTX);
@@ -208,7 +211,10 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
                  (16, 512, 1, 4, True),
                  # Narrow tiles without split: more programs in flight for N of 4-6k (o, qkv).
                  (4, 512, 1, 2, True), (4, 256, 1, 2, True), (8, 256, 1, 4, True)]
-        return [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles]
+        # Tiles streamed through shared memory (tl.range stages) instead of registers.
+        staged = [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in
+                  [(8, 512, 4, 4), (4, 1024, 2, 4), (16, 256, 4, 4)]]
+        return [GemvConfig(bn, bk, sk, w, 1, pf) for bn, bk, sk, w, pf in tiles] + staged
     tiles = [(64, 128, 0, 4, 4), (32, 128, 0, 4, 4), (64, 256, 0, 4, 3), (64, 128, 1, 4, 4)]
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
 
@@ -250,7 +256,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
             per_split, split)
     if m == 1:
-        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
+                                       **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)

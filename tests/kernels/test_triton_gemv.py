@@ -34,6 +34,7 @@ def test_gemv_default_config(m: int, n: int, k: int, with_bias: bool) -> None:
     gemv.GemvConfig(block_n=16, block_k=64, split_k=5),   # uneven: last split is shorter
     gemv.GemvConfig(block_n=8, block_k=128, split_k=3),
     gemv.GemvConfig(block_n=32, block_k=32, split_k=1),
+    gemv.GemvConfig(block_n=8, block_k=64, split_k=2, num_stages=4),  # pipelined loop (M == 1)
 ])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
@@ -49,7 +50,8 @@ def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
 
 
 @pytest.mark.parametrize("cfg", [gemv.GemvConfig(block_n=16, block_k=64, split_k=3),
-                                 gemv.GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True)])
+                                 gemv.GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
+                                 gemv.GemvConfig(block_n=8, block_k=64, split_k=1, num_stages=3)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gemv_gated_input(cfg: gemv.GemvConfig, m: int) -> None:
     """gated=True computes silu(gate) * up while loading x: same as silu_and_mul, then gemv."""

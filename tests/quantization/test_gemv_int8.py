@@ -38,6 +38,7 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=16, block_k=64, split_k=5),
                                  GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
                                  GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
+                                 GemvConfig(block_n=8, block_k=64, split_k=2, num_stages=4),
                                  GemvConfig(block_n=32, block_k=64, dot=True)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
@@ -121,6 +122,9 @@ def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
     want = gemv_int8.qgemv_reference(x.float(), q, s, b.float())
     assert _rel(gemv_int8.qgemv(x, q, s, b), want) < 1e-2
     assert _rel(gemv_int8.qlinear_small(x, q, s, b), want) < 1e-2  # the measured config
+    if m == 1:  # every candidate, including the shared-memory pipelined ones
+        for cfg in gemv_int8.candidate_qconfigs(1, wdtype):
+            assert _rel(gemv_int8.qgemv(x, q, s, b, cfg), want) < 1e-2, cfg
 
 
 @pytest.mark.gpu
