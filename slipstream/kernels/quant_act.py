@@ -1,6 +1,8 @@
 """Dynamic per-token FP8 activation quantization in one launch (twin: quantization.utils.
 quantize_per_token). The torch version is seven launches (copy, abs, amax, divide, clamp,
 divide, cast) per linear layer, which the eager mixed prefill/decode steps pay in host time.
+silu_and_mul_quant_fp8 also computes the gated-MLP activation first (twin: quantize_per_token
+of silu_and_mul): the down projection's input is never written in bf16 nor read back.
 """
 from __future__ import annotations
 
@@ -43,4 +45,49 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         _per_token_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX,
                                     TINY=_TINY, BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
                                     num_warps=4)
+    return q, scale
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, QMAX: tl.constexpr,
+                         TINY: tl.constexpr, BLOCK: tl.constexpr):
+    """Row = [gate | up] (2N values): silu(gate) * up rounded to x's dtype, as silu_and_mul
+    stores it, then per-row FP8 quantization. The second pass recomputes the activation from
+    the row, which the first pass left in L2, instead of storing it."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, N, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        h = _silu_mul(x_row, offs, N)
+        amax = tl.maximum(amax, tl.abs(h))
+    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
+    for k0 in range(0, N, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        y = tl.minimum(tl.maximum(_silu_mul(x_row, offs, N) / scale, -QMAX), QMAX)
+        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < N)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _silu_mul(x_row, offs, N):
+    mask = offs < N
+    gate = tl.load(x_row + offs, mask=mask, other=0.0)
+    up = tl.load(x_row + N + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    h = (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
+    return h.to(tl.float32)
+
+
+def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2N] -> (FP8 E4M3 [M, N], float32 scale [M, 1]) of silu(gate) * up."""
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    m, n = gate_up.shape[0], gate_up.shape[1] // 2
+    q = torch.empty((m, n), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
+    if m and n:
+        _silu_mul_fp8_kernel[(m,)](gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
+                                   QMAX=FP8_MAX, TINY=_TINY,
+                                   BLOCK=min(_BLOCK, triton.next_power_of_2(n)), num_warps=4)
     return q, scale

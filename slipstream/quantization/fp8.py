@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.layers.activation import SiluAndMul
 from slipstream.quantization.base import register_quant_method
 from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
 from slipstream.quantization.utils import (
@@ -76,6 +77,23 @@ class Fp8LinearMethod(PerChannelMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
+    def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
+                    act) -> torch.Tensor:
+        """Large batches on CUDA: one kernel computes silu(gate) * up and its per-token FP8
+        quantization for torch._scaled_mm (same values as silu_and_mul, then the quantizer)."""
+        fused = _fused_silu_quant()
+        k2 = gate_up.shape[-1]
+        m = gate_up.numel() // k2 if k2 else 0
+        w = layer.weight
+        if (fused is None or not gate_up.is_cuda or m <= _SMALL_M or not isinstance(act, SiluAndMul)
+                or (k2 // 2) % 16 or w.shape[0] % 16):
+            return super().apply_gated(layer, gate_up, bias, act)
+        xq, x_scale = fused(gate_up.reshape(m, k2))
+        out = _scaled_mm_quantized(xq, x_scale, w, layer.weight_scale).to(gate_up.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*gate_up.shape[:-1], w.shape[0])
+
 
 def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
     param.data[shard or 0] = loaded.reshape(-1)[0]
@@ -101,9 +119,23 @@ def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def _scaled_mm_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     xq, x_scale = _quantize_per_token_cuda(x2)
+    return _scaled_mm_quantized(xq, x_scale, qweight, scale)
+
+
+def _scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
     # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
                             out_dtype=torch.bfloat16)
+
+
+def _fused_silu_quant():
+    """kernels.quant_act.silu_and_mul_quant_fp8, or None when Triton cannot load."""
+    try:
+        from slipstream.kernels.quant_act import silu_and_mul_quant_fp8
+    except ImportError:
+        return None
+    return silu_and_mul_quant_fp8
 
 
 def _quantize_per_token_cuda(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels.quant_act import quantize_per_token_fp8
+from slipstream.kernels.quant_act import quantize_per_token_fp8, silu_and_mul_quant_fp8
+from slipstream.kernels.reference import silu_and_mul
 from slipstream.quantization.utils import FP8_DTYPE, quantize_per_token
 
 
@@ -35,6 +36,36 @@ def test_gpu_matches_torch_twin(m: int, k: int) -> None:
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
     # Triton's float32 division is not correctly rounded: a value on a rounding edge may land
     # on the neighbouring e4m3 code (same sign, codes one apart), and rarely.
+    codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    assert (codes - want_codes).abs().max() <= 1
+    assert (codes != want_codes).float().mean() < 1e-4
+
+
+@pytest.mark.parametrize("m,n", [(1, 300), (4, 1030)])
+def test_silu_and_mul_quant_matches_twin(m: int, n: int) -> None:
+    gate_up = torch.randn(m, 2 * n) * 3
+    gate_up[0, n:n + 5] = 0.0  # zero up: zero activations
+    q, s = silu_and_mul_quant_fp8(gate_up)
+    h = silu_and_mul(gate_up)
+    want_q, want_s = quantize_per_token(h, FP8_DTYPE)
+    assert q.shape == (m, n) and q.dtype == FP8_DTYPE
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+    exact = want_q.float() == (h / want_s).clamp(-448, 448)  # see test_matches_torch_twin
+    assert exact.sum() >= 5
+    assert torch.equal(q.view(torch.uint8)[exact], want_q.view(torch.uint8)[exact])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 512, 4096])
+def test_gpu_silu_and_mul_quant_matches_twin(m: int) -> None:
+    from slipstream.kernels.activation import silu_and_mul as silu_and_mul_triton
+
+    gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    q, s = silu_and_mul_quant_fp8(gate_up)
+    # The unfused path the fused kernel replaces: the Triton activation (same float formula),
+    # then the twin quantizer.
+    want_q, want_s = quantize_per_token(silu_and_mul_triton(gate_up), FP8_DTYPE)
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
     codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
     assert (codes - want_codes).abs().max() <= 1
     assert (codes != want_codes).float().mean() < 1e-4
