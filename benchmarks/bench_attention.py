@@ -2,8 +2,8 @@
 
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep]
 For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
-(choose_config), the same with the sequence search instead of the direct decode index, and with
---sweep a grid of tile configs; prints GB/s against a device copy measured in the same run.
+(choose_config) and, with --sweep, a grid of tile configs; prints GB/s against a device copy
+measured in the same run.
 """
 from __future__ import annotations
 
@@ -65,11 +65,6 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
             continue
         rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag=tag, config=str(cfg),
                          us=ms * 1e3, gbps=nbytes / ms / 1e6))
-    pa._DIRECT_DECODE = False
-    ms = time_ms(lambda: pa.paged_attention(q, kc, vc, meta, D ** -0.5, config=base, **scales))
-    pa._DIRECT_DECODE = True
-    rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag="search", config=str(base),
-                     us=ms * 1e3, gbps=nbytes / ms / 1e6))
     return rows
 
 
@@ -87,11 +82,10 @@ def main() -> None:
         case = run_case(batch, ctx, kv, args.sweep)
         rows += case
         best = min(case, key=lambda r: r["us"])
-        by_tag = {r["tag"]: r for r in case}
-        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} default {by_tag['default']['us']:7.1f} us "
-              f"({100 * by_tag['default']['gbps'] / bw:4.1f}%)  search {by_tag['search']['us']:7.1f} us"
-              f"  best {best['us']:7.1f} us ({100 * best['gbps'] / bw:4.1f}%) {best['config']}",
-              flush=True)
+        default = next((r for r in case if r["tag"] == "default"), best)
+        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} default {default['us']:7.1f} us "
+              f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
+              f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
     result = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows,
                   wall_s=time.time() - t0)
     if args.output_json:

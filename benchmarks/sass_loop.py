@@ -1,6 +1,6 @@
 """Instruction mix of a Triton kernel's main loop for sm_90, compiled on a machine without a GPU.
 
-    python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 16 --block-k 512
+    python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
@@ -71,7 +71,7 @@ def qgemv_case(ns) -> tuple:
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(BLOCK_N=ns.block_n, BLOCK_K=ns.block_k, SPLIT=False, EVEN_K=True,
                   HAS_BIAS=False, PREFETCH=ns.prefetch, BIT_CONVERT=ns.bit_convert, GATED=False,
-                  USE_PDL=False)
+                  USE_PDL=False, STAGES=ns.stages, L2_PREFETCH=False)
     return _qgemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ns = ap.parse_args()

@@ -116,7 +116,7 @@ def _prefetch_rows(w_ptr, rows, stride_wn, k_lo, k_hi, BLOCK_N: tl.constexpr, ON
     if ON:
         W_BYTES: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
         nbytes = (k_hi - k_lo) * W_BYTES // 16 * 16
-        prefetch_l2(w_ptr + rows * stride_wn + k_lo, tl.zeros([BLOCK_N], tl.int32) + nbytes, True)
+        prefetch_l2(w_ptr + rows * stride_wn + k_lo, tl.zeros([BLOCK_N], tl.int32) + nbytes)
 
 
 @triton.jit

@@ -31,7 +31,6 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
-_DIRECT_DECODE = True  # benchmarks/bench_attention.py turns it off to measure the search path
 
 
 @triton.jit
@@ -332,7 +331,7 @@ def paged_attention(
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
     # Direct indexing measured faster at batch 64-512 without splits; with splits (few
     # sequences) the W1 batch-1 step was 1-3% slower with it, so the search stays there.
-    decode = meta.max_query_len <= 1 and splits == 1 and _DIRECT_DECODE
+    decode = meta.max_query_len <= 1 and splits == 1
     grid = (meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs, num_kv_heads,
             splits)
     cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out

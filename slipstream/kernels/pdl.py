@@ -54,15 +54,14 @@ def pdl_release(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, nbytes, ON: tl.constexpr):
+def prefetch_l2(ptrs, nbytes):
     """Ask L2 to fetch nbytes (a multiple of 16) from each 16-byte aligned pointer of `ptrs`
     (cp.async.bulk.prefetch.L2, sm_90+). A hint nothing waits for: before pdl_wait a GEMV can
     start its weight slice streaming while the previous kernel still runs (weights only: no
     kernel of the step writes them)."""
-    if ON:
-        tl.inline_asm_elementwise(
-            asm="cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-            constraints="=r,l,r", args=[ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        asm="cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
+        constraints="=r,l,r", args=[ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _triton_has_launch_pdl() -> bool:
