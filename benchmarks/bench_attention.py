@@ -48,6 +48,9 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
     base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype)
     configs = [("default", base)]
+    if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
+        configs.append(("graph", pa.AttnConfig(base.block_m, base.block_n, 33, base.num_warps,
+                                               base.num_stages)))
     if sweep:
         for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (2, 4, 8)):
             configs.append(("sweep", pa.AttnConfig(base.block_m, bn, base.num_splits, w, st)))
@@ -76,7 +79,8 @@ def main() -> None:
     t0 = time.time()
     bw = copy_gbps()
     rows = []
-    for (batch, ctx), kv in itertools.product(CASES, (torch.bfloat16, torch.float8_e4m3fn)):
+    for (batch, ctx), kv in itertools.product(CASES, (torch.bfloat16, torch.float8_e4m3fn,
+                                                      torch.int8)):
         if kv != torch.bfloat16 and batch < 256:
             continue
         case = run_case(batch, ctx, kv, args.sweep)
@@ -86,6 +90,9 @@ def main() -> None:
         print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} default {default['us']:7.1f} us "
               f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
               f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
+        for r in case:
+            if r["tag"] == "graph":
+                print(f"    as in a decode graph (33 splits): {r['us']:7.1f} us", flush=True)
     result = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows,
                   wall_s=time.time() - t0)
     if args.output_json:

@@ -85,7 +85,7 @@ def attention_case(ns) -> tuple:
     consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
-                  FUSE_ROPE=True, DECODE=True)
+                  FUSE_ROPE=True, DECODE=True, ASM_CVT=True)
     return _paged_attn_kernel, types, consts, 64 * 128 * 2 / (32 * ns.num_warps)
 
 
