@@ -1,6 +1,7 @@
 """Decode attention on one GPU: achieved KV-read bandwidth per batch shape and tile config.
 
-    python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep]
+    python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
+        [--kv bf16,fp8,int8]
 For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
 (choose_config) and, with --sweep, a grid of tile configs; prints GB/s against a device copy
 measured in the same run.
@@ -24,6 +25,7 @@ from attn_batch import make_batch  # noqa: E402
 from slipstream.kernels import paged_attention as pa  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
+_KV_TYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 CASES = [(512, 192), (512, 1000), (256, 512), (64, 1024), (8, 4096), (1, 1024), (1, 8192)]
 
 
@@ -75,12 +77,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cases", default=None, help="e.g. 512x1000,512x192 (default: all)")
+    ap.add_argument("--kv", default="bf16,fp8,int8", help="cache dtypes to time")
     args = ap.parse_args()
+    cases = CASES if not args.cases else [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    kv_types = [_KV_TYPES[k] for k in args.kv.split(",")]
     t0 = time.time()
     bw = copy_gbps()
     rows = []
-    for (batch, ctx), kv in itertools.product(CASES, (torch.bfloat16, torch.float8_e4m3fn,
-                                                      torch.int8)):
+    for (batch, ctx), kv in itertools.product(cases, kv_types):
         if kv != torch.bfloat16 and batch < 256:
             continue
         case = run_case(batch, ctx, kv, args.sweep)
