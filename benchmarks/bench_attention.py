@@ -48,7 +48,7 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
         one = torch.ones(1, device="cuda", dtype=torch.float32)
         scales = dict(k_scale=one, v_scale=one)
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
-    base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype)
+    base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype, kc.dtype)
     configs = [("default", base)]
     if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
         configs.append(("graph", pa.AttnConfig(base.block_m, base.block_n, 33, base.num_warps,
