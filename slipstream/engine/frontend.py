@@ -204,7 +204,7 @@ class OutputProcessor:
         if detok is None:
             return False
         # An engine stop (EOS or a stop token id) keeps that token's text out of the output.
-        detok.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        detok.defer(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
         if detok.stop_matched is not None and out.finish_reason in (None, "stop", "length"):
             choice.finish_reason, choice.stop_reason = "stop", detok.stop_matched
             return out.finish_reason is None

@@ -34,8 +34,8 @@ class IncrementalDetokenizer:
         self._max_hold = 0 if self._include_stop or not self._stops else max(map(len, self._stops)) - 1
         self._ids: list[int] = self._prompt_context(prompt_token_ids)
         self._prefix_offset = 0  # window start: context for the tokens after read_offset
-        self._read_offset = len(self._ids)  # tokens before this are in `text`
-        self.text = ""
+        self._read_offset = len(self._ids)  # tokens before this are decoded
+        self._text = ""
         self.stop_matched: str | None = None
         self.num_tokens = 0  # output tokens seen
         self._emitted = 0  # characters of `text` already returned
@@ -45,6 +45,13 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_matched is not None or self._finalized
 
+    @property
+    def text(self) -> str:
+        """The output text so far (tokens added by `defer` are decoded now)."""
+        if not self.finished:
+            self._append(self._decode_new(final=False))
+        return self._text
+
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str:
         """Add output tokens; return the text that became stable (possibly "").
 
@@ -53,14 +60,25 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return ""
-        self.num_tokens += len(new_token_ids)
-        ids = list(new_token_ids)
-        if stop_terminated and ids and not self._include_stop:
-            ids = ids[:-1]
-        if ids:
-            self._ids.extend(ids)
-            self._append(self._decode_new(final=False))
+        self._add_ids(new_token_ids, stop_terminated)
+        self._append(self._decode_new(final=False))
         return self._release()
+
+    def defer(self, new_token_ids: list[int], stop_terminated: bool = False) -> None:
+        """update() without decoding yet, for callers that read `text` now and then rather than
+        every delta: one decode per read instead of one per step (per-step decodes were most of
+        an offline batch's host time between GPU steps). Stop strings must see every delta,
+        so with stop strings this is update()."""
+        if self._stops:
+            self.update(new_token_ids, stop_terminated)
+            return
+        if not self.finished:
+            self._add_ids(new_token_ids, stop_terminated)
+
+    def _add_ids(self, new_token_ids: list[int], stop_terminated: bool) -> None:
+        self.num_tokens += len(new_token_ids)
+        end = len(new_token_ids) - (stop_terminated and not self._include_stop)
+        self._ids.extend(new_token_ids[:max(end, 0)])
 
     def finalize(self) -> str:
         """The request ended without a stop string: release everything still held back,
@@ -102,36 +120,36 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         if not delta:
             return
-        start = len(self.text)
-        self.text += delta
+        start = len(self._text)
+        self._text += delta
         match = self._find_stop(start)
         if match is not None:
             pos, stop = match
-            self.text = self.text[: pos + len(stop) if self._include_stop else pos]
+            self._text = self._text[: pos + len(stop) if self._include_stop else pos]
             self.stop_matched = stop
 
     def _find_stop(self, new_start: int) -> tuple[int, str] | None:
         """The earliest stop string occurrence that ends in the text added at new_start."""
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            pos = self.text.find(stop, max(0, new_start - len(stop) + 1))
+            pos = self._text.find(stop, max(0, new_start - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         return best
 
     def _held_back(self) -> int:
         """Length of the longest tail of text that is the start of some stop string."""
-        for n in range(min(self._max_hold, len(self.text)), 0, -1):
-            tail = self.text[-n:]
+        for n in range(min(self._max_hold, len(self._text)), 0, -1):
+            tail = self._text[-n:]
             if any(stop.startswith(tail) for stop in self._stops):
                 return n
         return 0
 
     def _release(self) -> str:
-        end = len(self.text)
+        end = len(self._text)
         if not self.finished:
             end -= self._held_back()
         end = max(end, self._emitted)
-        delta = self.text[self._emitted : end]
+        delta = self._text[self._emitted : end]
         self._emitted = end
         return delta

@@ -166,3 +166,44 @@ def test_update_cost_does_not_grow_with_output_length(tokenizer, monkeypatch):
     for t in tokenizer.encode("the quick brown fox " * 30, False):
         detok.update([t])
     assert max(lengths) <= 4
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_deferred_tokens_give_the_streamed_text(tokenizer, skip_special):
+    """defer() gives what update() streams for the same tokens (random ids, partial characters
+    included): read after every chunk (a streaming server) the text is the same at each step;
+    read now and then (offline), the same once finalized."""
+    rng = random.Random(3)
+    params = SamplingParams(skip_special_tokens=skip_special)
+    for trial in range(100):
+        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 8))]
+        tokens = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
+        eager = IncrementalDetokenizer(tokenizer, prompt, params)
+        lazy = IncrementalDetokenizer(tokenizer, prompt, params)
+        every_step = trial % 2 == 0
+        i = 0
+        while i < len(tokens):
+            n = rng.randint(1, 9)
+            eager.update(tokens[i : i + n])
+            lazy.defer(tokens[i : i + n])
+            if every_step:
+                assert lazy.text == eager.text
+            elif rng.random() < 0.3:
+                _ = lazy.text  # an occasional read moves the decode window differently
+            i += n
+        eager.finalize()
+        lazy.finalize()
+        assert lazy.text == eager.text == tokenizer.decode(tokens, skip_special_tokens=skip_special)
+        assert lazy.num_tokens == eager.num_tokens == len(tokens)
+
+
+def test_deferred_stop_token_and_stop_strings(tokenizer):
+    """defer() drops an engine stop token like update(); with stop strings it is update()."""
+    ok = tokenizer.encode("ok", False)
+    lazy = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    lazy.defer(ok + [tokenizer.hf.eos_token_id], stop_terminated=True)
+    lazy.finalize()
+    assert lazy.text == "ok" and lazy.num_tokens == len(ok) + 1
+    stopper = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["k"]))
+    stopper.defer(ok)
+    assert stopper.stop_matched == "k" and stopper.text == "o"
