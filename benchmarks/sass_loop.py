@@ -71,7 +71,7 @@ def qgemv_case(ns) -> tuple:
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(BLOCK_N=ns.block_n, BLOCK_K=ns.block_k, SPLIT=False, EVEN_K=True,
                   HAS_BIAS=False, PREFETCH=ns.prefetch, BIT_CONVERT=ns.bit_convert, GATED=False,
-                  USE_PDL=False, STAGES=ns.stages, L2_PREFETCH=False)
+                  USE_PDL=False, STAGES=ns.stages)
     return _qgemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels import pdl
-from slipstream.kernels.pdl import pdl_release, pdl_wait, prefetch_l2
+from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 MAX_M = 16
 
@@ -70,8 +70,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
                  stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1,
-                 L2_PREFETCH: tl.constexpr = False):
+                 STAGES: tl.constexpr = 1):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -93,7 +92,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-    _prefetch_rows(w_ptr, rows, stride_wn, k_lo, k_hi, BLOCK_N, L2_PREFETCH)
     pdl_wait(USE_PDL)
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
@@ -107,16 +105,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, rows, stride_wn, k_lo, k_hi, BLOCK_N: tl.constexpr, ON: tl.constexpr):
-    """Before pdl_wait: ask L2 for this program's whole weight slice (its rows, [k_lo, k_hi)),
-    so the bytes stream in while the previous kernel finishes (pdl.gemv_launch_kwargs)."""
-    if ON:
-        W_BYTES: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = (k_hi - k_lo) * W_BYTES // 16 * 16
-        prefetch_l2(w_ptr + rows * stride_wn + k_lo, tl.zeros([BLOCK_N], tl.int32) + nbytes)
 
 
 @triton.jit
@@ -268,7 +256,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                       **common, **pdl.gemv_launch_kwargs(x.device, weight))
+                                       **common, **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,

@@ -21,7 +21,6 @@ from slipstream.kernels.gemv import (
     _gemv_operands,
     _load_w_tile,
     _load_x,
-    _prefetch_rows,
     _split_k,
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
@@ -77,8 +76,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  STAGES: tl.constexpr = 1,
-                  L2_PREFETCH: tl.constexpr = False):
+                  STAGES: tl.constexpr = 1):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end.
     STAGES > 1 (without PREFETCH): weight tiles stream through shared memory, STAGES - 1 ahead
     (asynchronous copies), so the bytes in flight do not cost registers."""
@@ -94,7 +92,6 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-    _prefetch_rows(w_ptr, rows, stride_wn, k_lo, k_hi, BLOCK_N, L2_PREFETCH)
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
@@ -253,7 +250,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
                                         STAGES=cfg.num_stages, **common,
-                                        **pdl.gemv_launch_kwargs(x.device, qweight))
+                                        **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,

@@ -35,8 +35,6 @@ except ImportError:  # an older Triton: PDL stays off and these are never compil
         pass
 
 _ENV_ON = os.environ.get("SLIPSTREAM_PDL", "1") != "0"
-# Experimental, off until measured on a GPU: GEMVs ask L2 for their weight slice before pdl_wait.
-_L2_PREFETCH = os.environ.get("SLIPSTREAM_L2_PREFETCH", "0") == "1"
 
 
 @triton.jit
@@ -51,17 +49,6 @@ def pdl_release(USE_PDL: tl.constexpr):
     """Allow the next kernel in the stream to launch now (it still waits at its pdl_wait)."""
     if USE_PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes):
-    """Ask L2 to fetch nbytes (a multiple of 16) from each 16-byte aligned pointer of `ptrs`
-    (cp.async.bulk.prefetch.L2, sm_90+). A hint nothing waits for: before pdl_wait a GEMV can
-    start its weight slice streaming while the previous kernel still runs (weights only: no
-    kernel of the step writes them)."""
-    tl.inline_asm_elementwise(
-        asm="cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-        constraints="=r,l,r", args=[ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _triton_has_launch_pdl() -> bool:
@@ -96,17 +83,5 @@ def launch_kwargs(device: torch.device) -> dict:
     return _OFF
 
 
-def gemv_launch_kwargs(device: torch.device, weight: torch.Tensor) -> dict:
-    """launch_kwargs plus L2_PREFETCH for a GEMV kernel: on with PDL when SLIPSTREAM_L2_PREFETCH=1
-    and the weight's rows start on 16-byte boundaries (the bulk prefetch needs them)."""
-    kw = launch_kwargs(device)
-    rows_aligned = (weight.data_ptr() % 16 == 0
-                    and weight.stride(0) * weight.element_size() % 16 == 0)
-    if kw and _L2_PREFETCH and rows_aligned:
-        return _ON_PREFETCH
-    return kw
-
-
 _ON = {"USE_PDL": True, "launch_pdl": True}
-_ON_PREFETCH = {**_ON, "L2_PREFETCH": True}
 _OFF: dict = {}
