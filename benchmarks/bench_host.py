@@ -1,0 +1,87 @@
+"""Host time of an offline batch with the model taken out: what the GPU waits for between steps.
+
+    python benchmarks/bench_host.py [--num-requests 4000] [--input-len 128] [--output-len 128]
+The embedded default model's engine runs W2's request mix (512 running, 8192 tokens per step,
+8 decode steps per host round trip, as `LLM` does) with a stub runner that returns tokens at
+once, so the wall time is the host's own work: scheduling, block tables, stop checks and output
+processing. Each engine step's share of it leaves the GPU idle in a real run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from slipstream import LLM, SamplingParams
+from slipstream.assets import default_model_path
+from slipstream.scheduler.output import RunnerOutput
+
+
+class StubRunner:
+    """Answers every step at once with random token ids (the multi-step path included)."""
+
+    def __init__(self, real, vocab_size: int, max_decode_batch: int):
+        self.timer = real.timer
+        self.max_decode_batch = max_decode_batch
+        self._rng = random.Random(0)
+        self._pool = [self._rng.randrange(10, vocab_size) for _ in range(1 << 16)]
+
+    def _tokens(self, n: int) -> list[int]:
+        start = self._rng.randrange(len(self._pool) - n)
+        return self._pool[start:start + n]
+
+    def execute_decode_steps(self, sched, num_steps: int) -> RunnerOutput:
+        return RunnerOutput({s.request_id: self._tokens(num_steps) for s in sched.seqs})
+
+    def execute_model(self, sched) -> RunnerOutput:
+        return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=4000)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--output-json", default=None)
+    ns = ap.parse_args()
+    llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=ns.max_num_seqs,
+              max_num_tokens=8192, max_model_len=ns.input_len + ns.output_len + 8,
+              kv_cache_memory=2 << 30)
+    core = llm.engine
+    core.runner = StubRunner(core.runner, llm.engine_config.model.vocab_size, ns.max_num_seqs)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 4000) for _ in range(ns.input_len)]
+               for _ in range(ns.num_requests)]
+    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0)
+    steps = 0
+    step = core.step
+
+    def counted_step():
+        nonlocal steps
+        steps += 1
+        return step()
+
+    core.step = counted_step
+    runs = []
+    for _ in range(ns.repeat):  # the best of a few: a shared machine's timings are noisy
+        steps = 0
+        start, cpu = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append((time.perf_counter() - start, time.process_time() - cpu))
+        assert all(len(o.outputs[0].token_ids) == ns.output_len for o in outs)
+    wall, cpu = min(runs)
+    result = dict(num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
+                  engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
+                  host_ms_per_step=1e3 * wall / steps)
+    print(f"{steps} engine steps, host {wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; "
+          f"CPU {cpu:.2f} s); runs {[round(r[0], 2) for r in runs]}")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
