@@ -34,7 +34,11 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype),
                                        requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """float32=False: logits in the weight's dtype, for a caller that converts them itself
+        (the decode graphs copy them into a float32 buffer: one pass over the logits, not two)."""
         if hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
-            return _triton_ops().linear(hidden, self.weight).float()
-        return F.linear(hidden, self.weight).float()
+            logits = _triton_ops().linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return logits.float() if float32 else logits

@@ -159,9 +159,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab], float32 (else the model's dtype)."""
+        return self.lm_head(hidden, float32)
 
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors we skip: cached rotary tables, the tied head's duplicate."""
