@@ -91,3 +91,53 @@ def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
                                    QMAX=FP8_MAX, TINY=_TINY,
                                    BLOCK=min(_BLOCK, triton.next_power_of_2(n)), num_warps=4)
     return q, scale
+
+
+@triton.jit
+def _norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, stride_x, stride_res,
+                     stride_q, stride_res_out, n_cols, eps, HAS_RES: tl.constexpr,
+                     QMAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: [x + residual (rounded, stored as the new residual)], RMSNorm rounded to x's
+    dtype as the norm kernel stores it, then per-row FP8 quantization of that, as
+    _per_token_fp8_kernel computes it; the normalised row is never written in 16 bits."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = ((xf * rstd) * w).to(x.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / QMAX, TINY)
+    q = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [M, K] (+ residual) -> (FP8 E4M3 [M, K], float32 scale [M, 1], new residual or None):
+    quantize_per_token of rms_norm(x) (or of fused_add_rms_norm(x, residual)[0]), one launch.
+    The new residual goes into residual's storage when it fits, as fused_add_rms_norm does."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    res_out = None
+    if residual is not None:
+        reusable = residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape
+        res_out = residual if reusable else torch.empty_like(x)
+    if m and k:
+        r = residual if residual is not None else x
+        ro = res_out if res_out is not None else x
+        block = triton.next_power_of_2(k)
+        _norm_fp8_kernel[(m,)](x, r, weight, q, scale, ro, x.stride(0), r.stride(0), q.stride(0),
+                               ro.stride(0), k, eps, HAS_RES=residual is not None, QMAX=FP8_MAX,
+                               TINY=_TINY, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
+    return q, scale, res_out

@@ -39,6 +39,13 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x [+ residual])), new residual), letting the quant method fuse its input
+        quantization into the norm (see QuantMethod.apply_normed). No communication is involved,
+        so tensor-parallel column layers take it as is."""
+        return self.quant_method.apply_normed(self, x, residual, norm, self.bias)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
         custom = getattr(param, "weight_loader", None)

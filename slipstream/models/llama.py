@@ -64,7 +64,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, meta)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer after its q/k/v projection: attention, then o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t, d = q.shape[0], self.attn.head_dim
@@ -89,6 +93,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward_gated(self.gate_up_proj(x), self.act_fn)
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), new residual), the norm fused where the method can."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
+        return self.down_proj.forward_gated(gate_up, self.act_fn), residual
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str):
@@ -103,15 +113,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm can fuse the add.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # The residual stream is carried separately so each norm can fuse the add (and, for
+        # methods that quantize activations, the quantization of the next layer's input).
+        attn = self.self_attn
+        qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
+        hidden = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta)
+        return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):

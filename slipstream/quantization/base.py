@@ -44,6 +44,18 @@ class QuantMethod(ABC):
         Methods whose decode kernel can compute the activation while loading x override it."""
         return self.apply(layer, act(gate_up), bias)
 
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm: nn.Module, bias: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply(norm(x [+ residual])), the new residual) for a linear layer fed by an RMSNorm
+        (`layers.norm.RMSNorm`; residual None: no add, x is the residual). Methods that
+        quantize their input override it to quantize inside the norm's kernel. The layer is
+        called as a module here, so forward hooks (calibration statistics) see its input."""
+        if residual is None:
+            return layer(norm(x)), x
+        h, residual = norm(x, residual)
+        return layer(h), residual
+
 
 class UnquantizedLinearMethod(QuantMethod):
     """Plain weight [out, in] in the model dtype; apply is F.linear."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.layers.activation import SiluAndMul
+from slipstream.layers.norm import RMSNorm
 from slipstream.quantization.base import register_quant_method
 from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
 from slipstream.quantization.utils import (
@@ -95,6 +96,27 @@ class Fp8LinearMethod(PerChannelMethod):
         return out.reshape(*gate_up.shape[:-1], w.shape[0])
 
 
+    def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                     norm: nn.Module, bias: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Large batches on CUDA: one kernel adds the residual, normalises and quantizes per
+        token (the same values as the norm kernel, then the quantizer; the bf16 input of
+        torch._scaled_mm is never written)."""
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        w = layer.weight
+        fused = _fused_norm_quant()
+        if (fused is None or not x.is_cuda or m <= _SMALL_M or k % 16 or w.shape[0] % 16
+                or x.dim() != 2 or not isinstance(norm, RMSNorm)
+                or layer._forward_hooks or layer._forward_pre_hooks):  # hooks want the input
+            return super().apply_normed(layer, x, residual, norm, bias)
+        xq, x_scale, new_residual = fused(x, norm.weight, norm.eps, residual)
+        out = _scaled_mm_quantized(xq, x_scale, w, layer.weight_scale).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out, (x if new_residual is None else new_residual)
+
+
 def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
     param.data[shard or 0] = loaded.reshape(-1)[0]
 
@@ -127,6 +149,15 @@ def _scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch
     # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
                             out_dtype=torch.bfloat16)
+
+
+def _fused_norm_quant():
+    """kernels.quant_act.rms_norm_quant_fp8, or None when Triton cannot load."""
+    try:
+        from slipstream.kernels.quant_act import rms_norm_quant_fp8
+    except ImportError:
+        return None
+    return rms_norm_quant_fp8
 
 
 def _fused_silu_quant():

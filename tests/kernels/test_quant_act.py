@@ -1,10 +1,16 @@
-"""One-launch per-token FP8 quantization against its torch twin (quantize_per_token)."""
+"""One-launch per-token FP8 quantization against its torch twin (quantize_per_token), and the
+fused variants (SiLU-and-mul, RMSNorm) against the unfused kernels they replace."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slipstream.kernels.quant_act import quantize_per_token_fp8, silu_and_mul_quant_fp8
+from slipstream.kernels import rms_norm as norm_kernels
+from slipstream.kernels.quant_act import (
+    quantize_per_token_fp8,
+    rms_norm_quant_fp8,
+    silu_and_mul_quant_fp8,
+)
 from slipstream.kernels.reference import silu_and_mul
 from slipstream.quantization.utils import FP8_DTYPE, quantize_per_token
 
@@ -69,3 +75,49 @@ def test_gpu_silu_and_mul_quant_matches_twin(m: int) -> None:
     codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
     assert (codes - want_codes).abs().max() <= 1
     assert (codes != want_codes).float().mean() < 1e-4
+
+
+def _unfused_norm_quant(x, w, residual):
+    """What the fp8 linear layer ran before the fusion: the Triton norm, then the quantizer."""
+    if residual is None:
+        h, new_res = norm_kernels.rms_norm(x, w, 1e-5), None
+    else:
+        h, new_res = norm_kernels.fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-5)
+    q, s = quantize_per_token_fp8(h)
+    return q, s, new_res
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_quant_matches_the_unfused_kernels(dtype, with_residual: bool) -> None:
+    m, k = 5, 1030
+    x = (torch.randn(m, k) * torch.logspace(-2, 2, m).unsqueeze(1)).to(dtype)
+    residual = torch.randn(m, k, dtype=dtype) if with_residual else None
+    w = torch.rand(k, dtype=dtype) + 0.5
+    want_q, want_s, want_res = _unfused_norm_quant(x, w, residual)
+    res_in = residual.clone() if with_residual else None
+    q, s, new_res = rms_norm_quant_fp8(x, w, 1e-5, res_in)
+    assert q.shape == (m, k) and q.dtype == FP8_DTYPE and s.shape == (m, 1)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if with_residual:
+        assert torch.equal(new_res, want_res)
+        assert new_res.data_ptr() == res_in.data_ptr()  # written in place, like the norm kernel
+    else:
+        assert new_res is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 512, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_norm_quant_matches_the_unfused_kernels(m: int, with_residual: bool) -> None:
+    k = 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) if with_residual else None
+    w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    want_q, want_s, want_res = _unfused_norm_quant(x, w, residual)
+    q, s, new_res = rms_norm_quant_fp8(x, w, 1e-5, residual.clone() if with_residual else None)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    if with_residual:
+        assert torch.equal(new_res, want_res)

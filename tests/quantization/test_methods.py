@@ -128,6 +128,36 @@ def test_gpu_fp8_gated_down_projection(m: int) -> None:
         assert _rel(got.float(), want.float()) < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 512])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gpu_fp8_normed_projection(m: int, with_residual: bool) -> None:
+    """forward_normed (above 16 rows: residual add, RMSNorm and per-token quantization in one
+    kernel) equals the norm module then the layer, output and new residual, bit for bit."""
+    from slipstream.kernels import get_ops
+    from slipstream.layers.norm import RMSNorm
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    with torch.device("cuda"):
+        layer = QKVParallelLinear(1024, 64, 8, 2, bias=False, params_dtype=torch.bfloat16,
+                                  quant_method=get_quant_method_factory("fp8", {})("qkv"))
+        norm = RMSNorm(1024, 1e-5, torch.bfloat16, get_ops("cuda"))
+    layer.weight.data.normal_()
+    layer.quant_method.process_after_loading(layer)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x) if with_residual else None
+    if with_residual:
+        h, want_res = norm(x.clone(), residual.clone())
+    else:
+        h, want_res = norm(x), x
+    want = layer(h)
+    got, got_res = layer.forward_normed(x, residual, norm)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_unknown_and_mismatched_methods_are_errors() -> None:
     with pytest.raises(ValueError, match="unknown quantization method"):
         get_quant_method_factory("int3_magic", {})
