@@ -32,10 +32,10 @@ class StubRunner:
         start = self._rng.randrange(len(self._pool) - n)
         return self._pool[start:start + n]
 
-    def execute_decode_steps(self, sched, num_steps: int) -> RunnerOutput:
+    def execute_decode_steps(self, sched, num_steps: int, while_gpu_runs=None) -> RunnerOutput:
         return RunnerOutput({s.request_id: self._tokens(num_steps) for s in sched.seqs})
 
-    def execute_model(self, sched) -> RunnerOutput:
+    def execute_model(self, sched, while_gpu_runs=None) -> RunnerOutput:
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
 
 
@@ -60,10 +60,10 @@ def main() -> None:
     steps = 0
     step = core.step
 
-    def counted_step():
+    def counted_step(**kwargs):
         nonlocal steps
         steps += 1
-        return step()
+        return step(**kwargs)
 
     core.step = counted_step
     runs = []

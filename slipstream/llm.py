@@ -100,16 +100,31 @@ class LLM:
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(order)
         bar = _progress(len(order), use_tqdm)
+        # Each step's outputs are processed (detokenized, collected) during the next step's GPU
+        # work, not between steps where the GPU would wait for them. Stop strings found there
+        # abort their requests after that step: one extra step for them, whose tokens the
+        # output processor ignores.
+        unprocessed: list = []
+        to_abort: list[str] = []
+
+        def process_previous() -> None:
+            if not unprocessed:
+                return
+            outputs, aborts = self._outputs.process(unprocessed.pop(), emit_unfinished=False)
+            to_abort.extend(aborts)
+            for out in outputs:
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
+
         try:
             while self.engine.has_unfinished_requests():
-                outputs, to_abort = self._outputs.process(self.engine.step(), emit_unfinished=False)
+                unprocessed.append(self.engine.step(while_gpu_runs=process_previous))
                 if to_abort:
                     self.engine.abort_requests(to_abort)
-                for out in outputs:
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        if bar is not None:
-                            bar.update(1)
+                    to_abort.clear()
+            process_previous()
         except BaseException:
             self._abort_all(order)  # leave the engine clean for the next call
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
@@ -64,17 +65,25 @@ class EngineCore:
         for rid in request_ids:
             self._requests.pop(rid, None)
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule one iteration, run the model, return per-request news."""
+    def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """Schedule one iteration, run the model, return per-request news.
+
+        while_gpu_runs: host work (e.g. processing the previous step's outputs) to do once
+        this step's GPU work is queued and before waiting for it; called exactly once, and
+        it must not touch the engine.
+        """
+        once = _Once(while_gpu_runs)
         with self.timer.phase("schedule"):
             sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
+            once()
             return []
         num_steps = self._plan_decode_steps(sched_out)
         if num_steps > 1:
-            runner_out = self.runner.execute_decode_steps(sched_out, num_steps)
+            runner_out = self.runner.execute_decode_steps(sched_out, num_steps, once)
         else:
-            runner_out = self.runner.execute_model(sched_out)
+            runner_out = self.runner.execute_model(sched_out, once)
+        once()  # a path that had no GPU wait to overlap it with
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.trace.enabled:
@@ -124,6 +133,18 @@ class EngineCore:
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
+
+
+class _Once:
+    """Calls fn (if any) the first time it is called, then never again."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
 
 
 def _multi_step_ok(request: Request) -> bool:

@@ -6,6 +6,7 @@ cache: from a byte budget on the CPU, from a profiling forward pass on CUDA.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -209,16 +210,21 @@ class ModelRunner:
         return self._graphs.sizes[-1] if self._graphs is not None else 0
 
     @torch.inference_mode()
-    def execute_decode_steps(self, sched: SchedulerOutput, num_steps: int) -> RunnerOutput:
+    def execute_decode_steps(self, sched: SchedulerOutput, num_steps: int,
+                             while_gpu_runs: Callable[[], None] | None = None) -> RunnerOutput:
         """Greedy pure-decode batch, num_steps tokens per request in one host round trip.
 
         The scheduler has reserved blocks for every step (ScheduledSeq.num_lookahead).
+        while_gpu_runs: host work to do once the steps are queued, before waiting for them.
         """
         from slipstream.runner.input_batch import build_host_batch
 
         hb = build_host_batch(sched.seqs, self.block_size)
         with self.timer.phase("graph"):
-            tokens = self._graphs.run_steps(hb, num_steps, self.block_size).T.tolist()
+            tokens = self._graphs.run_steps(hb, num_steps, self.block_size)
+        _call(while_gpu_runs)
+        with self.timer.phase("graph"):
+            tokens = tokens.T.tolist()
         out = RunnerOutput()
         for seq, row in zip(sched.seqs, tokens, strict=True):
             out.sampled_token_ids[seq.request_id] = row
@@ -242,14 +248,18 @@ class ModelRunner:
         return graphs.run(hb)
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> RunnerOutput:
-        """One step: sampled tokens for needs_sample seqs, plus logprobs where asked."""
+    def execute_model(self, sched: SchedulerOutput,
+                      while_gpu_runs: Callable[[], None] | None = None) -> RunnerOutput:
+        """One step: sampled tokens for needs_sample seqs, plus logprobs where asked.
+        while_gpu_runs: host work to do once the forward is queued, before sampling waits."""
         out = RunnerOutput()
         if sched.is_empty:
+            _call(while_gpu_runs)
             return out
         with self.timer.phase("graph"):
             logits = self._decode_logits(sched)
         if logits is not None:
+            _call(while_gpu_runs)
             with self.timer.phase("sample"):
                 self._sample_into(out, logits, [s.request for s in sched.seqs])
             return out
@@ -257,6 +267,7 @@ class ModelRunner:
             inputs = prepare_inputs(sched.seqs, self.block_size, self.device)
         with self.timer.phase("forward"):
             hidden = self._forward_inputs(inputs)
+        _call(while_gpu_runs)
         if inputs.sample_seq_indices:
             with self.timer.phase("sample"):
                 logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -304,6 +315,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi])
             entries += top_logprobs(torch.log_softmax(logits, dim=-1), targets[lo:hi], k)
         return entries
+
+
+def _call(fn: Callable[[], None] | None) -> None:
+    if fn is not None:
+        fn()
 
 
 def _split(total: int, max_len: int, max_seqs: int) -> list[int]:
