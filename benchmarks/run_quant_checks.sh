@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 6 follow-up in one device call (~9 min): the GPU tests of what session 5 built without
+# a GPU (fp8 norm + quantization kernel, normed fp8 projection, decode-graph logits copy,
+# output processing overlapped with the GPU), the FP8 GEMM scaling modes at W2 shapes, then
+# W2 for bf16 / fp8 / fp8 + fp8 KV cache in the same run (the 1.5x bar compares them).
+#
+#   bash benchmarks/run_quant_checks.sh [RESULTS_DIR]      (default: $OUT on the device machine)
+set -u
+RESULTS=${1:-${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}}
+mkdir -p "$RESULTS"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 \
+  tests/kernels/test_quant_act.py tests/quantization/test_methods.py tests/runner \
+  tests/models tests/engine > "$RESULTS/gpu_tests.log" 2>&1
+echo "gpu tests: $(tail -1 "$RESULTS/gpu_tests.log")"
+grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head
+timeout 90 "$PY" benchmarks/bench_scaled_mm.py --output-json "$RESULTS/scaled_mm.json" \
+  > "$RESULTS/scaled_mm.log" 2>&1
+tail -15 "$RESULTS/scaled_mm.log"
+for q in none fp8 fp8kv; do
+  args=()
+  [[ $q != none ]] && args+=(--quantization fp8)
+  [[ $q == fp8kv ]] && args+=(--kv-cache-dtype fp8)
+  timeout 100 "$PY" -m slipstream.bench.cli throughput --model llama-3.1-8b --input-len 128 \
+    --output-len 128 --num-requests 4000 --max-batch-size 512 --max-num-tokens 8192 "${args[@]}" \
+    --label "W2_$q" --output-json "$RESULTS/W2_$q.json" > "$RESULTS/W2_$q.log" 2>&1
+  "$PY" -c "import json; d = json.load(open('$RESULTS/W2_$q.json')); \
+print('W2 $q', round(d['output_tok_s']), 'tok/s')" 2>/dev/null || echo "W2 $q: failed (see log)"
+done
