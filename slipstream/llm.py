@@ -106,11 +106,16 @@ class LLM:
         # output processor ignores.
         unprocessed: list = []
         to_abort: list[str] = []
+        failed: list[BaseException] = []
 
         def process_previous() -> None:
             if not unprocessed:
                 return
-            outputs, aborts = self._outputs.process(unprocessed.pop(), emit_unfinished=False)
+            try:
+                outputs, aborts = self._outputs.process(unprocessed.pop(), emit_unfinished=False)
+            except BaseException as e:  # raised after the step: the engine stays consistent
+                failed.append(e)
+                return
             to_abort.extend(aborts)
             for out in outputs:
                 if out.finished and out.request_id in order:
@@ -121,10 +126,14 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 unprocessed.append(self.engine.step(while_gpu_runs=process_previous))
+                if failed:
+                    raise failed[0]
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                     to_abort.clear()
             process_previous()
+            if failed:
+                raise failed[0]
         except BaseException:
             self._abort_all(order)  # leave the engine clean for the next call
             raise

@@ -53,3 +53,27 @@ def test_stop_strings_and_blocks_with_overlap(llm):
     stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_output_processing_error_surfaces_after_the_step_and_leaves_the_engine_clean(llm):
+    process = llm._outputs.process
+    calls = []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # runs inside the third engine step
+            raise RuntimeError("detokenizer exploded")
+        return process(*a, **k)
+
+    llm._outputs.process = failing
+    try:
+        with pytest.raises(RuntimeError, match="detokenizer exploded"):
+            llm.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_tokens=30,
+                                                         ignore_eos=True), use_tqdm=False)
+    finally:
+        del llm._outputs.process
+    assert not llm.engine.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    again = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(again[0].outputs[0].token_ids) == 3
