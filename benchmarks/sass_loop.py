@@ -82,11 +82,12 @@ def attention_case(ns) -> tuple:
                  part_lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", kn_ptr="*bf16",
                  vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64", pos_ptr="*i64",
                  qk_scale="fp32")
-    consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+    consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_D=128,
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
-                  FUSE_ROPE=True, DECODE=True, ASM_CVT=True)
-    return _paged_attn_kernel, types, consts, 64 * 128 * 2 / (32 * ns.num_warps)
+                  FUSE_ROPE=True, DECODE=True, ASM_CVT=True,
+                  BLOCK_N=ns.block_n_attn)
+    return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
 
 def main() -> None:
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
