@@ -4,7 +4,8 @@
 The embedded default model's engine runs W2's request mix (512 running, 8192 tokens per step,
 8 decode steps per host round trip, as `LLM` does) with a stub runner that returns tokens at
 once, so the wall time is the host's own work: scheduling, block tables, stop checks and output
-processing. Each engine step's share of it leaves the GPU idle in a real run.
+processing (printed per phase too). In a real run the GPU waits for all of it except the output
+processing, which the offline loop does while the next step runs.
 """
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ class StubRunner:
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
 
 
+def _time_phases(llm) -> dict[str, float]:
+    """Wrap the host phases of a step (and the output processing) to sum their wall time."""
+    core = llm.engine
+    totals: dict[str, float] = {}
+    targets = [("schedule", core.scheduler, "schedule"), ("plan", core, "_plan_decode_steps"),
+               ("update", core.scheduler, "update_from_output"),
+               ("outputs", llm._outputs, "process")]
+    for name, owner, attr in targets:
+        fn = getattr(owner, attr)
+        totals[name] = 0.0
+
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                totals[_name] += time.perf_counter() - start
+
+        setattr(owner, attr, timed)
+    return totals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=4000)
@@ -66,6 +89,7 @@ def main() -> None:
         return step(**kwargs)
 
     core.step = counted_step
+    phases = _time_phases(llm)
     runs = []
     for _ in range(ns.repeat):  # the best of a few: a shared machine's timings are noisy
         steps = 0
@@ -74,11 +98,13 @@ def main() -> None:
         runs.append((time.perf_counter() - start, time.process_time() - cpu))
         assert all(len(o.outputs[0].token_ids) == ns.output_len for o in outs)
     wall, cpu = min(runs)
+    per_run = {name: total / ns.repeat for name, total in phases.items()}
     result = dict(num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
                   engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
-                  host_ms_per_step=1e3 * wall / steps)
+                  host_ms_per_step=1e3 * wall / steps, phases_s=per_run)
     print(f"{steps} engine steps, host {wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; "
           f"CPU {cpu:.2f} s); runs {[round(r[0], 2) for r in runs]}")
+    print("mean per run: " + ", ".join(f"{k} {v:.2f} s" for k, v in per_run.items()))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=1))
 

@@ -19,3 +19,6 @@ def test_bench_host_small_batch(tmp_path):
     # 3 waves of 8: one prefill step each, then 20 tokens: 1 from the prefill, then 8 + 8 + 3.
     assert result["engine_steps"] == 3 * 4
     assert result["host_s"] > 0 and len(result["runs"]) == 1
+    phases = result["phases_s"]
+    assert set(phases) == {"schedule", "plan", "update", "outputs"}
+    assert 0 < sum(phases.values()) <= result["host_s"]
