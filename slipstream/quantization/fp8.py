@@ -95,7 +95,6 @@ class Fp8LinearMethod(PerChannelMethod):
             out = out + bias
         return out.reshape(*gate_up.shape[:-1], w.shape[0])
 
-
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                      norm: nn.Module, bias: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
