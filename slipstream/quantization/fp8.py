@@ -90,9 +90,7 @@ class Fp8LinearMethod(PerChannelMethod):
                 or (k2 // 2) % 16 or w.shape[0] % 16):
             return super().apply_gated(layer, gate_up, bias, act)
         xq, x_scale = fused(gate_up.reshape(m, k2))
-        out = _scaled_mm_quantized(xq, x_scale, w, layer.weight_scale).to(gate_up.dtype)
-        if bias is not None:
-            out = out + bias
+        out = _quantized_linear(xq, x_scale, layer, bias, gate_up.dtype)
         return out.reshape(*gate_up.shape[:-1], w.shape[0])
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -110,9 +108,7 @@ class Fp8LinearMethod(PerChannelMethod):
                 or layer._forward_hooks or layer._forward_pre_hooks):  # hooks want the input
             return super().apply_normed(layer, x, residual, norm, bias)
         xq, x_scale, new_residual = fused(x, norm.weight, norm.eps, residual)
-        out = _scaled_mm_quantized(xq, x_scale, w, layer.weight_scale).to(x.dtype)
-        if bias is not None:
-            out = out + bias
+        out = _quantized_linear(xq, x_scale, layer, bias, x.dtype)
         return out, (x if new_residual is None else new_residual)
 
 
@@ -148,6 +144,13 @@ def _scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch
     # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
                             out_dtype=torch.bfloat16)
+
+
+def _quantized_linear(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
+                      bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output for activations its caller already quantized per token."""
+    out = _scaled_mm_quantized(xq, x_scale, layer.weight, layer.weight_scale).to(dtype)
+    return out if bias is None else out + bias
 
 
 def _fused_norm_quant():
