@@ -142,8 +142,10 @@ def _scaled_mm_linear(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
 def _scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
                          scale: torch.Tensor) -> torch.Tensor:
     # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
+    # Fast accumulation (no periodic promotion to float32 on Hopper), as the FP8 GEMMs of other
+    # engines run: 5-15% faster at W2 shapes (bench_scaled_mm.py, H200).
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
-                            out_dtype=torch.bfloat16)
+                            out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
 def _quantized_linear(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
