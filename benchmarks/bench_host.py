@@ -33,8 +33,11 @@ class StubRunner:
         start = self._rng.randrange(len(self._pool) - n)
         return self._pool[start:start + n]
 
-    def execute_decode_steps(self, sched, num_steps: int, while_gpu_runs=None) -> RunnerOutput:
-        return RunnerOutput({s.request_id: self._tokens(num_steps) for s in sched.seqs})
+    def launch_decode_steps(self, sched, num_steps: int, feed=None) -> list[list[int]]:
+        return [self._tokens(num_steps) for _ in sched.seqs]
+
+    def collect_decode_steps(self, sched, tokens: list[list[int]]) -> RunnerOutput:
+        return RunnerOutput({s.request_id: row for s, row in zip(sched.seqs, tokens)})
 
     def execute_model(self, sched, while_gpu_runs=None) -> RunnerOutput:
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
@@ -69,11 +72,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=ns.max_num_seqs,
               max_num_tokens=8192, max_model_len=ns.input_len + ns.output_len + 8,
-              kv_cache_memory=2 << 30)
+              kv_cache_memory=2 << 30, decode_steps=ns.decode_steps)
     core = llm.engine
     core.runner = StubRunner(core.runner, llm.engine_config.model.vocab_size, ns.max_num_seqs)
     rng = random.Random(1)

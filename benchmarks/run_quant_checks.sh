@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 6 follow-up in one device call (~9 min): the GPU tests of what session 5 built without
-# a GPU (fp8 norm + quantization kernel, normed fp8 projection, decode-graph logits copy,
-# output processing overlapped with the GPU), the FP8 GEMM scaling modes at W2 shapes, then
-# W2 for bf16 / fp8 / fp8 + fp8 KV cache in the same run (the 1.5x bar compares them).
+# Issue 6 checks in one device call (~8 min): the GPU tests of the quantized paths and the
+# engine, then W2 for bf16 / fp8 / fp8 + fp8 KV cache and W1 for bf16 / int8_wo / fp8, each
+# group in one run (the bars compare within a run). SCALED_MM=1 adds bench_scaled_mm.py (FP8
+# GEMM scaling modes at W2 shapes); W1=0 leaves W1 out.
 #
 #   bash benchmarks/run_quant_checks.sh [RESULTS_DIR]      (default: $OUT on the device machine)
 set -u
@@ -21,9 +21,11 @@ timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 \
   tests/models tests/engine > "$RESULTS/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$RESULTS/gpu_tests.log")"
 grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head
-timeout 90 "$PY" benchmarks/bench_scaled_mm.py --output-json "$RESULTS/scaled_mm.json" \
-  > "$RESULTS/scaled_mm.log" 2>&1
-tail -15 "$RESULTS/scaled_mm.log"
+if [[ ${SCALED_MM:-0} == 1 ]]; then
+  timeout 90 "$PY" benchmarks/bench_scaled_mm.py --output-json "$RESULTS/scaled_mm.json" \
+    > "$RESULTS/scaled_mm.log" 2>&1
+  tail -15 "$RESULTS/scaled_mm.log"
+fi
 for q in none fp8 fp8kv; do
   args=()
   [[ $q != none ]] && args+=(--quantization fp8)
@@ -34,3 +36,8 @@ for q in none fp8 fp8kv; do
   "$PY" -c "import json; d = json.load(open('$RESULTS/W2_$q.json')); \
 print('W2 $q', round(d['output_tok_s']), 'tok/s')" 2>/dev/null || echo "W2 $q: failed (see log)"
 done
+if [[ ${W1:-1} == 1 ]]; then
+  timeout 200 "$PY" benchmarks/bench_quant.py --methods none,int8_wo,fp8 \
+    --output-json "$RESULTS/W1.json" > "$RESULTS/W1.log" 2>&1
+  grep -iE "^(method|none|int8_wo|fp8)\b|x bf16|tok/s" "$RESULTS/W1.log" | tail -6
+fi

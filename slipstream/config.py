@@ -101,6 +101,9 @@ class SchedulerConfig:
     # Decode steps run back to back on the GPU without a host round trip (pure-decode batches
     # of greedy requests only); 1 = a host round trip every token.
     decode_steps: int = 1
+    # With decode_steps > 1: queue the next multi-step decode of an unchanged batch before
+    # reading the tokens of the one running, so the GPU never waits for the host between them.
+    pipeline_decode: bool = True
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     decode_steps: int = 1
+    pipeline_decode: bool = True
 
     def create_engine_config(self) -> EngineConfig:
         model_path = self.model or _default_model_path()
@@ -72,6 +73,7 @@ class EngineArgs:
                 max_num_tokens=self.max_num_tokens,
                 max_model_len=max_len,
                 decode_steps=self.decode_steps,
+                pipeline_decode=self.pipeline_decode,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             quant=QuantConfig(method=self.quantization or detect_quant_method(model_cfg.hf_config)),
@@ -110,6 +112,9 @@ class EngineArgs:
         g.add_argument("--decode-steps", type=int, default=1,
                        help="decode steps per host round trip for greedy pure-decode batches "
                             "(GPU multi-step decoding; the offline LLM API defaults to 8)")
+        g.add_argument("--no-pipeline-decode", dest="pipeline_decode", action="store_false",
+                       help="with --decode-steps > 1: wait for each multi-step decode's tokens "
+                            "before queueing the next (default: queue it first)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

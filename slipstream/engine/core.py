@@ -11,13 +11,17 @@ import time
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
-from slipstream.engine.request import Request
+from slipstream.engine.request import Request, RequestStatus
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
 from slipstream.sampling.penalties import has_penalties
+from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Input token of a queued decode's seq: the runner feeds the real one on the device.
+_FED_ON_DEVICE = -1
 
 
 class EngineCore:
@@ -40,6 +44,8 @@ class EngineCore:
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
         self._requests: dict[str, Request] = {}
+        # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
+        self._queued: tuple[SchedulerOutput, int, object] | None = None
         weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
@@ -64,6 +70,14 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
+        self._forget_queued_if_done()
+
+    def _forget_queued_if_done(self) -> None:
+        """Drop a queued decode none of whose requests is still running: nothing of it would
+        be used (its GPU work completes unread, before anything queued after it)."""
+        if self._queued is not None and not any(
+                s.request.status == RequestStatus.RUNNING for s in self._queued[0].seqs):
+            self._queued = None
 
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Schedule one iteration, run the model, return per-request news.
@@ -71,16 +85,26 @@ class EngineCore:
         while_gpu_runs: host work (e.g. processing the previous step's outputs) to do once
         this step's GPU work is queued and before waiting for it; called exactly once, and
         it must not touch the engine.
+
+        A multi-step decode of a batch the next schedule would repeat unchanged also queues
+        that next one (pipeline_decode) before waiting: the following call then starts from
+        it instead of scheduling, and the GPU never idles while the host updates.
         """
         once = _Once(while_gpu_runs)
-        with self.timer.phase("schedule"):
-            sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
+        if self._queued is not None:
+            (sched_out, num_steps, tokens), self._queued = self._queued, None
+        else:
+            with self.timer.phase("schedule"):
+                sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                once()
+                return []
+            num_steps = self._plan_decode_steps(sched_out)
+            tokens = self.runner.launch_decode_steps(sched_out, num_steps) if num_steps > 1 else None
+        if tokens is not None:
+            self._queued = self._queue_next_decode(sched_out, tokens)
             once()
-            return []
-        num_steps = self._plan_decode_steps(sched_out)
-        if num_steps > 1:
-            runner_out = self.runner.execute_decode_steps(sched_out, num_steps, once)
+            runner_out = self.runner.collect_decode_steps(sched_out, tokens)
         else:
             runner_out = self.runner.execute_model(sched_out, once)
         once()  # a path that had no GPU wait to overlap it with
@@ -94,7 +118,66 @@ class EngineCore:
                 out.timestamps.setdefault("first_scheduled_time", request.first_scheduled_time)
             if out.finished:
                 self._requests.pop(out.request_id, None)
+        self._forget_queued_if_done()
         return outputs
+
+    def _queue_next_decode(self, running: SchedulerOutput, tokens):
+        """Launch the multi-step decode that follows `running` (launched, tokens unread), when
+        the scheduler would pick exactly its requests next; (sched_out, steps, tokens) or None.
+
+        Requests that end by length with `running` drop out; one that stops on EOS there is
+        decoded on needlessly, and update_from_output skips it. Its input tokens are the last
+        ones of `running`, fed on the device."""
+        cfg = self.config.scheduler
+        if not cfg.pipeline_decode:
+            return None
+        plan = self._plan_next_decode(running.seqs)
+        if plan is None:
+            return None
+        rows, starts, steps = plan
+        kv = self.scheduler.kv
+        seqs = []
+        for row, start in zip(rows, starts):
+            request = running.seqs[row].request
+            # Blocks already taken when one does not fit stay with their requests.
+            if not kv.allocate_slots(request, start + steps - request.num_computed_tokens):
+                return None
+            seqs.append(ScheduledSeq(request, [_FED_ON_DEVICE], start,
+                                     kv.get_block_ids(request.request_id), True,
+                                     num_lookahead=steps - 1))
+        sched_out = SchedulerOutput(seqs=seqs)
+        return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps, (tokens, rows))
+
+    def _plan_next_decode(self, seqs: list[ScheduledSeq]):
+        """(rows of `seqs` that go on, their next start positions, steps), or None."""
+        sched, cfg = self.scheduler, self.config.scheduler
+        live = [s for s in seqs if s.request.status == RequestStatus.RUNNING
+                and sched.get_request(s.request_id) is s.request]
+        if len(live) != sched.num_running:
+            return None  # other running requests (a prefill) need the scheduler
+        rows, starts, steps = [], [], cfg.decode_steps
+        for row, seq in enumerate(seqs):
+            request, params = seq.request, seq.request.sampling_params
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_tokens = seq.start_pos + seq.num_tokens + seq.num_lookahead + 1  # after `seqs`
+            num_output = num_tokens - request.num_prompt_tokens
+            room = sched.max_seq_len - num_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - num_output)
+            if room <= 0:
+                continue  # ends by length with `seqs`
+            if not _multi_step_ok(request, num_output):
+                return None
+            rows.append(row)
+            starts.append(num_tokens - 1)
+            steps = min(steps, room)
+        if steps <= 1 or not rows or len(rows) > min(self.runner.max_decode_batch,
+                                                     cfg.max_num_tokens):
+            return None
+        if sched.num_waiting and len(rows) < cfg.max_num_seqs:
+            return None  # a free seat: the scheduler would admit a waiting request
+        return rows, starts, steps
 
     def _plan_decode_steps(self, sched_out) -> int:
         """How many decode steps this batch may run without the host (1: the normal path).
@@ -129,7 +212,7 @@ class EngineCore:
         return steps
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._queued is not None or self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
@@ -147,7 +230,9 @@ class _Once:
             fn()
 
 
-def _multi_step_ok(request: Request) -> bool:
+def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bool:
     p = request.sampling_params
+    if num_output_tokens is None:
+        num_output_tokens = request.num_output_tokens
     return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
-            and request.num_output_tokens >= p.min_tokens)
+            and num_output_tokens >= p.min_tokens)

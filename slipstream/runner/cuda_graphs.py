@@ -54,9 +54,11 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, **i32)
         self.block_tables = torch.zeros((b, max_blocks_per_seq), **i32)
         self.query_start_loc = torch.arange(b + 1, **i32)
-        self._host = torch.zeros((4 * b + b * max_blocks_per_seq,), dtype=torch.int64)
-        if device.type == "cuda":
-            self._host = self._host.pin_memory()
+        # Two pinned staging buffers, used in turn: a step may be staged while the copy of the
+        # one before it is still queued behind GPU work (pipelined decode).
+        self._hosts = [_staging_buffer(5 * b + b * max_blocks_per_seq, device) for _ in range(2)]
+        self._host_copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -113,15 +115,26 @@ class DecodeGraphs:
         b = self._stage(hb)
         return self._step(b)[:n]
 
-    def run_steps(self, hb: HostBatch, num_steps: int, block_size: int) -> torch.Tensor:
+    def run_steps(self, hb: HostBatch, num_steps: int, block_size: int,
+                  feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
         """`num_steps` greedy decode steps back to back, each argmax fed in as the next input.
 
         Nothing waits for the host between steps: positions, sequence lengths and slots advance
         on the device (the block tables already cover every step). Returns token ids
         [num_steps, num_seqs] on the device; reading them is the one sync.
+
+        feed: (tokens, rows) of an earlier run_steps whose tokens the host has not read yet;
+        row i of this batch takes its input token from the last step of row rows[i] there
+        (hb.input_ids are then placeholders).
         """
         n = len(hb.input_ids)
-        b = self._stage(hb)
+        b = self._stage(hb, feed[1] if feed is not None else None)
+        if feed is not None:
+            last = feed[0][-1]
+            if feed[1] == list(range(n)):
+                self.input_ids[:n].copy_(last[:n])
+            else:
+                self.input_ids[:n].copy_(last.index_select(0, self._feed_rows[:n]))
         tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
         for step in range(num_steps):
             logits = self._step(b)[:n]
@@ -140,13 +153,18 @@ class DecodeGraphs:
         with torch.inference_mode():
             return self._forward(b)
 
-    def _stage(self, hb: HostBatch) -> int:
-        """Copy a host batch into the static buffers (padded to a captured size); returns it."""
+    def _stage(self, hb: HostBatch, feed_rows: list[int] | None = None) -> int:
+        """Copy a host batch into the static buffers (padded to a captured size); returns it.
+        feed_rows (see run_steps) go to the device too, as self._feed_rows."""
         n = len(hb.input_ids)
         b = self.padded_size(n)
         width = hb.block_tables.shape[1]
         # One pinned staging buffer, one copy per field, all non-blocking.
-        host = self._host.numpy()
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._host_copied[turn] is not None:
+            self._host_copied[turn].synchronize()  # its last copy has left the buffer
+        host_buf = self._hosts[turn]
+        host = host_buf.numpy()
         host[0:n] = hb.input_ids
         host[b : b + n] = hb.positions
         host[2 * b : 2 * b + n] = hb.slot_mapping
@@ -156,16 +174,27 @@ class DecodeGraphs:
             host[b + n : 2 * b] = 0
             host[2 * b + n : 3 * b] = -1
             host[3 * b + n : 4 * b] = 1
-        tables = host[4 * b : 4 * b + b * width].reshape(b, width)
+        if feed_rows is not None:
+            host[4 * b : 4 * b + n] = feed_rows
+        tables = host[5 * b : 5 * b + b * width].reshape(b, width)
         tables[:n] = hb.block_tables
         tables[n:] = 0
-        staged = self._host[: 4 * b + b * width].to(self.device, non_blocking=True)
+        staged = host_buf[: 5 * b + b * width].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._host_copied[turn] = torch.cuda.Event()
+            self._host_copied[turn].record()
         self.input_ids[:b].copy_(staged[0:b])
         self.positions[:b].copy_(staged[b : 2 * b])
         self.slot_mapping[:b].copy_(staged[2 * b : 3 * b])
         self.seq_lens[:b].copy_(staged[3 * b : 4 * b])
-        self.block_tables[:b, :width].copy_(staged[4 * b :].view(b, width))
+        self._feed_rows = staged[4 * b : 5 * b]
+        self.block_tables[:b, :width].copy_(staged[5 * b :].view(b, width))
         return b
+
+
+def _staging_buffer(numel: int, device: torch.device) -> torch.Tensor:
+    buf = torch.zeros((numel,), dtype=torch.int64)
+    return buf.pin_memory() if device.type == "cuda" else buf
 
 
 def _greedy_ops(device: torch.device):

@@ -217,16 +217,28 @@ class ModelRunner:
         The scheduler has reserved blocks for every step (ScheduledSeq.num_lookahead).
         while_gpu_runs: host work to do once the steps are queued, before waiting for them.
         """
+        tokens = self.launch_decode_steps(sched, num_steps)
+        _call(while_gpu_runs)
+        return self.collect_decode_steps(sched, tokens)
+
+    @torch.inference_mode()
+    def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int,
+                            feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """Queue execute_decode_steps' GPU work; returns its token ids [num_steps, num_seqs]
+        on the device, for collect_decode_steps. feed: input tokens still on the device, from
+        an earlier launch (DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
         from slipstream.runner.input_batch import build_host_batch
 
         hb = build_host_batch(sched.seqs, self.block_size)
         with self.timer.phase("graph"):
-            tokens = self._graphs.run_steps(hb, num_steps, self.block_size)
-        _call(while_gpu_runs)
+            return self._graphs.run_steps(hb, num_steps, self.block_size, feed)
+
+    def collect_decode_steps(self, sched: SchedulerOutput, tokens: torch.Tensor) -> RunnerOutput:
+        """Wait for launched decode steps and return their tokens, per request."""
         with self.timer.phase("graph"):
-            tokens = tokens.T.tolist()
+            rows = tokens.T.tolist()
         out = RunnerOutput()
-        for seq, row in zip(sched.seqs, tokens, strict=True):
+        for seq, row in zip(sched.seqs, rows, strict=True):
             out.sampled_token_ids[seq.request_id] = row
         return out
 

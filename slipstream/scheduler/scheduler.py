@@ -120,6 +120,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self._num_waiting
 
+    @property
+    def max_seq_len(self) -> int:
+        """Longest a sequence may grow: max_model_len, or less when the cache holds fewer."""
+        return self._max_seq_len
+
     def get_request(self, request_id: str) -> Request | None:
         """An unfinished request by id (finished ones are forgotten)."""
         return self.requests.get(request_id)

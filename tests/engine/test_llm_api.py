@@ -136,9 +136,9 @@ def test_multi_step_decode_equals_single_step(ckpt):
     single = LLM(str(ckpt), dtype="float32", device="cpu", decode_steps=1)
     multi = LLM(str(ckpt), dtype="float32", device="cpu", decode_steps=8)
     calls = []
-    run_steps = multi.engine.runner.execute_decode_steps
-    multi.engine.runner.execute_decode_steps = (
-        lambda s, k, *rest: calls.append(k) or run_steps(s, k, *rest))
+    launch = multi.engine.runner.launch_decode_steps
+    multi.engine.runner.launch_decode_steps = (
+        lambda s, k, *rest: calls.append(k) or launch(s, k, *rest))
     expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in multi.generate(prompts, params, use_tqdm=False)]
     assert got == expected and all(len(t) == 21 for t in got)
