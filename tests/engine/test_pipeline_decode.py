@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from slipstream import LLM, SamplingParams
 from tests.helpers import make_tiny_checkpoint
 
