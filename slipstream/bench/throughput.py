@@ -20,7 +20,8 @@ from slipstream.bench.shapes import count_parameters, is_shape_name, load_config
 _ENGINE_KWARGS = ("dtype", "max_num_seqs", "max_num_tokens", "max_model_len", "block_size",
                   "gpu_memory_utilization", "seed", "load_format")
 _ENGINE_KWARGS_IF_SET = ("device", "tokenizer", "enforce_eager", "kv_cache_memory",
-                         "enable_prefix_caching", "quantization", "kv_cache_dtype")
+                         "enable_prefix_caching", "quantization", "kv_cache_dtype",
+                         "pipeline_decode")
 _KV_TOTAL_KEYS = ("num_total_blocks", "num_kv_blocks", "kv_num_blocks", "num_blocks", "kv_blocks_total",
                   "total_blocks", "num_gpu_blocks")
 _KV_PEAK_KEYS = ("peak_used_blocks", "kv_peak_used_blocks", "max_used_blocks",
@@ -81,6 +82,8 @@ def engine_settings(llm, kwargs: dict[str, Any], device: str) -> dict[str, Any]:
         "enable_prefix_caching": getattr(cache, "enable_prefix_caching", None),
         "gpu_memory_utilization": getattr(cache, "gpu_memory_utilization", None),
         "load_format": getattr(cfg, "load_format", kwargs.get("load_format")),
+        "decode_steps": getattr(sched, "decode_steps", None),
+        "pipeline_decode": getattr(sched, "pipeline_decode", None),
         "device": device,
     }
 

@@ -1,8 +1,6 @@
 """Dynamic per-token FP8 activation quantization in one launch (twin: quantization.utils.
 quantize_per_token). The torch version is seven launches (copy, abs, amax, divide, clamp,
 divide, cast) per linear layer, which the eager mixed prefill/decode steps pay in host time.
-Divisions are IEEE round-to-nearest (tl.div_rn) as in torch: Triton's default approximate
-division made two of these kernels disagree on a few FP8 codes per million on the H200.
 silu_and_mul_quant_fp8 also computes the gated-MLP activation first (twin: quantize_per_token
 of silu_and_mul): the down projection's input is never written in bf16 nor read back.
 """
@@ -27,11 +25,11 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.c
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), QMAX), TINY)
+    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.div_rn(x, scale), -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
         tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < K)
     tl.store(s_ptr + row, scale)
 
@@ -63,10 +61,10 @@ def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, QMAX: tl.co
         offs = k0 + tl.arange(0, BLOCK)
         h = _silu_mul(x_row, offs, N)
         amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), QMAX), TINY)
+    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
     for k0 in range(0, N, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
-        y = tl.minimum(tl.maximum(tl.div_rn(_silu_mul(x_row, offs, N), scale), -QMAX), QMAX)
+        y = tl.minimum(tl.maximum(_silu_mul(x_row, offs, N) / scale, -QMAX), QMAX)
         tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < N)
     tl.store(s_ptr + row, scale)
 
@@ -114,8 +112,8 @@ def _norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, stride_x,
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = ((xf * rstd) * w).to(x.dtype).to(tl.float32)
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), 0), QMAX), TINY)
-    q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -QMAX), QMAX)
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / QMAX, TINY)
+    q = tl.minimum(tl.maximum(y / scale, -QMAX), QMAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -40,8 +40,12 @@ def test_gpu_matches_torch_twin(m: int, k: int) -> None:
     q, s = quantize_per_token_fp8(x)
     want_q, want_s = quantize_per_token(x, FP8_DTYPE)
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
-    # Triton's float32 division is not correctly rounded: a value on a rounding edge may land
-    # on the neighbouring e4m3 code (same sign, codes one apart), and rarely.
+    _assert_fp8_codes_close(q, want_q)
+
+
+def _assert_fp8_codes_close(q: torch.Tensor, want_q: torch.Tensor) -> None:
+    """Triton's float32 division is not correctly rounded on the GPU: a value on a rounding
+    edge may land on the neighbouring e4m3 code (same sign, codes one apart), and rarely."""
     codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
     assert (codes - want_codes).abs().max() <= 1
     assert (codes != want_codes).float().mean() < 1e-4
@@ -72,9 +76,7 @@ def test_gpu_silu_and_mul_quant_matches_twin(m: int) -> None:
     # then the twin quantizer.
     want_q, want_s = quantize_per_token(silu_and_mul_triton(gate_up), FP8_DTYPE)
     torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
-    codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
-    assert (codes - want_codes).abs().max() <= 1
-    assert (codes != want_codes).float().mean() < 1e-4
+    _assert_fp8_codes_close(q, want_q)
 
 
 def _unfused_norm_quant(x, w, residual):
@@ -118,6 +120,8 @@ def test_gpu_norm_quant_matches_the_unfused_kernels(m: int, with_residual: bool)
     want_q, want_s, want_res = _unfused_norm_quant(x, w, residual)
     q, s, new_res = rms_norm_quant_fp8(x, w, 1e-5, residual.clone() if with_residual else None)
     assert torch.equal(s, want_s)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # Bit-equal in the interpreter (above); on the GPU the two kernels' divisions may round
+    # differently (see _assert_fp8_codes_close: seen at m=4096, never at 17 or 512).
+    _assert_fp8_codes_close(q, want_q)
     if with_residual:
         assert torch.equal(new_res, want_res)
