@@ -30,7 +30,7 @@ for q in none fp8 fp8kv; do
   args=()
   [[ $q != none ]] && args+=(--quantization fp8)
   [[ $q == fp8kv ]] && args+=(--kv-cache-dtype fp8)
-  timeout 100 "$PY" -m slipstream.bench.cli throughput --model llama-3.1-8b --input-len 128 \
+  timeout 150 "$PY" -m slipstream.bench.cli throughput --model llama-3.1-8b --input-len 128 \
     --output-len 128 --num-requests 4000 --max-batch-size 512 --max-num-tokens 8192 "${args[@]}" \
     --label "W2_$q" --output-json "$RESULTS/W2_$q.json" > "$RESULTS/W2_$q.log" 2>&1
   "$PY" -c "import json; d = json.load(open('$RESULTS/W2_$q.json')); \

@@ -13,25 +13,46 @@ import triton.language as tl
 from slipstream.quantization.utils import _TINY, FP8_DTYPE, FP8_MAX
 
 _BLOCK = 1024
+_ONE_PASS_MAX = 16384
 
 
 @triton.jit
 def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr,
-                          TINY: tl.constexpr, BLOCK: tl.constexpr):
+                          TINY: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if ONE_PASS:  # the row fits in registers (BLOCK >= K): read it once
+        offs = tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
-    for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
-        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < K)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, TINY)
+        _store_fp8(q_row, offs, K, x, scale, QMAX)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            _store_fp8(q_row, offs, K, x, scale, QMAX)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _store_fp8(q_row, offs, K, x, scale, QMAX: tl.constexpr):
+    y = tl.minimum(tl.maximum(x / scale, -QMAX), QMAX)
+    tl.store(q_row + offs, y.to(q_row.dtype.element_ty), mask=offs < K)
+
+
+def _row_launch(k: int) -> dict:
+    """One pass with the row in registers up to _ONE_PASS_MAX values (16 warps hold 16K:
+    32 a thread); past that, two passes over BLOCK-wide chunks."""
+    block = triton.next_power_of_2(k)
+    if block <= _ONE_PASS_MAX:
+        return dict(BLOCK=block, ONE_PASS=True, num_warps=min(max(block // 512, 1), 16))
+    return dict(BLOCK=_BLOCK, ONE_PASS=False, num_warps=4)
 
 
 def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,29 +64,32 @@ def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
         _per_token_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX,
-                                    TINY=_TINY, BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
-                                    num_warps=4)
+                                    TINY=_TINY, **_row_launch(k))
     return q, scale
 
 
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, QMAX: tl.constexpr,
-                         TINY: tl.constexpr, BLOCK: tl.constexpr):
+                         TINY: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     """Row = [gate | up] (2N values): silu(gate) * up rounded to x's dtype, as silu_and_mul
-    stores it, then per-row FP8 quantization. The second pass recomputes the activation from
-    the row, which the first pass left in L2, instead of storing it."""
+    stores it, then per-row FP8 quantization. Rows too long for registers take two passes,
+    the second recomputing the activation from the row (left in L2) instead of storing it."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    amax = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, N, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
         h = _silu_mul(x_row, offs, N)
-        amax = tl.maximum(amax, tl.abs(h))
-    scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
-    for k0 in range(0, N, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        y = tl.minimum(tl.maximum(_silu_mul(x_row, offs, N) / scale, -QMAX), QMAX)
-        tl.store(q_ptr + row * stride_q + offs, y.to(q_ptr.dtype.element_ty), mask=offs < N)
+        scale = tl.maximum(tl.max(tl.abs(h), 0) / QMAX, TINY)
+        _store_fp8(q_row, offs, N, h, scale, QMAX)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, N, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, offs, N)))
+        scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
+        for k0 in range(0, N, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            _store_fp8(q_row, offs, N, _silu_mul(x_row, offs, N), scale, QMAX)
     tl.store(s_ptr + row, scale)
 
 
@@ -88,8 +112,7 @@ def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     scale = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
     if m and n:
         _silu_mul_fp8_kernel[(m,)](gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
-                                   QMAX=FP8_MAX, TINY=_TINY,
-                                   BLOCK=min(_BLOCK, triton.next_power_of_2(n)), num_warps=4)
+                                   QMAX=FP8_MAX, TINY=_TINY, **_row_launch(n))
     return q, scale
 
 

@@ -15,7 +15,8 @@ from slipstream.kernels.reference import silu_and_mul
 from slipstream.quantization.utils import FP8_DTYPE, quantize_per_token
 
 
-@pytest.mark.parametrize("m,k", [(1, 300), (5, 2048), (3, 1030)])
+# One pass with the row in registers up to 16384 values, two passes past that (20000).
+@pytest.mark.parametrize("m,k", [(1, 300), (5, 2048), (3, 1030), (3, 20000)])
 def test_matches_torch_twin(m: int, k: int) -> None:
     x = torch.randn(m, k) * torch.logspace(-3, 3, m).unsqueeze(1)
     x[0, :7] = 0.0
@@ -34,7 +35,7 @@ def test_matches_torch_twin(m: int, k: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k", [(1, 4096), (512, 14336), (8192, 4096)])
+@pytest.mark.parametrize("m,k", [(1, 4096), (512, 14336), (8192, 4096), (64, 20000)])
 def test_gpu_matches_torch_twin(m: int, k: int) -> None:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     q, s = quantize_per_token_fp8(x)
@@ -51,7 +52,7 @@ def _assert_fp8_codes_close(q: torch.Tensor, want_q: torch.Tensor) -> None:
     assert (codes != want_codes).float().mean() < 1e-4
 
 
-@pytest.mark.parametrize("m,n", [(1, 300), (4, 1030)])
+@pytest.mark.parametrize("m,n", [(1, 300), (4, 1030), (2, 17000)])
 def test_silu_and_mul_quant_matches_twin(m: int, n: int) -> None:
     gate_up = torch.randn(m, 2 * n) * 3
     gate_up[0, n:n + 5] = 0.0  # zero up: zero activations
