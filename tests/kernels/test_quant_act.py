@@ -120,9 +120,9 @@ def test_gpu_norm_quant_matches_the_unfused_kernels(m: int, with_residual: bool)
     w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     want_q, want_s, want_res = _unfused_norm_quant(x, w, residual)
     q, s, new_res = rms_norm_quant_fp8(x, w, 1e-5, residual.clone() if with_residual else None)
-    assert torch.equal(s, want_s)
-    # Bit-equal in the interpreter (above); on the GPU the two kernels' divisions may round
-    # differently (see _assert_fp8_codes_close: seen at m=4096, never at 17 or 512).
+    # Bit-equal in the interpreter (above); compiled, the two kernels' float32 divisions may
+    # round differently (scales one ulp apart in a few rows of 4096, codes one apart).
+    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
     _assert_fp8_codes_close(q, want_q)
     if with_residual:
         assert torch.equal(new_res, want_res)
