@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, kernel benchmark, W1 latency. Logs and JSON go to $OUT.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONDONTWRITEBYTECODE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 T_TESTS=${T_TESTS:-240} T_KBENCH=${T_KBENCH:-150} T_W1=${T_W1:-100}
 timeout "$T_TESTS" python3 -m pytest -q -m gpu tests -p no:cacheprovider -n 4 -rf \

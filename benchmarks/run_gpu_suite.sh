@@ -24,11 +24,7 @@ MAX_BATCH=${MAX_BATCH:-512}
 MAX_TOKENS=${MAX_TOKENS:-8192}
 EXTRA=${EXTRA_ARGS:-}                   # e.g. "--enforce-eager"
 
-# Packages missing on the GPU image travel as wheels in .whl (device README); install if present.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/device_env.sh
 
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>&1 | tee -a "$LOG"
 STATUS=()

@@ -8,13 +8,7 @@
 set -u
 RESULTS=${1:-${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}}
 mkdir -p "$RESULTS"
-PY=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 
 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 \
   tests/kernels/test_quant_act.py tests/quantization/test_methods.py tests/runner \

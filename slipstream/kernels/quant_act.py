@@ -17,27 +17,41 @@ _ONE_PASS_MAX = 16384
 
 
 @triton.jit
-def _per_token_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr,
-                          TINY: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+def _row_fp8_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, QMAX: tl.constexpr,
+                    TINY: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+                    SILU: tl.constexpr):
+    """Per-row FP8 quantization of the row's K values: x itself, or with SILU the row is
+    [gate | up] (2K values) and the values are silu(gate) * up rounded to x's dtype, as
+    silu_and_mul stores it. A row that fits in registers (BLOCK >= K) is read once; longer
+    ones take two passes, the second reloading (from L2) instead of storing anything."""
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
-    if ONE_PASS:  # the row fits in registers (BLOCK >= K): read it once
+    if ONE_PASS:
         offs = tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        x = _load_row(x_row, offs, K, SILU)
         scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, TINY)
         _store_fp8(q_row, offs, K, x, scale, QMAX)
     else:
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = tl.maximum(amax, tl.abs(_load_row(x_row, k0 + tl.arange(0, BLOCK), K, SILU)))
         scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
-            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            _store_fp8(q_row, offs, K, x, scale, QMAX)
+            _store_fp8(q_row, offs, K, _load_row(x_row, offs, K, SILU), scale, QMAX)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _load_row(x_row, offs, K, SILU: tl.constexpr):
+    """float32 values offs of the row (masked past K)."""
+    mask = offs < K
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    if SILU:
+        up = tl.load(x_row + K + offs, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        x = (g * tl.sigmoid(g) * up.to(tl.float32)).to(up.dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -46,74 +60,32 @@ def _store_fp8(q_row, offs, K, x, scale, QMAX: tl.constexpr):
     tl.store(q_row + offs, y.to(q_row.dtype.element_ty), mask=offs < K)
 
 
-def _row_launch(k: int) -> dict:
-    """One pass with the row in registers up to _ONE_PASS_MAX values (16 warps hold 16K:
-    32 a thread); past that, two passes over BLOCK-wide chunks."""
-    block = triton.next_power_of_2(k)
-    if block <= _ONE_PASS_MAX:
-        return dict(BLOCK=block, ONE_PASS=True, num_warps=min(max(block // 512, 1), 16))
-    return dict(BLOCK=_BLOCK, ONE_PASS=False, num_warps=4)
+def _quantize_rows(x: torch.Tensor, k: int, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    m = x.shape[0]
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = triton.next_power_of_2(k)
+        # 16 warps hold 16K values in registers (32 a thread); longer rows take two passes.
+        launch = (dict(BLOCK=block, ONE_PASS=True, num_warps=min(max(block // 512, 1), 16))
+                  if block <= _ONE_PASS_MAX else dict(BLOCK=_BLOCK, ONE_PASS=False, num_warps=4))
+        _row_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX, TINY=_TINY,
+                              SILU=silu, **launch)
+    return q, scale
 
 
 def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (FP8 E4M3 [M, K], float32 scale [M, 1]) with x ~= q * scale per row."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m and k:
-        _per_token_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX,
-                                    TINY=_TINY, **_row_launch(k))
-    return q, scale
-
-
-@triton.jit
-def _silu_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, N, stride_x, stride_q, QMAX: tl.constexpr,
-                         TINY: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """Row = [gate | up] (2N values): silu(gate) * up rounded to x's dtype, as silu_and_mul
-    stores it, then per-row FP8 quantization. Rows too long for registers take two passes,
-    the second recomputing the activation from the row (left in L2) instead of storing it."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
-    if ONE_PASS:
-        offs = tl.arange(0, BLOCK)
-        h = _silu_mul(x_row, offs, N)
-        scale = tl.maximum(tl.max(tl.abs(h), 0) / QMAX, TINY)
-        _store_fp8(q_row, offs, N, h, scale, QMAX)
-    else:
-        amax = tl.zeros([BLOCK], tl.float32)
-        for k0 in range(0, N, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, offs, N)))
-        scale = tl.maximum(tl.max(amax, 0) / QMAX, TINY)
-        for k0 in range(0, N, BLOCK):
-            offs = k0 + tl.arange(0, BLOCK)
-            _store_fp8(q_row, offs, N, _silu_mul(x_row, offs, N), scale, QMAX)
-    tl.store(s_ptr + row, scale)
-
-
-@triton.jit
-def _silu_mul(x_row, offs, N):
-    mask = offs < N
-    gate = tl.load(x_row + offs, mask=mask, other=0.0)
-    up = tl.load(x_row + N + offs, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    h = (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
-    return h.to(tl.float32)
+    return _quantize_rows(x, x.shape[1], silu=False)
 
 
 def silu_and_mul_quant_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [M, 2N] -> (FP8 E4M3 [M, N], float32 scale [M, 1]) of silu(gate) * up."""
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
-    m, n = gate_up.shape[0], gate_up.shape[1] // 2
-    q = torch.empty((m, n), dtype=FP8_DTYPE, device=gate_up.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=gate_up.device)
-    if m and n:
-        _silu_mul_fp8_kernel[(m,)](gate_up, q, scale, n, gate_up.stride(0), q.stride(0),
-                                   QMAX=FP8_MAX, TINY=_TINY, **_row_launch(n))
-    return q, scale
+    return _quantize_rows(gate_up, gate_up.shape[1] // 2, silu=True)
 
 
 @triton.jit
@@ -122,7 +94,7 @@ def _norm_fp8_kernel(x_ptr, res_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, stride_x,
                      QMAX: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
     """One row: [x + residual (rounded, stored as the new residual)], RMSNorm rounded to x's
     dtype as the norm kernel stores it, then per-row FP8 quantization of that, as
-    _per_token_fp8_kernel computes it; the normalised row is never written in 16 bits."""
+    quantize_per_token_fp8 computes it; the normalised row is never written in 16 bits."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
