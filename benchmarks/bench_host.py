@@ -5,7 +5,8 @@ The embedded default model's engine runs W2's request mix (512 running, 8192 tok
 8 decode steps per host round trip, as `LLM` does) with a stub runner that returns tokens at
 once, so the wall time is the host's own work: scheduling, block tables, stop checks and output
 processing (printed per phase too). In a real run the GPU waits for all of it except the output
-processing, which the offline loop does while the next step runs.
+processing, which the offline loop does while the next step runs, and the update and scheduling
+around decodes queued ahead (pipeline_decode; counted as `queued_decodes`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class StubRunner:
     def __init__(self, real, vocab_size: int, max_decode_batch: int):
         self.timer = real.timer
         self.max_decode_batch = max_decode_batch
+        self.queued = 0  # decodes launched ahead of the previous one's tokens
         self._rng = random.Random(0)
         self._pool = [self._rng.randrange(10, vocab_size) for _ in range(1 << 16)]
 
@@ -34,6 +36,7 @@ class StubRunner:
         return self._pool[start:start + n]
 
     def launch_decode_steps(self, sched, num_steps: int, feed=None) -> list[list[int]]:
+        self.queued += feed is not None
         return [self._tokens(num_steps) for _ in sched.seqs]
 
     def collect_decode_steps(self, sched, tokens: list[list[int]]) -> RunnerOutput:
@@ -105,9 +108,11 @@ def main() -> None:
     per_run = {name: total / ns.repeat for name, total in phases.items()}
     result = dict(num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
                   engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
-                  host_ms_per_step=1e3 * wall / steps, phases_s=per_run)
-    print(f"{steps} engine steps, host {wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; "
-          f"CPU {cpu:.2f} s); runs {[round(r[0], 2) for r in runs]}")
+                  host_ms_per_step=1e3 * wall / steps, phases_s=per_run,
+                  queued_decodes=core.runner.queued // ns.repeat)
+    print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes queued ahead), host "
+          f"{wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; CPU {cpu:.2f} s); "
+          f"runs {[round(r[0], 2) for r in runs]}")
     print("mean per run: " + ", ".join(f"{k} {v:.2f} s" for k, v in per_run.items()))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=1))

@@ -18,6 +18,7 @@ def test_bench_host_small_batch(tmp_path):
     result = json.loads(out.read_text())
     # 3 waves of 8: one prefill step each, then 20 tokens: 1 from the prefill, then 8 + 8 + 3.
     assert result["engine_steps"] == 3 * 4
+    assert result["queued_decodes"] == 3 * 2  # the 8 and the 3 follow the first 8 unread
     assert result["host_s"] > 0 and len(result["runs"]) == 1
     phases = result["phases_s"]
     assert set(phases) == {"schedule", "plan", "update", "outputs"}
