@@ -104,6 +104,10 @@ class SchedulerConfig:
     # With decode_steps > 1: queue the next multi-step decode of an unchanged batch before
     # reading the tokens of the one running, so the GPU never waits for the host between them.
     pipeline_decode: bool = True
+    # Schedule and launch each step before reading the previous step's sampled tokens (fed to
+    # it on the device), when no request needs its tokens on the host first. Off by default
+    # until measured on a GPU.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ _ENGINE_KWARGS = ("dtype", "max_num_seqs", "max_num_tokens", "max_model_len", "b
                   "gpu_memory_utilization", "seed", "load_format")
 _ENGINE_KWARGS_IF_SET = ("device", "tokenizer", "enforce_eager", "kv_cache_memory",
                          "enable_prefix_caching", "quantization", "kv_cache_dtype",
-                         "pipeline_decode")
+                         "pipeline_decode", "async_scheduling")
 _KV_TOTAL_KEYS = ("num_total_blocks", "num_kv_blocks", "kv_num_blocks", "num_blocks", "kv_blocks_total",
                   "total_blocks", "num_gpu_blocks")
 _KV_PEAK_KEYS = ("peak_used_blocks", "kv_peak_used_blocks", "max_used_blocks",
@@ -84,6 +84,7 @@ def engine_settings(llm, kwargs: dict[str, Any], device: str) -> dict[str, Any]:
         "load_format": getattr(cfg, "load_format", kwargs.get("load_format")),
         "decode_steps": getattr(sched, "decode_steps", None),
         "pipeline_decode": getattr(sched, "pipeline_decode", None),
+        "async_scheduling": getattr(sched, "async_scheduling", None),
         "device": device,
     }
 

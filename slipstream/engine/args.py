@@ -40,6 +40,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     decode_steps: int = 1
     pipeline_decode: bool = True
+    async_scheduling: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         model_path = self.model or _default_model_path()
@@ -74,6 +75,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 decode_steps=self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
+                async_scheduling=self.async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             quant=QuantConfig(method=self.quantization or detect_quant_method(model_cfg.hf_config)),
@@ -115,6 +117,9 @@ class EngineArgs:
         g.add_argument("--no-pipeline-decode", dest="pipeline_decode", action="store_false",
                        help="with --decode-steps > 1: wait for each multi-step decode's tokens "
                             "before queueing the next (default: queue it first)")
+        g.add_argument("--async-scheduling", action="store_true",
+                       help="schedule and launch each step before reading the previous step's "
+                            "tokens (fed on the device) when no request needs them on the host")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

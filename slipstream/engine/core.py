@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
-from slipstream.engine.request import Request, RequestStatus
+from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
@@ -19,9 +19,6 @@ from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-# Input token of a queued decode's seq: the runner feeds the real one on the device.
-_FED_ON_DEVICE = -1
 
 
 class EngineCore:
@@ -46,6 +43,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
+        # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
+        self._inflight: tuple[SchedulerOutput, object] | None = None
         weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
@@ -89,25 +88,45 @@ class EngineCore:
         A multi-step decode of a batch the next schedule would repeat unchanged also queues
         that next one (pipeline_decode) before waiting: the following call then starts from
         it instead of scheduling, and the GPU never idles while the host updates.
+        With async_scheduling a step whose requests need no host-side token work is launched
+        and left unread (`_inflight`): the next call schedules and launches the following
+        step, fed its input tokens on the device, before reading it.
         """
         once = _Once(while_gpu_runs)
-        if self._queued is not None:
+        inflight, self._inflight = self._inflight, None
+        feed = None
+        if self._queued is not None:  # never together with an async step in flight
             (sched_out, num_steps, tokens), self._queued = self._queued, None
         else:
             with self.timer.phase("schedule"):
                 sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
                 once()
-                return []
+                return self._read_inflight(inflight)
+            feed = _feed_from(inflight, sched_out)
             num_steps = self._plan_decode_steps(sched_out)
-            tokens = self.runner.launch_decode_steps(sched_out, num_steps) if num_steps > 1 else None
+            tokens = None
+            if num_steps > 1:
+                tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
+            elif self._async_ok(sched_out):
+                self._inflight = (sched_out, self.runner.launch_sampled(sched_out, feed))
+                self.scheduler.mark_launched(sched_out)
+                once()
+                return self._read_inflight(inflight)
         if tokens is not None:
             self._queued = self._queue_next_decode(sched_out, tokens)
             once()
+            outputs = self._read_inflight(inflight)
             runner_out = self.runner.collect_decode_steps(sched_out, tokens)
         else:
-            runner_out = self.runner.execute_model(sched_out, once)
+            runner_out = self.runner.execute_model(sched_out, once, feed)
+            outputs = self._read_inflight(inflight)
         once()  # a path that had no GPU wait to overlap it with
+        return outputs + self._apply(sched_out, runner_out, num_steps)
+
+    def _apply(self, sched_out: SchedulerOutput, runner_out, num_steps: int
+               ) -> list[EngineCoreOutput]:
+        """update_from_output and the engine's own bookkeeping of a step read back."""
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.trace.enabled:
@@ -120,6 +139,25 @@ class EngineCore:
                 self._requests.pop(out.request_id, None)
         self._forget_queued_if_done()
         return outputs
+
+    def _read_inflight(self, inflight) -> list[EngineCoreOutput]:
+        """Wait for an async step's tokens (if any) and apply them."""
+        if inflight is None:
+            return []
+        sched_out, tokens = inflight
+        return self._apply(sched_out, self.runner.collect_sampled(sched_out, tokens), 1)
+
+    def _async_ok(self, sched_out: SchedulerOutput) -> bool:
+        """Whether this step may be left unread (async_scheduling): nothing in it needs its
+        tokens on the host before the next step (logprobs, penalties, prompt logprobs)."""
+        if not self.config.scheduler.async_scheduling:
+            return False
+        for seq in sched_out.seqs:
+            p = seq.request.sampling_params
+            if p.prompt_logprobs is not None or (
+                    seq.needs_sample and (p.logprobs is not None or has_penalties(p))):
+                return False
+        return True
 
     def _queue_next_decode(self, running: SchedulerOutput, tokens):
         """Launch the multi-step decode that follows `running` (launched, tokens unread), when
@@ -142,11 +180,12 @@ class EngineCore:
             # Blocks already taken when one does not fit stay with their requests.
             if not kv.allocate_slots(request, start + steps - request.num_computed_tokens):
                 return None
-            seqs.append(ScheduledSeq(request, [_FED_ON_DEVICE], start,
+            seqs.append(ScheduledSeq(request, [PENDING_TOKEN], start,
                                      kv.get_block_ids(request.request_id), True,
                                      num_lookahead=steps - 1))
         sched_out = SchedulerOutput(seqs=seqs)
-        return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps, (tokens, rows))
+        return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps,
+                                                                 (tokens[-1], rows))
 
     def _plan_next_decode(self, seqs: list[ScheduledSeq]):
         """(rows of `seqs` that go on, their next start positions, steps), or None."""
@@ -212,7 +251,8 @@ class EngineCore:
         return steps
 
     def has_unfinished_requests(self) -> bool:
-        return self._queued is not None or self.scheduler.has_unfinished_requests()
+        return (self._queued is not None or self._inflight is not None
+                or self.scheduler.has_unfinished_requests())
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
@@ -228,6 +268,18 @@ class _Once:
         fn, self._fn = self._fn, None
         if fn is not None:
             fn()
+
+
+def _feed_from(inflight, sched_out: SchedulerOutput):
+    """Device input tokens for `sched_out` from the unread async step `inflight`: per seq the
+    row of its pending last token there, else -1; None when no seq has one."""
+    if inflight is None:
+        return None
+    prev, tokens = inflight
+    row_of = {s.request_id: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
+    rows = [row_of.get(s.request_id, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
+            for s in sched_out.seqs]
+    return (tokens, rows) if any(r >= 0 for r in rows) else None
 
 
 def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bool:

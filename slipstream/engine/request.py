@@ -29,6 +29,9 @@ class RequestStatus(enum.IntEnum):
 
 _FINISH_REASONS = (None, None, None, "stop", "length", "abort", "error")
 
+# Stands for a token sampled on the device whose id the host has not read (async_scheduling).
+PENDING_TOKEN = -1
+
 
 @dataclass(eq=False)
 class Request:
@@ -43,6 +46,9 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # async_scheduling: output tokens sampled on the device but not read yet, held as
+    # placeholders (PENDING_TOKEN) at the end of output_token_ids.
+    num_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
@@ -67,6 +73,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (num_tokens less the pending placeholders)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -146,7 +146,7 @@ class KVCacheManager:
         """The request's chained hashes, grown to cover its first `num_blocks` full blocks."""
         hashes = self._hashes.setdefault(request.request_id, [])
         bs = self.block_size
-        start, end = len(hashes), min(num_blocks, request.num_tokens // bs)
+        start, end = len(hashes), min(num_blocks, request.num_known_tokens // bs)
         if start < end:
             tokens = request.token_ids_slice(start * bs, end * bs)  # only the new blocks
             extra = _extra_key(request)
@@ -165,8 +165,9 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        # Only blocks whose tokens are all known (multi-step decode reserves slots ahead).
-        num_full = min(total_tokens, request.num_tokens) // self.block_size
+        # Only blocks whose tokens are all known (multi-step decode reserves slots ahead; an
+        # async step's sampled token is a placeholder until read).
+        num_full = min(total_tokens, request.num_known_tokens) // self.block_size
         start = self._num_hashed[rid]
         if num_full <= start:
             return

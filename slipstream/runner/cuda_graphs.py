@@ -109,10 +109,14 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, hb: HostBatch) -> torch.Tensor:
-        """Replay for a pure-decode host batch; returns logits [num_seqs, vocab]."""
+    def run(self, hb: HostBatch, feed: tuple[torch.Tensor, list[int]] | None = None
+            ) -> torch.Tensor:
+        """Replay for a pure-decode host batch; returns logits [num_seqs, vocab]. feed: as in
+        run_steps."""
         n = len(hb.input_ids)
-        b = self._stage(hb)
+        b = self._stage(hb, feed[1] if feed is not None else None)
+        if feed is not None:
+            self._feed_inputs(n, *feed)
         return self._step(b)[:n]
 
     def run_steps(self, hb: HostBatch, num_steps: int, block_size: int,
@@ -123,18 +127,14 @@ class DecodeGraphs:
         on the device (the block tables already cover every step). Returns token ids
         [num_steps, num_seqs] on the device; reading them is the one sync.
 
-        feed: (tokens, rows) of an earlier run_steps whose tokens the host has not read yet;
-        row i of this batch takes its input token from the last step of row rows[i] there
-        (hb.input_ids are then placeholders).
+        feed: (tokens [R], rows) from an earlier step whose tokens the host has not read yet:
+        row i of this batch takes its input token from tokens[rows[i]] (hb.input_ids there
+        are placeholders), or keeps hb's where rows[i] is -1.
         """
         n = len(hb.input_ids)
         b = self._stage(hb, feed[1] if feed is not None else None)
         if feed is not None:
-            last = feed[0][-1]
-            if feed[1] == list(range(n)):
-                self.input_ids[:n].copy_(last[:n])
-            else:
-                self.input_ids[:n].copy_(last.index_select(0, self._feed_rows[:n]))
+            self._feed_inputs(n, *feed)
         tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
         for step in range(num_steps):
             logits = self._step(b)[:n]
@@ -144,6 +144,15 @@ class DecodeGraphs:
             else:
                 self._argmax(logits, out=tokens[step])
         return tokens
+
+    def _feed_inputs(self, n: int, tokens: torch.Tensor, rows: list[int]) -> None:
+        """input_ids[i] = tokens[rows[i]] where rows[i] >= 0 (rows staged as _feed_rows)."""
+        if rows == list(range(n)):
+            self.input_ids[:n].copy_(tokens[:n])
+            return
+        idx = self._feed_rows[:n]
+        fed = tokens.index_select(0, idx.clamp(min=0))
+        self.input_ids[:n].copy_(torch.where(idx >= 0, fed, self.input_ids[:n]))
 
     def _step(self, b: int) -> torch.Tensor:
         """Logits of all b (padded) rows: a graph replay, or an eager forward when not captured."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,6 +25,8 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 _PROMPT_LOGPROB_ROWS = 512  # rows of [rows, vocab] float32 logits materialised at once
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Input tokens still on the device: (token ids [R], per seq the row to take or -1).
+_Feed = tuple[torch.Tensor, list[int]] | None
 
 
 class ModelRunner:
@@ -245,7 +248,7 @@ class ModelRunner:
     def _max_blocks_per_seq(self) -> int:
         return -(-(self.config.scheduler.max_model_len + 1) // self.block_size)
 
-    def _decode_logits(self, sched: SchedulerOutput):
+    def _decode_logits(self, sched: SchedulerOutput, feed: _Feed = None):
         """Logits from a replayed CUDA graph when the step is a pure decode, else None."""
         graphs = self._graphs
         if graphs is None or not self._use_graph_replay or len(sched.seqs) > graphs.sizes[-1]:
@@ -257,26 +260,69 @@ class ModelRunner:
         hb = build_host_batch(sched.seqs, self.block_size)
         if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
             return None
-        return graphs.run(hb)
+        return graphs.run(hb, feed)
+
+    def _prepare(self, sched: SchedulerOutput, feed: _Feed = None) -> ModelInputs:
+        """prepare_inputs, with fed input tokens (see DecodeGraphs.run_steps) put in place:
+        each fed seq's last token."""
+        from slipstream.runner.input_batch import build_host_batch, inputs_from_host_batch, to_device
+
+        hb = build_host_batch(sched.seqs, self.block_size)
+        inputs = inputs_from_host_batch(hb, self.device)
+        if feed is not None:
+            tokens, rows = feed
+            fed = [i for i, r in enumerate(rows) if r >= 0]
+            if fed:
+                at = to_device(hb.query_start_loc[np.array(fed) + 1].astype(np.int64) - 1,
+                               self.device)
+                src = to_device(np.array([rows[i] for i in fed], dtype=np.int64), self.device)
+                inputs.input_ids.index_copy_(0, at, tokens.index_select(0, src))
+        return inputs
+
+    @torch.inference_mode()
+    def launch_sampled(self, sched: SchedulerOutput, feed: _Feed = None) -> torch.Tensor:
+        """execute_model's GPU work with the sampled token ids left on the device, one per
+        needs_sample seq in order (async_scheduling: no request of the step wants logprobs or
+        prompt logprobs). collect_sampled reads them."""
+        logits = self._decode_logits(sched, feed)
+        if logits is not None:
+            requests = [s.request for s in sched.seqs]
+        else:
+            inputs = self._prepare(sched, feed)
+            hidden = self._forward_inputs(inputs)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
+        return self._get_sampler().sample_on_device(logits, requests)
+
+    @staticmethod
+    def collect_sampled(sched: SchedulerOutput, tokens: torch.Tensor) -> RunnerOutput:
+        """Wait for a launch_sampled step and return its tokens, per request."""
+        out = RunnerOutput()
+        seqs = [s for s in sched.seqs if s.needs_sample]
+        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+            out.sampled_token_ids[seq.request_id] = [token]
+        return out
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput,
-                      while_gpu_runs: Callable[[], None] | None = None) -> RunnerOutput:
+                      while_gpu_runs: Callable[[], None] | None = None,
+                      feed: _Feed = None) -> RunnerOutput:
         """One step: sampled tokens for needs_sample seqs, plus logprobs where asked.
-        while_gpu_runs: host work to do once the forward is queued, before sampling waits."""
+        while_gpu_runs: host work to do once the forward is queued, before sampling waits.
+        feed: input tokens still on the device (see DecodeGraphs.run_steps)."""
         out = RunnerOutput()
         if sched.is_empty:
             _call(while_gpu_runs)
             return out
         with self.timer.phase("graph"):
-            logits = self._decode_logits(sched)
+            logits = self._decode_logits(sched, feed)
         if logits is not None:
             _call(while_gpu_runs)
             with self.timer.phase("sample"):
                 self._sample_into(out, logits, [s.request for s in sched.seqs])
             return out
         with self.timer.phase("prepare"):
-            inputs = prepare_inputs(sched.seqs, self.block_size, self.device)
+            inputs = self._prepare(sched, feed)
         with self.timer.phase("forward"):
             hidden = self._forward_inputs(inputs)
         _call(while_gpu_runs)

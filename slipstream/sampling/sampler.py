@@ -85,6 +85,13 @@ class Sampler:
         tokens = self._choose(logits, requests)
         return self._read_back(tokens, raw_logprobs, lp_rows, requests)
 
+    def sample_on_device(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The token ids [S] as __call__ chooses them, left on the device (no logprobs: the
+        caller reads them later, async_scheduling)."""
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return self._choose(self._process(logits, requests), requests)
+
     # -- steps -------------------------------------------------------------------------
 
     @staticmethod

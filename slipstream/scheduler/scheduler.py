@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 
 from slipstream.config import CacheConfig, SchedulerConfig
-from slipstream.engine.request import Request, RequestStatus
+from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.kv_cache.manager import KVCacheManager
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
@@ -169,6 +169,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue  # nothing to compute (no token came back for it last step)
+            if request.num_pending and self._ends_by_length(request):
+                continue  # its pending token is its last: update_from_output finishes it
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out, scheduled)
@@ -182,6 +184,22 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _ends_by_length(self, request: Request) -> bool:
+        max_tokens = request.sampling_params.max_tokens
+        return request.num_tokens >= self._max_seq_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens)
+
+    def mark_launched(self, scheduler_output: SchedulerOutput) -> None:
+        """async_scheduling: the step is on the device and its tokens will be read later. Its
+        tokens count as computed now and each sampled seq holds a PENDING_TOKEN, so the next
+        schedule() already builds on them (update_from_output puts the real ids in)."""
+        for seq in scheduler_output.seqs:
+            request = seq.request
+            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            if seq.needs_sample:
+                request.output_token_ids.append(PENDING_TOKEN)
+                request.num_pending += 1
+
     def _pick_victim(self) -> Request:
         """Lowest priority (largest value), then latest arrival, then latest admission."""
         idx = max(range(len(self.running)),
@@ -194,6 +212,7 @@ class Scheduler:
         """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
         self.running.remove(request)
         self.kv.free(request)  # before resetting num_computed_tokens (see KVCacheManager.free)
+        # A pending token stays: update_from_output puts it in before the next schedule.
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -265,9 +284,17 @@ class Scheduler:
         for seq in scheduler_output.seqs:
             request = seq.request
             rid = request.request_id
-            if request.status != RequestStatus.RUNNING or self.requests.get(rid) is not request:
-                continue  # aborted or preempted since it was scheduled
-            request.num_computed_tokens = seq.start_pos + seq.num_tokens + seq.num_lookahead
+            if self.requests.get(rid) is not request:
+                continue  # finished or aborted since it was scheduled
+            running = request.status == RequestStatus.RUNNING
+            if running:
+                # max: mark_launched may already have moved it past this step (async steps).
+                request.num_computed_tokens = max(
+                    request.num_computed_tokens, seq.start_pos + seq.num_tokens + seq.num_lookahead)
+            elif not (seq.needs_sample and request.num_pending):
+                continue  # preempted since it was scheduled
+            # A request preempted after an async step was launched keeps that step's token
+            # (its next one either way, and a seeded sample stays reproducible).
             new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
             prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
             if not new_ids and not prompt_lps:
@@ -283,10 +310,14 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 # Timestamps matter once: with the first tokens (and again at the end).
                 timestamps=_timestamps(request) if new_ids and (
-                    request.num_output_tokens == len(new_ids) or request.is_finished) else {},
+                    request.num_output_tokens - request.num_pending == len(new_ids)
+                    or request.is_finished) else {},
             ))
             if request.is_finished:
-                self.running.remove(request)
+                if running:
+                    self.running.remove(request)
+                else:
+                    self._num_waiting -= 1  # its heap entry is skipped once finished
                 self._finish(request, request.status)
         return outputs
 
@@ -297,11 +328,20 @@ class Scheduler:
             return []
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
+        # With async_scheduling the oldest placeholder is this step's token; any after it
+        # belong to a step still on the device and come back only if the request goes on.
+        later = max(request.num_pending - 1, 0)
+        if request.num_pending:
+            del request.output_token_ids[-request.num_pending:]
+            request.num_pending = 0
         count, status = scan_stop(request, sampled, self._max_seq_len)
         appended = sampled[:count]
         request.output_token_ids.extend(appended)
         if status is not None:
             request.status = status  # blocks are freed by the caller, same call
+        elif later:
+            request.output_token_ids.extend([PENDING_TOKEN] * later)
+            request.num_pending = later
         return appended
 
     def _new_prompt_logprobs(self, rid: str, entries: list | None) -> list | None:

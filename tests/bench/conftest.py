@@ -37,7 +37,8 @@ class FakeLLM:
         names = {"model", "dtype", "max_num_seqs", "max_num_tokens", "max_model_len",
                  "block_size", "gpu_memory_utilization", "seed", "load_format", "device",
                  "enforce_eager", "kv_cache_memory", "enable_prefix_caching", "quantization",
-                 "kv_cache_dtype", "tokenizer", "pipeline_decode"}
+                 "kv_cache_dtype", "tokenizer", "pipeline_decode",
+                 "async_scheduling"}
         unknown = set(kwargs) - names
         assert not unknown, f"bench passed unknown LLM kwargs: {unknown}"
         self.engine_config = EngineArgs(**kwargs).create_engine_config()

@@ -1,6 +1,6 @@
-"""The server with multi-step decoding (`--decode-steps 8`, pipelined by default): greedy text
-equal to the offline engine's single-step text, exact lengths under concurrency, and clients
-hanging up mid-stream leave every KV block free."""
+"""The server with multi-step decoding (`--decode-steps 8`, pipelined by default) and with
+`--async-scheduling`: greedy text equal to the offline engine's single-step text under
+concurrency, and clients hanging up mid-stream leave every KV block free."""
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +16,11 @@ from tests.serve.conftest import MAX_MODEL_LEN, MODEL, start_server, stop_server
 from tests.serve.test_load import _cancel_mid_stream, _engine_idle
 
 
-@pytest.fixture(scope="module")
-def multi_step_server(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[["--decode-steps", "8"], ["--async-scheduling"]],
+                ids=["decode-steps-8", "async-scheduling"])
+def multi_step_server(request, tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve_logs") / "multi_step.log"
-    handle = start_server(tiny_model_dir, log_path, extra=["--decode-steps", "8"])
+    handle = start_server(tiny_model_dir, log_path, extra=request.param)
     yield handle
     assert stop_server(handle) == 0, handle.log_tail()
 
