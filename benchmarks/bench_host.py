@@ -27,7 +27,7 @@ class StubRunner:
     def __init__(self, real, vocab_size: int, max_decode_batch: int):
         self.timer = real.timer
         self.max_decode_batch = max_decode_batch
-        self.queued = 0  # decodes launched ahead of the previous one's tokens
+        self.queued = 0  # decodes launched before the previous step's tokens were read
         self._rng = random.Random(0)
         self._pool = [self._rng.randrange(10, vocab_size) for _ in range(1 << 16)]
 
@@ -42,8 +42,15 @@ class StubRunner:
     def collect_decode_steps(self, sched, tokens: list[list[int]]) -> RunnerOutput:
         return RunnerOutput({s.request_id: row for s, row in zip(sched.seqs, tokens)})
 
-    def execute_model(self, sched, while_gpu_runs=None) -> RunnerOutput:
+    def execute_model(self, sched, while_gpu_runs=None, feed=None) -> RunnerOutput:
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
+
+    def launch_sampled(self, sched, feed=None) -> list[int]:
+        return self._tokens(sum(s.needs_sample for s in sched.seqs))
+
+    def collect_sampled(self, sched, tokens: list[int]) -> RunnerOutput:
+        seqs = [s for s in sched.seqs if s.needs_sample]
+        return RunnerOutput({s.request_id: [t] for s, t in zip(seqs, tokens)})
 
 
 def _time_phases(llm) -> dict[str, float]:
@@ -76,11 +83,13 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=ns.max_num_seqs,
               max_num_tokens=8192, max_model_len=ns.input_len + ns.output_len + 8,
-              kv_cache_memory=2 << 30, decode_steps=ns.decode_steps)
+              kv_cache_memory=2 << 30, decode_steps=ns.decode_steps,
+              async_scheduling=ns.async_scheduling)
     core = llm.engine
     core.runner = StubRunner(core.runner, llm.engine_config.model.vocab_size, ns.max_num_seqs)
     rng = random.Random(1)
@@ -110,7 +119,7 @@ def main() -> None:
                   engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
                   host_ms_per_step=1e3 * wall / steps, phases_s=per_run,
                   queued_decodes=core.runner.queued // ns.repeat)
-    print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes queued ahead), host "
+    print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes launched unread-fed), host "
           f"{wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; CPU {cpu:.2f} s); "
           f"runs {[round(r[0], 2) for r in runs]}")
     print("mean per run: " + ", ".join(f"{k} {v:.2f} s" for k, v in per_run.items()))
