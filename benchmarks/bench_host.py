@@ -119,7 +119,7 @@ def main() -> None:
                   engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
                   host_ms_per_step=1e3 * wall / steps, phases_s=per_run,
                   queued_decodes=core.runner.queued // ns.repeat)
-    print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes launched unread-fed), host "
+    print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes fed on the device), host "
           f"{wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; CPU {cpu:.2f} s); "
           f"runs {[round(r[0], 2) for r in runs]}")
     print("mean per run: " + ", ".join(f"{k} {v:.2f} s" for k, v in per_run.items()))
