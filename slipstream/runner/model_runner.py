@@ -213,23 +213,13 @@ class ModelRunner:
         return self._graphs.sizes[-1] if self._graphs is not None else 0
 
     @torch.inference_mode()
-    def execute_decode_steps(self, sched: SchedulerOutput, num_steps: int,
-                             while_gpu_runs: Callable[[], None] | None = None) -> RunnerOutput:
-        """Greedy pure-decode batch, num_steps tokens per request in one host round trip.
-
-        The scheduler has reserved blocks for every step (ScheduledSeq.num_lookahead).
-        while_gpu_runs: host work to do once the steps are queued, before waiting for them.
-        """
-        tokens = self.launch_decode_steps(sched, num_steps)
-        _call(while_gpu_runs)
-        return self.collect_decode_steps(sched, tokens)
-
-    @torch.inference_mode()
-    def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int,
-                            feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
-        """Queue execute_decode_steps' GPU work; returns its token ids [num_steps, num_seqs]
-        on the device, for collect_decode_steps. feed: input tokens still on the device, from
-        an earlier launch (DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
+    def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int, feed: _Feed = None
+                            ) -> torch.Tensor:
+        """Greedy pure-decode batch, num_steps tokens per request without the host: queues the
+        steps and returns their token ids [num_steps, num_seqs] on the device, for
+        collect_decode_steps. The scheduler has reserved blocks for every step
+        (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
+        DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
         from slipstream.runner.input_batch import build_host_batch
 
         hb = build_host_batch(sched.seqs, self.block_size)
@@ -279,19 +269,31 @@ class ModelRunner:
                 inputs.input_ids.index_copy_(0, at, tokens.index_select(0, src))
         return inputs
 
+    def _step_logits(self, sched: SchedulerOutput, feed: _Feed):
+        """The step's forward, a graph replay for a pure decode: (logits of the needs_sample
+        seqs or None when none samples, their requests, the eager path's (inputs, hidden) or
+        None after a replay)."""
+        with self.timer.phase("graph"):
+            logits = self._decode_logits(sched, feed)
+        if logits is not None:
+            return logits, [s.request for s in sched.seqs], None
+        with self.timer.phase("prepare"):
+            inputs = self._prepare(sched, feed)
+        with self.timer.phase("forward"):
+            hidden = self._forward_inputs(inputs)
+        if not inputs.sample_seq_indices:
+            return None, [], (inputs, hidden)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return logits, [sched.seqs[i].request for i in inputs.sample_seq_indices], (inputs, hidden)
+
     @torch.inference_mode()
     def launch_sampled(self, sched: SchedulerOutput, feed: _Feed = None) -> torch.Tensor:
         """execute_model's GPU work with the sampled token ids left on the device, one per
         needs_sample seq in order (async_scheduling: no request of the step wants logprobs or
         prompt logprobs). collect_sampled reads them."""
-        logits = self._decode_logits(sched, feed)
-        if logits is not None:
-            requests = [s.request for s in sched.seqs]
-        else:
-            inputs = self._prepare(sched, feed)
-            hidden = self._forward_inputs(inputs)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
+        logits, requests, _ = self._step_logits(sched, feed)
+        if logits is None:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         return self._get_sampler().sample_on_device(logits, requests)
 
     @staticmethod
@@ -314,23 +316,14 @@ class ModelRunner:
         if sched.is_empty:
             _call(while_gpu_runs)
             return out
-        with self.timer.phase("graph"):
-            logits = self._decode_logits(sched, feed)
-        if logits is not None:
-            _call(while_gpu_runs)
-            with self.timer.phase("sample"):
-                self._sample_into(out, logits, [s.request for s in sched.seqs])
-            return out
-        with self.timer.phase("prepare"):
-            inputs = self._prepare(sched, feed)
-        with self.timer.phase("forward"):
-            hidden = self._forward_inputs(inputs)
+        logits, requests, eager = self._step_logits(sched, feed)
         _call(while_gpu_runs)
-        if inputs.sample_seq_indices:
+        if logits is not None:
             with self.timer.phase("sample"):
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
-                requests = [sched.seqs[i].request for i in inputs.sample_seq_indices]
                 self._sample_into(out, logits, requests)
+        if eager is None:
+            return out
+        inputs, hidden = eager
         for i, seq in enumerate(sched.seqs):
             entries = self._prompt_logprobs(seq, hidden, inputs.query_start_loc_cpu[i])
             if entries:

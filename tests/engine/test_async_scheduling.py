@@ -74,6 +74,17 @@ def test_async_steps_give_the_same_tokens(ckpt, decode_steps: int) -> None:
     _assert_clean(llm)
 
 
+def test_async_steps_that_sample_nothing(ckpt) -> None:
+    """A long prompt alone, chunked 32 tokens a step: its first steps sample no token."""
+    prompts = [list(range(3, 103))]
+    params = [SamplingParams(temperature=0.7, seed=5, max_tokens=6)]
+    want = _run(_engine(ckpt, False, max_num_tokens=32, decode_steps=1)[0], prompts, params)
+    llm, launches = _engine(ckpt, True, max_num_tokens=32, decode_steps=1)
+    assert _run(llm, prompts, params) == want
+    assert len(launches) >= 8  # 4 chunks, then the decodes
+    _assert_clean(llm)
+
+
 def test_async_steps_under_preemption(ckpt) -> None:
     prompts, params = _workload(seed=1)
     small = dict(kv_cache_memory=20 * KV_BLOCK_BYTES, max_num_seqs=8)
