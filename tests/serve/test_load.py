@@ -92,6 +92,16 @@ def _engine_idle(http: httpx.Client) -> tuple[bool, str]:
     return running == 0 and waiting == 0 and free == total and total > 0, state
 
 
+def wait_engine_idle(http: httpx.Client, timeout_s: float) -> tuple[bool, str]:
+    """Poll /metrics until no request is left and every block is free, or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    idle, state = _engine_idle(http)
+    while not idle and time.monotonic() < deadline:
+        time.sleep(0.1)
+        idle, state = _engine_idle(http)
+    return idle, state
+
+
 def _engine_aborts(http: httpx.Client) -> float:
     return _metric(http.get("/metrics").text, "slipstream_engine_aborted_requests_total")
 
@@ -113,11 +123,7 @@ def test_abort_storm_frees_everything(server, http):
     while _engine_aborts(http) < aborts_before + len(seen) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _engine_aborts(http) == aborts_before + len(seen)
-    deadline = time.monotonic() + 10.0
-    idle, state = _engine_idle(http)
-    while not idle and time.monotonic() < deadline:
-        time.sleep(0.1)
-        idle, state = _engine_idle(http)
+    idle, state = wait_engine_idle(http, 10.0)
     assert idle, f"engine not idle after the abort storm: {state}"
     assert 'finished_reason="abort"' in http.get("/metrics").text
     start = time.monotonic()
@@ -148,11 +154,7 @@ def test_non_streaming_disconnect_aborts(server, http):
         pass
     finally:
         client.close()
-    deadline = time.monotonic() + 10.0
-    idle, state = _engine_idle(http)
-    while not idle and time.monotonic() < deadline:
-        time.sleep(0.1)
-        idle, state = _engine_idle(http)
+    idle, state = wait_engine_idle(http, 10.0)
     assert idle, state
     assert _aborts(http) == before + 16
     assert _engine_aborts(http) == engine_before + 16

@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
 
 from slipstream import LLM, SamplingParams
 from tests.serve.conftest import MAX_MODEL_LEN, MODEL, start_server, stop_server
-from tests.serve.test_load import _cancel_mid_stream, _engine_idle
+from tests.serve.test_load import _cancel_mid_stream, wait_engine_idle
 
 
 @pytest.fixture(scope="module", params=[["--decode-steps", "8"], ["--async-scheduling"]],
@@ -71,9 +70,5 @@ def test_hanging_up_mid_stream_frees_everything(multi_step_server):
     assert all(seen >= 2 for seen in asyncio.run(main()))
     with httpx.Client(base_url=multi_step_server.base_url, headers=multi_step_server.headers,
                       timeout=30.0) as http:
-        deadline = time.monotonic() + 30
-        idle, state = _engine_idle(http)
-        while not idle and time.monotonic() < deadline:
-            time.sleep(0.2)
-            idle, state = _engine_idle(http)
+        idle, state = wait_engine_idle(http, 30.0)
     assert idle, state
