@@ -77,7 +77,7 @@ class Request:
     @property
     def num_known_tokens(self) -> int:
         """Tokens whose ids the host has (num_tokens less the pending placeholders)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_pending
+        return self.num_tokens - self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
