@@ -123,8 +123,12 @@ class ModelRunner:
         logger.info("KV budget %.2f GiB (total %.2f GiB, peak %.2f GiB, non-torch %.2f GiB)",
                     budget / 2**30, total / 2**30, peak / 2**30, non_torch / 2**30)
         if budget <= 0:
-            raise RuntimeError("no GPU memory left for the KV cache: lower max_num_tokens or "
-                               "raise gpu_memory_utilization")
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {self.config.cache.gpu_memory_utilization:g}"
+                f" of {total / 2**30:.1f} GiB minus {peak / 2**30:.2f} GiB allocated at the peak "
+                f"of a forward (weights and any other engine of this process) and "
+                f"{max(non_torch, 0) / 2**30:.2f} GiB used outside PyTorch; lower max_num_tokens, "
+                "raise gpu_memory_utilization or set kv_cache_memory")
         return budget
 
     @torch.inference_mode()

@@ -21,7 +21,9 @@ def ckpt(tmp_path_factory):
 
 def _engine(ckpt, async_scheduling: bool, device: str = "cpu", **kwargs) -> tuple[LLM, list]:
     """An LLM that counts the steps it leaves unread (launch_sampled)."""
-    kwargs = {"max_num_seqs": 6, "max_num_tokens": 64, "max_model_len": 128, **kwargs}
+    # A fixed KV budget: tests make two engines in one process (a profiled one gets what's left).
+    kwargs = {"max_num_seqs": 6, "max_num_tokens": 64, "max_model_len": 128,
+              "kv_cache_memory": 64 << 20, **kwargs}
     llm = LLM(str(ckpt), dtype="float32", device=device, async_scheduling=async_scheduling,
               **kwargs)
     runner, launches = llm.engine.runner, []

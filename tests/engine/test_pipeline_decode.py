@@ -17,8 +17,10 @@ def ckpt(tmp_path_factory):
 
 def _engine(ckpt, pipeline: bool, device: str = "cpu", **kwargs) -> tuple[LLM, list]:
     """An LLM whose runner logs each launch: ("decode", batch, steps) or ("model", batch)."""
+    # A fixed KV budget: a test makes two engines in one process (the profiled budget is what
+    # the first one left).
     llm = LLM(str(ckpt), dtype="float32", device=device, decode_steps=8, max_model_len=160,
-              pipeline_decode=pipeline, **kwargs)
+              pipeline_decode=pipeline, kv_cache_memory=64 << 20, **kwargs)
     runner, log = llm.engine.runner, []
     launch, execute = runner.launch_decode_steps, runner.execute_model
 
