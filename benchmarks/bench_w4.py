@@ -3,7 +3,8 @@
 For each (N, K) and M: bf16 cuBLAS and the engine's bf16 `linear` (Triton GEMV for M <= 16) on a
 random bf16 weight; then the same weight quantized to int4 through every candidate config of
 w4_gemv (M <= 16) or w4_gemm (M > 16), dequantize + cuBLAS, and int4_linear's measured choice.
-Times are do_bench medians with L2 flushed (cold weights). Prints effective GB/s (weight bytes
+Times are CUDA-graph medians over L2-sized weight copies (kernels/tuning.py: as the decode
+graph runs them, without Python launch cost). Prints effective GB/s (weight bytes
 incl. scales / zeros, plus activations), TFLOP/s, the speed-up over bf16 (the better of cuBLAS
 and the engine's linear) and the max error against the reference; `--output-json` keeps it all.
 
@@ -18,23 +19,24 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 from slipstream.kernels import gemm_int4, gemv_int4, triton_ops
+from slipstream.kernels.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils as qu
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # (N, K)
 
 
-def time_ms(fn: Callable[[], object]) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+def time_ms(fn: Callable[..., object], args: tuple[torch.Tensor, ...]) -> float:
+    """Graph-timed milliseconds per call of fn(*args), cycling through copies of args."""
+    return graph_time_us(lambda a: fn(*a), weight_copies(args)) / 1e3
 
 
 def copy_gbps() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
+    return 2 * src.numel() / graph_time_us(lambda a: a[1].copy_(a[0]), [(src, dst)], 4) * 1e-3
 
 
 def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -56,24 +58,22 @@ def bench_case(name: str, n: int, k: int, m: int, group: int) -> dict:
     act = 2 * m * (k + n)
     flops = 2 * m * n * k
     bf16_bytes, w4_bytes = 2 * n * k + act, n * k // 2 + 3 * n * (k // group) + act
-    rows = [row("bf16 cuBLAS", time_ms(lambda: F.linear(x, w)), bf16_bytes, flops),
-            row("bf16 engine linear", time_ms(lambda: triton_ops.linear(x, w)), bf16_bytes,
-                flops)]
+    rows = [row("bf16 cuBLAS", time_ms(F.linear, (x, w)), bf16_bytes, flops),
+            row("bf16 engine linear", time_ms(triton_ops.linear, (x, w)), bf16_bytes, flops)]
     want = gemv_int4.w4_linear_reference(x, *packed, group)
     if m <= gemv_int4.MAX_M:
-        cands = [(c.label(), lambda c=c: gemv_int4.w4_gemv(x, *packed, group, None, c))
+        cands = [(c.label(), lambda *a, c=c: gemv_int4.w4_gemv(*a, group, None, c))
                  for c in gemv_int4.candidate_w4_configs(m)]
     else:
-        cands = [(c.label(), lambda c=c: gemm_int4.w4_gemm(x, *packed, group, None, c))
+        cands = [(c.label(), lambda *a, c=c: gemm_int4.w4_gemm(*a, group, None, c))
                  for c in gemm_int4.candidate_gemm_configs(m)]
-        cands.append((gemm_int4.CUBLAS,
-                      lambda: gemm_int4.w4_dequant_linear(x, *packed, group)))
+        cands.append((gemm_int4.CUBLAS, lambda *a: gemm_int4.w4_dequant_linear(*a, group)))
     cands.append(("int4_linear (measured choice)",
-                  lambda: gemv_int4.int4_linear(x, *packed, group)))
+                  lambda *a: gemv_int4.int4_linear(*a, group)))
     for label, fn in cands:
         try:
-            err = max_err(fn(), want)
-            rows.append(row(label, time_ms(fn), w4_bytes, flops, err))
+            err = max_err(fn(x, *packed), want)
+            rows.append(row(label, time_ms(fn, (x, *packed)), w4_bytes, flops, err))
         except Exception as exc:  # a tile that does not fit: record and go on
             rows.append({"impl": label, "error": str(exc)[:200]})
     bf16_us = min(r["us"] for r in rows[:2])

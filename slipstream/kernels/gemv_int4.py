@@ -52,11 +52,12 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
+                    USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
-    BLOCK_N / (8 num_warps) rows each thread holds."""
+    BLOCK_N / (8 num_warps) rows each thread holds. STAGES > 1 (without PREFETCH) streams the
+    packed tiles through shared memory, STAGES - 1 ahead, instead of registers."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -73,7 +74,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
         w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-    for k in range(k_lo, k_hi, CHUNK):
+    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
         if PREFETCH:
             w = w_next
             k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
@@ -149,17 +150,60 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4_wleft_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
+                     split_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    """M <= 16, the transposed product: out^T [BLOCK_N, BLOCK_M] = v [BLOCK_N, CHUNK] @ x^T.
+    The unpacked weight tile is the left operand, which Hopper's tensor cores (wgmma) take from
+    registers, so the 4x larger unpacked tile never goes through shared memory (the right operand
+    must: here it is the small x^T). Per chunk as _w4_skinny_kernel; transposed once at the end."""
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + tl.arange(0, CHUNK // 8)[None, :]
+    offs_x = (8 * tl.arange(0, CHUNK // 8)[:, None, None] + 4 * tl.arange(0, 2)[None, :, None]
+              + tl.arange(0, 4)[None, None, :])
+    x_ptrs = x_ptr + x_rows[:, None, None, None] * stride_xm + offs_x[None, :, :, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
+        v = unpack_paired(tl.load(w_ptrs + tl.multiple_of(k // 8, CHUNK // 8)),
+                          x_ptr.dtype.element_ty)
+        x4 = tl.load(x_ptrs + k)
+        x = tl.reshape(tl.permute(x4, (0, 1, 3, 2)), [BLOCK_M, CHUNK])
+        sx = tl.sum(tl.reshape(x4, [BLOCK_M, CHUNK]).to(tl.float32), 1)
+        t = tl.dot(v, tl.trans(x), input_precision=DOT_PREC)
+        g = k // GROUP
+        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
+        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
+        acc += t * (16.0 * s)[:, None] - (s * (16.0 + z))[:, None] * sx[None, :]
+    _finish(tl.trans(acc), ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+            tl.arange(0, BLOCK_M), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
 @dataclass(frozen=True)
 class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
-    tensor-core (M <= 16) kernel instead of float32 FMAs."""
+    tensor-core (M <= 16) kernel instead of float32 FMAs; wleft: the tensor-core kernel with the
+    weight tile as the left operand (_w4_wleft_kernel), at any M <= 16."""
 
     dot: bool = False
+    wleft: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        kind = "dot" if self.dot else "fma" + (" prefetch" if self.prefetch else "")
+        kind = ("dot wleft" if self.wleft else "dot" if self.dot
+                else "fma" + (" prefetch" if self.prefetch else ""))
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -179,12 +223,18 @@ def candidate_w4_configs(m: int) -> list[W4Config]:
     dot = [W4Config(bn, 128, sk, w, st, dot=True) for bn, sk, w, st in
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
             (128, 4, 4, 1)]]
+    # The weight tile as the tensor cores' left operand: 64 rows per warp group.
+    wleft = [W4Config(bn, 128, 0, w, st, wleft=True) for bn, w, st in
+             [(64, 4, 1), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 5)]]
     if m > 1:
-        return dot + [W4Config(128, 64, 0, 4, dot=True)]
+        return dot + [W4Config(128, 64, 0, 4, dot=True)] + wleft
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
-    return fma + splits + dot[:2]
+    # Packed tiles through shared memory (tl.range stages): more bytes in flight per SM.
+    staged = [W4Config(bn, 128, 0, w, st) for bn, w, st in
+              [(128, 2, 4), (128, 4, 4), (256, 4, 3), (64, 2, 4)]]
+    return fma + splits + staged + dot[:2] + wleft
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -218,8 +268,13 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+    if getattr(cfg, "wleft", False):
+        prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        _w4_wleft_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec,
+                                           STAGES=cfg.num_stages, **common)
+    elif m == 1 and not getattr(cfg, "dot", False):
+        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
+                                          **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)

@@ -83,6 +83,8 @@ def test_w4_gemv_default_config(m: int, n: int, k: int, group: int, with_bias: b
     W4Config(block_n=16, block_k=64, split_k=3),            # chunk divides the group of 128
     W4Config(block_n=32, block_k=256, split_k=2, prefetch=True),  # chunk = group, uneven splits
     W4Config(block_n=16, block_k=128, split_k=4, dot=True),  # M == 1 through the tl.dot kernel
+    W4Config(block_n=16, block_k=128, split_k=2, num_stages=3),  # FMA, tiles in shared memory
+    W4Config(block_n=32, block_k=64, split_k=3, num_stages=2, wleft=True),  # weights on the left
 ])
 @pytest.mark.parametrize("m", [1, 4])
 def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
