@@ -46,117 +46,18 @@ def _tail(w, one, NIB: tl.constexpr):
     return ((y >> 9) + 0x3F800000).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _f16_halves(p):
-    """The two float16 halves of each int32 of p, as float32 (low half first)."""
-    u = p.to(tl.uint32, bitcast=True)
-    lo = u.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _f16_pairs(w):
-    """The 8 nibbles of each word as float32 v_i = 1024 + f_i q_i (f_i = 1 for even i, 16 for
-    odd i), two per AND/OR: a nibble pair 16 bits apart ORed under float16's exponent of 1024
-    (0x6400) is two float16s at once, and float16 -> float32 is a plain convert. Returns
-    (v0, v4), (v1, v5), (v2, v6), (v3, v7); one shift serves nibbles 2, 3, 6 and 7."""
-    w8 = (w.to(tl.uint32, bitcast=True) >> 8).to(tl.int32, bitcast=True)
-    return (_f16_halves((w & 0x000F000F) | 0x64006400),
-            _f16_halves((w & 0x00F000F0) | 0x64006400),
-            _f16_halves((w8 & 0x000F000F) | 0x64006400),
-            _f16_halves((w8 & 0x00F000F0) | 0x64006400))
-
-
-@triton.jit
-def _f16_pairs_asm(w):
-    """_f16_pairs in inline PTX (CUDA only): four LOP3s, one shift, and eight float16 -> float32
-    converts that read a register half directly (Triton's own unpacking adds PRMTs and MOVs).
-    Returns v0 .. v7 in nibble order."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a, b, c, d, w8;
-        .reg .b16 al, ah, bl, bh, cl, ch, dl, dh;
-        lop3.b32 a, $8, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 b, $8, 0x00F000F0, 0x64006400, 0xEA;
-        shr.u32 w8, $8, 8;
-        lop3.b32 c, w8, 0x000F000F, 0x64006400, 0xEA;
-        lop3.b32 d, w8, 0x00F000F0, 0x64006400, 0xEA;
-        mov.b32 {al, ah}, a;
-        mov.b32 {bl, bh}, b;
-        mov.b32 {cl, ch}, c;
-        mov.b32 {dl, dh}, d;
-        cvt.f32.f16 $0, al;
-        cvt.f32.f16 $1, bl;
-        cvt.f32.f16 $2, cl;
-        cvt.f32.f16 $3, dl;
-        cvt.f32.f16 $4, ah;
-        cvt.f32.f16 $5, bh;
-        cvt.f32.f16 $6, ch;
-        cvt.f32.f16 $7, dh;
-        }""",
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w], dtype=(tl.float32,) * 8,
-        is_pure=True, pack=1)
-
-
-@triton.jit
-def _word_dot_pairs(w, z, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """sum_i (q_i - z) x_i per word by _f16_pairs: sum_i v_i x~_i - 1024 sum x~ - z sum x with
-    x~_i = x_i / f_i (the x terms broadcast against the words: shared by every row)."""
-    if ASM:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _f16_pairs_asm(w)
-    else:
-        (v0, v4), (v1, v5), (v2, v6), (v3, v7) = _f16_pairs(w)
-    x1, x3, x5, x7 = 0.0625 * x1, 0.0625 * x3, 0.0625 * x5, 0.0625 * x7
-    sx_t = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    sx = ((x0 + 16.0 * x1) + (x2 + 16.0 * x3)) + ((x4 + 16.0 * x5) + (x6 + 16.0 * x7))
-    t = -(1024.0 * sx_t) - z * sx
-    t += v0 * x0
-    t += v1 * x1
-    t += v2 * x2
-    t += v3 * x3
-    t += v4 * x4
-    t += v5 * x5
-    t += v6 * x6
-    t += v7 * x7
-    return t
-
-
-@triton.jit
-def _word_dot_tails(w, z, one, x0, x1, x2, x3, x4, x5, x6, x7):
-    """sum_i (q_i - z) x_i / 16 per word by _tail: t = sum_i v_i x'_i minus the word's share of
-    the constant 1 in v and of the zero point (the x terms broadcast against the words)."""
-    sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    t = -(15.0 + z) * (0.0625 * sx) - 0.0625 * x0
-    t += _tail(w, one, 7) * x7
-    t += _tail(w, one, 6) * (x6 - 0.0625 * x7)
-    t += _tail(w, one, 5) * (x5 - 0.0625 * x6)
-    t += _tail(w, one, 4) * (x4 - 0.0625 * x5)
-    t += _tail(w, one, 3) * (x3 - 0.0625 * x4)
-    t += _tail(w, one, 2) * (x2 - 0.0625 * x3)
-    t += _tail(w, one, 1) * (x1 - 0.0625 * x2)
-    t += _tail(w, one, 0) * (x0 - 0.0625 * x1)
-    return t
-
-
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                    USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                    PAIRS: tl.constexpr = 0):
-    """M == 1: per chunk and word, t = the word's share of x . (q - z), then acc += s t
-    elementwise (one reduction at the end). A chunk is part of one group or several whole groups
-    (each word then reads its own group's scale and zero): several give each row a longer
-    contiguous read per step. Nibbles to floats by _tail (per element one IMAD, one LEA.HI and
-    one FFMA) or, with PAIRS, by _f16_pairs (5 integer instructions per word instead of 16; 2:
-    in inline PTX). The x terms are shared by the rows each thread holds. PREFETCH keeps two
-    tiles in flight in registers; STAGES > 1 (without PREFETCH) streams them through shared
-    memory."""
+                    USE_PDL: tl.constexpr = False):
+    """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
+    constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
+    end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
+    BLOCK_N / (8 num_warps) rows each thread holds."""
     WORDS: tl.constexpr = CHUNK // 8
-    WPG: tl.constexpr = min(CHUNK, GROUP) // 8  # words of one group in a chunk
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -172,7 +73,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
         w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
+    for k in range(k_lo, k_hi, CHUNK):
         if PREFETCH:
             w = w_next
             k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
@@ -180,25 +81,29 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         else:
             w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
         g = k // GROUP
-        if WPG == WORDS:  # one group: a scale and zero per row
-            s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-            z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
-        else:
-            gw = (g + offs_w // WPG)[None, :]
-            s = tl.load(s_ptr + rows[:, None] * stride_sn + gw).to(tl.float32)
-            z = tl.load(z_ptr + rows[:, None] * stride_zn + gw).to(tl.float32)
-        x0 = tl.load(x_ptrs + k).to(tl.float32)[None, :]
-        x1 = tl.load(x_ptrs + k + 1).to(tl.float32)[None, :]
-        x2 = tl.load(x_ptrs + k + 2).to(tl.float32)[None, :]
-        x3 = tl.load(x_ptrs + k + 3).to(tl.float32)[None, :]
-        x4 = tl.load(x_ptrs + k + 4).to(tl.float32)[None, :]
-        x5 = tl.load(x_ptrs + k + 5).to(tl.float32)[None, :]
-        x6 = tl.load(x_ptrs + k + 6).to(tl.float32)[None, :]
-        x7 = tl.load(x_ptrs + k + 7).to(tl.float32)[None, :]
-        if PAIRS:
-            acc += _word_dot_pairs(w, z, x0, x1, x2, x3, x4, x5, x6, x7, PAIRS == 2) * s
-        else:
-            acc += _word_dot_tails(w, z, one, x0, x1, x2, x3, x4, x5, x6, x7) * (16.0 * s)
+        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
+        # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word, with
+        # x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all rows.
+        x0 = tl.load(x_ptrs + k).to(tl.float32)
+        x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
+        x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
+        x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
+        x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
+        x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
+        x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
+        x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
+        sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+        t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
+        t += _tail(w, one, 7) * x7[None, :]
+        t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
+        t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
+        t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
+        t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
+        t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
+        t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
+        t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
+        acc += t * (16.0 * s)
     part = tl.sum(acc, 1)[None, :]
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1), offs_n, M,
             N, stride_om, split_k, SPLIT, HAS_BIAS)
@@ -244,63 +149,17 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _w4_wleft_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
-                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
-                     split_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr, STAGES: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
-    """M <= 16, the transposed product: out^T [BLOCK_N, BLOCK_M] = v [BLOCK_N, CHUNK] @ x^T.
-    The unpacked weight tile is the left operand, which Hopper's tensor cores (wgmma) take from
-    registers, so the 4x larger unpacked tile never goes through shared memory (the right operand
-    must: here it is the small x^T). Per chunk as _w4_skinny_kernel; transposed once at the end."""
-    pdl_release(USE_PDL)
-    pdl_wait(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + tl.arange(0, CHUNK // 8)[None, :]
-    # x^T [CHUNK, BLOCK_M] read straight in unpack_paired's column order (a 2-D load: Triton
-    # 3.6 fails to lay out a permuted and reshaped operand for the right-hand side).
-    c = tl.arange(0, CHUNK)
-    k_of_col = 8 * (c // 8) + (c % 8) // 2 + 4 * (c % 2)
-    xt_ptrs = x_ptr + x_rows[None, :] * stride_xm + k_of_col[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
-        v = unpack_paired(tl.load(w_ptrs + tl.multiple_of(k // 8, CHUNK // 8)),
-                          x_ptr.dtype.element_ty)
-        xt = tl.load(xt_ptrs + k)
-        sx = tl.sum(xt.to(tl.float32), 0)
-        t = tl.dot(v, xt, input_precision=DOT_PREC)
-        g = k // GROUP
-        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
-        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
-        acc += t * (16.0 * s)[:, None] - (s * (16.0 + z))[:, None] * sx[None, :]
-    _finish(tl.trans(acc), ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
-            tl.arange(0, BLOCK_M), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
-
-
 @dataclass(frozen=True)
 class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
-    tensor-core (M <= 16) kernel instead of float32 FMAs; wleft: the tensor-core kernel with the
-    weight tile as the left operand (_w4_wleft_kernel), at any M <= 16; bit_convert: the FMA
-    kernel converts nibbles by float16 pairs (PAIRS)."""
+    tensor-core (M <= 16) kernel instead of float32 FMAs."""
 
     dot: bool = False
-    wleft: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        kind = ("dot wleft" if self.wleft else "dot" if self.dot
-                else "fma" + (" pairs" if self.bit_convert else "")
-                + (" prefetch" if self.prefetch else ""))
+        kind = "dot" if self.dot else "fma" + (" prefetch" if self.prefetch else "")
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -320,26 +179,12 @@ def candidate_w4_configs(m: int) -> list[W4Config]:
     dot = [W4Config(bn, 128, sk, w, st, dot=True) for bn, sk, w, st in
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
             (128, 4, 4, 1)]]
-    # The weight tile as the tensor cores' left operand: 64 rows per warp group.
-    wleft = [W4Config(bn, 128, 0, w, st, wleft=True) for bn, w, st in
-             [(64, 4, 1), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 5)]]
     if m > 1:
-        return dot + [W4Config(128, 64, 0, 4, dot=True)] + wleft
+        return dot + [W4Config(128, 64, 0, 4, dot=True)]
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
-    # Packed tiles through shared memory (tl.range stages): more bytes in flight per SM.
-    staged = [W4Config(bn, 128, 0, w, st) for bn, w, st in
-              [(128, 2, 4), (128, 4, 4), (256, 4, 3), (64, 2, 4)]]
-    # Several groups per step: longer contiguous reads per row (256-512 bytes).
-    wide = [W4Config(bn, bk, 0, w, 1, True) for bn, bk, w in
-            [(32, 512, 4), (64, 512, 4), (64, 256, 4), (16, 1024, 4), (32, 512, 2)]]
-    # Nibbles to floats by float16 pairs (fewer integer instructions per weight).
-    pairs = [W4Config(bn, bk, 0, w, st, pf, bit_convert=1) for bn, bk, w, st, pf in
-             [(128, 128, 4, 1, True), (128, 128, 2, 1, True), (256, 128, 4, 3, False),
-              (32, 512, 4, 1, True), (64, 512, 4, 1, True), (64, 256, 4, 1, True),
-              (16, 1024, 4, 1, True)]]
-    return fma + splits + staged + wide + pairs + dot[:2] + wleft
+    return fma + splits + dot[:2]
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -361,7 +206,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_w4_config(m)
-    chunk = _chunk(cfg, m, group_size, k)
+    chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
     split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
@@ -373,27 +218,12 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if getattr(cfg, "wleft", False):
-        prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        _w4_wleft_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec,
-                                           STAGES=cfg.num_stages, **common)
-    elif m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                          PAIRS=(2 if x.is_cuda else 1) if cfg.bit_convert else 0,
-                                          **common)
+    if m == 1 and not getattr(cfg, "dot", False):
+        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
-
-
-def _chunk(cfg: GemvConfig, m: int, group_size: int, k: int) -> int:
-    """The K step: part of one group (gcd(block_k, group), a power of two >= 16), or for the
-    M == 1 FMA kernel block_k itself when it is whole groups that tile K."""
-    fma = m == 1 and not getattr(cfg, "dot", False) and not getattr(cfg, "wleft", False)
-    if fma and cfg.block_k % group_size == 0 and k % cfg.block_k == 0:
-        return cfg.block_k
-    return math.gcd(cfg.block_k, group_size)
 
 
 _SMALL_CHOICES: dict[tuple, W4Config] = {}

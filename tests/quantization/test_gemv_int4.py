@@ -83,10 +83,6 @@ def test_w4_gemv_default_config(m: int, n: int, k: int, group: int, with_bias: b
     W4Config(block_n=16, block_k=64, split_k=3),            # chunk divides the group of 128
     W4Config(block_n=32, block_k=256, split_k=2, prefetch=True),  # chunk = group, uneven splits
     W4Config(block_n=16, block_k=128, split_k=4, dot=True),  # M == 1 through the tl.dot kernel
-    W4Config(block_n=16, block_k=128, split_k=2, num_stages=3),  # FMA, tiles in shared memory
-    W4Config(block_n=32, block_k=64, split_k=3, num_stages=2, wleft=True),  # weights on the left
-    W4Config(block_n=16, block_k=128, split_k=2, prefetch=True, bit_convert=1),  # float16 pairs
-    W4Config(block_n=16, block_k=256, split_k=2, prefetch=True),  # 256 doesn't tile K: 128
 ])
 @pytest.mark.parametrize("m", [1, 4])
 def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
@@ -94,29 +90,10 @@ def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
     packed = _quantized(n, k, group)
     x, b = torch.randn(m, k), torch.randn(n)
     out = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
-    # float16 pairs sum products of 1024 + q and subtract 1024 sum(x): float32 cancellation
-    # costs ~10 bits of the 24 (still far below bf16 output rounding, 4e-3).
-    _check(out, x, packed, b, group, rel=5e-5 if cfg.bit_convert else 1e-5)
+    _check(out, x, packed, b, group)
     for buf in _COUNTERS.values():  # the last program to arrive resets every tile counter
         assert int(buf.abs().sum()) == 0
     torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, b, cfg), out, atol=0, rtol=0)
-
-
-@pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("group,cfg", [
-    (128, W4Config(block_n=16, block_k=256, split_k=2, prefetch=True)),
-    (64, W4Config(block_n=32, block_k=512, split_k=0, bit_convert=1)),
-    (128, W4Config(block_n=16, block_k=1024, split_k=1, num_stages=2)),  # K in one step
-])
-def test_w4_gemv_several_groups_per_step(group: int, cfg: W4Config) -> None:
-    """M == 1 FMA steps of whole groups (block_k a multiple of the group that tiles K): each
-    group's scale and zero still land on its own words."""
-    n, k = 45, 1024
-    assert gemv_int4._chunk(cfg, 1, group, k) == cfg.block_k
-    packed = _quantized(n, k, group)
-    x, b = torch.randn(1, k), torch.randn(n)
-    _check(gemv_int4.w4_gemv(x, *packed, group, b, cfg), x, packed, b, group,
-           rel=5e-5 if cfg.bit_convert else 1e-5)
 
 
 @pytest.mark.usefixtures("poison_outputs")
