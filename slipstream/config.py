@@ -105,8 +105,8 @@ class SchedulerConfig:
     # reading the tokens of the one running, so the GPU never waits for the host between them.
     pipeline_decode: bool = True
     # Schedule and launch each step before reading the previous step's sampled tokens (fed to
-    # it on the device), when no request needs its tokens on the host first. Off by default
-    # until measured on a GPU.
+    # it on the device), when no request needs its tokens on the host first (EngineArgs turns
+    # it on for CUDA).
     async_scheduling: bool = False
 
 

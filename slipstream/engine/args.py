@@ -40,7 +40,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     decode_steps: int = 1
     pipeline_decode: bool = True
-    async_scheduling: bool = False
+    # None: on with CUDA, off elsewhere (a CPU runs each step as it is launched, so leaving it
+    # unread would only delay its tokens).
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_path = self.model or _default_model_path()
@@ -75,7 +77,8 @@ class EngineArgs:
                 max_model_len=max_len,
                 decode_steps=self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=(device.startswith("cuda") if self.async_scheduling is None
+                                  else self.async_scheduling),
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             quant=QuantConfig(method=self.quantization or detect_quant_method(model_cfg.hf_config)),
@@ -117,9 +120,10 @@ class EngineArgs:
         g.add_argument("--no-pipeline-decode", dest="pipeline_decode", action="store_false",
                        help="with --decode-steps > 1: wait for each multi-step decode's tokens "
                             "before queueing the next (default: queue it first)")
-        g.add_argument("--async-scheduling", action="store_true",
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule and launch each step before reading the previous step's "
-                            "tokens (fed on the device) when no request needs them on the host")
+                            "tokens (fed on the device) when no request needs them on the host "
+                            "(default: on with CUDA)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -9,6 +9,7 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -46,17 +47,85 @@ def _tail(w, one, NIB: tl.constexpr):
     return ((y >> 9) + 0x3F800000).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _x_pairs(x_ptr, k, offs_w):
+    """The chunk's bf16 x (from k) as packed pairs per word column j: p_a = (x_8j+a low,
+    x_8j+a+4 high), a = 0..3, the order of a word's nibbles a and a+4 (16 bits apart)."""
+    xi = x_ptr.to(tl.pointer_type(tl.uint32)) + k // 2 + 4 * offs_w
+    xa, xb = tl.load(xi), tl.load(xi + 1)
+    xc, xd = tl.load(xi + 2), tl.load(xi + 3)
+    return ((xa & 0xFFFF) | (xc << 16), (xa >> 16) | (xc & 0xFFFF0000),
+            (xb & 0xFFFF) | (xd << 16), (xb >> 16) | (xd & 0xFFFF0000))
+
+
+@triton.jit
+def _bf16x2_word_dot(w, p0, p1, p2, p3, z, ASM: tl.constexpr):
+    """sum_i (q_i - z) x_i per word in float32, from bf16x2 arithmetic (ASM, sm_90 PTX): nibbles
+    a and a+4 ORed under bf16's exponent of 128 (0x4300) are the pair (128 + q) in one
+    instruction, minus (128 + z) exactly, times the x pair, summed over a = 0..3 in bf16 (each
+    product rounded to bf16, far below int4's own error), then the two halves added in float32.
+    Without ASM (the interpreter) the same pairing in float32 arithmetic."""
+    if ASM:
+        zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, v, acc;
+            .reg .b16 lo, hi;
+            .reg .f32 flo, fhi;
+            lop3.b32 v, $1, 0x000F000F, 0x43004300, 0xEA;
+            sub.rn.bf16x2 v, v, $6;
+            mul.rn.bf16x2 acc, v, $2;
+            shr.u32 t, $1, 4;
+            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xEA;
+            sub.rn.bf16x2 v, v, $6;
+            fma.rn.bf16x2 acc, v, $3, acc;
+            shr.u32 t, $1, 8;
+            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xEA;
+            sub.rn.bf16x2 v, v, $6;
+            fma.rn.bf16x2 acc, v, $4, acc;
+            shr.u32 t, $1, 12;
+            lop3.b32 v, t, 0x000F000F, 0x43004300, 0xEA;
+            sub.rn.bf16x2 v, v, $6;
+            fma.rn.bf16x2 acc, v, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.bf16 flo, lo;
+            cvt.f32.bf16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            }""",
+            constraints="=r,r,r,r,r,r,r", args=[w, p0, p1, p2, p3, zc], dtype=tl.float32,
+            is_pure=True, pack=1)
+    else:
+        u = w.to(tl.uint32, bitcast=True)
+        zf = z.to(tl.float32)
+        t = _pair_dot(u, p0, zf, 0)
+        t += _pair_dot(u, p1, zf, 4)
+        t += _pair_dot(u, p2, zf, 8)
+        return t + _pair_dot(u, p3, zf, 12)
+
+
+@triton.jit
+def _pair_dot(u, p, zf, SHIFT: tl.constexpr):
+    """(q_lo - z) x_lo + (q_hi - z) x_hi for the nibbles at SHIFT and SHIFT + 16 of u and the
+    bf16 pair p (float32 arithmetic: _bf16x2_word_dot's interpreter twin)."""
+    q_lo = ((u >> SHIFT) & 0xF).to(tl.float32)
+    q_hi = ((u >> (SHIFT + 16)) & 0xF).to(tl.float32)
+    x_lo = (p << 16).to(tl.float32, bitcast=True)
+    x_hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return (q_lo - zf) * x_lo + (q_hi - zf) * x_hi
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
+                    USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
-    BLOCK_N / (8 num_warps) rows each thread holds."""
+    BLOCK_N / (8 num_warps) rows each thread holds. BF16X2 (bf16 x only): t from packed bf16
+    pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -82,28 +151,35 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
-        # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word, with
-        # x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all rows.
-        x0 = tl.load(x_ptrs + k).to(tl.float32)
-        x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
-        x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
-        x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
-        x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
-        x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
-        x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
-        x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
-        sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-        t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
-        t += _tail(w, one, 7) * x7[None, :]
-        t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
-        t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
-        t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
-        t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
-        t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
-        t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
-        t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
-        acc += t * (16.0 * s)
+        if BF16X2:
+            z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+            p0, p1, p2, p3 = _x_pairs(x_ptr, k, offs_w)
+            t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
+                                 BF16X2 == 2)
+            acc += t * s
+        else:
+            z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
+            # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word, with
+            # x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all rows.
+            x0 = tl.load(x_ptrs + k).to(tl.float32)
+            x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
+            x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
+            x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
+            x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
+            x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
+            x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
+            x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
+            sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+            t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
+            t += _tail(w, one, 7) * x7[None, :]
+            t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
+            t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
+            t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
+            t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
+            t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
+            t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
+            t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
+            acc += t * (16.0 * s)
     part = tl.sum(acc, 1)[None, :]
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1), offs_n, M,
             N, stride_om, split_k, SPLIT, HAS_BIAS)
@@ -153,13 +229,15 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
 class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
-    tensor-core (M <= 16) kernel instead of float32 FMAs."""
+    tensor-core (M <= 16) kernel instead of float32 FMAs. bit_convert (M == 1 FMA kernel, bf16
+    x): products from packed bf16 pairs (BF16X2)."""
 
     dot: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        kind = "dot" if self.dot else "fma" + (" prefetch" if self.prefetch else "")
+        kind = "dot" if self.dot else ("fma" + (" bf16x2" if self.bit_convert else "")
+                                        + (" prefetch" if self.prefetch else ""))
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -184,7 +262,9 @@ def candidate_w4_configs(m: int) -> list[W4Config]:
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
-    return fma + splits + dot[:2]
+    # Packed bf16 products: about half the instructions per weight (bf16 activations only).
+    bf16x2 = [dataclasses.replace(c, bit_convert=1) for c in fma]
+    return fma + splits + bf16x2 + dot[:2]
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -219,11 +299,20 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
     if m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, **common)
+        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
+                                          BF16X2=_bf16x2_mode(cfg, x2), **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
+
+
+def _bf16x2_mode(cfg: GemvConfig, x2: torch.Tensor) -> int:
+    """The M == 1 kernel's BF16X2: 2 (PTX) on CUDA, 1 (its float32 twin) in the interpreter, 0
+    when the config does not ask for it or x is not bf16 read as aligned 32-bit pairs."""
+    if not cfg.bit_convert or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4:
+        return 0
+    return 2 if x2.is_cuda else 1
 
 
 _SMALL_CHOICES: dict[tuple, W4Config] = {}

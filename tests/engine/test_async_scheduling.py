@@ -3,11 +3,13 @@ tokens are read (they reach it on the device). Same tokens as reading every step
 seeded sampling, stops, chunked prefill, waiting requests, preemption, aborts, prefix caching."""
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 
 from slipstream import LLM, SamplingParams
+from slipstream.engine.args import EngineArgs
 from slipstream.engine.request import Request
 from tests.helpers import make_tiny_checkpoint
 
@@ -17,6 +19,19 @@ KV_BLOCK_BYTES = 16 * 2 * 2 * 16 * 4 * 2  # block 16 x (K, V) x 2 KV heads x dim
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("flags,device,want", [
+    ([], "cuda", True), ([], "cpu", False), (["--async-scheduling"], "cpu", True),
+    (["--no-async-scheduling"], "cuda", False)])
+def test_default_is_on_with_cuda_only(ckpt, flags, device, want) -> None:
+    """A CPU runs each step as it is launched: leaving it unread would only delay its tokens
+    (a batch-1 request's first token would arrive with its last), so the default is CUDA-only."""
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", str(ckpt), "--device", device, *flags])
+    cfg = EngineArgs.from_cli_args(ns).create_engine_config()
+    assert cfg.scheduler.async_scheduling is want
 
 
 def _engine(ckpt, async_scheduling: bool, device: str = "cpu", **kwargs) -> tuple[LLM, list]:

@@ -97,6 +97,22 @@ def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("group,split", [(128, 1), (64, 3)])
+def test_w4_gemv_bf16x2_pairs(group: int, split: int) -> None:
+    """The packed-bf16 M == 1 path pairs each word's nibbles a and a+4 with x_a and x_a+4 and
+    subtracts its own row's zero (the interpreter runs its float32 twin; the GPU tests the PTX)."""
+    n, k = 45, 640
+    packed = _quantized(n, k, group)
+    x, b = torch.randn(1, k).bfloat16(), torch.randn(n).bfloat16()
+    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=1)
+    assert gemv_int4._bf16x2_mode(cfg, x) == 1
+    got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
+    want = gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, want) < 4e-3  # the bf16 output's rounding
+
+
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,cfg", [
     (128, None),
     (64, gemm_int4.W4GemmConfig(32, 32, 128, 4, 1)),  # block_k clamped to the group
