@@ -66,7 +66,7 @@ def bench_case(name: str, n: int, k: int, m: int, group: int) -> dict:
     want = gemv_int4.w4_linear_reference(x, *packed, group)
     if m <= gemv_int4.MAX_M:
         cands = [(c.label(), lambda *a, c=c: gemv_int4.w4_gemv(*a, group, None, c))
-                 for c in gemv_int4.candidate_w4_configs(m)]
+                 for c in gemv_int4.candidate_w4_configs(m, x.dtype)]
     else:
         cands = [(c.label(), lambda *a, c=c: gemm_int4.w4_gemm(*a, group, None, c))
                  for c in gemm_int4.candidate_gemm_configs(m)]

@@ -103,13 +103,16 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int) -> None:
     subtracts its own row's zero (the interpreter runs its float32 twin; the GPU tests the PTX)."""
     n, k = 45, 640
     packed = _quantized(n, k, group)
-    x, b = torch.randn(1, k).bfloat16(), torch.randn(n).bfloat16()
+    g = torch.Generator().manual_seed(split)
+    x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=1)
     assert gemv_int4._bf16x2_mode(cfg, x) == 1
     got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
     want = gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())
     assert got.dtype == torch.bfloat16
-    assert _rel(got, want) < 4e-3  # the bf16 output's rounding
+    # The bf16 output's rounding, which the interpreter does by truncation (up to one ulp, 2^-8
+    # relative, always toward zero); a wrong pairing or zero would be off by tens of percent.
+    assert _rel(got, want) < 8e-3
 
 
 @pytest.mark.usefixtures("poison_outputs")
@@ -251,7 +254,7 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
     for m in (1, 3, 16):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         want = gemv_int4.w4_linear_reference(x, *packed, group)
-        for cfg in gemv_int4.candidate_w4_configs(m):
+        for cfg in gemv_int4.candidate_w4_configs(m, dtype):
             for _ in range(2):
                 _gpu_check(gemv_int4.w4_gemv(x, *packed, group, None, cfg), want, repr(cfg))
     for m in (40, 300):
