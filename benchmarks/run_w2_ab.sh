@@ -4,7 +4,7 @@
 # run), then W2 fp8 + fp8 KV without and with FLAG on the same machine, then W3 fp8 + fp8 KV
 # with it. Logs come back as one logs.tar.gz (a device call returns at most 8 files).
 #
-#   bash benchmarks/run_w2_ab.sh --async-scheduling [RESULTS_DIR]
+#   bash benchmarks/run_w2_ab.sh --no-async-scheduling [RESULTS_DIR]
 #   bash benchmarks/run_w2_ab.sh --no-pipeline-decode [RESULTS_DIR]
 set -u
 FLAG=${1:?usage: run_w2_ab.sh ENGINE_FLAG [RESULTS_DIR]}
