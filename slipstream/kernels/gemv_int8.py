@@ -7,7 +7,6 @@ does not depend on k). Split-K and its in-kernel reduction are those of kernels/
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -28,10 +27,6 @@ from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-F16X2 = 4  # GemvConfig.bit_convert: FP8 at M == 1 through _fp8_gemv_f16x2_kernel
-# Not yet run on a GPU (compiled offline for sm_90 only): the tuner considers the packed float16
-# FP8 candidates only with SLIPSTREAM_FP8_F16X2=1 until their GPU tests and timings are in.
-_F16X2_CANDIDATES = os.environ.get("SLIPSTREAM_FP8_F16X2", "0") == "1"
 
 
 @triton.jit
@@ -118,109 +113,6 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
-# x is scaled by 2^-10 in float16 so that sums of two e4m3 (|w| <= 448) products cannot
-# overflow for |x| < 2^16 (bf16 activations past that are not seen in practice).
-_F16_X_SCALE = tl.constexpr(0.0009765625)
-
-
-@triton.jit
-def _x_f16_pairs(x_ptr, k, offs_w, K, GATED: tl.constexpr):
-    """The chunk's x (from k; silu(gate) * up when GATED) times 2^-10 as float16 pairs per
-    4-element column j: (x_4j low, x_4j+1 high) and (x_4j+2, x_4j+3), packed in uint32."""
-    base = x_ptr + k + 4 * offs_w
-    x0 = _x_f16_bits(base, K, GATED)
-    x1 = _x_f16_bits(base + 1, K, GATED)
-    x2 = _x_f16_bits(base + 2, K, GATED)
-    x3 = _x_f16_bits(base + 3, K, GATED)
-    return x0 | (x1 << 16), x2 | (x3 << 16)
-
-
-@triton.jit
-def _x_f16_bits(ptrs, K, GATED: tl.constexpr):
-    v = _load_x(ptrs, None, K, GATED, True).to(tl.float32) * _F16_X_SCALE
-    return v.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
-
-
-@triton.jit
-def _fp8x4_dot(w, xa, xb, ASM: tl.constexpr):
-    """sum_i w_i x_i over the four e4m3 bytes of each word w (low byte first) and the float16
-    pairs xa, xb, in float32. ASM (sm_89+ PTX): two converts give the bytes as float16 pairs,
-    one multiply and one FMA in packed float16 (products rounded to float16), the two halves
-    added in float32: 8 instructions per 4 weights. Without ASM (the interpreter) the same
-    pairing in float32 arithmetic."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 l, h;
-            .reg .b32 a, b, acc;
-            .reg .f32 f0, f1;
-            mov.b32 {l, h}, $1;
-            cvt.rn.f16x2.e4m3x2 a, l;
-            cvt.rn.f16x2.e4m3x2 b, h;
-            mul.rn.f16x2 acc, a, $2;
-            fma.rn.f16x2 acc, b, $3, acc;
-            mov.b32 {l, h}, acc;
-            cvt.f32.f16 f0, l;
-            cvt.f32.f16 f1, h;
-            add.f32 $0, f0, f1;
-            }""",
-            constraints="=r,r,r,r", args=[w, xa, xb], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        u = w.to(tl.uint32, bitcast=True)
-        t = _e4m3_byte(u, 0) * _f16_half(xa, 0) + _e4m3_byte(u, 8) * _f16_half(xa, 16)
-        return t + _e4m3_byte(u, 16) * _f16_half(xb, 0) + _e4m3_byte(u, 24) * _f16_half(xb, 16)
-
-
-@triton.jit
-def _e4m3_byte(u, SHIFT: tl.constexpr):
-    return ((u >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _f16_half(p, SHIFT: tl.constexpr):
-    return ((p >> SHIFT) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _fp8_gemv_f16x2_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
-                           stride_xm, stride_wn, stride_om, k_per_split, split_k,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-                           GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                           STAGES: tl.constexpr = 1):
-    """M == 1, FP8 weights, packed float16 products: the weight is read as 32-bit words of four
-    e4m3 values (rows 4-byte aligned, K a multiple of BLOCK_K) and each word's dot with x is
-    _fp8x4_dot, about 2 instructions per weight instead of ~3 (convert, float32 FMA); the scale
-    (times 2^10, undoing x's) is applied once per row. Tiles as _qgemv_kernel."""
-    WORDS: tl.constexpr = BLOCK_K // 4
-    pdl_release(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
-    offs_w = tl.arange(0, WORDS)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_wn // 4)
-              + offs_w[None, :])
-    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    if PREFETCH:
-        w_next = tl.load(w_ptrs + k_lo // 4)
-    pdl_wait(USE_PDL)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        if PREFETCH:
-            w = w_next
-            w_next = tl.load(w_ptrs + tl.minimum(k + BLOCK_K, k_hi - BLOCK_K) // 4)
-        else:
-            w = tl.load(w_ptrs + k // 4)
-        xa, xb = _x_f16_pairs(x_ptr, k, offs_w, K, GATED)
-        acc += _fp8x4_dot(w, xa[None, :], xb[None, :], ASM)
-    scale = tl.load(s_ptr + rows) * 1024.0
-    part = (tl.sum(acc, 1) * scale)[None, :]
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1), offs_n, M,
-            N, stride_om, split_k, SPLIT, HAS_BIAS)
-
-
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                     stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
@@ -284,12 +176,6 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
         staged = [GemvConfig(bn, bk, 0, w, st, bit_convert=bits) for bn, bk, w, st in
                   [(8, 1024, 4, 4), (16, 512, 4, 4), (4, 1024, 2, 4), (8, 512, 4, 4),
                    (4, 2048, 4, 3)]]
-        if weight_dtype == torch.float8_e4m3fn and _F16X2_CANDIDATES:  # packed float16 products
-            # Taller tiles: each thread's x pairs serve several rows (sm_90 SASS of the main
-            # loop at 32 x 512: ~2.7 instructions per weight, the plain staged tiles ~3.7).
-            staged += [GemvConfig(bn, bk, 0, w, st, pf, bit_convert=F16X2) for bn, bk, w, st, pf in
-                       [(32, 512, 4, 4, False), (32, 256, 4, 4, False), (64, 256, 4, 4, False),
-                        (32, 512, 4, 1, True), (16, 512, 4, 4, False), (64, 512, 8, 4, False)]]
         return cfgs + tricks + staged + dots
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
     return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
@@ -360,12 +246,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
-    if m == 1 and _f16x2_ok(cfg, qweight, x2, k):
-        common.pop("EVEN_K")  # K is a multiple of BLOCK_K here
-        _fp8_gemv_f16x2_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x.is_cuda,
-                                                STAGES=cfg.num_stages, **common,
-                                                **pdl.launch_kwargs(x.device))
-    elif m == 1 and not cfg.dot:
+    if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
                                         STAGES=cfg.num_stages, **common,
@@ -375,14 +256,6 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
                                           **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
-
-
-def _f16x2_ok(cfg: GemvConfig, qweight: torch.Tensor, x2: torch.Tensor, k: int) -> bool:
-    """Whether a config asking for packed float16 products (bit_convert F16X2) can have them:
-    FP8 weights whose rows are whole 32-bit words, K a multiple of the tile."""
-    return (cfg.bit_convert == F16X2 and qweight.dtype == torch.float8_e4m3fn
-            and k % cfg.block_k == 0 and qweight.stride(0) % 4 == 0
-            and qweight.data_ptr() % 4 == 0)
 
 
 def _bit_convert_mode(cfg: GemvConfig, weight_dtype: torch.dtype, on_cuda: bool) -> int:
