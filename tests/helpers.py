@@ -99,3 +99,13 @@ def load_hf_model(path: Path):
 
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def finish_after_abort(core, tokens: dict[str, list[int]], aborted: str) -> None:
+    """Abort `aborted` on an EngineCore, then step it dry, adding every request's new tokens to
+    `tokens`; the aborted request must never produce output again."""
+    core.abort_requests([aborted])
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.request_id != aborted
+            tokens[out.request_id] += out.new_token_ids

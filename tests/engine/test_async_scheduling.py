@@ -11,7 +11,7 @@ import pytest
 from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.request import Request
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import finish_after_abort, make_tiny_checkpoint
 
 KV_BLOCK_BYTES = 16 * 2 * 2 * 16 * 4 * 2  # block 16 x (K, V) x 2 KV heads x dim 16 x fp32 x 2 layers
 
@@ -139,11 +139,7 @@ def test_abort_while_a_step_is_unread(ckpt) -> None:
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
     assert core._inflight is not None
-    core.abort_requests(["r1"])
-    while core.has_unfinished_requests():
-        for out in core.step():
-            assert out.request_id != "r1"
-            tokens[out.request_id] += out.new_token_ids
+    finish_after_abort(core, tokens, "r1")
     assert tokens["r0"] == want[0][0] and tokens["r2"] == want[2][0]
     _assert_clean(llm)
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from slipstream import LLM, SamplingParams
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import finish_after_abort, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +119,7 @@ def test_abort_while_a_decode_is_queued(ckpt) -> None:
     while core._queued is None:
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
-    core.abort_requests(["r1"])
-    while core.has_unfinished_requests():
-        for out in core.step():
-            assert out.request_id != "r1"
-            tokens[out.request_id] += out.new_token_ids
+    finish_after_abort(core, tokens, "r1")
     assert tokens["r0"] == want[0][0] and tokens["r2"] == want[2][0]
     stats = core.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
