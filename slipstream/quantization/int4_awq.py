@@ -4,6 +4,10 @@ Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` fir
 activation-aware scale and clipping search, awq.py), or pre-quantized
 AutoAWQ (GEMM) and GPTQ checkpoints. All become one layout: qweight uint8 [N, K/2] (two values
 per byte along K), scales float16 [N, K/G], zeros uint8 [N, K/G]; w = (q - zero) * scale.
+
+GPTQ act-order (desc_act) checkpoints assign input columns to groups out of order (g_idx). Their
+columns are permuted at load so that each group is contiguous, and the layer keeps the
+permutation as a buffer (ACT_ORDER_PERM): apply gathers x's columns in the same order first.
 """
 from __future__ import annotations
 
@@ -21,18 +25,24 @@ from slipstream.quantization.calibration import collect_prompts
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
+ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
 NEEDS_CALIBRATION = True
 # AWQ runs the model on the prompts itself: the engine pass of collect_linear_stats is not needed.
 collect_calibration = collect_prompts
 
 
 class Int4LinearMethod(QuantMethod):
-    """layout: None (float checkpoint, RTN after loading), "awq" or "gptq" (pre-quantized)."""
+    """layout: None (float checkpoint, RTN after loading), "awq" or "gptq" (pre-quantized).
+
+    act_order: the checkpoint says desc_act (only used to refuse K-split layers up front; whether
+    a layer is permuted is read from its g_idx, so static-group act-order keeps the fast path).
+    """
 
     def __init__(self, group_size: int = DEFAULT_GROUP, layout: str | None = None,
-                 gptq_zero_offset: int = 1):
+                 gptq_zero_offset: int = 1, act_order: bool = False):
         self.group_size, self.layout = group_size, layout
         self.gptq_zero_offset = gptq_zero_offset  # GPTQ v1 stores zero - 1
+        self.act_order = act_order
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -40,6 +50,8 @@ class Int4LinearMethod(QuantMethod):
         if k % g or any(s % 8 for s in output_sizes):
             raise ValueError(f"int4_awq: input size {k} must be a multiple of the group size {g} "
                              f"and output sizes {output_sizes} multiples of 8")
+        if self.act_order:
+            _check_act_order_split(layer)
         if self.layout is None:
             layer.register_parameter("weight", qu.new_param(
                 torch.empty(n, k, dtype=params_dtype), output_dim=0, input_dim=1))
@@ -53,8 +65,8 @@ class Int4LinearMethod(QuantMethod):
             "qzeros": (torch.empty(k // g, n // 8, dtype=torch.int32), load8),
             "scales": (torch.empty(k // g, n, dtype=torch.float16), load1),
         }
-        if self.layout == "gptq":
-            params["g_idx"] = (torch.empty(k, dtype=torch.int32), _copy_loader)
+        if self.layout == "gptq":  # one row per fused shard: they must agree (act_order_perm)
+            params["g_idx"] = (torch.empty(len(output_sizes), k, dtype=torch.int32), _g_idx_loader)
         for name, (data, loader) in params.items():
             layer.register_parameter(name, qu.new_param(data, weight_loader=loader))
 
@@ -62,20 +74,25 @@ class Int4LinearMethod(QuantMethod):
     def process_after_loading(self, layer: nn.Module) -> None:
         if "qweight" in layer._parameters and layer.qweight.dtype == torch.uint8:
             return  # already in the canonical layout
+        perm = None
         if self.layout is None:
             q, scales, zeros = qu.quantize_int4_groupwise(layer.weight.data, self.group_size)
             scales = scales.half()
             del layer._parameters["weight"]
         else:
-            q, scales, zeros = self._unpack_checkpoint(layer)
+            q, scales, zeros, perm = self._unpack_checkpoint(layer)
         dev = scales.device
         qu.replace_param(layer, "qweight", qu.pack_int4_rows(q).to(dev), output_dim=0)
         qu.replace_param(layer, "scales", scales.to(dev), output_dim=0)
         qu.replace_param(layer, "zeros", zeros.to(dev), output_dim=0)
+        if perm is not None:  # a buffer: moves with the module, never loaded or trained
+            layer.register_buffer(ACT_ORDER_PERM, perm.to(dev))
 
     def _unpack_checkpoint(self, layer: nn.Module):
+        """(q [N, K], scales, zeros, perm): perm None, or the act-order column order of q."""
         qweight, qzeros = layer.qweight.data.cpu(), layer.qzeros.data.cpu()
         scales = layer.scales.data.t().contiguous()
+        perm = None
         if self.layout == "awq":
             q = qu.unpack_int32_cols(qweight, qu.AWQ_ORDER).t()
             zeros = qu.unpack_int32_cols(qzeros, qu.AWQ_ORDER).t()
@@ -83,24 +100,30 @@ class Int4LinearMethod(QuantMethod):
             q = qu.unpack_int32_cols(qweight.t().contiguous())  # packed along K
             # v1 stores zero - 1 in 4 bits: a zero of 0 wraps to 15 and back (mod 16).
             zeros = (qu.unpack_int32_cols(qzeros).t() + self.gptq_zero_offset) & 0xF
-            g_idx = layer.g_idx.data.cpu().long()
-            if not torch.equal(g_idx, torch.arange(q.shape[1]) // self.group_size):
-                raise NotImplementedError("GPTQ act-order (desc_act, permuted g_idx) checkpoints "
-                                          "are not supported yet")
+            perm = act_order_perm(layer.g_idx.data.cpu(), self.group_size, tuple(q.shape))
+            if perm is not None:
+                q = q[:, perm]
             del layer._parameters["g_idx"]
         for name in ("qweight", "qzeros", "scales"):
             del layer._parameters[name]
-        return q.contiguous(), scales.half(), zeros.to(torch.uint8).contiguous()
+        return q.contiguous(), scales.half(), zeros.to(torch.uint8).contiguous(), perm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         fn = _int4_linear()
         if fn is None:  # no Triton: dequantize and multiply
             return F.linear(x, dequantize_layer(layer, x.dtype), bias)
+        perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
+        if perm is not None:
+            x = x.index_select(-1, perm)
         group = x.shape[-1] // layer.scales.shape[1]  # also right for one group per row
         return fn(x, layer.qweight, layer.scales, layer.zeros, group, bias)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
+        if ACT_ORDER_PERM in layer._buffers:
+            raise ValueError("int4_awq: a layer loaded from a GPTQ act-order (desc_act) checkpoint "
+                             "cannot be saved in the AutoAWQ layout, whose groups are contiguous "
+                             "along K; quantize the float checkpoint instead")
         q = qu.unpack_int4_rows(layer.qweight.data.cpu())
         return {
             "qweight": (qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER), 1, 8),
@@ -126,13 +149,64 @@ def _int4_linear():
 
 
 def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's [N, K] weight in `dtype` (reference path: materialised per call)."""
+    """The layer's [N, K] weight in `dtype`, input columns in the checkpoint's order (reference
+    path: materialised per call)."""
     q = qu.unpack_int4_rows(layer.qweight)
-    return qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype)
+    w = qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype)
+    perm = layer._buffers.get(ACT_ORDER_PERM)
+    if perm is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
 
 
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-    param.data.copy_(loaded)  # g_idx: the same for every fused shard
+def act_order_perm(g_idx: torch.Tensor, group_size: int,
+                   shape: tuple[int, int]) -> torch.Tensor | None:
+    """The input column order that makes GPTQ's groups contiguous, or None when they already are.
+
+    g_idx [shards, K] int: the group of each input column, one row per fused shard. Act-order
+    quantizes columns by decreasing activation size, so a group's columns lie anywhere in K;
+    the stable argsort lists group 0's columns, then group 1's, ... (the order of scales/zeros).
+    """
+    n, k = shape
+    if not torch.equal(g_idx, g_idx[:1].expand_as(g_idx)):
+        raise ValueError(f"int4_awq: the fused shards of a [{n}, {k}] GPTQ layer have different "
+                         "g_idx; only one input column order per layer is supported")
+    g_idx, groups = g_idx[0].long(), k // group_size
+    if torch.equal(g_idx, torch.arange(k) // group_size):
+        return None
+    in_range = bool(((g_idx >= 0) & (g_idx < groups)).all())
+    if not in_range or not bool((torch.bincount(g_idx, minlength=groups) == group_size).all()):
+        raise ValueError(f"int4_awq: GPTQ g_idx of a [{n}, {k}] layer must give each of its "
+                         f"{groups} groups exactly {group_size} input columns (found groups "
+                         f"{int(g_idx.min())}..{int(g_idx.max())} with "
+                         f"{_group_size_range(g_idx, groups)} columns)")
+    return torch.argsort(g_idx, stable=True)
+
+
+def _group_size_range(g_idx: torch.Tensor, groups: int) -> str:
+    counts = torch.bincount(g_idx.clamp(min=0), minlength=groups)[:groups]
+    return f"{int(counts.min())}..{int(counts.max())}"
+
+
+def _check_act_order_split(layer: nn.Module) -> None:
+    """Row-parallel layers split K across ranks, but an act-order group's columns lie anywhere in
+    K: a rank's slice would hold partial groups of every group, which this layout cannot hold."""
+    if getattr(layer, "tp_split", None) == "input" and getattr(layer, "tp_size", 1) > 1:
+        raise NotImplementedError(
+            f"int4_awq: GPTQ act-order (desc_act) checkpoints cannot split a row-parallel layer "
+            f"(input size {layer.input_size} per rank) across tensor_parallel_size="
+            f"{layer.tp_size} ranks; load them with tensor_parallel_size=1")
+
+
+def _g_idx_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+    """g_idx [shards, K]: row `shard` (every row for an unfused tensor)."""
+    if loaded.numel() != param.shape[1]:
+        raise ValueError(f"g_idx has {loaded.numel()} entries, the layer's input size is "
+                         f"{param.shape[1]}")
+    rows = param.data if shard is None else param.data[shard:shard + 1]
+    rows.copy_(loaded.reshape(1, -1))
 
 
 def checkpoint_config(group_size: int = DEFAULT_GROUP, awq: bool = True) -> dict:
@@ -158,13 +232,12 @@ def make_int4(hf_config: dict):
             raise ValueError(f"int4_awq loads 4-bit checkpoints, this one has bits={qc['bits']}")
         if layout == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise ValueError(f"AWQ version {qc.get('version')!r}: only the GEMM layout loads")
-        if layout == "gptq" and qc.get("desc_act"):
-            raise NotImplementedError("GPTQ desc_act (act-order) checkpoints are not supported")
     else:
         logger.info("int4_awq at load time: round-to-nearest; `slipstream quantize --method "
                     "int4_awq` runs the AWQ scale search on calibration data")
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
-    return lambda prefix: Int4LinearMethod(group, layout, offset)
+    act_order = layout == "gptq" and bool(qc.get("desc_act"))
+    return lambda prefix: Int4LinearMethod(group, layout, offset, act_order)
 
 
 # --- AWQ: activation-aware scale and clipping search (slipstream/quantization/awq.py) ------------
