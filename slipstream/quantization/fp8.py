@@ -2,7 +2,8 @@
 
 Large batches run torch._scaled_mm (row-wise scales); decode-size batches stream the FP8 weight
 through the Triton dequant-GEMV with bf16 activations (same bytes, cuBLAS FP8 is slow at M=1).
-Loads HF FP8 checkpoints (`quant_method: fp8`) with per-tensor or per-channel weight scales.
+Loads HF FP8 checkpoints (`quant_method: fp8`) with per-tensor or per-channel weight scales, and
+compressed-tensors FP8 checkpoints (llm-compressor "FP8" / "FP8-dynamic": compressed_tensors.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import nn
 
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.norm import RMSNorm
-from slipstream.quantization.base import register_quant_method
+from slipstream.quantization import compressed_tensors
+from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod, register_quant_method
 from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
 from slipstream.quantization.utils import (
     FP8_DTYPE,
@@ -193,8 +195,21 @@ def fp8_linear_reference(x2: torch.Tensor, qweight: torch.Tensor,
 def make_fp8(hf_config: dict):
     prequantized = check_checkpoint_method("fp8", hf_config)
     qc = quant_config_of(hf_config)
-    static = prequantized and qc.get("activation_scheme", "dynamic") == "static"
-    return lambda prefix: Fp8LinearMethod(prequantized, static)
+    if prequantized and compressed_tensors.is_compressed_tensors(qc):
+        # Layers in the checkpoint's `ignore` list (or no group's target) stay float.
+        quantized, static = compressed_tensors.fp8_layer_filter(hf_config, qc)
+    else:
+        static = prequantized and qc.get("activation_scheme", "dynamic") == "static"
+        quantized = _every_layer
+
+    def method_for(prefix: str) -> QuantMethod:
+        return Fp8LinearMethod(prequantized, static) if quantized(prefix) else UnquantizedLinearMethod()
+
+    return method_for
+
+
+def _every_layer(prefix: str) -> bool:
+    return True
 
 
 def make_method() -> Fp8LinearMethod:

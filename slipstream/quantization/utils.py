@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from slipstream.quantization import compressed_tensors
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MAX = 127.0
@@ -185,9 +187,12 @@ def detect_quant_method(hf_config: dict | None) -> str | None:
     if not qc:
         return None
     name = str(qc.get("quant_method", "")).lower()
+    if name == compressed_tensors.QUANT_METHOD:  # the scheme, not the name, says which method
+        return compressed_tensors.checkpoint_method(qc)
     if name not in _CHECKPOINT_METHODS:
+        supported = sorted([*_CHECKPOINT_METHODS, compressed_tensors.QUANT_METHOD])
         raise ValueError(f"checkpoint quantization_config.quant_method={name!r} is not supported; "
-                         f"supported: {', '.join(sorted(_CHECKPOINT_METHODS))}")
+                         f"supported: {', '.join(supported)}")
     return _CHECKPOINT_METHODS[name]
 
 
