@@ -104,7 +104,10 @@ class EngineCore:
                 once()
                 return self._read_inflight(inflight)
             feed = _feed_from(inflight, sched_out)
-            num_steps = self._plan_decode_steps(sched_out)
+            # A multi-step decode is read only when all its steps are done, and the unread
+            # step's tokens come back with it: after a prefill, one step first, so a request's
+            # first token arrives when its prefill ends (W1: TTFT was prefill + 8 steps).
+            num_steps = 1 if _holds_first_tokens(inflight) else self._plan_decode_steps(sched_out)
             tokens = None
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
@@ -280,6 +283,15 @@ def _feed_from(inflight, sched_out: SchedulerOutput):
     rows = [row_of.get(s.request_id, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
             for s in sched_out.seqs]
     return (tokens, rows) if any(r >= 0 for r in rows) else None
+
+
+def _holds_first_tokens(inflight) -> bool:
+    """Whether the unread async step samples some request's first output token (every output
+    token it has so far is a placeholder: see Scheduler.mark_launched)."""
+    if inflight is None:
+        return False
+    return any(s.needs_sample and s.request.num_output_tokens <= s.request.num_pending
+               for s in inflight[0].seqs)
 
 
 def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bool:

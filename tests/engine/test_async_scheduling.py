@@ -144,6 +144,26 @@ def test_abort_while_a_step_is_unread(ckpt) -> None:
     _assert_clean(llm)
 
 
+def test_first_token_is_not_held_by_a_multi_step_decode(ckpt) -> None:
+    """Offline engines decode 8 steps per read: the step after an unread prefill decodes one
+    step, so the first token comes back alone, as soon as the prefill is read (it used to come
+    back with the 8 decode tokens after it: W1's TTFT was a prefill plus 8 decode steps)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = _run(_engine(ckpt, False)[0], [[4, 5, 6]], [params])[0][0]
+    llm, _ = _engine(ckpt, True, decode_steps=8)
+    core = llm.engine
+    core.add_request(Request("r", [4, 5, 6], params, eos_token_ids=(2,)))
+    per_step = []
+    while core.has_unfinished_requests():
+        per_step.append([t for out in core.step() for t in out.new_token_ids])
+    got = [t for step in per_step for t in step]
+    assert got == want
+    first = next(i for i, step in enumerate(per_step) if step)
+    assert len(per_step[first]) == 1
+    assert max(len(step) for step in per_step) > 1  # multi-step decode still runs after it
+    _assert_clean(llm)
+
+
 def test_prefix_cache_hashes_only_read_tokens(ckpt) -> None:
     """A follow-up prompt that repeats a finished request's output hits the cached blocks of
     that output exactly as often with async steps (a block hashed while its tokens were still
