@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call (~6 min): W1 of two source trees on one machine, alternating (A B A B; ROUNDS), so the
-# ratio between trees is read on the same GPU. Run from tree B's root; tree A is another
-# checkout (e.g. `git archive <old commit>` unpacked next to it). GPU_TESTS: pytest paths run
-# first with `-m gpu` (tree B).
+# One device call (~6 min): W1 of two source trees on one machine, alternating A B (ROUNDS
+# times, default 2), so the ratio between trees is read on the same GPU. Run from tree B's root;
+# tree A is another checkout (e.g. `git archive <old commit>` unpacked next to it). GPU_TESTS:
+# pytest paths run first with `-m gpu` (tree B).
 #
-#   GPU_TESTS="tests/kernels/test_triton_paged_attention.py" bash benchmarks/run_w1_ab.sh ../old [RESULTS_DIR]
+#   GPU_TESTS="tests/kernels/test_triton_paged_attention.py" ROUNDS=1 \
+#     bash benchmarks/run_w1_ab.sh ../old [RESULTS_DIR]
 set -u
 TREE_A=$(cd "${1:?usage: run_w1_ab.sh TREE_A [RESULTS_DIR]}" && pwd)
 RESULTS=${2:-${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}}
