@@ -4,8 +4,10 @@ The config says, per group of layers (`config_groups`), how weights and input ac
 quantized, and which layers stay float (`ignore`: exact names or `re:` patterns, matched against
 the checkpoint's module names). This module reads that and maps it onto a slipstream method:
 FP8 W8A8 / W8A16 (float-quantized or naive-quantized: `weight` float8_e4m3fn, `weight_scale` per
-channel or per tensor, `input_scale` for static activations) loads with "fp8". Every other scheme
-is a ValueError naming what was found, never a load of packed integers as floats.
+channel or per tensor, `input_scale` for static activations) loads with "fp8"; INT4 W4A16
+(pack-quantized: `weight_packed` int32, `weight_scale` per group or channel, optional
+`weight_zero_point` / `weight_g_idx`) with "int4_awq". Every other scheme is a ValueError naming
+what was found, never a load of packed integers as floats.
 """
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ _FIELDS = ("weights", "input_activations", "output_activations")
 FP8_SUPPORTED = ("FP8 weights (type float, 8 bits, symmetric, strategy 'channel' or 'tensor'), "
                  "input activations FP8 dynamic per 'token' / 'tensor', static per 'tensor', or "
                  "none; formats " + " / ".join(FP8_FORMATS))
+INT4_FORMAT = "pack-quantized"  # eight 4-bit values per int32 along K (llm-compressor W4A16)
+INT4_ACTORDERS = (None, "group", "weight")
+INT4_SUPPORTED = ("INT4 weight-only W4A16 (type int, 4 bits, symmetric or asymmetric with "
+                  "weight_zero_point, static, strategy 'group' or 'channel', actorder none / "
+                  f"'group' / 'weight', no activation quantization); format {INT4_FORMAT!r}")
+SUPPORTED = f"{FP8_SUPPORTED}. {INT4_SUPPORTED}"
+# Newer compressed-tensors spellings of the two activation orders (same layouts).
+_ACTORDER_ALIASES = {"dynamic": "group", "static": "weight"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,7 @@ class QuantArgs:
     dynamic: bool | str
     group_size: int | None
     block_structure: tuple | str | None
+    actorder: str | None = None  # GPTQ activation order: None, "group" (g_idx stored), "weight"
 
     @classmethod
     def parse(cls, args: dict | None) -> QuantArgs | None:
@@ -48,7 +59,8 @@ class QuantArgs:
         return cls(num_bits=int(args.get("num_bits", 8)), type=str(args.get("type", "int")),
                    strategy=str(strategy), symmetric=bool(args.get("symmetric", True)),
                    dynamic=args.get("dynamic", False), group_size=group_size,
-                   block_structure=_hashable(args.get("block_structure")))
+                   block_structure=_hashable(args.get("block_structure")),
+                   actorder=_parse_actorder(args.get("actorder")))
 
     def describe(self) -> str:
         kind = f"{self.type}{self.num_bits}"
@@ -58,7 +70,18 @@ class QuantArgs:
             strategy = f"block{list(block) if isinstance(block, tuple) else block}"
         when = "dynamic" if self.dynamic is True else "static" if not self.dynamic else self.dynamic
         sym = "" if self.symmetric else " asymmetric"
-        return f"{kind} {strategy} {when}{sym}"
+        order = f" actorder {self.actorder}" if self.actorder else ""
+        return f"{kind} {strategy} {when}{sym}{order}"
+
+
+def _parse_actorder(value) -> str | None:
+    """None, "group" or "weight" (older configs: a bool, True meaning "group")."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "group"
+    name = str(value).lower()
+    return _ACTORDER_ALIASES.get(name, name)
 
 
 @dataclass(frozen=True)
@@ -113,7 +136,7 @@ def parse_config(qc: dict) -> CompressedTensorsConfig:
         found = "; ".join(f"{name}: {s.describe()}" for name, s in schemes.items())
         raise ValueError(f"compressed-tensors checkpoint with different schemes per config group "
                          f"is not supported (found {found}); supported: one scheme for every "
-                         f"group: {FP8_SUPPORTED}")
+                         f"group: {SUPPORTED}")
     targets = tuple(t for group in groups.values() for t in group.get("targets") or ())
     ignore = tuple(qc.get("ignore") or ())
     for pattern in targets:
@@ -170,9 +193,33 @@ def _fp8_args_problem(what: str, args: QuantArgs, modes: tuple[tuple[str, bool],
     return None
 
 
+def int4_problem(scheme: Scheme) -> str | None:
+    """Why `scheme` is not one the "int4_awq" method loads (None: it is)."""
+    if scheme.format != INT4_FORMAT:
+        return f"format {scheme.format or '(none)'!r}"
+    weights = scheme.weights
+    if weights is None:
+        return "no weight quantization"
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        return "activations are quantized (weight-only W4A16 only)"
+    if (weights.type, weights.num_bits) != ("int", 4):
+        return f"weights are {weights.type}{weights.num_bits}, not int4"
+    if weights.dynamic is not False:
+        return f"weights have dynamic={weights.dynamic}"
+    if weights.strategy not in ("group", "channel") or weights.block_structure:
+        return f"weights strategy {weights.strategy!r}"
+    group = weights.group_size
+    if weights.strategy == "group" and (not isinstance(group, int) or group <= 0):
+        return f"weights group size {group!r}"
+    if weights.actorder not in INT4_ACTORDERS:
+        return f"weights actorder {weights.actorder!r}"
+    return None
+
+
 # slipstream method -> why a scheme is not one it loads (None: it loads it). A new method that
 # reads compressed-tensors checkpoints adds one entry here.
-_METHOD_PROBLEMS: dict[str, Callable[[Scheme], str | None]] = {"fp8": fp8_problem}
+_METHOD_PROBLEMS: dict[str, Callable[[Scheme], str | None]] = {"fp8": fp8_problem,
+                                                               "int4_awq": int4_problem}
 
 
 def checkpoint_method(qc: dict) -> str:
@@ -185,7 +232,7 @@ def checkpoint_method(qc: dict) -> str:
             return method
         problems.append(f"{method}: {problem}")
     raise ValueError(f"compressed-tensors checkpoint with {scheme.describe()} is not supported "
-                     f"({'; '.join(problems)}); supported: {FP8_SUPPORTED}")
+                     f"({'; '.join(problems)}); supported: {SUPPORTED}")
 
 
 def layer_filter(config: CompressedTensorsConfig, packed: dict[str, list[str]]
@@ -276,3 +323,10 @@ def fp8_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], 
         logger.info("compressed-tensors FP8 weight-only (W8A16) checkpoint: runs as fp8, whose "
                     "large-batch matmuls quantize activations per token")
     return layer_filter(config, packed_modules_of(hf_config)), config.scheme.static_input_scale
+
+
+def int4_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], QuantArgs]:
+    """For the "int4_awq" method: (is this slipstream layer quantized?, the weights' arguments)."""
+    config = parse_config(qc)
+    check_lm_head(config)
+    return layer_filter(config, packed_modules_of(hf_config)), config.scheme.weights

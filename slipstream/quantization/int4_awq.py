@@ -2,12 +2,14 @@
 
 Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` first runs AWQ's
 activation-aware scale and clipping search, awq.py), or pre-quantized
-AutoAWQ (GEMM) and GPTQ checkpoints. All become one layout: qweight uint8 [N, K/2] (two values
-per byte along K), scales float16 [N, K/G], zeros uint8 [N, K/G]; w = (q - zero) * scale.
+AutoAWQ (GEMM), GPTQ and compressed-tensors W4A16 (pack-quantized, llm-compressor) checkpoints.
+All become one layout: qweight uint8 [N, K/2] (two values per byte along K), scales float16
+[N, K/G], zeros uint8 [N, K/G]; w = (q - zero) * scale.
 
-GPTQ act-order (desc_act) checkpoints assign input columns to groups out of order (g_idx). Their
-columns are permuted at load so that each group is contiguous, and the layer keeps the
-permutation as a buffer (ACT_ORDER_PERM): apply gathers x's columns in the same order first.
+GPTQ act-order (desc_act; compressed-tensors actorder "group") checkpoints assign input columns
+to groups out of order (g_idx). Their columns are permuted at load so that each group is
+contiguous, and the layer keeps the permutation as a buffer (ACT_ORDER_PERM): apply gathers x's
+columns in the same order first.
 """
 from __future__ import annotations
 
@@ -18,40 +20,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization import awq as awq_mod
+from slipstream.quantization import compressed_tensors
 from slipstream.quantization import utils as qu
-from slipstream.quantization.base import QuantMethod, register_quant_method
+from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod, register_quant_method
 from slipstream.quantization.calibration import collect_prompts
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
 ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
+CT_ZERO = 8  # compressed-tensors stores signed 4-bit q as q + 8: symmetric layers have zero 8
+_CT_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 NEEDS_CALIBRATION = True
 # AWQ runs the model on the prompts itself: the engine pass of collect_linear_stats is not needed.
 collect_calibration = collect_prompts
 
 
 class Int4LinearMethod(QuantMethod):
-    """layout: None (float checkpoint, RTN after loading), "awq" or "gptq" (pre-quantized).
+    """layout: None (float checkpoint, RTN after loading), "awq", "gptq" or "compressed"
+    (compressed-tensors pack-quantized; group_size None: per channel, one group of K per row).
 
-    act_order: the checkpoint says desc_act (only used to refuse K-split layers up front; whether
-    a layer is permuted is read from its g_idx, so static-group act-order keeps the fast path).
+    act_order: the checkpoint says desc_act / actorder "group" (refuses K-split layers up front;
+    "compressed" layers then have a weight_g_idx. Whether a layer is permuted is read from its
+    g_idx, so static-group act-order keeps the fast path). symmetric: compressed layers without
+    weight_zero_point (zero 8).
     """
 
-    def __init__(self, group_size: int = DEFAULT_GROUP, layout: str | None = None,
-                 gptq_zero_offset: int = 1, act_order: bool = False):
+    def __init__(self, group_size: int | None = DEFAULT_GROUP, layout: str | None = None,
+                 gptq_zero_offset: int = 1, act_order: bool = False, symmetric: bool = True):
         self.group_size, self.layout = group_size, layout
         self.gptq_zero_offset = gptq_zero_offset  # GPTQ v1 stores zero - 1
-        self.act_order = act_order
+        self.act_order, self.symmetric = act_order, symmetric
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
+        if self.group_size is None:  # per-channel scales: one group spans the whole row
+            self.group_size = input_size
         n, k, g = sum(output_sizes), input_size, self.group_size
         if k % g or any(s % 8 for s in output_sizes):
             raise ValueError(f"int4_awq: input size {k} must be a multiple of the group size {g} "
                              f"and output sizes {output_sizes} multiples of 8")
         if self.act_order:
             _check_act_order_split(layer)
+        if self.layout == "compressed":
+            self._create_compressed(layer, k, output_sizes)
+            return
         if self.layout is None:
             layer.register_parameter("weight", qu.new_param(
                 torch.empty(n, k, dtype=params_dtype), output_dim=0, input_dim=1))
@@ -67,6 +80,28 @@ class Int4LinearMethod(QuantMethod):
         }
         if self.layout == "gptq":  # one row per fused shard: they must agree (act_order_perm)
             params["g_idx"] = (torch.empty(len(output_sizes), k, dtype=torch.int32), _g_idx_loader)
+        for name, (data, loader) in params.items():
+            layer.register_parameter(name, qu.new_param(data, weight_loader=loader))
+
+    def _create_compressed(self, layer: nn.Module, k: int, output_sizes: list[int]) -> None:
+        """weight_packed int32 [N, K/8] and weight_scale [N, K/G] (rows per fused shard), each
+        shard's weight_shape, weight_zero_point (asymmetric), weight_g_idx (actorder group)."""
+        if k % 8:
+            raise ValueError(f"int4_awq: pack-quantized input size {k} must be a multiple of 8")
+        n, shards = sum(output_sizes), len(output_sizes)
+        rows = qu.packed_shard_loader(output_sizes, 0)
+        params = {
+            "weight_packed": (torch.empty(n, k // 8, dtype=torch.int32), rows),
+            # float32 holds bf16 and fp16 checkpoint scales exactly until the fp16 conversion
+            "weight_scale": (torch.empty(n, k // self.group_size, dtype=torch.float32), rows),
+            "weight_shape": (torch.empty(shards, 2, dtype=torch.int64),
+                             _weight_shape_loader(output_sizes, k)),
+        }
+        if not self.symmetric:  # unpacked to the canonical zeros (0..15) as it loads
+            params["weight_zero_point"] = (torch.empty(n, k // self.group_size, dtype=torch.uint8),
+                                           _zero_point_loader(output_sizes))
+        if self.act_order:
+            params["weight_g_idx"] = (torch.empty(shards, k, dtype=torch.int32), _g_idx_loader)
         for name, (data, loader) in params.items():
             layer.register_parameter(name, qu.new_param(data, weight_loader=loader))
 
@@ -90,6 +125,8 @@ class Int4LinearMethod(QuantMethod):
 
     def _unpack_checkpoint(self, layer: nn.Module):
         """(q [N, K], scales, zeros, perm): perm None, or the act-order column order of q."""
+        if self.layout == "compressed":
+            return self._unpack_compressed(layer)
         qweight, qzeros = layer.qweight.data.cpu(), layer.qzeros.data.cpu()
         scales = layer.scales.data.t().contiguous()
         perm = None
@@ -107,6 +144,23 @@ class Int4LinearMethod(QuantMethod):
         for name in ("qweight", "qzeros", "scales"):
             del layer._parameters[name]
         return q.contiguous(), scales.half(), zeros.to(torch.uint8).contiguous(), perm
+
+    def _unpack_compressed(self, layer: nn.Module):
+        """compressed-tensors pack-quantized -> (q [N, K], scales, zeros, perm) as above."""
+        q = qu.unpack_int32_cols(layer.weight_packed.data.cpu())  # lowest nibble first, along K
+        scales = _fp16_scales(layer.weight_scale.data)
+        if self.symmetric:
+            zeros = torch.full(scales.shape, CT_ZERO, dtype=torch.uint8)
+        else:
+            zeros = layer.weight_zero_point.data.cpu()
+        perm = None
+        if self.act_order:
+            perm = act_order_perm(layer.weight_g_idx.data.cpu(), self.group_size, tuple(q.shape))
+            if perm is not None:
+                q = q[:, perm]
+        for name in _CT_PARAMS:
+            layer._parameters.pop(name, None)
+        return q.contiguous(), scales, zeros.contiguous(), perm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         fn = _int4_linear()
@@ -200,6 +254,62 @@ def _check_act_order_split(layer: nn.Module) -> None:
             f"{layer.tp_size} ranks; load them with tensor_parallel_size=1")
 
 
+def _weight_shape_loader(output_sizes: list[int], k: int):
+    """weight_shape (N, K) of each checkpoint module: checked against the layer's shard."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        index = shard or 0
+        want = (output_sizes[index] if shard is not None else sum(output_sizes), k)
+        found = tuple(int(v) for v in loaded.reshape(-1).tolist())
+        if found != want:
+            raise ValueError(f"weight_shape {list(found)} does not match the layer's {list(want)}")
+        param.data[index].copy_(torch.tensor(want))
+
+    return load
+
+
+def _zero_point_loader(output_sizes: list[int]):
+    """weight_zero_point -> canonical zeros in the shard's rows (see ct_zero_points)."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        dest = param.data
+        if shard is not None:
+            dest = dest.narrow(0, sum(output_sizes[:shard]), output_sizes[shard])
+        dest.copy_(ct_zero_points(loaded, tuple(dest.shape)))
+
+    return load
+
+
+def ct_zero_points(loaded: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """compressed-tensors asymmetric zero points -> uint8 [N, K/G] in 0..15 (our zero = zp + 8).
+
+    compressed-tensors >= 0.10 packs them like the weight but along N: int32 [ceil(N/8), K/G],
+    nibble i of row j holding output row 8j + i, stored as zp + 8. Older versions saved the
+    signed values unpacked, [N, K/G].
+    """
+    n, groups = shape
+    if loaded.dtype == torch.int32 and tuple(loaded.shape) == ((n + 7) // 8, groups):
+        return qu.unpack_int32_cols(loaded.t().contiguous())[:, :n].t()
+    if tuple(loaded.shape) == (n, groups) and not loaded.is_floating_point():
+        zeros = loaded.to(torch.int16) + CT_ZERO
+        if bool(((zeros < 0) | (zeros > 15)).any()):
+            raise ValueError("weight_zero_point outside the signed 4-bit range -8..7")
+        return zeros.to(torch.uint8)
+    raise ValueError(f"weight_zero_point {loaded.dtype} {list(loaded.shape)}: expected int32 "
+                     f"[{(n + 7) // 8}, {groups}] (packed along N) or [{n}, {groups}]")
+
+
+def _fp16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The canonical float16 scales; bf16 scales are exact in fp16's normal range."""
+    half = scales.half()
+    if not bool(torch.isfinite(half).all()):
+        raise ValueError(f"int4_awq: weight scales up to {scales.abs().max().item():.3g} exceed "
+                         "float16's range")
+    error = ((half.float() - scales.float()).abs() / scales.float().abs().clamp_min(1e-30)).max()
+    if error.item() > 2.0 ** -11:  # more than float16 rounding: tiny (subnormal) scales
+        logger.warning("int4_awq: float16 loses precision on some weight scales (relative error "
+                       "up to %.2g)", error.item())
+    return half
+
+
 def _g_idx_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
     """g_idx [shards, K]: row `shard` (every row for an unfused tensor)."""
     if loaded.numel() != param.shape[1]:
@@ -223,6 +333,8 @@ def make_method(group_size: int = DEFAULT_GROUP, awq: bool = True) -> Int4Linear
 def make_int4(hf_config: dict):
     prequantized = qu.check_checkpoint_method("int4_awq", hf_config)
     qc = qu.quant_config_of(hf_config)
+    if prequantized and compressed_tensors.is_compressed_tensors(qc):
+        return _compressed_tensors_methods(hf_config, qc)
     group = int(qc.get("group_size", DEFAULT_GROUP))
     layout = None
     if prequantized:
@@ -238,6 +350,23 @@ def make_int4(hf_config: dict):
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
     act_order = layout == "gptq" and bool(qc.get("desc_act"))
     return lambda prefix: Int4LinearMethod(group, layout, offset, act_order)
+
+
+def _compressed_tensors_methods(hf_config: dict, qc: dict):
+    """llm-compressor W4A16 (scheme checked by compressed_tensors.int4_problem): layers outside
+    the targets or in `ignore` stay float."""
+    quantized, weights = compressed_tensors.int4_layer_filter(hf_config, qc)
+    group = int(weights.group_size) if weights.strategy == "group" else None
+    # Only actorder "group" stores g_idx; "weight" reorders GPTQ's work but keeps groups contiguous.
+    act_order = weights.actorder == "group"
+
+    def method_for(prefix: str) -> QuantMethod:
+        if not quantized(prefix):
+            return UnquantizedLinearMethod()
+        return Int4LinearMethod(group, "compressed", act_order=act_order,
+                                symmetric=weights.symmetric)
+
+    return method_for
 
 
 # --- AWQ: activation-aware scale and clipping search (slipstream/quantization/awq.py) ------------

@@ -229,8 +229,8 @@ def _hf(qc: dict) -> dict:
 
 
 UNSUPPORTED = {
-    "int4 pack-quantized": (ct_config(INT4_PACKED, None, fmt="pack-quantized"),
-                            r"int4 group\(128\).*'pack-quantized'"),
+    "int4 W4A8 pack-quantized": (ct_config(INT4_PACKED, DYNAMIC_TOKEN, fmt="pack-quantized"),
+                                 r"int4 group\(128\).*'pack-quantized'.*activations are quantized"),
     "fp8 group": (ct_config({**FP8_WEIGHTS, "strategy": "group", "group_size": 128}),
                   r"float8 group\(128\)"),
     "fp8 block": (ct_config({**FP8_WEIGHTS, "strategy": "block", "block_structure": [128, 128]}),
@@ -267,11 +267,12 @@ def test_same_scheme_in_two_groups_loads() -> None:
     assert detect_quant_method(_hf(qc)) == "fp8"
 
 
-def test_int4_checkpoint_never_loads_as_floats(tiny, tmp_path) -> None:
-    ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(INT4_PACKED, None, fmt="pack-quantized"))
-    with pytest.raises(ValueError, match="pack-quantized.*is not supported"):
-        _llm(ct_dir)
-    with pytest.raises(ValueError, match="pack-quantized.*is not supported"):
+def test_int4_config_never_loads_fp8_tensors(tiny, tmp_path) -> None:
+    int4 = {**INT4_PACKED, "group_size": 32}  # divides the tiny model's K: the tensors decide
+    ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(int4, None, fmt="pack-quantized"))
+    with pytest.raises(ValueError, match=r"unexpected tensor '.*_proj\.weight'"):
+        _llm(ct_dir)  # int4_awq (W4A16) expects weight_packed, not float8 weights
+    with pytest.raises(ValueError, match="already quantized with 'int4_awq'"):
         _llm(ct_dir, "fp8")
 
 
