@@ -121,6 +121,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue
         if name not in name_map and load_kv_scale(model, name, tensor):
             continue  # optional per-layer KV-cache scale (fp8 / int8 caches)
+        if name not in name_map and _unused_by_quant_method(model, name_map, name):
+            continue  # e.g. fbgemm_fp8's input_scale_ub: a bound the fp8 method does not apply
         if name not in name_map:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint: no such parameter "
                              f"in {type(model).__name__}")
@@ -135,6 +137,18 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
+
+
+def _unused_by_quant_method(model: nn.Module, name_map: dict[str, tuple[str, int | None]],
+                            name: str) -> bool:
+    """Whether `name` is a tensor its layer's quant method declares unused (checkpoint module
+    names are mapped through the weight's entry, so q/k/v_proj find the fused qkv_proj)."""
+    module_name, _, leaf = name.rpartition(".")
+    weight = name_map.get(f"{module_name}.weight")
+    if weight is None:
+        return False
+    method = getattr(model.get_submodule(weight[0].rpartition(".")[0]), "quant_method", None)
+    return leaf in getattr(method, "unused_checkpoint_tensors", ())
 
 
 def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor,

@@ -173,9 +173,10 @@ def quant_config_of(hf_config: dict | None) -> dict:
     return dict((hf_config or {}).get("quantization_config") or {})
 
 
-# checkpoint quant_method -> slipstream method that loads it
-_CHECKPOINT_METHODS = {"int8_wo": "int8_wo", "fp8": "fp8", "awq": "int4_awq", "gptq": "int4_awq",
-                       "int4_awq": "int4_awq", "w8a8_sq": "w8a8_sq"}
+# checkpoint quant_method -> slipstream method that loads it (fbgemm_fp8: Meta's FP8 Llama 3.1,
+# per-channel weights and dynamic per-token activations, the fp8 method's own layout)
+_CHECKPOINT_METHODS = {"int8_wo": "int8_wo", "fp8": "fp8", "fbgemm_fp8": "fp8", "awq": "int4_awq",
+                       "gptq": "int4_awq", "int4_awq": "int4_awq", "w8a8_sq": "w8a8_sq"}
 
 
 def detect_quant_method(hf_config: dict | None) -> str | None:
