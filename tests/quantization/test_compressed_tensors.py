@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from slipstream import LLM, SamplingParams
 from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.fp8 import Fp8LinearMethod
 from slipstream.quantization.utils import FP8_DTYPE, FP8_MAX, detect_quant_method, quantize_fp8_per_channel
 from tests.helpers import make_tiny_checkpoint
+from tests.quantization.checkpoint_io import (
+    greedy_and_scores,
+    load_llm,
+    quantized_layers,
+    save_checkpoint,
+)
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
 LINEAR = re.compile(r"(model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj)\.weight$")
 
 # Float8 arguments as llm-compressor writes them (FP8_DYNAMIC / FP8 presets).
@@ -101,39 +103,8 @@ def write_pair(src: Path, dst: Path, *, strategy: str = "channel", static: bool 
     activations = STATIC_TENSOR if static else DYNAMIC_TOKEN
     ct = ct or ct_config({**FP8_WEIGHTS, "strategy": strategy}, activations)
     fp8 = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic"}
-    return (_save(src, dst / "ct", ct_tensors, ct), _save(src, dst / "fp8", fp8_tensors, fp8))
-
-
-def _save(src: Path, out: Path, tensors: dict, quant_config: dict) -> Path:
-    out.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quant_config
-    (out / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    return out
-
-
-def _llm(path: Path, quantization: str | None = None) -> LLM:
-    return LLM(str(path), quantization=quantization, kv_cache_memory=16 << 20)
-
-
-def _outputs(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
-    """Greedy tokens, and each one's teacher-forced logprob."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    scored = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, tokens)], SCORE,
-                          use_tqdm=False)
-    lps = [o.prompt_logprobs[len(p) + i][tok] for p, c, o in zip(prompts, tokens, scored)
-           for i, tok in enumerate(c)]
-    return tokens, lps
-
-
-def _layers(llm: LLM) -> dict[str, torch.nn.Module]:
-    model = llm.engine.runner.model
-    return {n: m for n, m in model.named_modules() if hasattr(m, "quant_method")}
+    return (save_checkpoint(src, dst / "ct", ct_tensors, ct),
+            save_checkpoint(src, dst / "fp8", fp8_tensors, fp8))
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])  # auto-detected, explicit
@@ -143,21 +114,21 @@ def test_channel_fp8_matches_fp8_checkpoint(tiny, prompts, tmp_path, quantizatio
     ct = ct_config(activations=DYNAMIC_TOKEN if activations else None)
     ct_dir, fp8_dir = write_pair(tiny, tmp_path, scale_dtype=torch.bfloat16, ct=ct)
     assert detect_quant_method(json.loads((ct_dir / "config.json").read_text())) == "fp8"
-    llm = _llm(ct_dir, quantization)
-    qkv = _layers(llm)["model.layers.0.self_attn.qkv_proj"]
+    llm = load_llm(ct_dir, quantization)
+    qkv = quantized_layers(llm)["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(qkv.quant_method, Fp8LinearMethod) and qkv.weight.dtype == FP8_DTYPE
     # [N, 1] bf16 checkpoint scales land as float32 [N], q then k then v.
     ckpt = load_file(str(ct_dir / "model.safetensors"))
     want = torch.cat([ckpt[f"model.layers.0.self_attn.{p}_proj.weight_scale"] for p in "qkv"])
     assert qkv.weight_scale.dtype == torch.float32
     assert torch.equal(qkv.weight_scale, want.float().reshape(-1))
-    assert _outputs(llm, prompts) == _outputs(_llm(fp8_dir), prompts)
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(fp8_dir), prompts)
 
 
 def test_tensor_fp8_static_matches_fp8_static_checkpoint(tiny, prompts, tmp_path) -> None:
     ct_dir, fp8_dir = write_pair(tiny, tmp_path, strategy="tensor", static=True)
-    llm = _llm(ct_dir)
-    layers = _layers(llm)
+    llm = load_llm(ct_dir)
+    layers = quantized_layers(llm)
     gate_up = layers["model.layers.1.mlp.gate_up_proj"]
     assert gate_up.quant_method.static_input_scale
     ckpt = load_file(str(ct_dir / "model.safetensors"))
@@ -167,7 +138,7 @@ def test_tensor_fp8_static_matches_fp8_static_checkpoint(tiny, prompts, tmp_path
         block = gate_up.weight_scale[shard * rows:(shard + 1) * rows]
         assert torch.equal(block, scale.expand(rows))
         assert gate_up.input_scale[shard] == ckpt[f"model.layers.1.mlp.{name}.input_scale"]
-    assert _outputs(llm, prompts) == _outputs(_llm(fp8_dir), prompts)
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(fp8_dir), prompts)
 
 
 def _as_float(layer: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -186,13 +157,13 @@ def test_ignored_layers_stay_float(tiny, prompts, tmp_path) -> None:
                      "model.layers.1.self_attn.o_proj"}
     ct_dir, fp8_dir = write_pair(tiny, tmp_path, ct=ct_config(ignore=ignore),
                                  keep_float=float_modules)
-    llm = _llm(ct_dir)
+    llm = load_llm(ct_dir)
     original = load_file(str(tiny / "model.safetensors"))
     floats = {"model.layers.0.self_attn.qkv_proj": torch.cat(
                   [original[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
               "model.layers.1.mlp.down_proj": original["model.layers.1.mlp.down_proj.weight"],
               "model.layers.1.self_attn.o_proj": original["model.layers.1.self_attn.o_proj.weight"]}
-    for name, layer in _layers(llm).items():
+    for name, layer in quantized_layers(llm).items():
         if name in floats:
             assert type(layer.quant_method) is UnquantizedLinearMethod, name
             assert "weight_scale" not in layer._parameters
@@ -203,11 +174,11 @@ def test_ignored_layers_stay_float(tiny, prompts, tmp_path) -> None:
     head = llm.engine.runner.model.lm_head
     assert head.weight.dtype == torch.float32 and torch.equal(head.weight, original["lm_head.weight"])
     # The same function as the all-fp8 model with those layers made float by hand.
-    want = _llm(fp8_dir)
-    for name, layer in _layers(want).items():
+    want = load_llm(fp8_dir)
+    for name, layer in quantized_layers(want).items():
         if name in floats:
             _as_float(layer, floats[name])
-    assert _outputs(llm, prompts) == _outputs(want, prompts)
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(want, prompts)
 
 
 def test_partly_ignored_fused_layer_is_an_error(tiny, tmp_path) -> None:
@@ -215,13 +186,13 @@ def test_partly_ignored_fused_layer_is_an_error(tiny, tmp_path) -> None:
     ct_dir, _ = write_pair(tiny, tmp_path, ct=ct, keep_float={"model.layers.0.self_attn.k_proj"})
     with pytest.raises(ValueError, match=r"only some of the modules fused into "
                                          r"model\.layers\.0\.self_attn\.qkv_proj"):
-        _llm(ct_dir)
+        load_llm(ct_dir)
 
 
 def test_quantized_lm_head_is_an_error(tiny, tmp_path) -> None:
     ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(ignore=[]))
     with pytest.raises(ValueError, match="quantizes lm_head"):
-        _llm(ct_dir)
+        load_llm(ct_dir)
 
 
 def _hf(qc: dict) -> dict:
@@ -271,12 +242,12 @@ def test_int4_config_never_loads_fp8_tensors(tiny, tmp_path) -> None:
     int4 = {**INT4_PACKED, "group_size": 32}  # divides the tiny model's K: the tensors decide
     ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(int4, None, fmt="pack-quantized"))
     with pytest.raises(ValueError, match=r"unexpected tensor '.*_proj\.weight'"):
-        _llm(ct_dir)  # int4_awq (W4A16) expects weight_packed, not float8 weights
+        load_llm(ct_dir)  # int4_awq (W4A16) expects weight_packed, not float8 weights
     with pytest.raises(ValueError, match="already quantized with 'int4_awq'"):
-        _llm(ct_dir, "fp8")
+        load_llm(ct_dir, "fp8")
 
 
 def test_explicit_other_method_is_the_mismatch_error(tiny, tmp_path) -> None:
     ct_dir, _ = write_pair(tiny, tmp_path)
     with pytest.raises(ValueError, match="already quantized with 'fp8'"):
-        _llm(ct_dir, "int8_wo")
+        load_llm(ct_dir, "int8_wo")

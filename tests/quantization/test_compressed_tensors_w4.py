@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.layers.linear import ColumnParallelLinear, QKVParallelLinear
@@ -24,6 +23,7 @@ from slipstream.quantization.base import UnquantizedLinearMethod, get_quant_meth
 from slipstream.quantization.int4_awq import ACT_ORDER_PERM, Int4LinearMethod, dequantize_layer
 from slipstream.quantization.utils import detect_quant_method
 from tests.helpers import make_tiny_checkpoint
+from tests.quantization.checkpoint_io import load_llm, quantized_layers, save_checkpoint
 
 GROUP = 32
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -136,20 +136,7 @@ def write_pair(src: Path, dst: Path, *, symmetric: bool = True, act_order: bool 
         quant = quantize_w4(t, t.shape[1] if channel else GROUP, symmetric, scale_dtype, g_idx)
         ct.update(ct_tensors(module, quant, symmetric, g_idx))
         floats[name] = quant["deq"]
-    return _save(src, dst / "ct", ct, qc), _save(src, dst / "float", floats, None)
-
-
-def _save(src: Path, out: Path, tensors: dict, quant_config: dict | None) -> Path:
-    out.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    if quant_config is not None:
-        config["quantization_config"] = quant_config
-    (out / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    return out
+    return save_checkpoint(src, dst / "ct", ct, qc), save_checkpoint(src, dst / "float", floats, None)
 
 
 # --- the engine side -------------------------------------------------------------------------------
@@ -160,18 +147,9 @@ def tiny(tmp_path_factory) -> Path:
                                 hidden_size=128, intermediate_size=256)
 
 
-def _llm(path: Path, quantization: str | None = None) -> LLM:
-    return LLM(str(path), quantization=quantization, kv_cache_memory=16 << 20)
-
-
 def _greedy(llm: LLM) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _layers(llm: LLM) -> dict[str, torch.nn.Module]:
-    model = llm.engine.runner.model
-    return {n: m for n, m in model.named_modules() if hasattr(m, "quant_method")}
 
 
 def _float_weights(float_dir: Path) -> dict[str, torch.Tensor]:
@@ -193,7 +171,7 @@ def _assert_layers_match(llm: LLM, float_dir: Path, float_layers: tuple[str, ...
     """Quantized layers dequantize to the float checkpoint's weights exactly; float_layers (name
     endings) are plain float layers holding them."""
     want = _float_weights(float_dir)
-    for name, layer in _layers(llm).items():
+    for name, layer in quantized_layers(llm).items():
         if name.endswith(float_layers):
             assert type(layer.quant_method) is UnquantizedLinearMethod, name
             assert torch.equal(layer.weight, want[name]), name
@@ -221,35 +199,35 @@ def test_w4a16_llama_generates_like_its_dequantized_float_model(tiny, tmp_path, 
     options, weights = CASES[case]
     ct_dir, float_dir = write_pair(tiny, tmp_path, qc=w4_config(weights), **options)
     assert detect_quant_method(json.loads((ct_dir / "config.json").read_text())) == "int4_awq"
-    llm = _llm(ct_dir)  # auto-detected
+    llm = load_llm(ct_dir)  # auto-detected
     _assert_layers_match(llm, float_dir)
-    qkv = _layers(llm)["model.layers.0.self_attn.qkv_proj"]
+    qkv = quantized_layers(llm)["model.layers.0.self_attn.qkv_proj"]
     groups = 1 if case == "channel" else 128 // GROUP
     assert qkv.scales.shape == (qkv.output_size, groups)
     assert (ACT_ORDER_PERM in dict(qkv.named_buffers())) == options.get("act_order", False)
     if options.get("symmetric", True):
         assert bool((qkv.zeros == 8).all())
-    assert _greedy(llm) == _greedy(_llm(float_dir))
+    assert _greedy(llm) == _greedy(load_llm(float_dir))
 
 
 def test_explicit_method_loads_and_another_one_is_the_mismatch_error(tiny, tmp_path) -> None:
     ct_dir, float_dir = write_pair(tiny, tmp_path, qc=w4_config())
-    assert _greedy(_llm(ct_dir, "int4_awq")) == _greedy(_llm(float_dir))
+    assert _greedy(load_llm(ct_dir, "int4_awq")) == _greedy(load_llm(float_dir))
     with pytest.raises(ValueError, match="already quantized with 'int4_awq'"):
-        _llm(ct_dir, "fp8")
+        load_llm(ct_dir, "fp8")
 
 
 def test_ignored_layers_stay_float(tiny, tmp_path) -> None:
     qc = w4_config(ignore=["lm_head", "re:.*down_proj"])
     ct_dir, float_dir = write_pair(tiny, tmp_path, qc=qc, keep_float=frozenset({"down_proj"}))
-    llm = _llm(ct_dir)
+    llm = load_llm(ct_dir)
     _assert_layers_match(llm, float_dir, float_layers=("down_proj",))
     original = load_file(str(tiny / "model.safetensors"))
     head = llm.engine.runner.model.lm_head
     assert torch.equal(head.weight, original["lm_head.weight"])
-    assert torch.equal(_layers(llm)["model.layers.1.mlp.down_proj"].weight,
+    assert torch.equal(quantized_layers(llm)["model.layers.1.mlp.down_proj"].weight,
                        original["model.layers.1.mlp.down_proj.weight"])
-    assert _greedy(llm) == _greedy(_llm(float_dir))
+    assert _greedy(llm) == _greedy(load_llm(float_dir))
 
 
 # --- one layer at a time ---------------------------------------------------------------------------

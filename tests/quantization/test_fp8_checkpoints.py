@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from slipstream import LLM, SamplingParams
 from slipstream.quantization import fp8
 from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.fp8 import Fp8LinearMethod
@@ -30,9 +28,14 @@ from slipstream.quantization.utils import (
     quantize_fp8_per_channel,
 )
 from tests.helpers import make_tiny_checkpoint
+from tests.quantization.checkpoint_io import (
+    greedy_and_scores,
+    load_llm,
+    quantized_layers,
+    save_checkpoint,
+    teacher_forced,
+)
 
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
 LINEAR = re.compile(r"(model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj)\.weight$")
 # Not multiples of either block dim in the tiny model (hidden 64, kv 32, intermediate 128), and
 # rows != cols so a transposed block grid shows.
@@ -63,17 +66,7 @@ def write_checkpoint(src: Path, out: Path, quant_config: dict | None, convert: C
             tensors[name] = t
         else:
             tensors.update({f"{m.group(1)}.{leaf}": v for leaf, v in converted.items()})
-    out.mkdir(parents=True)
-    config = json.loads((src / "config.json").read_text())
-    config.pop("quantization_config", None)
-    if quant_config is not None:
-        config["quantization_config"] = quant_config
-    (out / "config.json").write_text(json.dumps(config))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    return out
+    return save_checkpoint(src, out, tensors, quant_config)
 
 
 def per_channel(keep_float: frozenset[str] = frozenset(), scale_shape: str = "[N]",
@@ -89,40 +82,6 @@ def per_channel(keep_float: frozenset[str] = frozenset(), scale_shape: str = "[N
         return {"weight": q, "weight_scale": stored.to(scale_dtype)}
 
     return convert
-
-
-def _llm(path: Path, quantization: str | None = None) -> LLM:
-    return LLM(str(path), quantization=quantization, kv_cache_memory=16 << 20)
-
-
-def _outputs(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
-    """Greedy tokens, and each one's teacher-forced logprob."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return tokens, _scores(llm, prompts, tokens)
-
-
-def _scores(llm: LLM, prompts: list[list[int]], tokens: list[list[int]]) -> list[float]:
-    """Teacher-forced logprob of each of `tokens` after its prompt."""
-    return [lp for lp, _ in _teacher_forced(llm, prompts, tokens)]
-
-
-def _teacher_forced(llm: LLM, prompts: list[list[int]], tokens: list[list[int]]
-                    ) -> list[tuple[float, bool]]:
-    """(logprob, is it the model's top-1?) of each of `tokens`, fed its prompt and predecessors."""
-    scored = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, tokens)], SCORE,
-                          use_tqdm=False)
-    out = []
-    for p, c, o in zip(prompts, tokens, scored):
-        for i, tok in enumerate(c):
-            candidates = o.prompt_logprobs[len(p) + i]  # the token and the top-1
-            out.append((candidates[tok], max(candidates, key=candidates.get) == tok))
-    return out
-
-
-def _layers(llm: LLM) -> dict[str, torch.nn.Module]:
-    model = llm.engine.runner.model
-    return {n: m for n, m in model.named_modules() if hasattr(m, "quant_method")}
 
 
 def _float_weight(weights: dict[str, torch.Tensor], layer: str, leaf: str = ".weight"
@@ -162,9 +121,9 @@ FLOAT_LAYERS = ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o
 def test_not_converted_layers_stay_float(tiny, prompts, tmp_path, key) -> None:
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic", key: NOT_CONVERTED}
     path = write_checkpoint(tiny, tmp_path / "mixed", qc, per_channel(FLOAT_MODULES))
-    llm = _llm(path)
+    llm = load_llm(path)
     original = load_file(str(tiny / "model.safetensors"))
-    for name, layer in _layers(llm).items():
+    for name, layer in quantized_layers(llm).items():
         if name in FLOAT_LAYERS:
             assert type(layer.quant_method) is UnquantizedLinearMethod, name
             assert "weight_scale" not in layer._parameters, name
@@ -174,11 +133,11 @@ def test_not_converted_layers_stay_float(tiny, prompts, tmp_path, key) -> None:
             assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.dtype == torch.float32
     # The same function as the all-fp8 checkpoint with those layers made float by hand.
     all_fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    want = _llm(write_checkpoint(tiny, tmp_path / "all", all_fp8, per_channel()))
-    for name, layer in _layers(want).items():
+    want = load_llm(write_checkpoint(tiny, tmp_path / "all", all_fp8, per_channel()))
+    for name, layer in quantized_layers(want).items():
         if name in FLOAT_LAYERS:
             _make_float(layer, _float_weight(original, name))
-    assert _outputs(llm, prompts) == _outputs(want, prompts)
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(want, prompts)
 
 
 def test_not_converted_names_match_whole_dotted_parts() -> None:
@@ -201,7 +160,7 @@ def test_partly_listed_fused_layer_is_an_error(tiny, tmp_path) -> None:
                             per_channel(frozenset({"model.layers.0.self_attn.k_proj"})))
     with pytest.raises(ValueError, match=r"only some of the modules fused into "
                                          r"model\.layers\.0\.self_attn\.qkv_proj.*k_proj: float"):
-        _llm(path)
+        load_llm(path)
 
 
 # --- block-wise scales (weight_block_size) ---------------------------------------------------------
@@ -252,11 +211,11 @@ def write_block_checkpoints(src: Path, out: Path, block: tuple[int, int] = BLOCK
 def test_block_checkpoint_loads_requantized_per_channel(tiny, prompts, tmp_path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger=fp8.__name__):
         path, dequantized = write_block_checkpoints(tiny, tmp_path / "block")
-        llm = _llm(path)
+        llm = load_llm(path)
     assert detect_quant_method(json.loads((path / "config.json").read_text())) == "fp8"
     notes = [r for r in caplog.records if "requantized per output channel" in r.getMessage()]
     assert len(notes) == 1 and "[48, 40]" in notes[0].getMessage()
-    for name, layer in _layers(llm).items():
+    for name, layer in quantized_layers(llm).items():
         assert isinstance(layer.quant_method, Fp8LinearMethod), name
         assert "weight_scale_inv" not in layer._parameters, name
         assert layer.weight.dtype == FP8_DTYPE and layer.weight_scale.shape == (layer.output_size,)
@@ -275,22 +234,22 @@ def test_block_checkpoint_loads_requantized_per_channel(tiny, prompts, tmp_path,
 
 def test_block_checkpoint_matches_requantized_and_float_models(tiny, prompts, tmp_path) -> None:
     path, dequantized = write_block_checkpoints(tiny, tmp_path / "block")
-    llm = _llm(path)
-    tokens, logprobs = _outputs(llm, prompts)
+    llm = load_llm(path)
+    tokens, logprobs = greedy_and_scores(llm, prompts)
     # Bit for bit: a per-channel checkpoint holding the requantized values.
     requantized = write_checkpoint(tiny, tmp_path / "channel", {"quant_method": "fp8"},
                                    lambda m, w: dict(zip(("weight", "weight_scale"),
                                                          quantize_fp8_per_channel(dequantized[m]))))
-    assert (tokens, logprobs) == _outputs(_llm(requantized), prompts)
+    assert (tokens, logprobs) == greedy_and_scores(load_llm(requantized), prompts)
     # Close to the float model of the block-dequantized weights, teacher-forced on its greedy
     # tokens (free-running greedy tokens diverge at the first flip, and FP8 noise flips the
     # near-flat top-1 of this random model often: a plain per-channel FP8 copy of it scores
     # ~0.14 / 81% against its float model). Measured here ~0.24 / 70%; loads with the block
     # grid flipped or one scale per layer score 1.5-2.3 / 6-14%.
-    float_llm = _llm(write_checkpoint(tiny, tmp_path / "float", None,
+    float_llm = load_llm(write_checkpoint(tiny, tmp_path / "float", None,
                                       lambda m, w: {"weight": dequantized[m]}))
-    float_tokens, float_logprobs = _outputs(float_llm, prompts)
-    forced = _teacher_forced(llm, prompts, float_tokens)
+    float_tokens, float_logprobs = greedy_and_scores(float_llm, prompts)
+    forced = teacher_forced(llm, prompts, float_tokens)
     gap = sum(abs(lp - want) for (lp, _), want in zip(forced, float_logprobs)) / len(forced)
     top1 = sum(is_top for _, is_top in forced) / len(forced)
     assert gap < 0.5 and top1 >= 0.5, (gap, top1)
@@ -317,7 +276,7 @@ def test_requantize_in_chunks_equals_whole_shard_math() -> None:
 def test_block_size_not_the_tensors_is_a_clear_error(tiny, tmp_path) -> None:
     path, _ = write_block_checkpoints(tiny, tmp_path / "block", config_block=[64, 64])
     with pytest.raises(ValueError, match=r"weight_scale_inv.*weight_block_size \[64, 64\]"):
-        _llm(path)
+        load_llm(path)
 
 
 @pytest.mark.parametrize("block", [[128], [0, 128], "128x128"])
@@ -342,8 +301,8 @@ def test_fbgemm_checkpoint_matches_fp8_checkpoint(tiny, prompts, tmp_path, quant
     assert detect_quant_method(_hf(FBGEMM_CONFIG)) == "fp8"
     path = write_checkpoint(tiny, tmp_path / "fbgemm", FBGEMM_CONFIG,
                             per_channel(FBGEMM_FLOAT, "[N, 1]", scale_dtype))
-    llm = _llm(path, quantization)
-    layers = _layers(llm)
+    llm = load_llm(path, quantization)
+    layers = quantized_layers(llm)
     assert type(layers["model.layers.0.mlp.gate_up_proj"].quant_method) is UnquantizedLinearMethod
     qkv = layers["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(qkv.quant_method, Fp8LinearMethod) and not qkv.quant_method.static_input_scale
@@ -356,7 +315,7 @@ def test_fbgemm_checkpoint_matches_fp8_checkpoint(tiny, prompts, tmp_path, quant
                   "modules_to_not_convert": FBGEMM_CONFIG["modules_to_not_convert"]}
     reference = write_checkpoint(tiny, tmp_path / "fp8", fp8_config,
                                  per_channel(FBGEMM_FLOAT, "[N]", scale_dtype))
-    assert _outputs(llm, prompts) == _outputs(_llm(reference), prompts)
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(reference), prompts)
 
 
 def test_fbgemm_checkpoint_with_input_scale_ub_loads(tiny, prompts, tmp_path) -> None:
@@ -368,7 +327,7 @@ def test_fbgemm_checkpoint_with_input_scale_ub_loads(tiny, prompts, tmp_path) ->
 
     path = write_checkpoint(tiny, tmp_path / "ub", FBGEMM_CONFIG, with_ub)
     plain = write_checkpoint(tiny, tmp_path / "plain", FBGEMM_CONFIG, channel)
-    assert _outputs(_llm(path), prompts) == _outputs(_llm(plain), prompts)
+    assert greedy_and_scores(load_llm(path), prompts) == greedy_and_scores(load_llm(plain), prompts)
 
 
 def test_fbgemm_checkpoint_is_not_another_method() -> None:

@@ -1,0 +1,62 @@
+"""Tiny pre-quantized checkpoints on disk, and what an engine makes of them: shared by the tests
+of the checkpoint formats (compressed-tensors, FP8 variants)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from slipstream import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+
+def save_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor],
+                    quant_config: dict | None) -> Path:
+    """src's checkpoint (config, tokenizer) with `tensors` and `quant_config` (None: float)."""
+    out.mkdir(parents=True)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(config))
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def load_llm(path: Path, quantization: str | None = None) -> LLM:
+    return LLM(str(path), quantization=quantization, kv_cache_memory=16 << 20)
+
+
+def quantized_layers(llm: LLM) -> dict[str, torch.nn.Module]:
+    """The model's linear layers (each has a quant_method) by module name."""
+    model = llm.engine.runner.model
+    return {n: m for n, m in model.named_modules() if hasattr(m, "quant_method")}
+
+
+def teacher_forced(llm: LLM, prompts: list[list[int]], tokens: list[list[int]]
+                   ) -> list[tuple[float, bool]]:
+    """(logprob, is it the model's top-1?) of each of `tokens`, fed its prompt and predecessors."""
+    scored = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, tokens)], SCORE,
+                          use_tqdm=False)
+    out = []
+    for p, c, o in zip(prompts, tokens, scored):
+        for i, tok in enumerate(c):
+            candidates = o.prompt_logprobs[len(p) + i]  # the token and the top-1
+            out.append((candidates[tok], max(candidates, key=candidates.get) == tok))
+    return out
+
+
+def greedy_and_scores(llm: LLM, prompts: list[list[int]]
+                      ) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens (GREEDY), and each one's teacher-forced logprob."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens, [lp for lp, _ in teacher_forced(llm, prompts, tokens)]
