@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slipstream.quantization import fp8
+from slipstream.quantization import fp8, fp8_layouts
 from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.fp8 import Fp8LinearMethod
 from slipstream.quantization.utils import (
@@ -209,7 +209,7 @@ def write_block_checkpoints(src: Path, out: Path, block: tuple[int, int] = BLOCK
 
 
 def test_block_checkpoint_loads_requantized_per_channel(tiny, prompts, tmp_path, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger=fp8.__name__):
+    with caplog.at_level(logging.INFO, logger=fp8_layouts.__name__):
         path, dequantized = write_block_checkpoints(tiny, tmp_path / "block")
         llm = load_llm(path)
     assert detect_quant_method(json.loads((path / "config.json").read_text())) == "fp8"
@@ -266,7 +266,7 @@ def test_requantize_in_chunks_equals_whole_shard_math() -> None:
     layer.weight = torch.nn.Parameter(torch.cat([q for q, _ in shards]), requires_grad=False)
     layer.weight_scale_inv = torch.nn.Parameter(torch.cat([s for _, s in shards]),
                                                 requires_grad=False)
-    fp8.requantize_blocks_per_channel(layer, block, chunk_rows=32)
+    fp8_layouts.requantize_blocks_per_channel(layer, block, chunk_rows=32)
     q, scale = quantize_fp8_per_channel(torch.cat([block_dequantize(q, s, block) for q, s in shards]))
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(layer.weight_scale, scale)
