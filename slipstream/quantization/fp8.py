@@ -4,8 +4,8 @@ Large batches run torch._scaled_mm (row-wise scales); decode-size batches stream
 through the Triton dequant-GEMV with bf16 activations (same bytes, cuBLAS FP8 is slow at M=1).
 Loads HF FP8 checkpoints (`quant_method: fp8`) with per-tensor, per-channel or block-wise weight
 scales (blocks requantized per channel at load) and layers left float by `modules_to_not_convert` /
-`ignored_layers`; Meta's `fbgemm_fp8` checkpoints (per-channel); and compressed-tensors FP8
-checkpoints (llm-compressor "FP8" / "FP8-dynamic": compressed_tensors.py).
+`ignored_layers`; Meta's `fbgemm_fp8` checkpoints (per-channel) (both: fp8_layouts.py); and
+compressed-tensors FP8 checkpoints (llm-compressor "FP8" / "FP8-dynamic": compressed_tensors.py).
 """
 from __future__ import annotations
 

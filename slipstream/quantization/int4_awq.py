@@ -9,7 +9,7 @@ All become one layout: qweight uint8 [N, K/2] (two values per byte along K), sca
 GPTQ act-order (desc_act; compressed-tensors actorder "group") checkpoints assign input columns
 to groups out of order (g_idx). Their columns are permuted at load so that each group is
 contiguous, and the layer keeps the permutation as a buffer (ACT_ORDER_PERM): apply gathers x's
-columns in the same order first.
+columns in the same order first. The per-format unpacking helpers: int4_layouts.py.
 """
 from __future__ import annotations
 
