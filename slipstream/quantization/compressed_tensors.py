@@ -6,8 +6,10 @@ the checkpoint's module names). This module reads that and maps it onto a slipst
 FP8 W8A8 / W8A16 (float-quantized or naive-quantized: `weight` float8_e4m3fn, `weight_scale` per
 channel or per tensor, `input_scale` for static activations) loads with "fp8"; INT4 W4A16
 (pack-quantized: `weight_packed` int32, `weight_scale` per group or channel, optional
-`weight_zero_point` / `weight_g_idx`) with "int4_awq". Every other scheme is a ValueError naming
-what was found, never a load of packed integers as floats.
+`weight_zero_point` / `weight_g_idx`) with "int4_awq"; INT8 W8A8 (int-quantized or naive-quantized:
+`weight` int8, `weight_scale` per channel, activations int8 per token) with "w8a8_sq"; INT8 W8A16
+(the same tensors, or pack-quantized: `weight_packed` int32, four values per word) with "int8_wo".
+Every other scheme is a ValueError naming what was found, never a load of packed integers as floats.
 """
 from __future__ import annotations
 
@@ -25,12 +27,20 @@ _FIELDS = ("weights", "input_activations", "output_activations")
 FP8_SUPPORTED = ("FP8 weights (type float, 8 bits, symmetric, strategy 'channel' or 'tensor'), "
                  "input activations FP8 dynamic per 'token' / 'tensor', static per 'tensor', or "
                  "none; formats " + " / ".join(FP8_FORMATS))
-INT4_FORMAT = "pack-quantized"  # eight 4-bit values per int32 along K (llm-compressor W4A16)
+PACK_FORMAT = "pack-quantized"  # int values packed into int32 words along K (lowest bits first)
+INT4_FORMAT = PACK_FORMAT  # eight 4-bit values per int32 (llm-compressor W4A16)
 INT4_ACTORDERS = (None, "group", "weight")
 INT4_SUPPORTED = ("INT4 weight-only W4A16 (type int, 4 bits, symmetric or asymmetric with "
                   "weight_zero_point, static, strategy 'group' or 'channel', actorder none / "
                   f"'group' / 'weight', no activation quantization); format {INT4_FORMAT!r}")
-SUPPORTED = f"{FP8_SUPPORTED}. {INT4_SUPPORTED}"
+INT8_FORMATS = ("int-quantized", "naive-quantized")  # `weight` int8 as it is
+INT8_W8A8_SUPPORTED = ("INT8 W8A8 (type int, 8 bits, symmetric, static weights per 'channel'; input "
+                       "activations int8 symmetric, dynamic per 'token' or static per 'tensor'); "
+                       "formats " + " / ".join(INT8_FORMATS))
+INT8_W8A16_SUPPORTED = ("INT8 weight-only W8A16 (type int, 8 bits, symmetric, static, strategy "
+                        "'channel', no activation quantization); formats "
+                        + " / ".join((*INT8_FORMATS, PACK_FORMAT)))
+SUPPORTED = f"{FP8_SUPPORTED}. {INT4_SUPPORTED}. {INT8_W8A8_SUPPORTED}. {INT8_W8A16_SUPPORTED}"
 # Newer compressed-tensors spellings of the two activation orders (same layouts).
 _ACTORDER_ALIASES = {"dynamic": "group", "static": "weight"}
 
@@ -183,14 +193,7 @@ def fp8_problem(scheme: Scheme) -> str | None:
 
 def _fp8_args_problem(what: str, args: QuantArgs, modes: tuple[tuple[str, bool], ...]
                       ) -> str | None:
-    """Why `args` is not symmetric float8 in one of the (strategy, dynamic) `modes`."""
-    if (args.type, args.num_bits) != ("float", 8):
-        return f"{what} are {args.type}{args.num_bits}, not float8"
-    if not args.symmetric:
-        return f"{what} are asymmetric"
-    if (args.strategy, args.dynamic) not in modes or args.group_size or args.block_structure:
-        return f"{what} strategy {args.strategy!r} with dynamic={args.dynamic}"
-    return None
+    return _args_problem(what, args, ("float", 8), modes)
 
 
 def int4_problem(scheme: Scheme) -> str | None:
@@ -216,10 +219,57 @@ def int4_problem(scheme: Scheme) -> str | None:
     return None
 
 
+def int8_w8a8_problem(scheme: Scheme) -> str | None:
+    """Why `scheme` is not one the "w8a8_sq" method loads (None: it is)."""
+    if scheme.format not in INT8_FORMATS:
+        return f"format {scheme.format or '(none)'!r}"
+    if scheme.input_activations is None:
+        return "activations are not quantized"
+    if scheme.output_activations is not None:
+        return "output activations are quantized"
+    # Static per-tensor input scales load but go unused: inputs are quantized per token anyway.
+    act_modes = (("token", True), ("tensor", False))
+    return (_int8_weights_problem(scheme.weights)
+            or _int8_args_problem("input activations", scheme.input_activations, act_modes))
+
+
+def int8_w8a16_problem(scheme: Scheme) -> str | None:
+    """Why `scheme` is not one the "int8_wo" method loads (None: it is)."""
+    if scheme.format not in (*INT8_FORMATS, PACK_FORMAT):
+        return f"format {scheme.format or '(none)'!r}"
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        return "activations are quantized (weight-only W8A16 only)"
+    return _int8_weights_problem(scheme.weights)
+
+
+def _int8_weights_problem(weights: QuantArgs | None) -> str | None:
+    if weights is None:
+        return "no weight quantization"
+    return _int8_args_problem("weights", weights, (("channel", False),))
+
+
+def _int8_args_problem(what: str, args: QuantArgs, modes: tuple[tuple[str, bool], ...]
+                       ) -> str | None:
+    return _args_problem(what, args, ("int", 8), modes)
+
+
+def _args_problem(what: str, args: QuantArgs, kind: tuple[str, int],
+                  modes: tuple[tuple[str, bool], ...]) -> str | None:
+    """Why `args` is not symmetric `kind` (type, bits) in one of the (strategy, dynamic) modes."""
+    if (args.type, args.num_bits) != kind:
+        return f"{what} are {args.type}{args.num_bits}, not {kind[0]}{kind[1]}"
+    if not args.symmetric:
+        return f"{what} are asymmetric" + (" (zero points)" if kind[0] == "int" else "")
+    if (args.strategy, args.dynamic) not in modes or args.group_size or args.block_structure:
+        return f"{what} strategy {args.strategy!r} with dynamic={args.dynamic}"
+    return None
+
+
 # slipstream method -> why a scheme is not one it loads (None: it loads it). A new method that
 # reads compressed-tensors checkpoints adds one entry here.
-_METHOD_PROBLEMS: dict[str, Callable[[Scheme], str | None]] = {"fp8": fp8_problem,
-                                                               "int4_awq": int4_problem}
+_METHOD_PROBLEMS: dict[str, Callable[[Scheme], str | None]] = {
+    "fp8": fp8_problem, "int4_awq": int4_problem, "w8a8_sq": int8_w8a8_problem,
+    "int8_wo": int8_w8a16_problem}
 
 
 def checkpoint_method(qc: dict) -> str:
@@ -315,18 +365,44 @@ def packed_modules_of(hf_config: dict) -> dict[str, list[str]]:
     return dict(getattr(cls, "packed_modules_mapping", {}) or {})
 
 
-def fp8_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], bool]:
-    """For the "fp8" method: (is this slipstream layer quantized?, static input scales?)."""
+def scheme_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], Scheme]:
+    """(is this slipstream layer quantized?, the checkpoint's scheme); a quantized LM head is an
+    error."""
     config = parse_config(qc)
     check_lm_head(config)
-    if config.scheme.input_activations is None:
+    return layer_filter(config, packed_modules_of(hf_config)), config.scheme
+
+
+def fp8_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], bool]:
+    """For the "fp8" method: (is this slipstream layer quantized?, static input scales?)."""
+    quantized, scheme = scheme_layer_filter(hf_config, qc)
+    if scheme.input_activations is None:
         logger.info("compressed-tensors FP8 weight-only (W8A16) checkpoint: runs as fp8, whose "
                     "large-batch matmuls quantize activations per token")
-    return layer_filter(config, packed_modules_of(hf_config)), config.scheme.static_input_scale
+    return quantized, scheme.static_input_scale
 
 
 def int4_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], QuantArgs]:
     """For the "int4_awq" method: (is this slipstream layer quantized?, the weights' arguments)."""
-    config = parse_config(qc)
-    check_lm_head(config)
-    return layer_filter(config, packed_modules_of(hf_config)), config.scheme.weights
+    quantized, scheme = scheme_layer_filter(hf_config, qc)
+    return quantized, scheme.weights
+
+
+@dataclass(frozen=True)
+class Int8Layout:
+    """How a compressed-tensors INT8 layer stores its weight."""
+
+    packed: bool  # pack-quantized: weight_packed int32 [N, K/4] + weight_shape, not weight int8
+    static_input_scale: bool  # a per-tensor input_scale per module (W8A8 static activations)
+
+
+def int8_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], Int8Layout]:
+    """For "w8a8_sq" and "int8_wo": (is this slipstream layer quantized?, its tensors' layout)."""
+    quantized, scheme = scheme_layer_filter(hf_config, qc)
+    layout = Int8Layout(packed=scheme.format == PACK_FORMAT,
+                        static_input_scale=scheme.static_input_scale)
+    if layout.static_input_scale:
+        logger.info("compressed-tensors INT8 W8A8 checkpoint with static per-tensor input scales: "
+                    "they load but are unused, w8a8_sq quantizes activations per token")
+    return quantized, layout
+

@@ -25,7 +25,12 @@ from slipstream.quantization.fp8_layouts import (
     hf_fp8_layout,
     requantize_blocks_per_channel,
 )
-from slipstream.quantization.int8_wo import _SMALL_M, PerChannelMethod, _qlinear_small
+from slipstream.quantization.int8_wo import (
+    _SMALL_M,
+    PerChannelMethod,
+    _qlinear_small,
+    per_shard_scalar_loader,
+)
 from slipstream.quantization.utils import (
     FP8_DTYPE,
     check_checkpoint_method,
@@ -88,7 +93,7 @@ class Fp8LinearMethod(PerChannelMethod):
         if self.static_input_scale:  # accepted, unused: activation scales are computed per token
             layer.register_parameter("input_scale", new_param(
                 torch.empty(len(output_sizes), dtype=torch.float32),
-                weight_loader=_per_shard_scalar_loader))
+                weight_loader=per_shard_scalar_loader))
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module) -> None:
@@ -136,10 +141,6 @@ class Fp8LinearMethod(PerChannelMethod):
         xq, x_scale, new_residual = fused(x, norm.weight, norm.eps, residual)
         out = _quantized_linear(xq, x_scale, layer, bias, x.dtype)
         return out, (x if new_residual is None else new_residual)
-
-
-def _per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-    param.data[shard or 0] = loaded.reshape(-1)[0]
 
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

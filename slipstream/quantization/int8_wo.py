@@ -1,6 +1,7 @@
 """int8_wo: INT8 weight-only quantization, one scale per output channel, bf16 activations.
 
-Weights are quantized at load time (or loaded pre-quantized: `weight` int8 + `weight_scale`).
+Weights are quantized at load time (or loaded pre-quantized: `weight` int8 + `weight_scale`, or a
+compressed-tensors INT8 checkpoint: the same tensors with [N, 1] scales, or pack-quantized words).
 Decode-size batches run a Triton dequant-GEMV; larger ones convert the weight and use cuBLAS.
 """
 from __future__ import annotations
@@ -9,10 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.quantization.base import QuantMethod, register_quant_method
+from slipstream.quantization import compressed_tensors
+from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod, register_quant_method
+from slipstream.quantization.compressed_tensors import Int8Layout
+from slipstream.quantization.int4_layouts import weight_shape_loader
 from slipstream.quantization.utils import (
     check_checkpoint_method,
     new_param,
+    packed_shard_loader,
+    quant_config_of,
     quantize_int8_per_channel,
     replace_param,
 )
@@ -40,13 +46,16 @@ class PerChannelMethod(QuantMethod):
 class Int8WeightOnlyMethod(PerChannelMethod):
     """weight int8 [N, K] (output_dim 0), weight_scale float32 [N]; y = (x @ q^T) * scale."""
 
-    def __init__(self, prequantized: bool = False):
+    def __init__(self, prequantized: bool = False, ct_layout: Int8Layout | None = None):
         self.prequantized = prequantized
+        self.ct_layout = ct_layout  # a compressed-tensors checkpoint's layout (None: slipstream's)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         n = sum(output_sizes)
-        if self.prequantized:
+        if self.ct_layout is not None:
+            self._create_compressed(layer, input_size, output_sizes)
+        elif self.prequantized:
             layer.register_parameter("weight", new_param(
                 torch.empty(n, input_size, dtype=torch.int8), output_dim=0, input_dim=1))
             layer.register_parameter("weight_scale", new_param(
@@ -55,8 +64,36 @@ class Int8WeightOnlyMethod(PerChannelMethod):
             layer.register_parameter("weight", new_param(
                 torch.empty(n, input_size, dtype=params_dtype), output_dim=0, input_dim=1))
 
+    def _create_compressed(self, layer: nn.Module, k: int, output_sizes: list[int]) -> None:
+        """compressed-tensors: `weight` int8 [N, K] (pack-quantized: `weight_packed` int32
+        [N, ceil(K/4)] and each module's `weight_shape`), `weight_scale` [N, 1] of any float dtype
+        landing as float32 [N], static W8A8: one `input_scale` per module (loaded, unused)."""
+        n, rows = sum(output_sizes), packed_shard_loader(output_sizes, 0)
+        if self.ct_layout.packed:
+            layer.register_parameter("weight_packed", new_param(
+                torch.empty(n, -(-k // 4), dtype=torch.int32), weight_loader=rows))
+            layer.register_parameter("weight_shape", new_param(
+                torch.empty(len(output_sizes), 2, dtype=torch.int64),
+                weight_loader=weight_shape_loader(output_sizes, k)))
+        else:
+            layer.register_parameter("weight", new_param(
+                torch.empty(n, k, dtype=torch.int8), output_dim=0, input_dim=1))
+        layer.register_parameter("weight_scale", new_param(
+            torch.empty(n, dtype=torch.float32), output_dim=0, weight_loader=rows))
+        if self.ct_layout.static_input_scale:
+            layer.register_parameter("input_scale", new_param(
+                torch.empty(len(output_sizes), dtype=torch.float32),
+                weight_loader=per_shard_scalar_loader))
+
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module) -> None:
+        if "weight_packed" in layer._parameters:
+            k = int(layer.weight_shape.data[0, 1])
+            q = unpack_int8_cols(layer.weight_packed.data, k)
+            for name in ("weight_packed", "weight_shape"):
+                del layer._parameters[name]
+            replace_param(layer, "weight", q, output_dim=0, input_dim=1)
+            return
         if self.prequantized or layer.weight.dtype == torch.int8:
             return
         q, scale = quantize_int8_per_channel(layer.weight.data)
@@ -65,6 +102,20 @@ class Int8WeightOnlyMethod(PerChannelMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
+
+
+def unpack_int8_cols(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """compressed-tensors pack-quantized 8-bit: int32 [N, ceil(K/4)] -> int8 [N, K]. Byte i of
+    word j (lowest byte first) holds column 4j + i as value + 128 (pack_to_int32, num_bits 8)."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = 8 * torch.arange(4, device=packed.device)
+    unsigned = (words[..., None] >> shifts) & 0xFF
+    return (unsigned.reshape(packed.shape[0], -1)[:, :k] - 128).to(torch.int8).contiguous()
+
+
+def per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+    """One scalar per fused shard (a static input_scale per checkpoint module)."""
+    param.data[shard or 0] = loaded.reshape(-1)[0]
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -101,7 +152,21 @@ def _qlinear_small():
 @register_quant_method("int8_wo")
 def make_int8_wo(hf_config: dict):
     prequantized = check_checkpoint_method("int8_wo", hf_config)
-    return lambda prefix: Int8WeightOnlyMethod(prequantized)
+    return method_factory(Int8WeightOnlyMethod, prequantized, hf_config)
+
+
+def method_factory(cls: type[Int8WeightOnlyMethod], prequantized: bool, hf_config: dict):
+    """prefix -> method, for int8_wo and w8a8_sq: a compressed-tensors checkpoint keeps the layers
+    outside its targets or in its `ignore` list float."""
+    qc = quant_config_of(hf_config)
+    if not (prequantized and compressed_tensors.is_compressed_tensors(qc)):
+        return lambda prefix: cls(prequantized)
+    quantized, layout = compressed_tensors.int8_layer_filter(hf_config, qc)
+
+    def method_for(prefix: str) -> QuantMethod:
+        return cls(True, layout) if quantized(prefix) else UnquantizedLinearMethod()
+
+    return method_for
 
 
 def make_method() -> Int8WeightOnlyMethod:

@@ -3,6 +3,7 @@
 `slipstream quantize --method w8a8_sq` migrates activation outliers into the weights with
 s_j = max|X_j|^alpha / max|W_j|^(1-alpha), folded into the op before each projection; at load
 time without calibration data it is plain per-channel W8A8. GPU: torch._int_mm (INT32 accumulate).
+Also loads compressed-tensors INT8 W8A8 checkpoints (llm-compressor "W8A8"; int8_wo.method_factory).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import register_quant_method
-from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
+from slipstream.quantization.int8_wo import Int8WeightOnlyMethod, method_factory
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def make_w8a8_sq(hf_config: dict):
         logger.warning("w8a8_sq at load time has no calibration data, so no SmoothQuant "
                        "migration: plain per-channel INT8 W8A8. Run `slipstream quantize --method "
                        "w8a8_sq` for the smoothed checkpoint")
-    return lambda prefix: W8A8SmoothQuantMethod(prequantized)
+    return method_factory(W8A8SmoothQuantMethod, prequantized, hf_config)
 
 
 def make_method(alpha: float = DEFAULT_ALPHA) -> W8A8SmoothQuantMethod:

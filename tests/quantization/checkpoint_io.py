@@ -60,3 +60,18 @@ def greedy_and_scores(llm: LLM, prompts: list[list[int]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     return tokens, [lp for lp, _ in teacher_forced(llm, prompts, tokens)]
+
+
+def llama_hf_config(quant_config: dict) -> dict:
+    """The parts of a Llama config.json the quant-method factories read."""
+    return {"architectures": ["LlamaForCausalLM"], "quantization_config": quant_config}
+
+
+def compressed_tensors_config(weights: dict, activations: dict | None, ignore: list[str] | None,
+                              fmt: str, **extra) -> dict:
+    """A one-group compressed-tensors quantization_config as llm-compressor writes it."""
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+             "output_activations": None}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
+            "kv_cache_scheme": None, "version": "0.10.2", **extra}

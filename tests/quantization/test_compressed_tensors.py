@@ -20,7 +20,9 @@ from slipstream.quantization.fp8 import Fp8LinearMethod
 from slipstream.quantization.utils import FP8_DTYPE, FP8_MAX, detect_quant_method, quantize_fp8_per_channel
 from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import (
+    compressed_tensors_config,
     greedy_and_scores,
+    llama_hf_config,
     load_llm,
     quantized_layers,
     save_checkpoint,
@@ -42,11 +44,7 @@ INT4_PACKED = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 
 
 def ct_config(weights: dict | None = None, activations: dict | None = DYNAMIC_TOKEN,
               ignore: list[str] | None = None, fmt: str = "float-quantized", **extra) -> dict:
-    group = {"targets": ["Linear"], "weights": weights or FP8_WEIGHTS,
-             "input_activations": activations, "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
-            "kv_cache_scheme": None, "global_compression_ratio": None, "version": "0.9.2", **extra}
+    return compressed_tensors_config(weights or FP8_WEIGHTS, activations, ignore, fmt, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +193,6 @@ def test_quantized_lm_head_is_an_error(tiny, tmp_path) -> None:
         load_llm(ct_dir)
 
 
-def _hf(qc: dict) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "quantization_config": qc}
-
-
 UNSUPPORTED = {
     "int4 W4A8 pack-quantized": (ct_config(INT4_PACKED, DYNAMIC_TOKEN, fmt="pack-quantized"),
                                  r"int4 group\(128\).*'pack-quantized'.*activations are quantized"),
@@ -206,8 +200,9 @@ UNSUPPORTED = {
                   r"float8 group\(128\)"),
     "fp8 block": (ct_config({**FP8_WEIGHTS, "strategy": "block", "block_structure": [128, 128]}),
                   r"block\[128, 128\]"),
-    "int8 w8a8": (ct_config({**FP8_WEIGHTS, "type": "int"}, {**DYNAMIC_TOKEN, "type": "int"},
-                            fmt="int-quantized"), r"int8 channel static.*'int-quantized'"),
+    "int8 w8a8 group": (ct_config({**FP8_WEIGHTS, "type": "int", "strategy": "group",
+                                   "group_size": 128}, {**DYNAMIC_TOKEN, "type": "int"},
+                                  fmt="int-quantized"), r"int8 group\(128\) static.*'int-quantized'"),
     "asymmetric": (ct_config({**FP8_WEIGHTS, "symmetric": False}), "asymmetric"),
     "activations per group": (ct_config(activations={**DYNAMIC_TOKEN, "strategy": "group",
                                                      "group_size": 16}), "input activations"),
@@ -226,7 +221,7 @@ UNSUPPORTED = {
 def test_unsupported_schemes_are_clear_errors(case) -> None:
     qc, what = UNSUPPORTED[case]
     with pytest.raises(ValueError, match=what) as err:
-        detect_quant_method(_hf(qc))
+        detect_quant_method(llama_hf_config(qc))
     if case not in ("no groups", "2:4 sparse"):
         assert "supported: " in str(err.value) and "FP8" in str(err.value)
 
@@ -235,7 +230,7 @@ def test_same_scheme_in_two_groups_loads() -> None:
     group = {"weights": FP8_WEIGHTS, "input_activations": DYNAMIC_TOKEN}
     qc = ct_config(config_groups={"group_0": {"targets": [r"re:.*self_attn.*"], **group},
                                   "group_1": {"targets": [r"re:.*mlp.*"], **group}})
-    assert detect_quant_method(_hf(qc)) == "fp8"
+    assert detect_quant_method(llama_hf_config(qc)) == "fp8"
 
 
 def test_int4_config_never_loads_fp8_tensors(tiny, tmp_path) -> None:

@@ -23,7 +23,13 @@ from slipstream.quantization.base import UnquantizedLinearMethod, get_quant_meth
 from slipstream.quantization.int4_awq import ACT_ORDER_PERM, Int4LinearMethod, dequantize_layer
 from slipstream.quantization.utils import detect_quant_method
 from tests.helpers import make_tiny_checkpoint
-from tests.quantization.checkpoint_io import load_llm, quantized_layers, save_checkpoint
+from tests.quantization.checkpoint_io import (
+    compressed_tensors_config,
+    llama_hf_config,
+    load_llm,
+    quantized_layers,
+    save_checkpoint,
+)
 
 GROUP = 32
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -43,15 +49,7 @@ DYNAMIC_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric":
 
 def w4_config(weights: dict | None = None, activations: dict | None = None,
               ignore: list[str] | None = None, fmt: str = "pack-quantized") -> dict:
-    group = {"targets": ["Linear"], "weights": {**W4_WEIGHTS, **(weights or {})},
-             "input_activations": activations, "output_activations": None}
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
-            "kv_cache_scheme": None, "sparsity_config": {}, "version": "0.10.2"}
-
-
-def _hf(qc: dict) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "quantization_config": qc}
+    return compressed_tensors_config({**W4_WEIGHTS, **(weights or {})}, activations, ignore, fmt)
 
 
 # --- the writer: quantize, pack like compressed-tensors -------------------------------------------
@@ -233,7 +231,7 @@ def test_ignored_layers_stay_float(tiny, tmp_path) -> None:
 # --- one layer at a time ---------------------------------------------------------------------------
 
 def _factory(weights: dict | None = None):
-    return get_quant_method_factory("int4_awq", _hf(w4_config(weights)))
+    return get_quant_method_factory("int4_awq", llama_hf_config(w4_config(weights)))
 
 
 def _load(layer, shards: list[dict[str, torch.Tensor]]) -> None:
@@ -308,7 +306,7 @@ UNSUPPORTED = {
 def test_unsupported_int_schemes_are_clear_errors(case) -> None:
     qc, what = UNSUPPORTED[case]
     with pytest.raises(ValueError, match=what) as err:
-        detect_quant_method(_hf(qc))
+        detect_quant_method(llama_hf_config(qc))
     assert "supported: " in str(err.value) and "W4A16" in str(err.value)
 
 

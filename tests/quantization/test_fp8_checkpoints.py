@@ -30,6 +30,7 @@ from slipstream.quantization.utils import (
 from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import (
     greedy_and_scores,
+    llama_hf_config,
     load_llm,
     quantized_layers,
     save_checkpoint,
@@ -99,10 +100,6 @@ def _make_float(layer: torch.nn.Module, weight: torch.Tensor) -> None:
     layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
 
 
-def _hf(qc: dict) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "quantization_config": qc}
-
-
 # --- modules_to_not_convert / ignored_layers -------------------------------------------------------
 
 # Entries as checkpoints write them: full module names (q/k/v of layer 0: the fused qkv_proj
@@ -143,7 +140,7 @@ def test_not_converted_layers_stay_float(tiny, prompts, tmp_path, key) -> None:
 def test_not_converted_names_match_whole_dotted_parts() -> None:
     qc = {"quant_method": "fp8", "modules_to_not_convert": ["model.layers.1", "o_proj",
                                                             "model.layers.*.mlp.up_proj"]}
-    quantized = lambda prefix: isinstance(fp8.make_fp8(_hf(qc))(prefix), Fp8LinearMethod)  # noqa: E731
+    quantized = lambda prefix: isinstance(fp8.make_fp8(llama_hf_config(qc))(prefix), Fp8LinearMethod)  # noqa: E731
     assert not quantized("model.layers.1.mlp.down_proj")
     assert quantized("model.layers.10.mlp.down_proj")  # "layers.1" is not a prefix of "layers.10"
     assert not quantized("model.layers.3.self_attn.o_proj")
@@ -283,7 +280,7 @@ def test_block_size_not_the_tensors_is_a_clear_error(tiny, tmp_path) -> None:
 def test_bad_weight_block_size_is_a_clear_error(block) -> None:
     qc = {"quant_method": "fp8", "weight_block_size": block}
     with pytest.raises(ValueError, match="weight_block_size must be"):
-        fp8.make_fp8(_hf(qc))
+        fp8.make_fp8(llama_hf_config(qc))
 
 
 # --- fbgemm_fp8 (Meta's FP8 Llama 3.1) -------------------------------------------------------------
@@ -298,7 +295,7 @@ FBGEMM_CONFIG = {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                                                            ("fp8", torch.float32)])
 def test_fbgemm_checkpoint_matches_fp8_checkpoint(tiny, prompts, tmp_path, quantization,
                                                   scale_dtype) -> None:
-    assert detect_quant_method(_hf(FBGEMM_CONFIG)) == "fp8"
+    assert detect_quant_method(llama_hf_config(FBGEMM_CONFIG)) == "fp8"
     path = write_checkpoint(tiny, tmp_path / "fbgemm", FBGEMM_CONFIG,
                             per_channel(FBGEMM_FLOAT, "[N, 1]", scale_dtype))
     llm = load_llm(path, quantization)
@@ -332,4 +329,4 @@ def test_fbgemm_checkpoint_with_input_scale_ub_loads(tiny, prompts, tmp_path) ->
 
 def test_fbgemm_checkpoint_is_not_another_method() -> None:
     with pytest.raises(ValueError, match="already quantized with 'fp8'"):
-        check_checkpoint_method("int8_wo", _hf(FBGEMM_CONFIG))
+        check_checkpoint_method("int8_wo", llama_hf_config(FBGEMM_CONFIG))
