@@ -172,7 +172,10 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         if dev not in generators:
             generators[dev] = torch.Generator(device=dev).manual_seed(seed)
         g = generators[dev]
-        if param.is_floating_point() and param.element_size() >= 2:
+        fixed = getattr(param, "dummy_value", None)  # e.g. a quantized layer's shapes, g_idx
+        if fixed is not None:
+            param.data.copy_(fixed)
+        elif param.is_floating_point() and param.element_size() >= 2:
             mean = 1.0 if name.endswith("norm.weight") else 0.0
             param.data.normal_(mean, std, generator=g)
         elif param.is_floating_point():  # 8-bit floats: draw in float32, then cast

@@ -86,10 +86,13 @@ class Int4LinearMethod(QuantMethod):
             "qzeros": (torch.empty(k // g, n // 8, dtype=torch.int32), load8),
             "scales": (torch.empty(k // g, n, dtype=torch.float16), load1),
         }
+        dummies = {}
         if self.layout == "gptq":  # one row per fused shard: they must agree (act_order_perm)
             params["g_idx"] = (torch.empty(len(output_sizes), k, dtype=torch.int32), g_idx_loader)
+            dummies["g_idx"] = self._dummy_g_idx(len(output_sizes), k)
         for name, (data, loader) in params.items():
-            layer.register_parameter(name, qu.new_param(data, weight_loader=loader))
+            layer.register_parameter(name, qu.new_param(data, weight_loader=loader,
+                                                        dummy_value=dummies.get(name)))
 
     def _create_compressed(self, layer: nn.Module, k: int, output_sizes: list[int]) -> None:
         """weight_packed int32 [N, K/8] and weight_scale [N, K/G] (rows per fused shard), each
@@ -105,13 +108,24 @@ class Int4LinearMethod(QuantMethod):
             "weight_shape": (torch.empty(shards, 2, dtype=torch.int64),
                              weight_shape_loader(output_sizes, k)),
         }
+        dummies = {"weight_shape": torch.tensor([[size, k] for size in output_sizes])}
         if not self.symmetric:  # unpacked to the canonical zeros (0..15) as it loads
             params["weight_zero_point"] = (torch.empty(n, k // self.group_size, dtype=torch.uint8),
                                            zero_point_loader(output_sizes))
+            dummies["weight_zero_point"] = torch.full((n, k // self.group_size), CT_ZERO)
         if self.act_order:
             params["weight_g_idx"] = (torch.empty(shards, k, dtype=torch.int32), g_idx_loader)
+            dummies["weight_g_idx"] = self._dummy_g_idx(shards, k)
         for name, (data, loader) in params.items():
-            layer.register_parameter(name, qu.new_param(data, weight_loader=loader))
+            layer.register_parameter(name, qu.new_param(data, weight_loader=loader,
+                                                        dummy_value=dummies.get(name)))
+
+    def _dummy_g_idx(self, shards: int, k: int) -> torch.Tensor:
+        """load_format="dummy": contiguous groups, or for act-order checkpoints the columns in
+        reverse (a valid order that is not the identity, so the gather runs as it would)."""
+        cols = torch.arange(k)
+        order = cols.flip(0) if self.act_order else cols
+        return (order // self.group_size).to(torch.int32).expand(shards, k)
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module) -> None:

@@ -74,7 +74,8 @@ class Int8WeightOnlyMethod(PerChannelMethod):
                 torch.empty(n, -(-k // 4), dtype=torch.int32), weight_loader=rows))
             layer.register_parameter("weight_shape", new_param(
                 torch.empty(len(output_sizes), 2, dtype=torch.int64),
-                weight_loader=weight_shape_loader(output_sizes, k)))
+                weight_loader=weight_shape_loader(output_sizes, k),
+                dummy_value=torch.tensor([[size, k] for size in output_sizes])))
         else:
             layer.register_parameter("weight", new_param(
                 torch.empty(n, k, dtype=torch.int8), output_dim=0, input_dim=1))

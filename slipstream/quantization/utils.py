@@ -127,12 +127,17 @@ def _to_int32(word: torch.Tensor) -> torch.Tensor:
 # --- parameters and fused-shard loading ----------------------------------------------------------
 
 def new_param(data: torch.Tensor, output_dim: int | None = None, input_dim: int | None = None,
-              weight_loader: Callable | None = None) -> nn.Parameter:
-    """A frozen parameter carrying the loader attributes of QuantMethod's contract."""
+              weight_loader: Callable | None = None,
+              dummy_value: torch.Tensor | None = None) -> nn.Parameter:
+    """A frozen parameter carrying the loader attributes of QuantMethod's contract. dummy_value:
+    what load_format="dummy" puts there instead of random values (shapes, group indices: random
+    integers would not be a loadable checkpoint)."""
     p = nn.Parameter(data, requires_grad=False)
     p.output_dim, p.input_dim = output_dim, input_dim
     if weight_loader is not None:
         p.weight_loader = weight_loader
+    if dummy_value is not None:
+        p.dummy_value = dummy_value
     return p
 
 
