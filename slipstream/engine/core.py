@@ -107,7 +107,9 @@ class EngineCore:
             # A multi-step decode is read only when all its steps are done, and the unread
             # step's tokens come back with it: after a prefill, one step first, so a request's
             # first token arrives when its prefill ends (W1: TTFT was prefill + 8 steps).
-            num_steps = 1 if _holds_first_tokens(inflight) else self._plan_decode_steps(sched_out)
+            multi_step = (self.config.scheduler.decode_steps > 1
+                          and not _holds_first_tokens(inflight))
+            num_steps = self._plan_decode_steps(sched_out) if multi_step else 1
             tokens = None
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)

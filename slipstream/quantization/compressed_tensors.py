@@ -28,11 +28,11 @@ FP8_SUPPORTED = ("FP8 weights (type float, 8 bits, symmetric, strategy 'channel'
                  "input activations FP8 dynamic per 'token' / 'tensor', static per 'tensor', or "
                  "none; formats " + " / ".join(FP8_FORMATS))
 PACK_FORMAT = "pack-quantized"  # int values packed into int32 words along K (lowest bits first)
-INT4_FORMAT = PACK_FORMAT  # eight 4-bit values per int32 (llm-compressor W4A16)
+FLOAT8, INT8 = ("float", 8), ("int", 8)  # (type, num_bits) of QuantArgs
 INT4_ACTORDERS = (None, "group", "weight")
 INT4_SUPPORTED = ("INT4 weight-only W4A16 (type int, 4 bits, symmetric or asymmetric with "
                   "weight_zero_point, static, strategy 'group' or 'channel', actorder none / "
-                  f"'group' / 'weight', no activation quantization); format {INT4_FORMAT!r}")
+                  f"'group' / 'weight', no activation quantization); format {PACK_FORMAT!r}")
 INT8_FORMATS = ("int-quantized", "naive-quantized")  # `weight` int8 as it is
 INT8_W8A8_SUPPORTED = ("INT8 W8A8 (type int, 8 bits, symmetric, static weights per 'channel'; input "
                        "activations int8 symmetric, dynamic per 'token' or static per 'tensor'); "
@@ -184,21 +184,17 @@ def fp8_problem(scheme: Scheme) -> str | None:
     if scheme.output_activations is not None:
         return "output activations are quantized"
     weight_modes = (("channel", False), ("tensor", False))
-    problem = _fp8_args_problem("weights", scheme.weights, weight_modes)
+    problem = _args_problem("weights", scheme.weights, FLOAT8, weight_modes)
     if problem is None and scheme.input_activations is not None:
         act_modes = (("token", True), ("tensor", True), ("tensor", False))
-        problem = _fp8_args_problem("input activations", scheme.input_activations, act_modes)
+        problem = _args_problem("input activations", scheme.input_activations, FLOAT8,
+                                act_modes)
     return problem
-
-
-def _fp8_args_problem(what: str, args: QuantArgs, modes: tuple[tuple[str, bool], ...]
-                      ) -> str | None:
-    return _args_problem(what, args, ("float", 8), modes)
 
 
 def int4_problem(scheme: Scheme) -> str | None:
     """Why `scheme` is not one the "int4_awq" method loads (None: it is)."""
-    if scheme.format != INT4_FORMAT:
+    if scheme.format != PACK_FORMAT:
         return f"format {scheme.format or '(none)'!r}"
     weights = scheme.weights
     if weights is None:
@@ -230,7 +226,7 @@ def int8_w8a8_problem(scheme: Scheme) -> str | None:
     # Static per-tensor input scales load but go unused: inputs are quantized per token anyway.
     act_modes = (("token", True), ("tensor", False))
     return (_int8_weights_problem(scheme.weights)
-            or _int8_args_problem("input activations", scheme.input_activations, act_modes))
+            or _args_problem("input activations", scheme.input_activations, INT8, act_modes))
 
 
 def int8_w8a16_problem(scheme: Scheme) -> str | None:
@@ -245,12 +241,7 @@ def int8_w8a16_problem(scheme: Scheme) -> str | None:
 def _int8_weights_problem(weights: QuantArgs | None) -> str | None:
     if weights is None:
         return "no weight quantization"
-    return _int8_args_problem("weights", weights, (("channel", False),))
-
-
-def _int8_args_problem(what: str, args: QuantArgs, modes: tuple[tuple[str, bool], ...]
-                       ) -> str | None:
-    return _args_problem(what, args, ("int", 8), modes)
+    return _args_problem("weights", weights, INT8, (("channel", False),))
 
 
 def _args_problem(what: str, args: QuantArgs, kind: tuple[str, int],
@@ -287,22 +278,31 @@ def checkpoint_method(qc: dict) -> str:
 
 def layer_filter(config: CompressedTensorsConfig, packed: dict[str, list[str]]
                  ) -> Callable[[str], bool]:
-    """prefix of a slipstream linear layer -> whether it is quantized in the checkpoint.
+    """prefix of a slipstream linear layer -> whether it is quantized in the checkpoint."""
+    return fused_layer_filter(packed, lambda name: _matches_any(name, config.ignore),
+                              config.quantizes, "`ignore`")
 
-    A fused layer (qkv_proj) is quantized when all its checkpoint modules (q/k/v_proj) are, float
-    when none is; a mix cannot share one weight tensor and is an error.
+
+def fused_layer_filter(packed: dict[str, list[str]], listed_float: Callable[[str], bool],
+                       quantizes: Callable[[str], bool], float_list: str
+                       ) -> Callable[[str], bool]:
+    """prefix of a slipstream linear layer -> whether the checkpoint quantized it.
+
+    A fused layer (qkv_proj) is float when its own name is listed float (float_list names the
+    config's list), else it follows its checkpoint modules (q/k/v_proj): all quantized or all
+    float, since a mix cannot share one weight tensor (an error).
     """
     def quantized(prefix: str) -> bool:
         names = checkpoint_module_names(prefix, packed)
-        if len(names) > 1 and _matches_any(prefix, config.ignore):
-            return False  # the ignore entry names the fused module itself
-        flags = [config.quantizes(n) for n in names]
+        if len(names) > 1 and listed_float(prefix):
+            return False
+        flags = [quantizes(n) for n in names]
         if all(flags) or not any(flags):
             return flags[0]
         split = ", ".join(f"{n}: {'quantized' if f else 'float'}" for n, f in zip(names, flags))
-        raise ValueError(f"compressed-tensors checkpoint quantizes only some of the modules "
-                         f"fused into {prefix} ({split}); they share one weight here, so all or "
-                         "none must be in `ignore`")
+        raise ValueError(f"the checkpoint quantizes only some of the modules fused into {prefix} "
+                         f"({split}); they share one weight here, so list all or none of them in "
+                         f"{float_list}")
 
     return quantized
 

@@ -88,24 +88,11 @@ def not_converted_modules(qc: dict) -> tuple[str, ...]:
 
 def not_converted_filter(not_converted: tuple[str, ...], packed: dict[str, list[str]]
                          ) -> Callable[[str], bool]:
-    """prefix of a slipstream linear layer -> whether the checkpoint quantized it.
-
-    A fused layer (qkv_proj) is float when all its checkpoint modules (q/k/v_proj) are listed,
-    or the fused name itself is; listing only some is an error (they share one weight here).
-    """
-    def quantized(prefix: str) -> bool:
-        names = compressed_tensors.checkpoint_module_names(prefix, packed)
-        if len(names) > 1 and is_listed(prefix, not_converted):
-            return False
-        floats = [is_listed(name, not_converted) for name in names]
-        if all(floats) or not any(floats):
-            return not floats[0]
-        split = ", ".join(f"{n}: {'float' if f else 'fp8'}" for n, f in zip(names, floats))
-        raise ValueError(f"FP8 checkpoint leaves only some of the modules fused into {prefix} "
-                         f"float ({split}; modules_to_not_convert / ignored_layers); they share "
-                         "one weight here, so list all of them or none")
-
-    return quantized
+    """prefix of a slipstream linear layer -> whether the checkpoint quantized it."""
+    return compressed_tensors.fused_layer_filter(
+        packed, lambda name: is_listed(name, not_converted),
+        lambda name: not is_listed(name, not_converted),
+        "modules_to_not_convert / ignored_layers")
 
 
 def is_listed(name: str, entries: tuple[str, ...]) -> bool:

@@ -14,3 +14,10 @@ if not torch.cuda.is_available():
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Four random 8-token prompts (test modules may define their own)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 512, (8,), generator=g).tolist() for _ in range(4)]

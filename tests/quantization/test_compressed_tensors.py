@@ -52,12 +52,6 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ct"), "LlamaForCausalLM")
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 512, (8,), generator=g).tolist() for _ in range(4)]
-
-
 def _quantize(w: torch.Tensor, strategy: str, scale_dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight, float32 scale [N] or []) with scales representable in scale_dtype."""

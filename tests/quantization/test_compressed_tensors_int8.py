@@ -56,12 +56,6 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ct8"), "LlamaForCausalLM")
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 512, (8,), generator=g).tolist() for _ in range(4)]
-
-
 def pack_int8_cols(q: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> int32 [N, ceil(K/4)]: value + 128 per byte, lowest byte first, the last
     word zero-padded (compressed-tensors pack_to_int32 with num_bits 8)."""

@@ -51,12 +51,6 @@ def tiny(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fp8ckpt"), "LlamaForCausalLM")
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 512, (8,), generator=g).tolist() for _ in range(4)]
-
-
 def write_checkpoint(src: Path, out: Path, quant_config: dict | None, convert: Convert) -> Path:
     """src's checkpoint with every linear layer's weight replaced by convert(module, weight)."""
     tensors = {}
