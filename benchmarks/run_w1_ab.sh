@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (~6 min): W1 of two source trees on one machine, alternating A B (ROUNDS
 # times, default 2), so the ratio between trees is read on the same GPU. Run from tree B's root;
-# tree A is another checkout (e.g. `git archive <old commit>` unpacked next to it). GPU_TESTS:
-# pytest paths run first with `-m gpu` (tree B).
+# tree A is another checkout (e.g. `git archive <old commit>` unpacked next to it), or `.` with
+# ENV_A / ENV_B (e.g. ENV_A="SLIPSTREAM_NORM_IN_GEMV=0") to compare settings of one tree.
+# GPU_TESTS: pytest paths run first with `-m gpu` (tree B).
 #
 #   GPU_TESTS="tests/kernels/test_triton_paged_attention.py" ROUNDS=1 \
 #     bash benchmarks/run_w1_ab.sh ../old [RESULTS_DIR]
@@ -21,8 +22,9 @@ if [[ -n ${GPU_TESTS:-} ]]; then
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in A B; do
-    dir=$TREE_A; [[ $tree == B ]] && dir=$TREE_B
-    (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#$TREE_B:} timeout 240 "$PY" benchmarks/bench_quant.py \
+    dir=$TREE_A; env_set=${ENV_A:-}
+    [[ $tree == B ]] && dir=$TREE_B && env_set=${ENV_B:-}
+    (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#$TREE_B:} env $env_set timeout 300 "$PY" benchmarks/bench_quant.py \
       --methods "${W1_METHODS:-none,fp8}" --output-json "$RESULTS/W1_${tree}_$round.json" \
       > "$RESULTS/W1_${tree}_$round.log" 2>&1)
     echo "W1 tree $tree round $round:"

@@ -49,3 +49,40 @@ def test_bf16_logprobs_close_to_float32(arch, tmp_path, monkeypatch):
         r_lp, f_lp = r.outputs[0].logprobs[0], f.outputs[0].logprobs[0]
         for tok in set(r_lp) & set(f_lp):
             assert math.isclose(r_lp[tok], f_lp[tok], abs_tol=BF16_LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8_wo", "fp8"])
+def test_batch1_norm_inside_gemv_matches_norm_kernel(quantization, tmp_path, monkeypatch):
+    """Batch-1 decode, where the layers after each RMSNorm compute it inside their GEMV, gives
+    the tokens (and, within float32 rounding, the logprobs) of the norm kernel followed by the
+    plain GEMV. Qwen2: q/k/v carry a bias."""
+    from slipstream.kernels import gemv, gemv_int8
+
+    path = make_tiny_checkpoint(tmp_path, "Qwen2ForCausalLM")
+    calls = {"n": 0}
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(gemv, "gemv_normed", counted(gemv.gemv_normed))
+    monkeypatch.setattr(gemv_int8, "qgemv_normed", counted(gemv_int8.qgemv_normed))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=3)
+    prompts = _prompts(3, 1)
+    runs = {}
+    for mode in ("always", "0"):
+        monkeypatch.setenv("SLIPSTREAM_NORM_IN_GEMV", mode)
+        llm = LLM(str(path), device="cuda", dtype="float32", quantization=quantization,
+                  max_num_seqs=1, max_model_len=1024, kv_cache_memory=256 << 20)
+        runs[mode] = llm.generate(prompts, params, use_tqdm=False)
+        if mode == "always":
+            assert calls["n"] > 0, "the normed GEMV was never called"
+            calls["n"] = 0
+    assert calls["n"] == 0  # off means off
+    for fused, plain in zip(runs["always"], runs["0"]):
+        assert fused.outputs[0].token_ids == plain.outputs[0].token_ids
+        for f_lp, p_lp in zip(fused.outputs[0].logprobs, plain.outputs[0].logprobs):
+            for tok in set(f_lp) & set(p_lp):
+                assert math.isclose(f_lp[tok], p_lp[tok], abs_tol=1e-3)
