@@ -66,11 +66,11 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs, mask, write_res, ADD: tl.constexpr,
+def _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs, mask, pid_n, ADD: tl.constexpr,
                  EVEN_K: tl.constexpr):
     """A tile of an RMSNorm computed inside an M == 1 GEMV (NORMED): (s, s * norm weight) in
     float32, where s = x, or with ADD x + residual rounded to x's dtype exactly as the add-norm
-    kernel stores it (the new residual, written by the programs with write_res). The caller
+    kernel stores it (the new residual, written by the programs of column block 0). The caller
     sums s^2 over all of K and scales its dot product by 1 / rms once at the end: the norm's
     output is never rounded to the model dtype nor written."""
     if EVEN_K:
@@ -85,7 +85,8 @@ def _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs, mask, write_res, ADD
         else:
             r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + offs, x, mask=mask & write_res)  # a mask, not a branch
+        mine = (offs * 0 + pid_n) == 0  # a mask, not a branch
+        tl.store(res_out_ptr + offs, x, mask=mask & mine)
     s = x.to(tl.float32)
     return s, s * g.to(tl.float32)
 
@@ -138,7 +139,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         if NORMED:
             s, xf = _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, k + offs_k,
-                                 k + offs_k < k_hi, pid_n == 0, NORMED == 2, EVEN_K)
+                                 k + offs_k < k_hi, pid_n, NORMED == 2, EVEN_K)
             ssq += s * s
         else:
             xf = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K).to(tl.float32)

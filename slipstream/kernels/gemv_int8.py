@@ -7,6 +7,7 @@ does not depend on k). Split-K and its in-kernel reduction are those of kernels/
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import triton
@@ -31,6 +32,8 @@ from slipstream.kernels.gemv import (
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import fastest_fused, graph_time_us, weight_copies
+
+logger = logging.getLogger(__name__)
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -110,7 +113,7 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         if NORMED:
             s, xf = _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, k + offs_k,
-                                 k + offs_k < k_hi, pid_n == 0, NORMED == 2, EVEN_K)
+                                 k + offs_k < k_hi, pid_n, NORMED == 2, EVEN_K)
             ssq += s * s
         else:
             xf = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K).to(tl.float32)
@@ -260,8 +263,11 @@ def _measure_normed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tens
     tol = 2e-2 * expect.abs().max().item()
     configs = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
                                  for c in candidate_qconfigs(1, qweight.dtype) if not c.dot))
-    cfg, _, _ = fastest_fused(unfused, fused, configs, arg_sets,
-                              lambda got: torch.allclose(got.float(), expect, rtol=2e-2, atol=tol))
+    cfg, us, unfused_us = fastest_fused(
+        unfused, fused, configs, arg_sets,
+        lambda got: torch.allclose(got.float(), expect, rtol=2e-2, atol=tol))
+    logger.info("%s linear M=1 N=%d K=%d after its RMSNorm: %s (%.1f us; norm + linear %.1f us)",
+                qweight.dtype, qweight.shape[0], k, cfg or "norm kernel + linear", us, unfused_us)
     return cfg
 
 
