@@ -7,7 +7,6 @@ order (deterministic), applies the bias, writes the output and resets the counte
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -65,56 +64,20 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr):
     return g
 
 
-@triton.jit
-def _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, offs, mask, pid_n, ADD: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    """A tile of an RMSNorm computed inside an M == 1 GEMV (NORMED): (s, s * norm weight) in
-    float32, where s = x, or with ADD x + residual rounded to x's dtype exactly as the add-norm
-    kernel stores it (the new residual, written by the programs of column block 0). The caller
-    sums s^2 over all of K and scales its dot product by 1 / rms once at the end: the norm's
-    output is never rounded to the model dtype nor written."""
-    if EVEN_K:
-        x = tl.load(x_ptr + offs)
-        g = tl.load(nw_ptr + offs)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(nw_ptr + offs, mask=mask, other=0.0)
-    if ADD:
-        if EVEN_K:
-            r = tl.load(res_ptr + offs)
-        else:
-            r = tl.load(res_ptr + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        mine = (offs * 0 + pid_n) == 0  # a mask, not a branch
-        tl.store(res_out_ptr + offs, x, mask=mask & mine)
-    s = x.to(tl.float32)
-    return s, s * g.to(tl.float32)
-
-
-@triton.jit
-def _rms_scale(part, ssq, K, eps, NORMED: tl.constexpr):
-    """part times 1 / rms of the normed input (NORMED; ssq holds its squares), else part."""
-    if NORMED:
-        part = part * tl.rsqrt(tl.sum(ssq, 0) / K + eps)
-    return part
-
-
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, k_per_split, split_k, res_ptr, nw_ptr, res_out_ptr, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1, NORMED: tl.constexpr = 0):
+                 STAGES: tl.constexpr = 1):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
     flight per program, in registers. STAGES > 1 instead asks Triton to pipeline the loop
     (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
     without the registers. Under PDL the first tile's loads are issued before waiting for the
-    previous kernel (kernels/pdl.py). NORMED (1: RMSNorm of x, 2: of x + residual; one split
-    only): the norm is computed while loading x (_load_normed), one launch less per norm.
+    previous kernel (kernels/pdl.py).
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -127,7 +90,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    ssq = tl.zeros([BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
@@ -137,14 +99,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        if NORMED:
-            s, xf = _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, k + offs_k,
-                                 k + offs_k < k_hi, pid_n, NORMED == 2, EVEN_K)
-            ssq += s * s
-        else:
-            xf = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K).to(tl.float32)
-        acc += w.to(tl.float32) * xf[None, :]
-    part = _rms_scale(tl.sum(acc, 1), ssq, K, eps, NORMED)[None, :]
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    part = tl.sum(acc, 1)[None, :]
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
@@ -262,12 +219,10 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
 
 
-def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device,
-             whole_k: bool = False) -> tuple[int, int]:
-    """(split_k, k_per_split): enough programs for ~4 resident per SM, K chunks a BLOCK_K multiple
-    (whole_k: one split, for kernels that need all of K in every program)."""
+def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """(split_k, k_per_split): enough programs for ~4 resident per SM, K chunks a BLOCK_K multiple."""
     k_tiles = triton.cdiv(k, cfg.block_k)
-    split = 1 if whole_k else cfg.split_k
+    split = cfg.split_k
     if split <= 0:
         n_tiles = triton.cdiv(n, cfg.block_n)
         split = min(triton.cdiv(4 * num_sms(device), n_tiles), k_tiles, 16)
@@ -282,67 +237,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
     """
-    return _launch_gemv(x, weight, bias, config, gated, None)
-
-
-def gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm: NormInput,
-                weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x [+ residual]) @ weight^T (+ bias), the new residual) for one row of x: the
-    RMSNorm (and the add) run inside the GEMV. Same as fused_add_rms_norm (or rms_norm), then
-    gemv, except that the normalised input is not rounded to x's dtype. residual None: no add,
-    and x is the new residual. The config's split is ignored (the norm needs all of K)."""
-    args = NormArgs.make(x, residual, norm)
-    return _launch_gemv(x, weight, bias, config, False, args), args.new_residual
-
-
-def norm_in_gemv_mode() -> str:
-    """Whether one-row linear layers take their RMSNorm into the GEMV: SLIPSTREAM_NORM_IN_GEMV=
-    auto (default: where it measured faster), 0 (never: comparisons, debugging) or always
-    (the default config, unmeasured: tests)."""
-    mode = os.environ.get("SLIPSTREAM_NORM_IN_GEMV", "auto")
-    return {"0": "off", "off": "off", "always": "always"}.get(mode, "auto")
-
-
-@dataclass(frozen=True)
-class NormInput:
-    """An RMSNorm for a GEMV to compute on its input: weight [K] and epsilon."""
-
-    weight: torch.Tensor
-    eps: float
-
-
-@dataclass(frozen=True)
-class NormArgs:
-    """The kernel arguments of a normed GEMV: mode (NORMED: 1 norm, 2 add then norm), the
-    residual to add, the norm weight, the new residual's storage, epsilon."""
-
-    mode: int
-    residual: torch.Tensor
-    weight: torch.Tensor
-    new_residual: torch.Tensor
-    eps: float
-
-    @staticmethod
-    def make(x: torch.Tensor, residual: torch.Tensor | None, norm: NormInput) -> NormArgs:
-        k = x.shape[-1]
-        if x.numel() != k or not x.is_contiguous():
-            raise ValueError(f"normed gemv takes one contiguous row, got x of shape {tuple(x.shape)}")
-        if norm.weight.shape != (k,) or not norm.weight.is_contiguous():
-            raise ValueError(f"norm weight must be a contiguous [{k}], got {tuple(norm.weight.shape)}")
-        if residual is None:
-            return NormArgs(1, x, norm.weight, x, norm.eps)
-        if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
-            raise ValueError("residual must be contiguous with x's shape and dtype")
-        # A fresh tensor, never the residual itself: other programs still read it.
-        return NormArgs(2, residual, norm.weight, torch.empty_like(x), norm.eps)
-
-    def kernel_args(self) -> tuple:
-        return (self.residual, self.weight, self.new_residual, self.eps)
-
-
-def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 config: GemvConfig | None, gated: bool, norm: NormArgs | None) -> torch.Tensor:
     x2, m, n, k = _gemv_operands(x, weight, gated)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
@@ -350,7 +244,7 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k)
-    split, per_split = _split_k(cfg, n, k, x.device, norm is not None)
+    split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device, n_tiles) if split > 1 else out
@@ -361,22 +255,13 @@ def _launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
             per_split, split)
     if m == 1:
-        norm_args = _norm_kernel_args(norm, out)
-        _gemv_kernel[(n_tiles, split)](*args, *norm_args, PREFETCH=cfg.prefetch,
-                                       STAGES=cfg.num_stages, NORMED=norm.mode if norm else 0,
+        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
                                        **common, **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
                                          **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
-
-
-def _norm_kernel_args(norm: NormArgs | None, placeholder: torch.Tensor) -> tuple:
-    """(residual, norm weight, new residual, eps) for the M == 1 kernels; placeholders without."""
-    if norm is None:
-        return (placeholder, placeholder, placeholder, 0.0)
-    return norm.kernel_args()
 
 
 def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool

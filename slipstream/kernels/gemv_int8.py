@@ -7,7 +7,6 @@ does not depend on k). Split-K and its in-kernel reduction are those of kernels/
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 import triton
@@ -17,23 +16,15 @@ from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
-    NormArgs,
-    NormInput,
     _counters,
     _finish,
     _gemv_operands,
-    _load_normed,
     _load_w_tile,
     _load_x,
-    _norm_kernel_args,
-    _rms_scale,
     _split_k,
-    norm_in_gemv_mode,
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.tuning import fastest_fused, graph_time_us, weight_copies
-
-logger = logging.getLogger(__name__)
+from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -81,16 +72,14 @@ def _int8x4_to_float(w):
 
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                  stride_wn, stride_om, k_per_split, split_k, res_ptr, nw_ptr, res_out_ptr, eps,
-                  BLOCK_N: tl.constexpr,
+                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  STAGES: tl.constexpr = 1, NORMED: tl.constexpr = 0):
+                  STAGES: tl.constexpr = 1):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end.
     STAGES > 1 (without PREFETCH): weight tiles stream through shared memory, STAGES - 1 ahead
-    (asynchronous copies), so the bytes in flight do not cost registers. NORMED: the RMSNorm
-    (and residual add) of kernels/gemv.py's _gemv_kernel."""
+    (asynchronous copies), so the bytes in flight do not cost registers."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,7 +90,6 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    ssq = tl.zeros([BLOCK_K], tl.float32)
     if PREFETCH:
         w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
@@ -111,19 +99,15 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
             w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        if NORMED:
-            s, xf = _load_normed(x_ptr, res_ptr, nw_ptr, res_out_ptr, k + offs_k,
-                                 k + offs_k < k_hi, pid_n, NORMED == 2, EVEN_K)
-            ssq += s * s
-        else:
-            xf = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K).to(tl.float32)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
+        xf = x.to(tl.float32)
         if BIT_CONVERT == 2:
             xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
         acc += _to_float(w, BIT_CONVERT) * xf[None, :]
     scale = tl.load(s_ptr + rows)
     if BIT_CONVERT == 2:
         scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-    part = _rms_scale(tl.sum(acc, 1) * scale, ssq, K, eps, NORMED)[None, :]
+    part = (tl.sum(acc, 1) * scale)[None, :]
     offs_m = tl.arange(0, 1)
     _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
@@ -216,61 +200,6 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return qgemv(x, qweight, scale, bias, cfg, gated=gated)
 
 
-_QNORMED_CHOICES: dict[tuple, GemvConfig | None] = {}
-
-
-def qlinear_small_normed(x: torch.Tensor, residual: torch.Tensor | None, norm: NormInput,
-                         qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(qlinear_small(rms_norm(x [+ residual])), the new residual) by a dequant-GEMV that computes
-    the norm as it loads x, for one row on CUDA when that measured faster for the shape than
-    the norm kernel followed by qlinear_small. None: the caller runs those two instead."""
-    k = qweight.shape[1]
-    mode = norm_in_gemv_mode()
-    if not x.is_cuda or x.numel() != k or mode == "off":
-        return None
-    if mode == "always":
-        return qgemv_normed(x, residual, norm, qweight, scale, bias)
-    key = (qweight.shape[0], k, x.dtype, qweight.dtype, bias is not None, x.device.index)
-    if key not in _QNORMED_CHOICES:
-        if torch.cuda.is_current_stream_capturing():
-            return None  # unmeasured during capture: the unfused pair is always right
-        _QNORMED_CHOICES[key] = _measure_normed(qweight, scale, bias, x.dtype, norm.eps)
-    cfg = _QNORMED_CHOICES[key]
-    return None if cfg is None else qgemv_normed(x, residual, norm, qweight, scale, bias, cfg)
-
-
-def _measure_normed(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                    dtype: torch.dtype, eps: float) -> GemvConfig | None:
-    """The add + norm kernel and qlinear_small against each M == 1 config (one split) with the
-    norm inside; None when the pair is faster."""
-    from slipstream.kernels.rms_norm import fused_add_rms_norm
-
-    k, dev = qweight.shape[1], qweight.device
-    x, res = torch.randn((1, k), device=dev, dtype=dtype), torch.randn((1, k), device=dev, dtype=dtype)
-    norm_w = (torch.rand(k, device=dev) + 0.5).to(dtype)
-    arg_sets = weight_copies((x, res, norm_w, qweight, scale) + (() if bias is None else (bias,)))
-
-    def unfused(a):  # as the model runs it: the norm in place, then the measured product
-        h, _ = fused_add_rms_norm(a[0], a[1], a[2], eps)
-        return qlinear_small(h, a[3], a[4], a[5] if bias is not None else None)
-
-    def fused(a, cfg):
-        return qgemv_normed(a[0], a[1], NormInput(a[2], eps), a[3], a[4],
-                            a[5] if bias is not None else None, cfg)[0]
-
-    expect = unfused(tuple(t.clone() for t in arg_sets[0])).float()
-    tol = 2e-2 * expect.abs().max().item()
-    configs = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
-                                 for c in candidate_qconfigs(1, qweight.dtype) if not c.dot))
-    cfg, us, unfused_us = fastest_fused(
-        unfused, fused, configs, arg_sets,
-        lambda got: torch.allclose(got.float(), expect, rtol=2e-2, atol=tol))
-    logger.info("%s linear M=1 N=%d K=%d after its RMSNorm: %s (%.1f us; norm + linear %.1f us)",
-                qweight.dtype, qweight.shape[0], k, cfg or "norm kernel + linear", us, unfused_us)
-    return cfg
-
-
 def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              dtype: torch.dtype) -> GemvConfig:
     x = torch.randn((m, qweight.shape[1]), device=qweight.device, dtype=dtype)
@@ -298,22 +227,6 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
     """
-    return _launch_qgemv(x, qweight, scale, bias, config, gated, None)
-
-
-def qgemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm: NormInput,
-                 qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """qgemv of rms_norm(x [+ residual]) for one row of x, the norm inside the kernel; returns
-    (product, new residual). See kernels/gemv.py's gemv_normed; the M == 1 kernel is used
-    whatever the config (a tensor-core config takes its tile shape only)."""
-    args = NormArgs.make(x, residual, norm)
-    return _launch_qgemv(x, qweight, scale, bias, config, False, args), args.new_residual
-
-
-def _launch_qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None, config: GemvConfig | None, gated: bool,
-                  norm: NormArgs | None) -> torch.Tensor:
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
     x2, m, n, k = _gemv_operands(x, qweight, gated)
@@ -323,9 +236,7 @@ def _launch_qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_qconfig(m)
-    if norm is not None and cfg.dot:
-        cfg = dataclasses.replace(cfg, dot=False, num_stages=1)
-    split, per_split = _split_k(cfg, n, k, x.device, norm is not None)
+    split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     cnt = _counters(x.device, n_tiles) if split > 1 else out
@@ -337,10 +248,9 @@ def _launch_qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _qgemv_kernel[(n_tiles, split)](*args, *_norm_kernel_args(norm, out),
-                                        PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
-                                        STAGES=cfg.num_stages, NORMED=norm.mode if norm else 0,
-                                        **common, **pdl.launch_kwargs(x.device))
+        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
+                                        STAGES=cfg.num_stages, **common,
+                                        **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,

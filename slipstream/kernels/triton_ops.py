@@ -4,11 +4,9 @@ ops() carries the names of kernels._OP_NAMES (an op whose kernel module fails to
 back to its reference twin) and linear(x, weight, bias): for at most gemv.MAX_M rows it times a
 few Triton GEMV / skinny-GEMM configs against cuBLAS (torch F.linear) once per shape, keeps the
 fastest, and uses cuBLAS for every larger M. SLIPSTREAM_LINEAR=torch|triton forces one side.
-linear_normed does the same for one row whose RMSNorm the GEMV can compute itself.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels.tuning import fastest_fused, graph_time_us, weight_copies
+from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +30,6 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LinearKey = tuple[int, int, int, torch.dtype, bool, int | None]
 # Per shape: the Triton config to use, or None for cuBLAS.
 _CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
-# Per shape of a normed one-row linear: the config of the GEMV with the norm inside, or None.
-_NORMED_CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
 
 
 def _load_op(name: str):
@@ -131,69 +127,11 @@ def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
     return _CHOICES[key]
 
 
-def linear_normed(x: torch.Tensor, residual: torch.Tensor | None, norm: _gemv.NormInput,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(linear(rms_norm(x [+ residual])), the new residual) by a GEMV that computes the norm as
-    it loads x (one launch less per norm), for one row on CUDA when that measured faster for the
-    shape than the norm kernel followed by linear. None: the caller runs those two instead."""
-    n, k = weight.shape
-    mode = _gemv.norm_in_gemv_mode()
-    if (os.environ.get("SLIPSTREAM_LINEAR", "auto") == "torch" or mode == "off"
-            or not x.is_cuda or x.numel() != k or not _kernel_fits(x, weight, bias)):
-        return None
-    if mode == "always":
-        return _gemv.gemv_normed(x, residual, norm, weight, bias)
-    key = (1, n, k, x.dtype, bias is not None, x.device.index)
-    if key not in _NORMED_CHOICES:
-        if torch.cuda.is_current_stream_capturing():
-            return None  # unmeasured during capture: the unfused pair is always right
-        _NORMED_CHOICES[key] = _measure_normed(weight, bias, x.dtype, norm.eps)
-    cfg = _NORMED_CHOICES[key]
-    return None if cfg is None else _gemv.gemv_normed(x, residual, norm, weight, bias, cfg)
-
-
-def _measure_normed(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                    eps: float) -> _gemv.GemvConfig | None:
-    """Time the add + norm kernel followed by linear against each one-split GEMV config with the
-    norm inside; None when the pair is faster."""
-    from slipstream.kernels.rms_norm import fused_add_rms_norm
-
-    n, k = weight.shape
-    dev = weight.device
-    x, res = torch.randn((1, k), device=dev, dtype=dtype), torch.randn((1, k), device=dev, dtype=dtype)
-    norm_w = (torch.rand(k, device=dev) + 0.5).to(dtype)
-    arg_sets = weight_copies((x, res, norm_w, weight) + (() if bias is None else (bias,)))
-
-    def unfused(a):  # as the model runs it: the norm in place, then the measured linear
-        h, _ = fused_add_rms_norm(a[0], a[1], a[2], eps)
-        return linear(h, a[3], a[4] if bias is not None else None)
-
-    def fused(a, cfg):
-        return _gemv.gemv_normed(a[0], a[1], _gemv.NormInput(a[2], eps), a[3],
-                                 a[4] if bias is not None else None, cfg)[0]
-
-    expect = unfused(tuple(t.clone() for t in arg_sets[0])).float()
-    tol = 2e-2 * expect.abs().max().item()
-    configs = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
-                                 for c in _gemv.candidate_configs(1, n, k)))
-    cfg, us, unfused_us = fastest_fused(
-        unfused, fused, configs, arg_sets,
-        lambda got: torch.allclose(got.float(), expect, rtol=2e-2, atol=tol))
-    logger.info("linear M=1 N=%d K=%d after its RMSNorm: %s (%.1f us; norm + linear %.1f us)",
-                n, k, cfg or "norm kernel + linear", us, unfused_us)
-    return cfg
-
-
 def linear_choices() -> dict[str, str]:
     """The per-shape choices made so far, for the start-up log and the build record."""
-    choices = {f"M<={m} N={n} K={k} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}":
-               ("cuBLAS" if cfg is None else repr(cfg))
-               for (m, n, k, dt, b, _), cfg in _CHOICES.items()}
-    choices.update({f"M=1 N={n} K={k} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}"
-                    " after RMSNorm": ("norm kernel + linear" if cfg is None else repr(cfg))
-                    for (_, n, k, dt, b, _), cfg in _NORMED_CHOICES.items()})
-    return choices
+    return {f"M<={m} N={n} K={k} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}":
+            ("cuBLAS" if cfg is None else repr(cfg))
+            for (m, n, k, dt, b, _), cfg in _CHOICES.items()}
 
 
 def ops() -> SimpleNamespace:

@@ -67,24 +67,3 @@ def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
         times.append(1e3 * start.elapsed_time(end) / calls)
     del graph
     return statistics.median(times)
-
-
-def fastest_fused(unfused: Callable[[tuple[torch.Tensor, ...]], Any],
-                  fused: Callable[[tuple[torch.Tensor, ...], Any], torch.Tensor],
-                  configs: Sequence[Any], arg_sets: list[tuple[torch.Tensor, ...]],
-                  agrees: Callable[[torch.Tensor], bool]) -> tuple[Any, float, float]:
-    """(fastest config of `fused(args, config)` or None, its us, unfused us): a fused kernel is
-    kept only when it beats the unfused calls it replaces, timed the same way, and only configs
-    whose first result `agrees` (with the unfused answer) are timed."""
-    unfused_us = graph_time_us(unfused, arg_sets)
-    best, best_us = None, unfused_us
-    for cfg in configs:
-        try:
-            if not agrees(fused(arg_sets[0], cfg)):
-                continue  # a miscompiled config must never be chosen
-            us = graph_time_us(lambda a, cfg=cfg: fused(a, cfg), arg_sets)
-        except Exception:  # e.g. out of shared memory for this tile
-            continue
-        if us < best_us:
-            best, best_us = cfg, us
-    return best, best_us, unfused_us

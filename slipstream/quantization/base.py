@@ -51,22 +51,10 @@ class QuantMethod(ABC):
         (`layers.norm.RMSNorm`; residual None: no add, x is the residual). Methods that
         quantize their input override it to quantize inside the norm's kernel. The layer is
         called as a module here, so forward hooks (calibration statistics) see its input."""
-        if _norm_fits_gemv(layer, x, residual, norm):
-            fused = self.apply_norm_in_gemv(layer, x, residual, norm, bias)
-            if fused is not None:
-                return fused
         if residual is None:
             return layer(norm(x)), x
         h, residual = norm(x, residual)
         return layer(h), residual
-
-    def apply_norm_in_gemv(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: nn.Module, bias: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """apply_normed for one contiguous row on CUDA by a GEMV that computes the norm (and the
-        add) as it loads x, one launch less; None where the method has no such kernel or it
-        measured slower for the shape (then the norm kernel runs first)."""
-        return None
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -92,34 +80,6 @@ class UnquantizedLinearMethod(QuantMethod):
         if gate_up.is_cuda:
             return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
         return F.linear(act(gate_up), layer.weight, bias)
-
-    def apply_norm_in_gemv(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: nn.Module, bias: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        ops = _triton_ops()
-        if not hasattr(ops, "linear_normed"):
-            return None
-        return ops.linear_normed(x, residual, norm_input(norm), layer.weight, bias)
-
-
-def norm_input(norm: nn.Module):
-    """The RMSNorm module as the kernels' NormInput (weight, eps)."""
-    from slipstream.kernels.gemv import NormInput
-
-    return NormInput(norm.weight, norm.eps)
-
-
-def _norm_fits_gemv(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                    norm: nn.Module) -> bool:
-    """One contiguous row on CUDA, fed by the Triton RMSNorm, with no hooks wanting the normed
-    input (calibration): what the normed GEMVs take."""
-    from slipstream.layers.norm import RMSNorm
-
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
-            and isinstance(norm, RMSNorm) and getattr(norm.ops, "name", "") == "triton"
-            and (residual is None or (residual.is_contiguous() and residual.shape == x.shape
-                                      and residual.dtype == x.dtype))
-            and not layer._forward_hooks and not layer._forward_pre_hooks)
 
 
 def _triton_ops():

@@ -11,12 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization import compressed_tensors
-from slipstream.quantization.base import (
-    QuantMethod,
-    UnquantizedLinearMethod,
-    norm_input,
-    register_quant_method,
-)
+from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod, register_quant_method
 from slipstream.quantization.compressed_tensors import Int8Layout
 from slipstream.quantization.int4_layouts import weight_shape_loader
 from slipstream.quantization.utils import (
@@ -34,10 +29,6 @@ CHECKPOINT_CONFIG = {"quant_method": "int8_wo", "bits": 8, "weight_scale": "per_
 class PerChannelMethod(QuantMethod):
     """Shared by int8_wo and fp8: weight [N, K] in one byte, weight_scale float32 [N]."""
 
-    # Decode-size batches multiply bf16 activations by the dequantized weight (fp8 and int8_wo;
-    # w8a8_sq quantizes its activations instead, so its norm cannot go into that GEMV).
-    weight_only_decode = True
-
     def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
                     act) -> torch.Tensor:
         """Decode-size batches on CUDA: the dequant-GEMV computes act(gate_up) as it loads x
@@ -46,16 +37,6 @@ class PerChannelMethod(QuantMethod):
         if gate_up.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
             return _qlinear_small()(gate_up, layer.weight, layer.weight_scale, bias, gated=True)
         return self.apply(layer, act(gate_up), bias)
-
-    def apply_norm_in_gemv(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: nn.Module, bias: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.weight_only_decode or _qlinear_small() is None:
-            return None
-        from slipstream.kernels.gemv_int8 import qlinear_small_normed
-
-        return qlinear_small_normed(x, residual, norm_input(norm), layer.weight,
-                                    layer.weight_scale, bias)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Fused tensors in checkpoint layout: leaf -> (tensor, output dim, pack factor)."""

@@ -30,8 +30,6 @@ class W8A8SmoothQuantMethod(Int8WeightOnlyMethod):
     """Same stored layout as int8_wo (weight int8 [N, K], weight_scale float32 [N]); the input is
     quantized per token too, so the matmul runs on INT8 operands."""
 
-    weight_only_decode = False
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias)
 
