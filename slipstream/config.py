@@ -72,7 +72,9 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
-        return ModelConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+        from slipstream.quantization.modelopt import with_hf_quant_config
+
+        return ModelConfig.from_hf_dict(with_hf_quant_config(json.loads(cfg_path.read_text()), path))
 
 
 def _rope_params_scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slipstream.quantization import compressed_tensors
+from slipstream.quantization import compressed_tensors, modelopt
 from slipstream.quantization.utils import (
     new_param,
     packed_shard_loader,
@@ -41,9 +41,15 @@ FBGEMM_METHOD = "fbgemm_fp8"
 
 
 def hf_fp8_layout(hf_config: dict, qc: dict) -> Fp8Layout:
-    """The layout of an HF `fp8` (AutoFP8, Qwen3 / DeepSeek FP8) or `fbgemm_fp8` checkpoint."""
-    quantized = not_converted_filter(not_converted_modules(qc),
-                                     compressed_tensors.packed_modules_of(hf_config))
+    """The layout of an HF `fp8` (AutoFP8, Qwen3 / DeepSeek FP8), `fbgemm_fp8` or ModelOpt FP8
+    checkpoint."""
+    packed = compressed_tensors.packed_modules_of(hf_config)
+    if modelopt.is_modelopt(qc):
+        # Per-tensor weight scales (broadcast over each fused shard's rows: exact) and a static
+        # input_scale per layer, read and unused: activations are scaled per token at run time.
+        return Fp8Layout(not_converted_filter(modelopt.excluded_modules(qc), packed),
+                         static_input_scale=True)
+    quantized = not_converted_filter(not_converted_modules(qc), packed)
     if str(qc.get("quant_method", "")).lower() == FBGEMM_METHOD:
         if qc.get("activation_scale_ub") is not None:
             # Honouring it would thread a clamp through every activation quantizer (torch and
@@ -92,7 +98,7 @@ def not_converted_filter(not_converted: tuple[str, ...], packed: dict[str, list[
     return compressed_tensors.fused_layer_filter(
         packed, lambda name: is_listed(name, not_converted),
         lambda name: not is_listed(name, not_converted),
-        "modules_to_not_convert / ignored_layers")
+        "the checkpoint's list of unquantized modules")
 
 
 def is_listed(name: str, entries: tuple[str, ...]) -> bool:

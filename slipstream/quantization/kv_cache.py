@@ -16,6 +16,7 @@ from torch import nn
 
 from slipstream.kernels.reference import KV_QMAX
 from slipstream.layers.attention import Attention
+from slipstream.quantization import modelopt
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,16 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 def checkpoint_kv_cache_dtype(hf_config: dict | None) -> str | None:
     """The KV dtype a checkpoint asks for: slipstream's top-level `kv_cache_dtype`, or
-    llm-compressor's quantization_config.kv_cache_scheme (8-bit float: fp8, int: int8)."""
+    llm-compressor's quantization_config.kv_cache_scheme (8-bit float: fp8, int: int8), or
+    ModelOpt's kv_cache_quant_algo."""
     cfg = hf_config or {}
     name = cfg.get("kv_cache_dtype")
     if name:
         return _ALIASES.get(str(name), str(name))
-    scheme = (cfg.get("quantization_config") or {}).get("kv_cache_scheme") or {}
+    qc = cfg.get("quantization_config") or {}
+    if modelopt.is_modelopt(qc):
+        return modelopt.kv_cache_dtype(qc)
+    scheme = qc.get("kv_cache_scheme") or {}
     if scheme.get("num_bits") == 8:
         return "int8" if scheme.get("type") == "int" else "fp8"
     return None
@@ -95,9 +100,10 @@ def kv_scale_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# Checkpoint leaf -> the scales it sets: ours / vLLM / llm-compressor, older vLLM (one for both),
-# AutoFP8's output scales of k_proj / v_proj.
-_SCALE_LEAVES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",),
+# Checkpoint leaf -> the scales it sets (longest leaves first): ModelOpt's on k_proj / v_proj,
+# ours / vLLM / llm-compressor, older vLLM (one for both), AutoFP8's output scales of k_proj / v_proj.
+_SCALE_LEAVES = {"k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),
+                 "k_scale": ("k_scale",), "v_scale": ("v_scale",),
                  "kv_scale": ("k_scale", "v_scale"), "k_proj.output_scale": ("k_scale",),
                  "v_proj.output_scale": ("v_scale",)}
 

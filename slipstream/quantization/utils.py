@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from slipstream.quantization import compressed_tensors
+from slipstream.quantization import compressed_tensors, modelopt
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -195,8 +195,11 @@ def detect_quant_method(hf_config: dict | None) -> str | None:
     name = str(qc.get("quant_method", "")).lower()
     if name == compressed_tensors.QUANT_METHOD:  # the scheme, not the name, says which method
         return compressed_tensors.checkpoint_method(qc)
+    if name == modelopt.QUANT_METHOD:  # so does ModelOpt's quant_algo
+        return modelopt.checkpoint_method(qc)
     if name not in _CHECKPOINT_METHODS:
-        supported = sorted([*_CHECKPOINT_METHODS, compressed_tensors.QUANT_METHOD])
+        supported = sorted([*_CHECKPOINT_METHODS, compressed_tensors.QUANT_METHOD,
+                            modelopt.QUANT_METHOD])
         raise ValueError(f"checkpoint quantization_config.quant_method={name!r} is not supported; "
                          f"supported: {', '.join(supported)}")
     return _CHECKPOINT_METHODS[name]
