@@ -5,6 +5,9 @@ tuning state shared), Llama-3.1-8B shape with dummy weights, then prints a table
 and the ratio to bf16 and writes all results to --output-json.
 
   python benchmarks/bench_quant.py --methods none,int8_wo,fp8 --output-json $OUT/quant.json
+
+A method written METHOD+head (fp8+head, int8_wo+head) also quantizes the LM head
+(--quantize-lm-head); its bar is the method's own.
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ def run_one(method: str, args: argparse.Namespace, out_dir: Path) -> dict:
            "--load-format", "dummy", "--batch-size", "1", "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--num-iters", str(args.num_iters),
            "--label", f"W1 {method}", "--output-json", str(out)]
-    if method != "none":
-        cmd += ["--quantization", method]
+    base, _, head = method.partition("+")
+    if base != "none":
+        cmd += ["--quantization", base]
+    if head == "head":
+        cmd.append("--quantize-lm-head")
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -54,16 +60,16 @@ def main() -> int:
         tok_s = _decode(r)
         ratio = tok_s / base if tok_s and base else None
         rows.append({"method": r["method"], "decode_tok_s": tok_s, "ratio_vs_bf16": ratio,
-                     "bar": BARS.get(r["method"]), "sol_pct": r.get("sol_pct"),
+                     "bar": BARS.get(r["method"].partition("+")[0]), "sol_pct": r.get("sol_pct"),
                      "peak_mem_gib": (r.get("engine") or {}).get("peak_memory_gib")})
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"rows": rows, "runs": results}, indent=2))
-    print(f"\n{'method':<10} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6}")
+    print(f"\n{'method':<13} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6}")
     for row in rows:
         tok = f"{row['decode_tok_s']:.1f}" if row["decode_tok_s"] else "error"
         ratio = f"{row['ratio_vs_bf16']:.2f}" if row["ratio_vs_bf16"] else "-"
         bar = f"{row['bar']:.1f}" if row["bar"] else "-"
-        print(f"{row['method']:<10} {tok:>13} {ratio:>8} {bar:>6}")
+        print(f"{row['method']:<13} {tok:>13} {ratio:>8} {bar:>6}")
     return 0
 
 

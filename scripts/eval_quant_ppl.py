@@ -35,7 +35,8 @@ DEFAULT_MODEL = REPO / "slipstream" / "assets" / "default_model"
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "2026-11-30-cpu" / "quant_accuracy.json"
 # Issue 6: relative perplexity increase allowed per method (int4 must also beat RTN with AWQ).
 TARGETS = {"int8_wo": 1.0, "fp8": 2.0, "int4_awq": 10.0, "w8a8_sq": 5.0}
-# name -> (quantization passed to LLM, checkpoint kind[, kv_cache_dtype passed to LLM])
+# name -> (quantization passed to LLM, checkpoint kind[, kv_cache_dtype passed to LLM
+# ("auto": --kv-cache-dtype)[, quantize_lm_head]])
 ROWS = {
     "none": (None, "float"),
     "int8_wo": ("int8_wo", "float"),
@@ -49,6 +50,8 @@ ROWS = {
     "kv_int8": (None, "float", "int8"),  # no scales: calibrated at engine start
     "kv_fp8_calib": (None, "kv_fp8"),  # `quantize --method none --kv-cache-dtype fp8`
     "kv_int8_calib": (None, "kv_int8"),  # the same, int8 (stdlib training calib)
+    "fp8_head": ("fp8", "float", "auto", True),  # quantize_lm_head: the head in FP8 too
+    "int8_head": ("int8_wo", "float", "auto", True),
 }
 CALIB_FILES, CALIB_CHARS = 128, 8000
 
@@ -87,12 +90,13 @@ def select_windows(tok, seq_len: int, max_windows: int) -> tuple[list[list[int]]
 
 
 def engine_nll(model: str, quantization: str | None, windows: list[list[int]],
-               kv_cache_dtype: str = "auto") -> tuple[float, int]:
+               kv_cache_dtype: str = "auto", quantize_lm_head: bool = False) -> tuple[float, int]:
     """Summed negative log-likelihood of every window's tokens after the first, via slipstream."""
     from slipstream import LLM, SamplingParams
 
     llm = LLM(model=model, device="cpu", dtype="float32", quantization=quantization,
-              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
+              quantize_lm_head=quantize_lm_head)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     nll, count = 0.0, 0
@@ -171,18 +175,19 @@ def builtin_calib_check(num_samples: int = 128) -> dict:
 
 def run_row(name: str, model: str, ckpts: dict[str, str], windows: list[list[int]],
             kv_cache_dtype: str = "auto") -> dict:
-    quantization, ckpt, *kv = ROWS[name]
-    kv_cache_dtype = kv[0] if kv else kv_cache_dtype
+    quantization, ckpt, *rest = ROWS[name]
+    kv_cache_dtype = rest[0] if rest and rest[0] != "auto" else kv_cache_dtype
+    lm_head = len(rest) > 1 and rest[1]
     path = ckpts.get(ckpt, model)
     t0 = time.perf_counter()
     try:
-        nll, count = engine_nll(path, quantization, windows, kv_cache_dtype)
+        nll, count = engine_nll(path, quantization, windows, kv_cache_dtype, lm_head)
     except Exception as exc:  # report the failure as a row, keep measuring the others
         return {"method": name, "error": f"{type(exc).__name__}: {exc}",
                 "seconds": round(time.perf_counter() - t0, 1)}
     return {"method": name, "quantization": quantization, "checkpoint": path,
-            "kv_cache_dtype": kv_cache_dtype, "loss": nll / count, "ppl": math.exp(nll / count),
-            "tokens": count,
+            "kv_cache_dtype": kv_cache_dtype, "quantize_lm_head": lm_head, "loss": nll / count,
+            "ppl": math.exp(nll / count), "tokens": count,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -195,6 +200,7 @@ def judge(rows: dict[str, dict]) -> None:
         row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0)
         key = "int4_awq" if name.startswith("int4") else name
         key = "w8a8_sq" if name.startswith("w8a8") else key
+        key = {"fp8_head": "fp8", "int8_head": "int8_wo"}.get(key, key)
         if key in TARGETS:
             row["target"] = f"<= +{TARGETS[key]:g}%"
             row["meets_target"] = row["delta_pct"] <= TARGETS[key]

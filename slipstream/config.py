@@ -121,6 +121,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str | None = None
+    lm_head: bool = False  # also quantize the LM head (fp8 / int8_wo only; opt-in)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ def load_model(config: EngineConfig) -> nn.Module:
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_after_loading(module)
+    if config.quant.lm_head:
+        model.lm_head.quantize(config.quant.method)
     return model.eval()
 
 
