@@ -15,13 +15,10 @@ from slipstream.bench import report
 from slipstream.bench.datasets import BenchRequest, make_requests, random_requests
 from slipstream.bench.shapes import count_parameters, is_shape_name, load_config, resolve_model
 
-# Engine flags always passed to LLM(...), and those passed only when they differ from
-# EngineArgs' defaults (so the call stays as small as the engine's documented keywords).
+# Engine flags always passed to LLM(...); every other EngineArgs field is passed when it differs
+# from its default (so the call stays small, and no engine flag is parsed and then dropped).
 _ENGINE_KWARGS = ("dtype", "max_num_seqs", "max_num_tokens", "max_model_len", "block_size",
                   "gpu_memory_utilization", "seed", "load_format")
-_ENGINE_KWARGS_IF_SET = ("device", "tokenizer", "enforce_eager", "kv_cache_memory",
-                         "enable_prefix_caching", "quantization", "kv_cache_dtype",
-                         "pipeline_decode", "async_scheduling")
 _KV_TOTAL_KEYS = ("num_total_blocks", "num_kv_blocks", "kv_num_blocks", "num_blocks", "kv_blocks_total",
                   "total_blocks", "num_gpu_blocks")
 _KV_PEAK_KEYS = ("peak_used_blocks", "kv_peak_used_blocks", "max_used_blocks",
@@ -54,7 +51,7 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str | None, dtype: str,
     for name in _ENGINE_KWARGS:
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
-    for name in _ENGINE_KWARGS_IF_SET:
+    for name in defaults.keys() - {*_ENGINE_KWARGS, "model"}:
         value = getattr(args, name, defaults.get(name))
         if value != defaults.get(name):
             kwargs[name] = value

@@ -83,7 +83,7 @@ def test_modelopt_fp8_matches_per_channel_checkpoint(tiny, prompts, tmp_path) ->
     ckpt = load_file(str(path / "model.safetensors"))
     want = torch.cat([ckpt[f"model.layers.0.self_attn.{p}_proj.weight_scale"].expand(n)
                       for p, n in zip("qkv", qkv.output_sizes)])
-    assert torch.equal(qkv.weight_scale, want)  # each shard's scalar over its own rows
+    assert torch.equal(qkv.weight_scale.cpu(), want)  # each shard's scalar over its own rows
     reference = load_llm(_reference(tiny, tmp_path / "reference"))
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(reference, prompts)
 
