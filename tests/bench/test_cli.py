@@ -66,6 +66,12 @@ def test_engine_kwargs_stay_within_the_llm_keywords(tiny_model_dir):
     kw = engine_kwargs(ns, str(tiny_model_dir), "float32", 100)
     assert kw["enforce_eager"] is True and kw["device"] == "cpu"
     assert kw["enable_prefix_caching"] is False
+    # Every engine flag the bench parses reaches LLM (--quantize-lm-head was once dropped).
+    ns = parser.parse_args(["bench", "latency", "--quantization", "fp8", "--quantize-lm-head",
+                            "--decode-steps", "4", "--kv-cache-dtype", "fp8"])
+    kw = engine_kwargs(ns, str(tiny_model_dir), "float32", 100)
+    assert kw["quantize_lm_head"] is True and kw["decode_steps"] == 4
+    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8"
 
 
 def test_slipstream_cli_wires_bench_in():
