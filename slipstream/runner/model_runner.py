@@ -193,21 +193,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run a short prefill, a mixed prefill+decode batch and an eager decode once, so kernel
-        variants those shapes need are compiled at start-up rather than on the first requests."""
-        bs = self.block_size
-        nb = -(-(2 * bs + 1) // bs)
-        if self.model is None or self.num_blocks < 2 * nb:
+        """Run the batch kinds the first requests bring once, so the kernel variants they need
+        are compiled at start-up rather than while a request waits (each Triton compile of the
+        attention kernel takes about a second)."""
+        if self.model is None:
             return
-
-        def seq(i: int, n: int, start: int, first_block: int) -> ScheduledSeq:
-            req = Request(f"warmup-{i}", [1] * (start + n), SamplingParams(max_tokens=1))
-            return ScheduledSeq(req, [1] * n, start, list(range(first_block, first_block + nb)),
-                                True)
-
-        for seqs in ([seq(0, 2 * bs, 0, 0)], [seq(0, 17, 0, 0), seq(1, 1, bs, nb)],
-                     [seq(0, 1, bs, 0)]):
-            self.forward_logits(SchedulerOutput(seqs=seqs))
+        max_len = self.config.scheduler.max_model_len
+        for batch in warmup_batches(self.block_size):
+            need = sum(_blocks_for(start + n, self.block_size) for n, start in batch)
+            if need > self.num_blocks or any(start + n > max_len for n, start in batch):
+                continue
+            self.forward_logits(SchedulerOutput(seqs=_warmup_seqs(batch, self.block_size)))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -384,3 +380,33 @@ def _split(total: int, max_len: int, max_seqs: int) -> list[int]:
         lengths.append(min(total, max_len))
         total -= lengths[-1]
     return lengths
+
+
+# A chunk fed after this many cached tokens spans more than one KV split of the attention
+# kernel (its _MIN_TOKENS_PER_SPLIT is 64), so the split-KV prefill variant gets compiled: a
+# first 400-token prompt needs it.
+_WARMUP_CACHED_TOKENS = 96
+
+
+def warmup_batches(block_size: int) -> list[list[tuple[int, int]]]:
+    """The warm-up's batches as (tokens fed, tokens already cached) per sequence: a fresh
+    prefill, a prefill and a decode together, a decode, and a chunk after a long cached prefix."""
+    long_prefix = -(-_WARMUP_CACHED_TOKENS // block_size) * block_size
+    return [[(2 * block_size, 0)], [(17, 0), (1, block_size)], [(1, block_size)],
+            [(2 * block_size, long_prefix)]]
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-(num_tokens + 1) // block_size)
+
+
+def _warmup_seqs(batch: list[tuple[int, int]], block_size: int) -> list[ScheduledSeq]:
+    """ScheduledSeqs of dummy tokens, each sequence on its own blocks (0, 1, ...)."""
+    seqs, first_block = [], 0
+    for i, (n, start) in enumerate(batch):
+        nb = _blocks_for(start + n, block_size)
+        req = Request(f"warmup-{i}", [1] * (start + n), SamplingParams(max_tokens=1))
+        seqs.append(ScheduledSeq(req, [1] * n, start, list(range(first_block, first_block + nb)),
+                                 True))
+        first_block += nb
+    return seqs
