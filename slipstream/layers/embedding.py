@@ -35,30 +35,46 @@ class LMHead(nn.Module):
                                        requires_grad=False)
 
         self.quantized_linear = None  # set by quantize()
+        self.large_m_rows = 0  # quantized head: vocabulary rows per call above 16 tokens (0: all)
 
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """float32=False: logits in the model dtype, for a caller that converts them itself
         (the decode graphs copy them into a float32 buffer: one pass over the logits, not two)."""
         if self.quantized_linear is not None:
-            logits = self.quantized_linear(hidden, self.weight, self.weight_scale, None)
+            logits = self._quantized_logits(hidden)
         elif hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
             logits = _triton_ops().linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         return logits.float() if float32 else logits
 
+    def _quantized_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        step = rows if hidden.numel() <= 16 * hidden.shape[-1] else self.large_m_rows or rows
+        parts = [self.quantized_linear(hidden, self.weight[i:i + step],
+                                       self.weight_scale[i:i + step], None)
+                 for i in range(0, rows, step)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if logits.shape[-1] != self.vocab_size:  # rows past the vocabulary are padding
+            logits = logits[..., :self.vocab_size].contiguous()
+        return logits
+
     @torch.no_grad()
     def quantize(self, method: str, chunk_rows: int = 16384) -> None:
         """Store the head in one byte per weight with a float32 scale per vocabulary row, as the
         `fp8` / `int8_wo` methods store a linear layer, and multiply through their kernels (the
         head is ~13% of Llama-3.1-8B's bf16 bytes: what a decode step reads). A tied head gets
-        its own quantized copy; the embedding keeps the float table."""
+        its own quantized copy; the embedding keeps the float table. Rows are padded with zeros
+        to a multiple of 16 (what torch._scaled_mm takes). Above 16 tokens int8 converts its
+        weight to the model dtype for cuBLAS: chunk_rows rows at a time, not the whole head."""
         from slipstream.quantization import fp8, int8_wo, utils
 
         quantize, linear = {"fp8": (utils.quantize_fp8_per_channel, fp8.fp8_linear),
                             "int8_wo": (utils.quantize_int8_per_channel, int8_wo.int8_linear)}[method]
         w = self.weight.data
+        w = torch.cat([w, w.new_zeros(-w.shape[0] % 16, w.shape[1])])
         parts = [quantize(w[i:i + chunk_rows]) for i in range(0, w.shape[0], chunk_rows)]
         self.weight = nn.Parameter(torch.cat([q for q, _ in parts]), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.cat([s for _, s in parts]), requires_grad=False)
         self.quantized_linear = linear
+        self.large_m_rows = chunk_rows if method == "int8_wo" else 0

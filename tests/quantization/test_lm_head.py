@@ -27,17 +27,21 @@ def _head(vocab: int = 300, hidden: int = 64, tied: bool = False) -> tuple[LMHea
 
 
 @pytest.mark.parametrize("method", ["fp8", "int8_wo"])
-def test_quantized_head_is_the_methods_linear(method: str) -> None:
+@pytest.mark.parametrize("m", [5, 20])  # 20: int8 above 16 tokens runs chunks of the head
+def test_quantized_head_is_the_methods_linear(method: str, m: int) -> None:
     head, _ = _head()
     w = head.weight.data.clone()
     head.quantize(method, chunk_rows=128)  # several chunks, the last one short
     want_q, want_scale = (utils.quantize_fp8_per_channel(w) if method == "fp8"
                           else utils.quantize_int8_per_channel(w))
-    assert head.weight.dtype == want_q.dtype and torch.equal(head.weight_scale, want_scale)
-    assert torch.equal(head.weight.view(torch.uint8), want_q.view(torch.uint8))
-    x = torch.randn(5, 64)
+    # 300 rows padded with zero rows to 304, a multiple of 16 (torch._scaled_mm's).
+    assert head.weight.shape == (304, 64) and not head.weight[300:].float().any()
+    assert head.weight.dtype == want_q.dtype and torch.equal(head.weight_scale[:300], want_scale)
+    assert torch.equal(head.weight[:300].view(torch.uint8), want_q.view(torch.uint8))
+    assert head.large_m_rows == (128 if method == "int8_wo" else 0)
+    x = torch.randn(m, 64)
     logits = head(x)
-    assert logits.dtype == torch.float32 and logits.shape == (5, 300)
+    assert logits.dtype == torch.float32 and logits.shape == (m, 300) and logits.is_contiguous()
     if method == "fp8":  # the CPU twin quantizes activations per token, as large batches do
         want = fp8.fp8_linear_reference(x, want_q, want_scale)
     else:
