@@ -50,8 +50,8 @@ def checkpoint_method(qc: dict) -> str:
     algo = quant_algo(qc)
     if algo not in _ALGOS:
         raise ValueError(f"ModelOpt checkpoint with quant_algo={algo or None!r} is not supported; "
-                         f"supported: {', '.join(_ALGOS)} (NVFP4 needs Blackwell; for 4-bit "
-                         "weights use an AWQ / GPTQ checkpoint or `slipstream quantize`)")
+                         f"supported: {', '.join(_ALGOS)} (for 4-bit weights use an AWQ / GPTQ "
+                         "checkpoint or `slipstream quantize --method int4_awq`)")
     return _ALGOS[algo]
 
 
