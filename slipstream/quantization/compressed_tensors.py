@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ QUANT_METHOD = "compressed-tensors"
 FP8_FORMATS = ("float-quantized", "naive-quantized")  # both store the float8 values as they are
 _COMPRESSED_STATUSES = ("compressed", "frozen")
 _FIELDS = ("weights", "input_activations", "output_activations")
-FP8_SUPPORTED = ("FP8 weights (type float, 8 bits, symmetric, strategy 'channel' or 'tensor'), "
-                 "input activations FP8 dynamic per 'token' / 'tensor', static per 'tensor', or "
-                 "none; formats " + " / ".join(FP8_FORMATS))
+FP8_SUPPORTED = ("FP8 weights (type float, 8 bits, symmetric, strategy 'channel', 'tensor' or "
+                 "'block' with a [rows, cols] block_structure), input activations FP8 dynamic per "
+                 "'token' / 'tensor' / 'group', static per 'tensor', or none; formats "
+                 + " / ".join(FP8_FORMATS))
 PACK_FORMAT = "pack-quantized"  # int values packed into int32 words along K (lowest bits first)
 FLOAT8, INT8 = ("float", 8), ("int", 8)  # (type, num_bits) of QuantArgs
 INT4_ACTORDERS = (None, "group", "weight")
@@ -183,13 +184,38 @@ def fp8_problem(scheme: Scheme) -> str | None:
         return "no weight quantization"
     if scheme.output_activations is not None:
         return "output activations are quantized"
-    weight_modes = (("channel", False), ("tensor", False))
-    problem = _args_problem("weights", scheme.weights, FLOAT8, weight_modes)
-    if problem is None and scheme.input_activations is not None:
+    weights, acts = scheme.weights, scheme.input_activations
+    if weights.strategy == "block":  # FP8_BLOCK: requantized per channel at load (fp8_layouts)
+        problem = _block_weights_problem(weights)
+    else:
+        problem = _args_problem("weights", weights, FLOAT8, (("channel", False), ("tensor", False)))
+    if problem is None and acts is not None:
+        if acts.strategy == "group" and acts.dynamic is True and isinstance(acts.group_size, int):
+            # Per-token groups (FP8_BLOCK's activations): quantized per whole token instead.
+            acts = replace(acts, strategy="token", group_size=None)
         act_modes = (("token", True), ("tensor", True), ("tensor", False))
-        problem = _args_problem("input activations", scheme.input_activations, FLOAT8,
-                                act_modes)
+        problem = _args_problem("input activations", acts, FLOAT8, act_modes)
     return problem
+
+
+def block_size_of(args: QuantArgs) -> tuple[int, int] | None:
+    """[rows, cols] of a block strategy's block_structure (a list, or older "128x128"); None when
+    it is neither."""
+    block = args.block_structure
+    if isinstance(block, str):
+        block = tuple(block.lower().split("x"))
+    try:
+        rows, cols = (int(b) for b in block)
+    except (TypeError, ValueError):
+        return None
+    return (rows, cols) if rows > 0 and cols > 0 else None
+
+
+def _block_weights_problem(weights: QuantArgs) -> str | None:
+    if block_size_of(weights) is None:
+        return f"weights block_structure {weights.block_structure!r}"
+    plain = replace(weights, strategy="channel", block_structure=None)
+    return _args_problem("weights", plain, FLOAT8, (("channel", False),))
 
 
 def int4_problem(scheme: Scheme) -> str | None:
@@ -373,13 +399,20 @@ def scheme_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool
     return layer_filter(config, packed_modules_of(hf_config)), config.scheme
 
 
-def fp8_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], bool]:
-    """For the "fp8" method: (is this slipstream layer quantized?, static input scales?)."""
+def fp8_layer_filter(hf_config: dict, qc: dict
+                     ) -> tuple[Callable[[str], bool], bool, tuple[int, int] | None]:
+    """For the "fp8" method: (is this slipstream layer quantized?, static input scales?, the
+    [rows, cols] of block-wise weight scales or None)."""
     quantized, scheme = scheme_layer_filter(hf_config, qc)
     if scheme.input_activations is None:
         logger.info("compressed-tensors FP8 weight-only (W8A16) checkpoint: runs as fp8, whose "
                     "large-batch matmuls quantize activations per token")
-    return quantized, scheme.static_input_scale
+    block = block_size_of(scheme.weights) if scheme.weights.strategy == "block" else None
+    if block is not None:
+        logger.warning("compressed-tensors FP8 block checkpoint (%s): block scales are requantized "
+                       "per output channel at load (a second FP8 rounding: a small extra weight "
+                       "error), activations quantized per token", list(block))
+    return quantized, scheme.static_input_scale, block
 
 
 def int4_layer_filter(hf_config: dict, qc: dict) -> tuple[Callable[[str], bool], QuantArgs]:

@@ -65,10 +65,12 @@ class Fp8LinearMethod(PerChannelMethod):
 
     def __init__(self, prequantized: bool = False, static_input_scale: bool = False,
                  block_size: tuple[int, int] | None = None,
-                 unused_checkpoint_tensors: tuple[str, ...] = ()):
+                 unused_checkpoint_tensors: tuple[str, ...] = (),
+                 block_scale_name: str = "weight_scale_inv"):
         self.prequantized = prequantized
         self.static_input_scale = static_input_scale
-        self.block_size = block_size  # (rows, cols) of a block-wise checkpoint's weight_scale_inv
+        self.block_size = block_size  # (rows, cols) of a block-wise checkpoint's scales
+        self.block_scale_name = block_scale_name  # their name in the checkpoint
         # Leaf names of per-layer checkpoint tensors this method reads nothing from (fbgemm's
         # input_scale_ub): a loader may skip them.
         self.unused_checkpoint_tensors = unused_checkpoint_tensors
@@ -84,7 +86,8 @@ class Fp8LinearMethod(PerChannelMethod):
         layer.register_parameter("weight", new_param(
             torch.empty(n, input_size, dtype=FP8_DTYPE), output_dim=0, input_dim=1))
         if self.block_size is not None:
-            create_block_scales(layer, input_size, output_sizes, self.block_size)
+            create_block_scales(layer, input_size, output_sizes, self.block_size,
+                                self.block_scale_name)
         else:
             # Per-tensor checkpoint scales (one per q/k/v shard) broadcast over the shard's rows.
             layer.register_parameter("weight_scale", new_param(
@@ -97,8 +100,8 @@ class Fp8LinearMethod(PerChannelMethod):
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module) -> None:
-        if "weight_scale_inv" in layer._parameters:
-            requantize_blocks_per_channel(layer, self.block_size)
+        if self.prequantized and self.block_size is not None:
+            requantize_blocks_per_channel(layer, self.block_size, name=self.block_scale_name)
             return
         if layer.weight.dtype == FP8_DTYPE:
             return
@@ -224,7 +227,8 @@ def make_fp8(hf_config: dict):
         layout = Fp8Layout()
     elif compressed_tensors.is_compressed_tensors(qc):
         # Layers in the checkpoint's `ignore` list (or no group's target) stay float.
-        layout = Fp8Layout(*compressed_tensors.fp8_layer_filter(hf_config, qc))
+        quantized, static, block = compressed_tensors.fp8_layer_filter(hf_config, qc)
+        layout = Fp8Layout(quantized, static, block, block_scale_name="weight_scale")
     else:
         layout = hf_fp8_layout(hf_config, qc)
 
@@ -232,7 +236,7 @@ def make_fp8(hf_config: dict):
         if not layout.quantized(prefix):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(prequantized, layout.static_input_scale, layout.block_size,
-                               layout.unused_tensors)
+                               layout.unused_tensors, layout.block_scale_name)
 
     return method_for
 

@@ -33,8 +33,11 @@ class Fp8Layout:
 
     quantized: Callable[[str], bool] = _every_layer  # layer prefix -> stored in fp8?
     static_input_scale: bool = False
-    block_size: tuple[int, int] | None = None  # weight_scale_inv per [rows, cols] block
+    block_size: tuple[int, int] | None = None  # one scale per [rows, cols] block
     unused_tensors: tuple[str, ...] = ()  # per-layer checkpoint tensors nothing reads
+    # The block scales' checkpoint name: HF / DeepSeek weight_scale_inv, compressed-tensors
+    # weight_scale (both: multiply the stored values by it).
+    block_scale_name: str = "weight_scale_inv"
 
 
 FBGEMM_METHOD = "fbgemm_fp8"
@@ -111,12 +114,12 @@ def is_listed(name: str, entries: tuple[str, ...]) -> bool:
 
 
 def create_block_scales(layer: nn.Module, input_size: int, output_sizes: list[int],
-                         block_size: tuple[int, int]) -> None:
-    """weight_scale_inv float32 [sum of each shard's ceil(n / rows), ceil(K / cols)]: a fused
+                        block_size: tuple[int, int], name: str = "weight_scale_inv") -> None:
+    """Block scales `name`, float32 [sum of each shard's ceil(n / rows), ceil(K / cols)]: a fused
     layer's shards each bring their own block rows (the last one may be partial)."""
     block_rows = [_ceil_div(n, block_size[0]) for n in output_sizes]
     shape = (sum(block_rows), _ceil_div(input_size, block_size[1]))
-    layer.register_parameter("weight_scale_inv", new_param(
+    layer.register_parameter(name, new_param(
         torch.empty(shape, dtype=torch.float32),
         weight_loader=_block_scale_loader(block_rows, block_size)))
 
@@ -135,10 +138,11 @@ def _block_scale_loader(block_rows: list[int], block_size: tuple[int, int]) -> C
 
 @torch.no_grad()
 def requantize_blocks_per_channel(layer: nn.Module, block_size: tuple[int, int],
-                                  chunk_rows: int = 1024) -> None:
-    """Block-scaled fp8 weight -> the per-channel layout: dequantize each block, requantize each
-    output row (in place, chunk by chunk: peak extra memory is a few chunks in float32)."""
-    weight, scale_inv = layer.weight.data, layer.weight_scale_inv.data
+                                  chunk_rows: int = 1024, name: str = "weight_scale_inv") -> None:
+    """Block-scaled fp8 weight (block scales in parameter `name`) -> the per-channel layout:
+    dequantize each block, requantize each output row (in place, chunk by chunk: peak extra
+    memory is a few chunks in float32)."""
+    weight, scale_inv = layer.weight.data, getattr(layer, name).data
     rows_per_block = block_size[0]
     chunk_rows = max(1, chunk_rows // rows_per_block) * rows_per_block  # whole block rows
     scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
@@ -154,7 +158,7 @@ def requantize_blocks_per_channel(layer: nn.Module, block_size: tuple[int, int],
             scale[row + start:row + stop] = chunk_scale
         row += n
         block_row += _ceil_div(n, rows_per_block)
-    del layer._parameters["weight_scale_inv"]
+    del layer._parameters[name]
     replace_param(layer, "weight_scale", scale, output_dim=0)
 
 

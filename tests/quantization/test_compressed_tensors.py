@@ -192,14 +192,15 @@ UNSUPPORTED = {
                                  r"int4 group\(128\).*'pack-quantized'.*activations are quantized"),
     "fp8 group": (ct_config({**FP8_WEIGHTS, "strategy": "group", "group_size": 128}),
                   r"float8 group\(128\)"),
-    "fp8 block": (ct_config({**FP8_WEIGHTS, "strategy": "block", "block_structure": [128, 128]}),
-                  r"block\[128, 128\]"),
+    "fp8 block without its shape": (ct_config({**FP8_WEIGHTS, "strategy": "block"}),
+                                    "block_structure None"),
     "int8 w8a8 group": (ct_config({**FP8_WEIGHTS, "type": "int", "strategy": "group",
                                    "group_size": 128}, {**DYNAMIC_TOKEN, "type": "int"},
                                   fmt="int-quantized"), r"int8 group\(128\) static.*'int-quantized'"),
     "asymmetric": (ct_config({**FP8_WEIGHTS, "symmetric": False}), "asymmetric"),
-    "activations per group": (ct_config(activations={**DYNAMIC_TOKEN, "strategy": "group",
-                                                     "group_size": 16}), "input activations"),
+    "static activations per group": (ct_config(activations={
+        **DYNAMIC_TOKEN, "strategy": "group", "group_size": 16, "dynamic": False}),
+        "input activations"),
     "2:4 sparse": (ct_config(sparsity_config={"format": "sparse-24-bitmask",
                                               "sparsity_structure": "2:4"}), "sparsity"),
     "two schemes": (ct_config(config_groups={
@@ -240,3 +241,37 @@ def test_explicit_other_method_is_the_mismatch_error(tiny, tmp_path) -> None:
     ct_dir, _ = write_pair(tiny, tmp_path)
     with pytest.raises(ValueError, match="already quantized with 'fp8'"):
         load_llm(ct_dir, "int8_wo")
+
+
+# --- FP8_BLOCK (llm-compressor's block preset) -----------------------------------------------------
+
+def test_block_fp8_matches_hf_block_checkpoint(tiny, prompts, tmp_path, caplog) -> None:
+    """Block scales stored as `weight_scale` (compressed-tensors) load like the same values as
+    `weight_scale_inv` in an HF `weight_block_size` checkpoint: requantized per channel at load.
+    Per-token-group activations (group 128) run per token, as every fp8 layer does."""
+    from tests.quantization.test_fp8_checkpoints import BLOCK, write_block_checkpoints
+
+    hf_path, _ = write_block_checkpoints(tiny, tmp_path / "hf")
+    tensors = {name.replace(".weight_scale_inv", ".weight_scale"): t
+               for name, t in load_file(str(hf_path / "model.safetensors")).items()}
+    weights = {**FP8_WEIGHTS, "strategy": "block", "block_structure": list(BLOCK)}
+    acts = {**DYNAMIC_TOKEN, "strategy": "group", "group_size": 128}
+    ct_path = save_checkpoint(tiny, tmp_path / "ct", tensors, ct_config(weights, acts))
+    assert detect_quant_method(json.loads((ct_path / "config.json").read_text())) == "fp8"
+    with caplog.at_level("WARNING"):
+        llm = load_llm(ct_path)
+    assert any("requantized per output channel" in r.getMessage() for r in caplog.records)
+    for name, layer in quantized_layers(llm).items():
+        assert isinstance(layer.quant_method, Fp8LinearMethod), name
+        assert layer.weight_scale.shape == (layer.output_size,), name
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(hf_path), prompts)
+
+
+@pytest.mark.parametrize(("structure", "want"), [([128, 128], (128, 128)), ("64x32", (64, 32)),
+                                                 ([128], None), ("128", None), (None, None),
+                                                 ([0, 128], None)])
+def test_block_structure_forms(structure, want) -> None:
+    from slipstream.quantization.compressed_tensors import QuantArgs, block_size_of
+
+    args = QuantArgs.parse({**FP8_WEIGHTS, "strategy": "block", "block_structure": structure})
+    assert block_size_of(args) == want
