@@ -253,7 +253,7 @@ def make_int4(hf_config: dict):
     qc = qu.quant_config_of(hf_config)
     if prequantized and compressed_tensors.is_compressed_tensors(qc):
         return _compressed_tensors_methods(hf_config, qc)
-    group = int(qc.get("group_size", DEFAULT_GROUP))
+    group = _group_size(qc.get("group_size", DEFAULT_GROUP))
     layout = None
     if prequantized:
         layout = str(qc["quant_method"]).lower()
@@ -266,8 +266,15 @@ def make_int4(hf_config: dict):
         logger.info("int4_awq at load time: round-to-nearest; `slipstream quantize --method "
                     "int4_awq` runs the AWQ scale search on calibration data")
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1
-    act_order = layout == "gptq" and bool(qc.get("desc_act"))
+    # Act-order with one group per row only reorders GPTQ's work: nothing to gather.
+    act_order = layout == "gptq" and bool(qc.get("desc_act")) and group is not None
     return lambda prefix: Int4LinearMethod(group, layout, offset, act_order)
+
+
+def _group_size(value) -> int | None:
+    """A checkpoint's group_size; -1 (GPTQ's "no groups") or 0: None, one group per row."""
+    group = int(value)
+    return group if group > 0 else None
 
 
 def _compressed_tensors_methods(hf_config: dict, qc: dict):

@@ -65,15 +65,17 @@ def tiny(tmp_path_factory) -> Path:
                                 hidden_size=128, intermediate_size=256)
 
 
-def _write_layout(src: Path, dst: Path, layout: str) -> Path:
-    """Re-save src with every projection RTN-quantized (group 64) in the AWQ or GPTQ layout."""
+def _write_layout(src: Path, dst: Path, layout: str, group: int = GROUP) -> Path:
+    """Re-save src with every projection RTN-quantized (group 64; -1: one group per row, GPTQ's
+    "no groups") in the AWQ or GPTQ layout."""
     shutil.copytree(src, dst)
     tensors = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         if not name.endswith("_proj.weight"):
             tensors[name] = t
             continue
-        q, scales, zeros = qu.quantize_int4_groupwise(t, GROUP)
+        k = t.shape[1]
+        q, scales, zeros = qu.quantize_int4_groupwise(t, group if group > 0 else k)
         base = name.removesuffix(".weight")
         if layout == "awq":
             tensors[f"{base}.qweight"] = qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER)
@@ -82,16 +84,16 @@ def _write_layout(src: Path, dst: Path, layout: str) -> Path:
             tensors[f"{base}.qweight"] = qu.pack_int32_cols(q).t().contiguous()
             z = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8)
             tensors[f"{base}.qzeros"] = qu.pack_int32_cols(z.t().contiguous())
-            k = t.shape[1]
-            tensors[f"{base}.g_idx"] = (torch.arange(k) // GROUP).to(torch.int32)
+            tensors[f"{base}.g_idx"] = (torch.arange(k) // (group if group > 0 else k)).to(torch.int32)
         tensors[f"{base}.scales"] = scales.t().contiguous().half()
     (dst / "model.safetensors").unlink()
     save_file(tensors, str(dst / "model.safetensors"))
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
          "version": "gemm"} if layout == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False})
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": group < 0,
+         "sym": False})
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -113,6 +115,22 @@ def test_prequantized_layouts_load_like_load_time_rtn(tiny, tmp_path, layout,
     from slipstream.quantization import int4_awq
 
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", GROUP)
+    assert got == _greedy(tiny, "int4_awq", prompts)
+
+
+def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> None:
+    """group_size -1 (with desc_act, as such checkpoints often are): one scale and zero per
+    output row; the same tokens as per-channel RTN of the float model at load time."""
+    from slipstream.quantization import int4_awq
+
+    prompts = [[5, 17, 99, 300], [7, 8, 9, 10, 11]]
+    path = _write_layout(tiny, tmp_path / "gptq_per_channel", "gptq", group=-1)
+    llm = LLM(str(path), kv_cache_memory=16 << 20)
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert down.quant_method.group_size == 256 and down.scales.shape[1] == 1
+    assert not down.quant_method.act_order  # one group: nothing to reorder
+    got = _greedy(path, None, prompts)
+    monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", -1)
     assert got == _greedy(tiny, "int4_awq", prompts)
 
 
