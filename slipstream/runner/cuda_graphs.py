@@ -145,6 +145,17 @@ class DecodeGraphs:
                 self._argmax(logits, out=tokens[step])
         return tokens
 
+    def warm_up_greedy(self, block_size: int) -> None:
+        """Run the multi-step argmax + advance once on dummy logits, so its kernels compile at
+        start-up rather than on the first multi-step decode. It advances row 0 of the static
+        buffers, which every run stages afresh."""
+        vocab = self.model.config.vocab_size
+        logits = torch.zeros((1, vocab), dtype=torch.float32, device=self.device)
+        tokens = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._advance(logits, tokens, self.input_ids, self.positions, self.seq_lens,
+                      self.slot_mapping, self.block_tables, block_size)
+        self._argmax(logits, out=tokens)
+
     def _feed_inputs(self, n: int, tokens: torch.Tensor, rows: list[int]) -> None:
         """input_ids[i] = tokens[rows[i]] where rows[i] >= 0 (rows staged as _feed_rows)."""
         if rows == list(range(n)):

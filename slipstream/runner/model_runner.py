@@ -190,6 +190,8 @@ class ModelRunner:
         self._use_graph_replay = use_graphs
         if use_graphs:
             self._graphs.capture()
+        if sched.decode_steps > 1:
+            self._graphs.warm_up_greedy(self.block_size)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -198,12 +200,15 @@ class ModelRunner:
         attention kernel takes about a second)."""
         if self.model is None:
             return
+        from slipstream.sampling.sampler import warm_up_greedy
+
         max_len = self.config.scheduler.max_model_len
         for batch in warmup_batches(self.block_size):
             need = sum(_blocks_for(start + n, self.block_size) for n, start in batch)
             if need > self.num_blocks or any(start + n > max_len for n, start in batch):
                 continue
-            self.forward_logits(SchedulerOutput(seqs=_warmup_seqs(batch, self.block_size)))
+            logits, _ = self.forward_logits(SchedulerOutput(seqs=_warmup_seqs(batch, self.block_size)))
+            warm_up_greedy(logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -185,6 +185,12 @@ def _request_generator(request: Request, device: torch.device) -> torch.Generato
     return gen
 
 
+def warm_up_greedy(logits: torch.Tensor) -> None:
+    """Choose greedily once from logits [S, V] (float32, as the engine passes them), so the
+    argmax kernel is compiled before a request waits on it."""
+    _argmax(logits.float())
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax: the chunked Triton kernel on CUDA (torch's one-pass reduction is slow over a
     large vocabulary), torch elsewhere."""

@@ -42,3 +42,28 @@ def test_warmup_seqs_use_separate_blocks() -> None:
     assert [s.block_ids for s in seqs] == [[0, 1], [2, 3], list(range(4, 13))]  # 128 + 1 slots
     assert [(s.num_tokens, s.start_pos) for s in seqs] == [(17, 0), (1, 16), (32, 96)]
     assert all(len(s.request.prompt_token_ids) == s.start_pos + s.num_tokens for s in seqs)
+
+
+def test_engine_start_runs_the_greedy_choices(tmp_path, monkeypatch) -> None:
+    """Start-up runs the sampler's greedy argmax and the multi-step argmax + advance once (their
+    Triton kernels compile then, not on a first greedy request)."""
+    from slipstream import LLM
+    from slipstream.runner import cuda_graphs
+    from slipstream.sampling import sampler
+    from tests.helpers import make_tiny_checkpoint
+
+    calls = []
+    real_argmax, real_ops = sampler._argmax, cuda_graphs._greedy_ops
+
+    def counting_ops(device):
+        advance, argmax = real_ops(device)
+        return (lambda *a, **kw: (calls.append("advance"), advance(*a, **kw))[1]), argmax
+
+    monkeypatch.setattr(sampler, "_argmax", lambda x: (calls.append("argmax"), real_argmax(x))[1])
+    monkeypatch.setattr(cuda_graphs, "_greedy_ops", counting_ops)
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    LLM(str(path), kv_cache_memory=16 << 20)  # decode_steps 8: the multi-step path exists
+    assert "argmax" in calls and "advance" in calls
+    calls.clear()
+    LLM(str(path), kv_cache_memory=16 << 20, decode_steps=1)
+    assert calls == ["argmax"] * calls.count("argmax") and calls  # no multi-step path
