@@ -121,7 +121,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str | None = None
-    lm_head: bool = False  # also quantize the LM head (fp8 / int8_wo only; opt-in)
+    lm_head: str | None = None  # the LM head's format when quantized too (opt-in): fp8 / int8_wo
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def load_model(config: EngineConfig) -> nn.Module:
         if method is not None:
             method.process_after_loading(module)
     if config.quant.lm_head:
-        model.lm_head.quantize(config.quant.method)
+        model.lm_head.quantize(config.quant.lm_head)
     return model.eval()
 
 
