@@ -52,6 +52,7 @@ ROWS = {
     "kv_int8_calib": (None, "kv_int8"),  # the same, int8 (stdlib training calib)
     "fp8_head": ("fp8", "float", "auto", True),  # quantize_lm_head: the head in FP8 too
     "int8_head": ("int8_wo", "float", "auto", True),
+    "int4_rtn_head": ("int4_awq", "float", "auto", True),  # with an INT8 head
 }
 CALIB_FILES, CALIB_CHARS = 128, 8000
 
