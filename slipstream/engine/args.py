@@ -38,7 +38,8 @@ class EngineArgs:
     quantization: str | None = None
     # Also store the LM head in one byte per weight (fp8 with fp8, else int8 weight-only): faster
     # decode, logits slightly further from the float model (see the README's Quantization).
-    quantize_lm_head: bool = False
+    # None: what the checkpoint's config.json says (`slipstream quantize --quantize-lm-head`).
+    quantize_lm_head: bool | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     decode_steps: int = 1
@@ -116,9 +117,10 @@ class EngineArgs:
                        help="dummy: random weights of the checkpoint's shape")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--quantization", default=None)
-        g.add_argument("--quantize-lm-head", action="store_true",
-                       help="with --quantization: the LM head in one byte per weight too (fp8 "
-                            "with fp8, else int8; default: the head stays in the model dtype)")
+        g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                       help="with a quantization method: the LM head in one byte per weight too "
+                            "(fp8 with fp8, else int8; default: as the checkpoint says, else "
+                            "the head stays in the model dtype)")
         g.add_argument("--kv-cache-dtype", default="auto")
         g.add_argument("--decode-steps", type=int, default=1,
                        help="decode steps per host round trip for greedy pure-decode batches "
@@ -147,8 +149,10 @@ def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
     if args.quantize_lm_head and method not in LM_HEAD_FORMATS:
         raise ValueError(f"quantize_lm_head needs a quantization method ({', '.join(LM_HEAD_FORMATS)}); "
                          f"the model runs with {method!r}")
-    head = LM_HEAD_FORMATS[method] if args.quantize_lm_head else None
-    return QuantConfig(method=method, lm_head=head)
+    wanted = args.quantize_lm_head
+    if wanted is None:  # the checkpoint's choice, where its method can honour it
+        wanted = bool(model_cfg.hf_config.get("quantize_lm_head")) and method in LM_HEAD_FORMATS
+    return QuantConfig(method=method, lm_head=LM_HEAD_FORMATS[method] if wanted else None)
 
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:

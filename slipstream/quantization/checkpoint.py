@@ -42,12 +42,14 @@ _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Path, *,
                         calib_data: str | Path | None = None, num_calib_samples: int = 128,
                         max_calib_len: int = 512, device: str = "cpu",
-                        options: dict | None = None, kv_cache_dtype: str | None = None) -> Path:
+                        options: dict | None = None, kv_cache_dtype: str | None = None,
+                        quantize_lm_head: bool = False) -> Path:
     """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
 
     options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
-    computes) and make that the checkpoint's default KV dtype.
+    computes) and make that the checkpoint's default KV dtype. quantize_lm_head: config.json
+    asks the engine to quantize the LM head at load (the head is stored float, as read).
     """
     from slipstream.llm import LLM
 
@@ -59,6 +61,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
     if method == "none" and kv_cache_dtype is None:
         raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
+    if quantize_lm_head and method == "none":
+        raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
     dtype = "float32" if device == "cpu" else "bfloat16"
     # A float KV cache while calibrating: every layer must see exact K/V.
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
@@ -83,7 +87,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         save_kv_scales_only(model_dir, output_dir, kv_tensors, kv_cache_dtype)
     else:
         save_checkpoint(model, model_dir, output_dir, module.checkpoint_config(**(options or {})),
-                        kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype)
+                        kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
+                        quantize_lm_head=quantize_lm_head)
     return Path(output_dir)
 
 
@@ -150,11 +155,12 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Path,
                     quant_config: dict, *, kv_tensors: dict[str, torch.Tensor] | None = None,
-                    kv_cache_dtype: str | None = None) -> None:
+                    kv_cache_dtype: str | None = None, quantize_lm_head: bool = False) -> None:
     """model.safetensors + config.json (with quantization_config) + the source's other files.
 
     kv_tensors (per-layer KV scales, float32) go into model.safetensors as they are and
-    kv_cache_dtype into config.json; without them a stale `kv_cache_dtype` is dropped.
+    kv_cache_dtype into config.json; without them a stale `kv_cache_dtype` is dropped. So is
+    `quantize_lm_head` (true: the engine quantizes the float head it reads) without the flag.
     """
     src, dst = Path(src_dir), Path(output_dir)
     dst.mkdir(parents=True, exist_ok=True)
@@ -170,6 +176,9 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
     tensors.update(kv_tensors or {})
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config["quantization_config"] = quant_config
+    config.pop("quantize_lm_head", None)
+    if quantize_lm_head:
+        config["quantize_lm_head"] = True
     _write_config(dst, config, kv_cache_dtype)
     for f in src.iterdir():  # tokenizer, generation config, README ...
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (

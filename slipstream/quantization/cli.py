@@ -36,6 +36,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *QUANT_KV_NAMES),
                    help="fp8 / int8: calibrate per-layer K/V scales on the calibration set and "
                         "make this the checkpoint's KV-cache dtype (auto: no KV quantization)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="the output's config asks the engine to quantize the LM head at load "
+                        "too (one byte per weight: fp8 with fp8, else int8)")
     p.add_argument("--device", default="cpu", help="where calibration and quantization run")
     p.set_defaults(func=run_quantize)
     return p
@@ -64,7 +67,8 @@ def run_quantize(ns: argparse.Namespace) -> int:
     out = quantize_checkpoint(model, ns.method, ns.output, calib_data=ns.calib_data,
                               num_calib_samples=ns.num_calib_samples,
                               max_calib_len=ns.max_calib_len, device=ns.device,
-                              options=_options(ns), kv_cache_dtype=kv)
+                              options=_options(ns), kv_cache_dtype=kv,
+                              quantize_lm_head=ns.quantize_lm_head)
     kv_note = f" with {kv} KV-cache scales" if kv else ""
     print(f"wrote {ns.method} checkpoint{kv_note} to {out}")
     return 0

@@ -110,7 +110,31 @@ def test_cli_flag() -> None:
     args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "fp8",
                                                        "--quantize-lm-head"]))
     assert args.quantize_lm_head and args.quantization == "fp8"
-    assert not EngineArgs.from_cli_args(parser.parse_args([])).quantize_lm_head
+    assert EngineArgs.from_cli_args(parser.parse_args([])).quantize_lm_head is None  # checkpoint's
+    no = EngineArgs.from_cli_args(parser.parse_args(["--no-quantize-lm-head"]))
+    assert no.quantize_lm_head is False
+
+
+def test_quantized_checkpoint_carries_the_choice(tmp_path) -> None:
+    """`slipstream quantize --quantize-lm-head` records it; LLM(OUTPUT) follows it unless told
+    otherwise. The head itself is stored float (the engine quantizes what it reads)."""
+    import json
+
+    from slipstream.quantization.checkpoint import quantize_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    out = quantize_checkpoint(src, "int8_wo", tmp_path / "out", quantize_lm_head=True)
+    assert json.loads((out / "config.json").read_text())["quantize_lm_head"] is True
+    head = LLM(str(out), kv_cache_memory=16 << 20).engine.runner.model.lm_head
+    assert head.weight.dtype == torch.int8
+    head = LLM(str(out), kv_cache_memory=16 << 20,
+               quantize_lm_head=False).engine.runner.model.lm_head
+    assert head.quantized_linear is None and head.weight.is_floating_point()
+    again = quantize_checkpoint(src, "int8_wo", tmp_path / "again")  # without: no key
+    assert "quantize_lm_head" not in json.loads((again / "config.json").read_text())
+    with pytest.raises(ValueError, match="not 'none'"):
+        quantize_checkpoint(src, "none", tmp_path / "kv", kv_cache_dtype="fp8",
+                            quantize_lm_head=True)
 
 
 # ---------------------------------------------------------------------------- GPU
