@@ -100,9 +100,11 @@ def kv_scale_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# Checkpoint leaf -> the scales it sets (longest leaves first): ModelOpt's on k_proj / v_proj,
-# ours / vLLM / llm-compressor, older vLLM (one for both), AutoFP8's output scales of k_proj / v_proj.
+# Checkpoint leaf -> the scales it sets (longest leaves first): ModelOpt's on k_proj / v_proj (or
+# on a fused qkv_proj), ours / vLLM / llm-compressor, older vLLM (one for both), AutoFP8's output
+# scales of k_proj / v_proj.
 _SCALE_LEAVES = {"k_proj.k_scale": ("k_scale",), "v_proj.v_scale": ("v_scale",),
+                 "qkv_proj.k_scale": ("k_scale",), "qkv_proj.v_scale": ("v_scale",),
                  "k_scale": ("k_scale",), "v_scale": ("v_scale",),
                  "kv_scale": ("k_scale", "v_scale"), "k_proj.output_scale": ("k_scale",),
                  "v_proj.output_scale": ("v_scale",)}

@@ -140,3 +140,15 @@ def test_modelopt_fp8_is_not_another_method() -> None:
     assert check_checkpoint_method("fp8", llama_hf_config(nested))
     with pytest.raises(ValueError, match="already quantized with 'fp8'"):
         check_checkpoint_method("int8_wo", llama_hf_config(FLAT))
+
+
+@pytest.mark.parametrize(("name", "targets"), [
+    ("model.layers.3.self_attn.k_proj.k_scale", ("k_scale",)),
+    ("model.layers.3.self_attn.v_proj.v_scale", ("v_scale",)),
+    ("model.layers.3.self_attn.qkv_proj.k_scale", ("k_scale",)),  # exports with fused q/k/v
+    ("model.layers.3.self_attn.k_scale", ("k_scale",)),
+    ("model.layers.3.self_attn.kv_scale", ("k_scale", "v_scale"))])
+def test_kv_scale_names(name, targets) -> None:
+    from slipstream.quantization.kv_cache import _split_scale_name
+
+    assert _split_scale_name(name) == ("model.layers.3.self_attn", targets)
