@@ -14,7 +14,7 @@ from slipstream.config import (
     QuantConfig,
     SchedulerConfig,
 )
-from slipstream.quantization.utils import detect_quant_method
+from slipstream.quantization.utils import resolve_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -145,7 +145,7 @@ LM_HEAD_FORMATS = {"fp8": "fp8", "int8_wo": "int8_wo", "int4_awq": "int8_wo", "w
 
 
 def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
-    method = args.quantization or detect_quant_method(model_cfg.hf_config)
+    method = resolve_quantization(args.quantization, model_cfg.hf_config)
     if args.quantize_lm_head and method not in LM_HEAD_FORMATS:
         raise ValueError(f"quantize_lm_head needs a quantization method ({', '.join(LM_HEAD_FORMATS)}); "
                          f"the model runs with {method!r}")

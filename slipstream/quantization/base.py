@@ -97,6 +97,8 @@ def _triton_ops():
 _TRITON_OPS = None
 
 
+# The methods (each a module slipstream.quantization.<name> that registers itself).
+METHOD_NAMES = ("int8_wo", "fp8", "int4_awq", "w8a8_sq")
 # name -> factory(prefix) -> QuantMethod; quantization modules register themselves here.
 QuantMethodFactory = Callable[[str], QuantMethod]
 _FACTORIES: dict[str, Callable[..., QuantMethodFactory]] = {}
@@ -126,6 +128,10 @@ def get_quant_method_factory(method: str | None, hf_config: dict | None = None) 
         except ImportError:
             pass
     if method not in _FACTORIES:
-        known = sorted(_FACTORIES) or ["(none registered)"]
-        raise ValueError(f"unknown quantization method {method!r}; known: {', '.join(known)}")
+        from slipstream.quantization.utils import CHECKPOINT_FORMATS
+
+        known = sorted({*METHOD_NAMES, *_FACTORIES})
+        raise ValueError(f"unknown quantization method {method!r}; choose one of "
+                         f"{', '.join(known)} (or, for a pre-quantized checkpoint, its format: "
+                         f"{', '.join(CHECKPOINT_FORMATS)})")
     return _FACTORIES[method](hf_config or {})

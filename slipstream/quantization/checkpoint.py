@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from slipstream.quantization.base import METHOD_NAMES
 from slipstream.quantization.calibration import (
     calibration_prompts,
     collect_linear_stats,
@@ -34,7 +35,7 @@ from slipstream.quantization.kv_cache import (
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8_wo", "fp8", "int4_awq", "w8a8_sq", "none")
+METHODS = (*METHOD_NAMES, "none")
 KV_SCALES_FILE = "kv_cache_scales.safetensors"  # method "none": scales beside the copied weights
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

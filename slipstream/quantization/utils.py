@@ -205,6 +205,25 @@ def detect_quant_method(hf_config: dict | None) -> str | None:
     return _CHECKPOINT_METHODS[name]
 
 
+# Checkpoint formats other engines take as a quantization name (vLLM's --quantization gptq):
+# they say how the checkpoint is stored; its quantization_config says which method loads it.
+CHECKPOINT_FORMATS = ("awq", "gptq", "fbgemm_fp8", "modelopt", "compressed-tensors")
+
+
+def resolve_quantization(requested: str | None, hf_config: dict | None) -> str | None:
+    """The method LLM(quantization=requested) runs: a method name as it is; a checkpoint format
+    name (CHECKPOINT_FORMATS) as the method that loads this checkpoint, which must be stored in
+    that format; None: the checkpoint's own (None when it is not pre-quantized)."""
+    if requested is None or requested.lower() not in CHECKPOINT_FORMATS:
+        return requested or detect_quant_method(hf_config)
+    stored = str(quant_config_of(hf_config).get("quant_method", "")).lower()
+    if stored != requested.lower():
+        found = f"stored as {stored!r}" if stored else "not pre-quantized"
+        raise ValueError(f"quantization={requested!r} names a checkpoint format, but this "
+                         f"checkpoint is {found}")
+    return detect_quant_method(hf_config)
+
+
 def check_checkpoint_method(method: str, hf_config: dict | None) -> bool:
     """True when the checkpoint is pre-quantized for `method`; error when it is for another one."""
     found = detect_quant_method(hf_config)
