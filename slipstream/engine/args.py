@@ -116,12 +116,17 @@ class EngineArgs:
         g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                        help="dummy: random weights of the checkpoint's shape")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-        g.add_argument("--quantization", default=None)
+        g.add_argument("--quantization", default=None,
+                       help="fp8, int8_wo, int4_awq or w8a8_sq (at load), or a pre-quantized "
+                            "checkpoint's format (awq, gptq, modelopt, ...; default: the "
+                            "checkpoint's own)")
         g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
                        help="with a quantization method: the LM head in one byte per weight too "
                             "(fp8 with fp8, else int8; default: as the checkpoint says, else "
                             "the head stays in the model dtype)")
-        g.add_argument("--kv-cache-dtype", default="auto")
+        g.add_argument("--kv-cache-dtype", default="auto",
+                       help="fp8 or int8 (one byte per element), bfloat16 / float16 / float32, "
+                            "or auto (the checkpoint's choice, else the model dtype)")
         g.add_argument("--decode-steps", type=int, default=1,
                        help="decode steps per host round trip for greedy pure-decode batches "
                             "(GPU multi-step decoding; the offline LLM API defaults to 8)")
