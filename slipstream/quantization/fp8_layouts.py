@@ -48,10 +48,11 @@ def hf_fp8_layout(hf_config: dict, qc: dict) -> Fp8Layout:
     checkpoint."""
     packed = compressed_tensors.packed_modules_of(hf_config)
     if modelopt.is_modelopt(qc):
-        # Per-tensor weight scales (broadcast over each fused shard's rows: exact) and a static
-        # input_scale per layer, read and unused: activations are scaled per token at run time.
+        # Per-tensor weight scales (broadcast over each fused shard's rows: exact) or per-channel
+        # ones; a per-tensor checkpoint's static input_scale is read and unused: activations
+        # are scaled per token at run time.
         return Fp8Layout(not_converted_filter(modelopt.excluded_modules(qc), packed),
-                         static_input_scale=True)
+                         static_input_scale=modelopt.static_input_scale(qc))
     quantized = not_converted_filter(not_converted_modules(qc), packed)
     if str(qc.get("quant_method", "")).lower() == FBGEMM_METHOD:
         if qc.get("activation_scale_ub") is not None:

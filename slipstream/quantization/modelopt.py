@@ -2,7 +2,8 @@
 nvidia/Llama-3.1-8B-Instruct-FP8), read into slipstream's methods: FP8 only.
 
 ModelOpt FP8 stores each linear layer as `weight` (FP8 E4M3), a per-tensor `weight_scale` and a
-static per-tensor `input_scale`, and, with an FP8 KV cache, `k_proj.k_scale` / `v_proj.v_scale`.
+static per-tensor `input_scale` (FP8_PER_CHANNEL_PER_TOKEN: a per-channel `weight_scale`, no
+input scale), and, with an FP8 KV cache, `k_proj.k_scale` / `v_proj.v_scale`.
 The settings sit in config.json's `quantization_config` (`quant_method: modelopt`, then either
 flat: `quant_algo`, `kv_cache_quant_algo`, `ignore`; or older: a nested `quantization` dict with
 `exclude_modules`), or, in older exports, only in `hf_quant_config.json` beside it.
@@ -15,7 +16,7 @@ from pathlib import Path
 QUANT_METHOD = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # ModelOpt's quant_algo -> the slipstream method that loads it.
-_ALGOS = {"FP8": "fp8"}
+_ALGOS = {"FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8"}
 _KV_ALGOS = {"FP8": "fp8", "INT8": "int8"}
 
 
@@ -53,6 +54,11 @@ def checkpoint_method(qc: dict) -> str:
                          f"supported: {', '.join(_ALGOS)} (for 4-bit weights use an AWQ / GPTQ "
                          "checkpoint or `slipstream quantize --method int4_awq`)")
     return _ALGOS[algo]
+
+
+def static_input_scale(qc: dict) -> bool:
+    """Whether each layer stores an input_scale (per-tensor FP8; per-token FP8 has none)."""
+    return quant_algo(qc) == "FP8"
 
 
 def excluded_modules(qc: dict) -> tuple[str, ...]:

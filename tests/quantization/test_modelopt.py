@@ -26,7 +26,7 @@ from slipstream.quantization.utils import (
 )
 from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import greedy_and_scores, llama_hf_config, load_llm, quantized_layers
-from tests.quantization.test_fp8_checkpoints import write_checkpoint
+from tests.quantization.test_fp8_checkpoints import per_channel, write_checkpoint
 
 # Layer 1's MLP stays float, named by a wildcard as ModelOpt lists writes them.
 IGNORE = ["lm_head", "model.layers.1.mlp*"]
@@ -127,7 +127,8 @@ def test_legacy_hf_quant_config_with_fp8_kv_cache(tiny, prompts, tmp_path) -> No
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(ours), prompts)
 
 
-@pytest.mark.parametrize("algo", ["NVFP4", "W4A8_AWQ", "INT4_AWQ", "MIXED_PRECISION", None])
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A8_AWQ", "INT4_AWQ", "MIXED_PRECISION", "FP8_PB_WO",
+                                  None])
 def test_other_modelopt_algorithms_are_clear_errors(algo) -> None:
     qc = {"quant_method": "modelopt", "quant_algo": algo}
     with pytest.raises(ValueError, match=f"ModelOpt checkpoint with quant_algo={algo!r} is not "
@@ -152,3 +153,18 @@ def test_kv_scale_names(name, targets) -> None:
     from slipstream.quantization.kv_cache import _split_scale_name
 
     assert _split_scale_name(name) == ("model.layers.3.self_attn", targets)
+
+
+def test_per_channel_per_token_checkpoint(tiny, prompts, tmp_path) -> None:
+    """FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, no input scales; the same function
+    as a `quant_method: fp8` per-channel checkpoint of the same values."""
+    qc = {**FLAT, "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+    path = write_checkpoint(tiny, tmp_path / "pcpt", qc, per_channel(FLOAT_MODULES))
+    llm = load_llm(path)
+    qkv = quantized_layers(llm)["model.layers.0.self_attn.qkv_proj"]
+    assert isinstance(qkv.quant_method, Fp8LinearMethod)
+    assert not qkv.quant_method.static_input_scale and "input_scale" not in qkv._parameters
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic",
+           "modules_to_not_convert": sorted(FLOAT_MODULES)}
+    reference = load_llm(write_checkpoint(tiny, tmp_path / "fp8", fp8, per_channel(FLOAT_MODULES)))
+    assert greedy_and_scores(llm, prompts) == greedy_and_scores(reference, prompts)
