@@ -33,16 +33,13 @@ from tests.quantization.checkpoint_io import (
     quantized_layers,
     save_checkpoint,
 )
+from tests.quantization.test_compressed_tensors import DYNAMIC_TOKEN, FP8_WEIGHTS
 
 LINEAR = re.compile(r"(model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj)\.weight$")
 
-# Arguments as llm-compressor writes them (W8A8 / W8A16 presets).
-INT8_WEIGHTS = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
-                "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
-                "observer": "minmax", "observer_kwargs": {}}
-INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
-              "dynamic": True, "group_size": None, "block_structure": None, "actorder": None,
-              "observer": None, "observer_kwargs": {}}
+# Arguments as llm-compressor writes them (W8A8 / W8A16 presets): the FP8 ones with int type.
+INT8_WEIGHTS = {**FP8_WEIGHTS, "type": "int"}
+INT8_TOKEN = {**DYNAMIC_TOKEN, "type": "int"}
 INT8_STATIC_TENSOR = {**INT8_TOKEN, "strategy": "tensor", "dynamic": False, "observer": "minmax"}
 
 
