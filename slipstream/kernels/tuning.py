@@ -5,16 +5,9 @@ them, like the decode graph), cycling through enough copies of the weights that 
 from L2 (in a real step every layer's weights are different bytes). The GPU is spun up to its
 working clock first, and the median of several replays is kept: single do_bench runs at start-up
 picked different configs from run to run.
-
-Each call is preceded by a one-program norm kernel, as a decode GEMV is preceded by a norm or
-the attention (SLIPSTREAM_TUNE_LEAD_IN=0: back-to-back calls only). Under PDL a GEMV's CTAs start
-during that short kernel and can fetch weights while most of the GPU idles; back to back, the
-kernel before it is another GEMV streaming at full bandwidth, and that head start is worth
-nothing, so the tuner could not see it.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,8 +16,6 @@ import torch
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the H100/H200 L2 (50 MB)
 _SPUN_UP: set[int | None] = set()
-_LEAD_IN_ON = os.environ.get("SLIPSTREAM_TUNE_LEAD_IN", "1") != "0"
-_LEAD_IN_ROW: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def weight_copies(tensors: Sequence[torch.Tensor], min_bytes: int = L2_FLUSH_BYTES,
@@ -52,36 +43,18 @@ def spin_up(device: torch.device, ms: float = 200.0) -> None:
     _SPUN_UP.add(device.index)
 
 
-def lead_in(device: torch.device) -> None:
-    """Launch the short kernel that precedes each timed call: RMSNorm of one 4096-wide row (one
-    program, ~1-2 us, PDL-launched under capture like the decode step's own norms)."""
-    from slipstream.kernels.rms_norm import rms_norm
-
-    row = _LEAD_IN_ROW.get(device.index)
-    if row is None:
-        row = _LEAD_IN_ROW[device.index] = (
-            torch.randn(1, 4096, device=device, dtype=torch.bfloat16),
-            torch.ones(4096, device=device, dtype=torch.bfloat16))
-    rms_norm(row[0], row[1], 1e-5)
-
-
 def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
                   arg_sets: list[tuple[torch.Tensor, ...]], min_calls: int = 24,
                   repeats: int = 7) -> float:
-    """Median microseconds per call of `call(args)` (after the lead-in kernel, see the module
-    docstring) replayed in a CUDA graph over arg_sets."""
+    """Median microseconds per call of `call(args)` replayed in a CUDA graph over arg_sets."""
     device = arg_sets[0][0].device
     spin_up(device)
     calls = max(min_calls, len(arg_sets))
     call(arg_sets[0])  # compile outside the capture
-    if _LEAD_IN_ON:
-        lead_in(device)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
-            if _LEAD_IN_ON:
-                lead_in(device)
             call(arg_sets[i % len(arg_sets)])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
