@@ -23,7 +23,8 @@ BARS = {"fp8": 1.7, "int8_wo": 1.6, "int4_awq": 2.5}  # issue 6, W1 batch-1 deco
 
 def run_one(method: str, args: argparse.Namespace, out_dir: Path) -> dict:
     out = out_dir / f"latency_{method}.json"
-    cmd = [sys.executable, "-m", "slipstream", "bench", "latency", "--model", args.model,
+    log = ["--log-level", "INFO"] if args.show_tuning else []
+    cmd = [sys.executable, "-m", "slipstream", *log, "bench", "latency", "--model", args.model,
            "--load-format", "dummy", "--batch-size", "1", "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--num-iters", str(args.num_iters),
            "--label", f"W1 {method}", "--output-json", str(out)]
@@ -34,6 +35,8 @@ def run_one(method: str, args: argparse.Namespace, out_dir: Path) -> dict:
         cmd.append("--quantize-lm-head")
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if args.show_tuning:  # the start-up tuner's choice per GEMV shape
+        print("\n".join(line for line in proc.stderr.splitlines() if " us)" in line), flush=True)
     if proc.returncode != 0:
         print(proc.stderr[-3000:], flush=True)
         return {"method": method, "error": proc.stderr[-2000:]}
@@ -49,6 +52,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--show-tuning", action="store_true",
+                   help="print the start-up tuner's choice for each GEMV shape")
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     methods = ["none"] + [m for m in methods if m != "none"]

@@ -25,7 +25,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     dir=$TREE_A; env_set=${ENV_A:-}
     [[ $tree == B ]] && dir=$TREE_B && env_set=${ENV_B:-}
     (cd "$dir" && PYTHONPATH=$dir:${PYTHONPATH#$TREE_B:} env $env_set timeout 300 "$PY" benchmarks/bench_quant.py \
-      --methods "${W1_METHODS:-none,fp8}" --output-json "$RESULTS/W1_${tree}_$round.json" \
+      --methods "${W1_METHODS:-none,fp8}" ${W1_FLAGS:-} --output-json "$RESULTS/W1_${tree}_$round.json" \
       > "$RESULTS/W1_${tree}_$round.log" 2>&1)
     echo "W1 tree $tree round $round:"
     grep -E "^(none|int8_wo|fp8|int4_awq)\b" "$RESULTS/W1_${tree}_$round.log"

@@ -7,6 +7,7 @@ does not depend on k). Split-K and its in-kernel reduction are those of kernels/
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import triton
@@ -25,6 +26,8 @@ from slipstream.kernels.gemv import (
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
+
+logger = logging.getLogger(__name__)
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -217,6 +220,8 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
             continue
         if us < best_us:
             best, best_us = cfg, us
+    logger.info("qgemv M<=%d N=%d K=%d %s: %s (%.1f us)", m, qweight.shape[0], qweight.shape[1],
+                qweight.dtype, best, best_us)
     return best
 
 

@@ -120,9 +120,12 @@ def test_gpu_norm_quant_matches_the_unfused_kernels(m: int, with_residual: bool)
     w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     want_q, want_s, want_res = _unfused_norm_quant(x, w, residual)
     q, s, new_res = rms_norm_quant_fp8(x, w, 1e-5, residual.clone() if with_residual else None)
-    # Bit-equal in the interpreter (above); compiled, the two kernels' float32 divisions may
-    # round differently (scales one ulp apart in a few rows of 4096, codes one apart).
-    torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+    # Bit-equal in the interpreter (above); compiled, the two kernels sum the squares in
+    # different orders and divide differently: a row's largest normed value may round to the
+    # neighbouring bf16 (its scale one bf16 ulp, 2^-7, apart; H200: 1 row of 4096), its codes
+    # then one apart where they sit on an edge.
+    torch.testing.assert_close(s, want_s, rtol=2**-7, atol=0)
+    assert (s != want_s).float().mean() <= 2 / m + 1e-3
     _assert_fp8_codes_close(q, want_q)
     if with_residual:
         assert torch.equal(new_res, want_res)
