@@ -70,8 +70,13 @@ _QWEN3_0_6B: dict[str, Any] = {
     "vocab_size": 151936,
 }
 
+# 141 GB in bf16: one H200 runs it with a load-time 8-bit method (quantized layer by layer).
+_LLAMA_3_1_70B: dict[str, Any] = {**_LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672,
+                                  "num_hidden_layers": 80, "num_attention_heads": 64}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": _LLAMA_3_1_8B,
+    "llama-3.1-70b": _LLAMA_3_1_70B,
     "qwen3-0.6b": _QWEN3_0_6B,
 }
 

@@ -7,6 +7,8 @@ per-layer KV-cache scales (`...self_attn.k_scale` / `v_scale`) go to the attenti
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -18,9 +20,13 @@ from slipstream.config import EngineConfig
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
 from slipstream.models.llama import BuildContext
+from slipstream.models.quantize_as_loaded import QuantizeAsLoaded
 from slipstream.models.registry import get_model_class
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.kv_cache import load_kv_scale
+from slipstream.quantization.utils import deferring_load_time_weights
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -41,22 +47,34 @@ def load_model(config: EngineConfig) -> nn.Module:
     if config.parallel.tensor_parallel_size != 1:
         raise NotImplementedError("tensor parallelism: layers take tp_size/tp_rank, but the "
                                   "loader does not start process groups yet")
+    started = time.perf_counter()
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model = build_model(config)
+    layers = QuantizeAsLoaded(model, config.device)
     if config.load_format == "dummy":
-        init_dummy_weights(model, config.seed)
+        init_dummy_weights(model, config.seed, layers)
     else:
-        load_weights(model, iterate_safetensors(safetensors_files(config.model_path)))
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_after_loading(module)
+        load_weights(model, iterate_safetensors(safetensors_files(config.model_path)), layers)
+    layers.finish()
     if config.quant.lm_head:
         model.lm_head.quantize(config.quant.lm_head)
+    _log_loaded(model, device, time.perf_counter() - started)
     return model.eval()
 
 
+def _log_loaded(model: nn.Module, device: torch.device, seconds: float) -> None:
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: once
+    peak = ""
+    if device.type == "cuda":  # with load-time quantization: the quantized model + ~1 layer
+        peak = f", device peak while loading {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    logger.info("model loaded in %.1f s: %.2f GiB of parameters%s", seconds, nbytes / 2**30, peak)
+
+
 def build_model(config: EngineConfig) -> nn.Module:
-    """Construct with uninitialised (torch.empty) parameters directly on the target device."""
+    """Construct with uninitialised (torch.empty) parameters directly on the target device;
+    16-bit weights that a quant method replaces at load get no storage yet (quantize_as_loaded)."""
     cls = get_model_class(config.model.architecture)
     ops = get_ops(config.device)
     ctx = BuildContext(
@@ -65,7 +83,7 @@ def build_model(config: EngineConfig) -> nn.Module:
         quant_factory=get_quant_method_factory(config.quant.method, config.model.hf_config),
         max_positions=config.scheduler.max_model_len,
     )
-    with torch.device(config.device):
+    with torch.device(config.device), deferring_load_time_weights():
         return cls(ctx)
 
 
@@ -112,10 +130,12 @@ def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[str, int | None]]:
     return out
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy every checkpoint tensor into place; unexpected or missing tensors are errors."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 layers: QuantizeAsLoaded) -> None:
+    """Copy every checkpoint tensor into place; unexpected or missing tensors are errors. Each
+    layer is quantized (layers) once its last tensor is in."""
     name_map = checkpoint_name_map(model)
-    params = dict(model.named_parameters())
+    layers.expect((pname.rpartition(".")[0], name) for name, (pname, _) in name_map.items())
     ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
     seen: set[str] = set()
     for name, tensor in weights:
@@ -129,12 +149,13 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint: no such parameter "
                              f"in {type(model).__name__}")
         pname, shard = name_map[name]
-        module = model.get_submodule(pname.rpartition(".")[0])
+        module_path = pname.rpartition(".")[0]
         try:
-            _load_one(module, params[pname], tensor, shard)
+            _load_one(model.get_submodule(module_path), layers.param(pname), tensor, shard)
         except ValueError as e:
             raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
         seen.add(name)
+        layers.arrived(module_path, name)
     missing = sorted(set(name_map) - seen)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
@@ -166,22 +187,33 @@ def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor,
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded small random weights (norm weights near 1), generated on the parameter's device."""
+def init_dummy_weights(model: nn.Module, seed: int, layers: QuantizeAsLoaded,
+                       std: float = 0.02) -> None:
+    """Seeded small random weights (norm weights near 1), generated on the parameter's device;
+    each layer is quantized (layers) once its last parameter is filled."""
     generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        dev = param.device
-        if dev not in generators:
-            generators[dev] = torch.Generator(device=dev).manual_seed(seed)
-        g = generators[dev]
-        fixed = getattr(param, "dummy_value", None)  # e.g. a quantized layer's shapes, g_idx
-        if fixed is not None:
-            param.data.copy_(fixed)
-        elif param.is_floating_point() and param.element_size() >= 2:
-            mean = 1.0 if name.endswith("norm.weight") else 0.0
-            param.data.normal_(mean, std, generator=g)
-        elif param.is_floating_point():  # 8-bit floats: draw in float32, then cast
-            sample = torch.empty(param.shape, device=dev).normal_(0.0, std, generator=g)
-            param.data.copy_(sample)
-        else:
-            param.data.copy_(torch.randint(-8, 8, param.shape, generator=g, device=dev))
+    names = [name for name, _ in model.named_parameters()]
+    layers.expect((name.rpartition(".")[0], name) for name in names)
+    for name in names:
+        param = layers.param(name)
+        _init_dummy(param, name, generators, seed, std)
+        layers.arrived(name.rpartition(".")[0], name)
+
+
+def _init_dummy(param: nn.Parameter, name: str, generators: dict[torch.device, torch.Generator],
+                seed: int, std: float) -> None:
+    dev = param.device
+    if dev not in generators:
+        generators[dev] = torch.Generator(device=dev).manual_seed(seed)
+    g = generators[dev]
+    fixed = getattr(param, "dummy_value", None)  # e.g. a quantized layer's shapes, g_idx
+    if fixed is not None:
+        param.data.copy_(fixed)
+    elif param.is_floating_point() and param.element_size() >= 2:
+        mean = 1.0 if name.endswith("norm.weight") else 0.0
+        param.data.normal_(mean, std, generator=g)
+    elif param.is_floating_point():  # 8-bit floats: draw in float32, then cast
+        sample = torch.empty(param.shape, device=dev).normal_(0.0, std, generator=g)
+        param.data.copy_(sample)
+    else:
+        param.data.copy_(torch.randint(-8, 8, param.shape, generator=g, device=dev))

@@ -34,6 +34,7 @@ from slipstream.quantization.int8_wo import (
 from slipstream.quantization.utils import (
     FP8_DTYPE,
     check_checkpoint_method,
+    load_time_weight,
     new_param,
     packed_shard_loader,
     quant_config_of,
@@ -81,7 +82,7 @@ class Fp8LinearMethod(PerChannelMethod):
         n = sum(output_sizes)
         if not self.prequantized:
             layer.register_parameter("weight", new_param(
-                torch.empty(n, input_size, dtype=params_dtype), output_dim=0, input_dim=1))
+                load_time_weight(n, input_size, params_dtype), output_dim=0, input_dim=1))
             return
         layer.register_parameter("weight", new_param(
             torch.empty(n, input_size, dtype=FP8_DTYPE), output_dim=0, input_dim=1))

@@ -75,7 +75,7 @@ class Int4LinearMethod(QuantMethod):
             return
         if self.layout is None:
             layer.register_parameter("weight", qu.new_param(
-                torch.empty(n, k, dtype=params_dtype), output_dim=0, input_dim=1))
+                qu.load_time_weight(n, k, params_dtype), output_dim=0, input_dim=1))
             return
         load8 = qu.packed_shard_loader(output_sizes, 1, 8)
         load1 = qu.packed_shard_loader(output_sizes, 1, 1)

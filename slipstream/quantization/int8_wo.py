@@ -16,6 +16,7 @@ from slipstream.quantization.compressed_tensors import Int8Layout
 from slipstream.quantization.int4_layouts import weight_shape_loader
 from slipstream.quantization.utils import (
     check_checkpoint_method,
+    load_time_weight,
     new_param,
     packed_shard_loader,
     quant_config_of,
@@ -62,7 +63,7 @@ class Int8WeightOnlyMethod(PerChannelMethod):
                 torch.empty(n, dtype=torch.float32), output_dim=0))
         else:  # load the float checkpoint as usual (fused shards included), quantize after
             layer.register_parameter("weight", new_param(
-                torch.empty(n, input_size, dtype=params_dtype), output_dim=0, input_dim=1))
+                load_time_weight(n, input_size, params_dtype), output_dim=0, input_dim=1))
 
     def _create_compressed(self, layer: nn.Module, k: int, output_sizes: list[int]) -> None:
         """compressed-tensors: `weight` int8 [N, K] (pack-quantized: `weight_packed` int32

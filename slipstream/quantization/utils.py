@@ -5,7 +5,9 @@ scales are float32 [M, 1]; INT4 values are groupwise along K with a zero point (
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -139,6 +141,29 @@ def new_param(data: torch.Tensor, output_dim: int | None = None, input_dim: int 
     if dummy_value is not None:
         p.dummy_value = dummy_value
     return p
+
+
+_DEFER_LOAD_TIME_WEIGHTS = contextvars.ContextVar("defer_load_time_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferring_load_time_weights() -> Iterator[None]:
+    """While the engine builds its model: load_time_weight() creates its tensors on the meta
+    device (models/quantize_as_loaded.py gives each one storage when its layer's first tensor
+    arrives and quantizes the layer when its last one is in)."""
+    token = _DEFER_LOAD_TIME_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_LOAD_TIME_WEIGHTS.reset(token)
+
+
+def load_time_weight(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The unquantized [n, k] weight that a method quantizes in process_after_loading: without
+    storage (meta) inside deferring_load_time_weights, so the whole unquantized model never has
+    to fit on the device at once; an ordinary empty tensor elsewhere (a layer built by hand)."""
+    device = torch.device("meta") if _DEFER_LOAD_TIME_WEIGHTS.get() else None
+    return torch.empty(n, k, dtype=dtype, device=device)
 
 
 def replace_param(layer: nn.Module, name: str, data: torch.Tensor,

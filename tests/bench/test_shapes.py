@@ -21,6 +21,10 @@ def test_llama_3_1_8b_has_8_03_billion_parameters():
     assert round(n / 1e9, 2) == 8.03
 
 
+def test_llama_3_1_70b_has_70_55_billion_parameters():
+    assert count_parameters(shape_config("llama-3.1-70b")) == 70_553_706_496
+
+
 def test_qwen3_0_6b_parameter_count():
     assert count_parameters(shape_config("qwen3-0.6b")) == 596_049_920
 

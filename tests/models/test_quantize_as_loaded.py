@@ -1,0 +1,127 @@
+"""Load-time quantization one layer at a time: the 16-bit weights of a method that quantizes at
+load never exist for more than one decoder layer at once, and the values are those of quantizing
+the whole loaded model afterwards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.engine.args import EngineArgs
+from slipstream.layers.linear import LinearBase
+from slipstream.models import quantize_as_loaded
+from slipstream.models.loader import build_model, load_model
+from slipstream.quantization.utils import (
+    FP8_DTYPE,
+    quantize_fp8_per_channel,
+    quantize_int8_per_channel,
+)
+from tests.helpers import make_tiny_checkpoint
+
+
+def engine_config(path, **kw):
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
+    return EngineArgs(model=str(path), **kw).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    # 128 wide: int4_awq's group size divides it
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM",
+                                num_hidden_layers=3, hidden_size=128, intermediate_size=256)
+
+
+def _unquantized_layers(model) -> set[int]:
+    """Decoder layers that hold a linear layer's 16-bit weight with storage (not yet quantized)."""
+    out = set()
+    for path, module in model.named_modules():
+        w = getattr(module, "weight", None)
+        if (isinstance(module, LinearBase) and w is not None and not w.is_meta
+                and w.element_size() >= 2):
+            out.add(int(path.split(".")[2]))
+    return out
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+@pytest.mark.parametrize("method", ["fp8", "int8_wo", "int4_awq"])
+def test_one_decoder_layer_unquantized_at_a_time(monkeypatch, llama_dir, method, load_format):
+    seen = []
+    process = quantize_as_loaded.QuantizeAsLoaded._process
+
+    def spy(self, path):
+        if path.startswith("model.layers."):
+            seen.append((int(path.split(".")[2]), _unquantized_layers(self.model)))
+        process(self, path)
+
+    monkeypatch.setattr(quantize_as_loaded.QuantizeAsLoaded, "_process", spy)
+    model = load_model(engine_config(llama_dir, quantization=method, load_format=load_format))
+    assert len(seen) == 3 * 4  # qkv, o, gate_up, down per layer, each processed once
+    for layer, holding in seen:
+        assert holding <= {layer}, f"processing layer {layer}, 16-bit weights in {holding}"
+    assert not _unquantized_layers(model)
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_build_gives_load_time_weights_no_storage(llama_dir):
+    model = build_model(engine_config(llama_dir, quantization="fp8"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.is_meta and qkv.weight.shape == (qkv.output_size, qkv.input_size)
+    assert qkv.weight.output_dim == 0  # the loader attributes survive materialisation
+    assert not model.model.embed_tokens.weight.is_meta
+    assert not build_model(engine_config(llama_dir)).model.layers[0].self_attn.qkv_proj.weight.is_meta
+
+
+@pytest.mark.parametrize("method,quantize", [("fp8", quantize_fp8_per_channel),
+                                             ("int8_wo", quantize_int8_per_channel)])
+def test_dummy_weights_are_the_quantized_16_bit_dummy_weights(llama_dir, method, quantize):
+    """Same seed, same values as before the change: the 16-bit dummy model, quantized."""
+    plain = load_model(engine_config(llama_dir, load_format="dummy"))
+    quant = load_model(engine_config(llama_dir, load_format="dummy", quantization=method))
+    for (name, a), (_, b) in zip(plain.named_modules(), quant.named_modules(), strict=True):
+        if isinstance(a, LinearBase):
+            q, scale = quantize(a.weight.data)
+            assert torch.equal(b.weight.view(torch.uint8) if b.weight.dtype == FP8_DTYPE else b.weight,
+                               q.view(torch.uint8) if q.dtype == FP8_DTYPE else q), name
+            assert torch.equal(b.weight_scale, scale), name
+
+
+def test_checkpoint_weights_are_the_quantized_checkpoint(llama_dir):
+    plain = load_model(engine_config(llama_dir))
+    quant = load_model(engine_config(llama_dir, quantization="int8_wo"))
+    down_a, down_b = plain.model.layers[2].mlp.down_proj, quant.model.layers[2].mlp.down_proj
+    q, scale = quantize_int8_per_channel(down_a.weight.data)
+    assert torch.equal(down_b.weight, q) and torch.equal(down_b.weight_scale, scale)
+
+
+def test_a_missing_tensor_is_still_named(tmp_path, llama_dir):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "missing"
+    shutil.copytree(llama_dir, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight"):
+        load_model(engine_config(dst, quantization="fp8"))
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_stays_below_the_16_bit_model(tmp_path):
+    """8 layers of 1024 x 4096: bf16 linear weights 201 MB; loading with fp8 must peak well
+    below that (fp8 weights ~101 MB plus one layer of bf16, ~25 MB)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    d = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", hidden_size=1024, intermediate_size=4096,
+                             num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                             vocab_size=1024)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = load_model(engine_config(d, device="cuda", dtype="bfloat16", quantization="fp8",
+                                     load_format="dummy"))
+    peak = torch.cuda.max_memory_allocated() - base
+    linear_bf16 = 8 * (4 * 1024 * 1024 + 3 * 1024 * 4096) * 2
+    assert peak < 0.75 * linear_bf16, (peak, linear_bf16)
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
