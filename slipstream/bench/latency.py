@@ -51,10 +51,12 @@ def measure_copy_bandwidth(device: str, nbytes: int = 2 * 2**30, iters: int = 20
 
 
 def speed_of_light(cfg: dict[str, Any], dtype: str, bandwidth: float | None, batch: int,
-                   input_len: int, output_len: int) -> dict[str, Any]:
+                   input_len: int, output_len: int, quantization: str | None = None,
+                   quantized_lm_head: bool = False) -> dict[str, Any]:
     """Decode bound in tok/s: B tokens per step, each step streaming every weight once
-    (and, in the second figure, each sequence's K/V at its mean decode context)."""
-    w_bytes = weight_bytes(cfg, dtype)
+    (quantized ones at their method's bytes; and, in the second figure, each sequence's K/V at
+    its mean decode context, counted at the model dtype)."""
+    w_bytes = weight_bytes(cfg, dtype, quantization, quantized_lm_head)
     mean_ctx = input_len + (output_len - 1) / 2
     kv_bytes = batch * mean_ctx * kv_bytes_per_token(cfg, dtype)
     out: dict[str, Any] = {"weight_bytes": w_bytes, "kv_bytes_per_step": kv_bytes,
@@ -117,8 +119,10 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     llm = build_llm(kwargs)
     iters = _run_iterations(llm, args, cfg.get("vocab_size", 32000))
     decode = _rate_stats([s["decode_tok_s"] for s in iters])
-    sol = speed_of_light(cfg, dtype, bandwidth, args.batch_size, args.input_len,
-                         args.output_len) if cfg else {}
+    quant = getattr(getattr(llm, "engine_config", None), "quant", None)
+    sol = speed_of_light(cfg, dtype, bandwidth, args.batch_size, args.input_len, args.output_len,
+                         getattr(quant, "method", None),
+                         bool(getattr(quant, "lm_head", None))) if cfg else {}
     bound = sol.get("bound_tok_s")
     pct = 100 * decode["median"] / bound if bound and decode["median"] else None
     bound_kv = sol.get("bound_with_kv_tok_s")
@@ -140,8 +144,8 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "sol_bound_with_kv_tok_s": bound_kv,
         "sol_pct_with_kv": 100 * decode["median"] / bound_kv
         if bound_kv and decode["median"] else None,
-        "sol_detail": {**sol, "note": "weights counted at the engine dtype; quantized weights "
-                       "would stream fewer bytes"},
+        "sol_detail": {**sol, "note": "linear layers counted at their quantization method's "
+                       "bytes per weight, everything else at the engine dtype"},
         "peak_gpu_memory_gib": peak_memory_gib(device)["allocated"],
         "gpu_memory_gib": peak_memory_gib(device),
         "meta": report.run_meta(),

@@ -147,10 +147,36 @@ def dtype_bytes(dtype: str) -> int:
     return _DTYPE_BYTES[dtype]
 
 
-def weight_bytes(cfg: dict[str, Any], dtype: str) -> int:
+# Bytes per weight of a quantized linear layer (int4: groups of 128 with an fp16 scale and a
+# uint8 zero each); per-row scales are left out (4 bytes per row of thousands).
+QUANT_WEIGHT_BYTES = {"fp8": 1.0, "int8_wo": 1.0, "w8a8_sq": 1.0, "int4_awq": 0.5 + 3 / 128}
+
+
+def linear_parameters(cfg: dict[str, Any]) -> int:
+    """Weights of the decoder layers' linear projections (what a quant method stores)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    q_out, kv_out = heads * _head_dim(cfg), kv_heads * _head_dim(cfg)
+    per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
+    return cfg["num_hidden_layers"] * per_layer
+
+
+def weight_bytes(cfg: dict[str, Any], dtype: str, quantization: str | None = None,
+                 quantized_lm_head: bool = False) -> int:
     """Bytes a decode step streams for the weights: every parameter once (the convention of
-    BENCHMARKS.md's speed-of-light figure, embedding table included)."""
-    return count_parameters(cfg) * dtype_bytes(dtype)
+    BENCHMARKS.md's speed-of-light figure, embedding table included), the linear layers at their
+    quantization method's bytes per weight, a quantized LM head at one byte (its own copy when
+    tied to the embedding)."""
+    size = dtype_bytes(dtype)
+    total = count_parameters(cfg) * size
+    per_weight = QUANT_WEIGHT_BYTES.get(quantization or "")
+    if per_weight is not None:
+        total -= linear_parameters(cfg) * (size - per_weight)
+    if quantized_lm_head:
+        head = cfg["vocab_size"] * cfg["hidden_size"]
+        total += head if cfg.get("tie_word_embeddings", False) else -head * (size - 1)
+    return int(total)
 
 
 def kv_bytes_per_token(cfg: dict[str, Any], dtype: str) -> int:

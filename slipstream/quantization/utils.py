@@ -20,19 +20,36 @@ INT8_MAX = 127.0
 _TINY = 1e-12  # all-zero rows/tokens get scale _TINY instead of 0 (no division by zero)
 
 
+# Rows are quantized in chunks of at most this many weights: the float32 temporaries of a large
+# layer (Llama-70B's gate_up: 470M weights) stay ~256 MB each instead of several GB.
+ROW_CHUNK_ELEMENTS = 1 << 26
+
+
+def _row_chunks(n: int, k: int) -> Iterator[slice]:
+    rows = max(1, ROW_CHUNK_ELEMENTS // max(k, 1))
+    for lo in range(0, n, rows):
+        yield slice(lo, min(lo + rows, n))
+
+
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: (q int8 [N, K], scale float32 [N]); w ~= q * scale."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
-    q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for rows in _row_chunks(*w.shape):
+        wf = w[rows].float()
+        scale[rows] = (wf.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
+        q[rows] = torch.round(wf / scale[rows, None]).clamp_(-INT8_MAX, INT8_MAX)
     return q, scale
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel FP8 E4M3: (q [N, K], scale float32 [N]); w ~= q * scale."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
-    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for rows in _row_chunks(*w.shape):
+        wf = w[rows].float()
+        scale[rows] = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
+        q[rows] = (wf / scale[rows, None]).clamp_(-FP8_MAX, FP8_MAX)
     return q, scale
 
 
@@ -64,13 +81,18 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int,
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"INT4 groupwise: input size {k} is not a multiple of group {group_size}")
-    g = w.float().reshape(n, k // group_size, group_size)
-    lo = g.amin(dim=2).clamp(max=0.0)
-    hi = g.amax(dim=2).clamp(min=0.0)  # the range always holds 0, so zeros stay exact
-    scale = ((hi - lo) / 15.0).clamp_min(1e-8)
-    zero = torch.round(-lo / scale).clamp_(0, 15)
-    q = torch.round(g / scale[..., None] + zero[..., None]).clamp_(0, 15)
-    return q.reshape(n, k).to(torch.uint8), scale, zero.to(torch.uint8)
+    q = torch.empty((n, k), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((n, k // group_size), dtype=torch.float32, device=w.device)
+    zero = torch.empty((n, k // group_size), dtype=torch.uint8, device=w.device)
+    for rows in _row_chunks(n, k):
+        g = w[rows].float().reshape(-1, k // group_size, group_size)
+        lo = g.amin(dim=2).clamp(max=0.0)
+        hi = g.amax(dim=2).clamp(min=0.0)  # the range always holds 0, so zeros stay exact
+        s = ((hi - lo) / 15.0).clamp_min(1e-8)
+        z = torch.round(-lo / s).clamp_(0, 15)
+        q[rows] = torch.round(g / s[..., None] + z[..., None]).clamp_(0, 15).reshape(-1, k)
+        scale[rows], zero[rows] = s, z
+    return q, scale, zero
 
 
 def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

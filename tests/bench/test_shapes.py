@@ -8,6 +8,7 @@ from slipstream.bench.shapes import (
     SHAPES,
     count_parameters,
     kv_bytes_per_token,
+    linear_parameters,
     materialize_shape,
     shape_config,
     weight_bytes,
@@ -77,3 +78,19 @@ def test_unknown_shape_names_the_known_ones():
     a = shape_config("qwen3-0.6b")
     a["hidden_size"] = 1
     assert shape_config("qwen3-0.6b")["hidden_size"] == 1024  # copies, not the table itself
+
+
+def test_weight_bytes_count_quantized_layers_at_their_width():
+    cfg = shape_config("llama-3.1-8b")
+    bf16 = weight_bytes(cfg, "bfloat16")
+    linear = linear_parameters(cfg)
+    assert linear == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # 6.98 G
+    assert weight_bytes(cfg, "bfloat16", "fp8") == bf16 - linear
+    assert weight_bytes(cfg, "bfloat16", "int8_wo") == weight_bytes(cfg, "bfloat16", "w8a8_sq")
+    assert weight_bytes(cfg, "bfloat16", "int4_awq") == int(bf16 - linear * (2 - 0.5 - 3 / 128))
+    head = 128256 * 4096
+    assert weight_bytes(cfg, "bfloat16", "fp8", quantized_lm_head=True) == bf16 - linear - head
+    assert weight_bytes(cfg, "bfloat16", "awq-or-unknown") == bf16  # unknown: model dtype
+    tied = shape_config("qwen3-0.6b")  # a quantized tied head is a second, 1-byte copy
+    assert (weight_bytes(tied, "bfloat16", None, quantized_lm_head=True)
+            == weight_bytes(tied, "bfloat16") + 151936 * 1024)

@@ -171,3 +171,21 @@ def test_unknown_and_mismatched_methods_are_errors() -> None:
         utils.detect_quant_method({"quantization_config": {"quant_method": "bitsandbytes"}})
     assert utils.detect_quant_method({"quantization_config": {"quant_method": "awq"}}) == "int4_awq"
     assert utils.detect_quant_method({}) is None
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp8", "int4"])
+def test_row_chunked_quantization_equals_whole(monkeypatch, quantize) -> None:
+    """Large layers are quantized a few rows at a time (bounded float32 temporaries): the same
+    codes and scales as one pass over the whole matrix, a partial last chunk included."""
+    from slipstream.quantization import utils as qu
+
+    fn = {"int8": qu.quantize_int8_per_channel, "fp8": qu.quantize_fp8_per_channel,
+          "int4": lambda w: qu.quantize_int4_groupwise(w, 32)}[quantize]
+    w = (torch.randn(37, 96) * torch.logspace(-3, 1, 37)[:, None]).to(torch.bfloat16)
+    whole = fn(w)
+    monkeypatch.setattr(qu, "ROW_CHUNK_ELEMENTS", 96 * 5)  # 5 rows per chunk: 8 chunks
+    chunked = fn(w)
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype == qu.FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == qu.FP8_DTYPE else b)
