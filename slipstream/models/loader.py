@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm.auto import tqdm
 
 from slipstream.config import EngineConfig
 from slipstream.kernels import get_ops
@@ -56,7 +57,9 @@ def load_model(config: EngineConfig) -> nn.Module:
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed, layers)
     else:
-        load_weights(model, iterate_safetensors(safetensors_files(config.model_path)), layers)
+        files = safetensors_files(config.model_path)
+        shards = tqdm(files, desc="Loading checkpoint shards", unit="file", disable=len(files) < 2)
+        load_weights(model, iterate_safetensors(shards), layers)
     layers.finish()
     if config.quant.lm_head:
         model.lm_head.quantize(config.quant.lm_head)

@@ -65,14 +65,15 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     if quantize_lm_head and method == "none":
         raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
     dtype = "float32" if device == "cpu" else "bfloat16"
+    module = importlib.import_module(f"slipstream.quantization.{method}") if method != "none" else None
+    at_load = quantizes_at_load(method, module, options, device)
     # A float KV cache while calibrating: every layer must see exact K/V.
     llm = LLM(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
               kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False,
-              kv_cache_dtype=dtype)
+              kv_cache_dtype=dtype, quantization=method if at_load else None)
     model: nn.Module = llm.engine.runner.model
     texts = None
-    if method != "none":
-        module = importlib.import_module(f"slipstream.quantization.{method}")
+    if module is not None and not at_load:
         if getattr(module, "NEEDS_CALIBRATION", False):
             texts = load_calib_texts(calib_data, num_calib_samples)
             # A method may gather its own calibration (AWQ reruns the prompts layer by layer).
@@ -91,6 +92,18 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
                         quantize_lm_head=quantize_lm_head)
     return Path(output_dir)
+
+
+def quantizes_at_load(method: str, module, options: dict | None, device: str) -> bool:
+    """Whether the engine can quantize `method` while loading (one layer at a time: the 16-bit
+    model never has to fit the device): methods without calibration or options, on a device
+    that runs them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
+    if module is None or getattr(module, "NEEDS_CALIBRATION", False) or options:
+        return False
+    if method == "fp8" and torch.device(device).type == "cuda":
+        from slipstream.quantization.fp8 import MIN_CAPABILITY
+        return torch.cuda.get_device_capability(torch.device(device)) >= MIN_CAPABILITY
+    return True
 
 
 def _quantize_linears(model: nn.Module, module, options: dict) -> None:

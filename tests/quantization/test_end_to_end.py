@@ -123,3 +123,37 @@ def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, refe
     # Measured mean |logprob diff| (seed 0): AWQ 0.875, RTN 0.860 (random model, random ids).
     assert dlogp["--awq"] <= dlogp["--no-awq"] * 1.05, dlogp
     assert dlogp["--awq"] < 1.5, dlogp
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8_wo"])
+def test_quantize_at_load_writes_the_same_checkpoint(monkeypatch, tiny, tmp_path, method):
+    """Methods without calibration quantize while the engine loads (one layer at a time, so a
+    model whose 16-bit weights do not fit the device can be quantized); the files are byte for
+    byte those of quantizing the whole loaded float model."""
+    import importlib
+
+    from safetensors.torch import load_file
+
+    from slipstream.quantization import checkpoint
+
+    module = importlib.import_module(f"slipstream.quantization.{method}")
+    assert checkpoint.quantizes_at_load(method, module, None, "cpu")
+    streamed = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "streamed")
+    monkeypatch.setattr(checkpoint, "quantizes_at_load", lambda *a: False)
+    whole = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "whole")
+    a, b = load_file(str(streamed / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    assert json.loads((streamed / "config.json").read_text()) == json.loads(
+        (whole / "config.json").read_text())
+
+
+def test_calibrated_or_configured_methods_quantize_after_loading() -> None:
+    from slipstream.quantization import checkpoint, int4_awq, int8_wo, w8a8_sq
+
+    assert not checkpoint.quantizes_at_load("int4_awq", int4_awq, None, "cpu")  # AWQ search
+    assert not checkpoint.quantizes_at_load("w8a8_sq", w8a8_sq, None, "cpu")  # smoothing
+    assert not checkpoint.quantizes_at_load("int8_wo", int8_wo, {"x": 1}, "cpu")
+    assert not checkpoint.quantizes_at_load("none", None, None, "cpu")
