@@ -35,6 +35,9 @@ class QuantizeAsLoaded:
     def param(self, pname: str) -> nn.Parameter:
         """Parameter `pname`, given device storage first if it had none."""
         path, _, leaf = pname.rpartition(".")
+        if path in self.processed:  # its 16-bit weights are gone: a late copy cannot land
+            raise ValueError(f"{pname} arrived again after {path} was quantized (the checkpoint "
+                             "holds this tensor twice)")
         module = self.model.get_submodule(path)
         param = module._parameters[leaf]
         if param.is_meta:

@@ -127,3 +127,16 @@ def test_gpu_peak_memory_stays_below_the_16_bit_model(tmp_path):
     linear_bf16 = layers * (3 * 1024 * 1024 + 1024 * 1024 + 2 * 4096 * 1024 + 4096 * 1024) * 2
     assert peak < 0.75 * linear_bf16, (peak, linear_bf16)
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE
+
+
+def test_a_tensor_repeated_after_its_layer_was_quantized_is_an_error(llama_dir):
+    from safetensors.torch import load_file
+
+    from slipstream.models.loader import load_weights
+    from slipstream.models.quantize_as_loaded import QuantizeAsLoaded
+
+    model = build_model(engine_config(llama_dir, quantization="fp8"))
+    tensors = list(load_file(str(llama_dir / "model.safetensors")).items())
+    again = next(t for t in tensors if t[0] == "model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="down_proj.weight arrived again"):
+        load_weights(model, [*tensors, again], QuantizeAsLoaded(model, "cpu"))
