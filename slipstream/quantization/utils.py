@@ -33,8 +33,8 @@ def _row_chunks(n: int, k: int) -> Iterator[slice]:
 
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8: (q int8 [N, K], scale float32 [N]); w ~= q * scale."""
-    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    q = w.new_empty(w.shape, dtype=torch.int8)
+    scale = w.new_empty(w.shape[0], dtype=torch.float32)
     for rows in _row_chunks(*w.shape):
         wf = w[rows].float()
         scale[rows] = (wf.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
@@ -44,8 +44,8 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel FP8 E4M3: (q [N, K], scale float32 [N]); w ~= q * scale."""
-    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
-    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    q = w.new_empty(w.shape, dtype=FP8_DTYPE)
+    scale = w.new_empty(w.shape[0], dtype=torch.float32)
     for rows in _row_chunks(*w.shape):
         wf = w[rows].float()
         scale[rows] = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
@@ -81,9 +81,9 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int,
     n, k = w.shape
     if k % group_size:
         raise ValueError(f"INT4 groupwise: input size {k} is not a multiple of group {group_size}")
-    q = torch.empty((n, k), dtype=torch.uint8, device=w.device)
-    scale = torch.empty((n, k // group_size), dtype=torch.float32, device=w.device)
-    zero = torch.empty((n, k // group_size), dtype=torch.uint8, device=w.device)
+    q = w.new_empty((n, k), dtype=torch.uint8)
+    scale = w.new_empty((n, k // group_size), dtype=torch.float32)
+    zero = w.new_empty((n, k // group_size), dtype=torch.uint8)
     for rows in _row_chunks(n, k):
         g = w[rows].float().reshape(-1, k // group_size, group_size)
         lo = g.amin(dim=2).clamp(max=0.0)
