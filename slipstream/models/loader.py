@@ -6,6 +6,7 @@ per-layer KV-cache scales (`...self_attn.k_scale` / `v_scale`) go to the attenti
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -48,10 +49,24 @@ def load_model(config: EngineConfig) -> nn.Module:
     if config.parallel.tensor_parallel_size != 1:
         raise NotImplementedError("tensor parallelism: layers take tp_size/tp_rank, but the "
                                   "loader does not start process groups yet")
-    started = time.perf_counter()
     device = torch.device(config.device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if device.type != "cuda":
+        return _load_model(config, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    try:
+        return _load_model(config, device)
+    except torch.OutOfMemoryError as e:
+        message = oom_message(config, free, total, e)
+    # Raised outside the handler, unchained: the original traceback's frames would keep the
+    # partly loaded model, and its device memory, alive for as long as the error is held.
+    gc.collect()
+    torch.cuda.empty_cache()
+    raise torch.OutOfMemoryError(message)
+
+
+def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
+    started = time.perf_counter()
     model = build_model(config)
     layers = QuantizeAsLoaded(model, config.device)
     if config.load_format == "dummy":
@@ -65,6 +80,28 @@ def load_model(config: EngineConfig) -> nn.Module:
         model.lm_head.quantize(config.quant.lm_head)
     _log_loaded(model, device, time.perf_counter() - started)
     return model.eval()
+
+
+def oom_message(config: EngineConfig, free: int, total: int, error: BaseException) -> str:
+    """What to do when the weights do not fit: their size as loaded, and quantized."""
+    from slipstream.bench.shapes import weight_bytes
+
+    gib = 2**30
+    dtype, method = str(config.dtype).removeprefix("torch."), config.quant.method
+    try:
+        size = weight_bytes(config.model.hf_config, dtype, method, bool(config.quant.lm_head))
+        fp8 = weight_bytes(config.model.hf_config, dtype, "fp8")
+        int4 = weight_bytes(config.model.hf_config, dtype, "int4_awq")
+    except (KeyError, ValueError):  # a config these counts do not cover: no estimate
+        size = fp8 = int4 = None
+    need = f"its weights take about {size / gib:.1f} GiB as loaded ({dtype}" if size else "(" + dtype
+    hint = (f" (about {fp8 / gib:.1f} / {int4 / gib:.1f} GiB)" if fp8 and int4 else "")
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (f"out of GPU memory while loading {config.model_path}: {need}"
+            f"{', ' + method if method else ''}) and the GPU has {total / gib:.1f} GiB, "
+            f"{free / gib:.1f} GiB of it free before loading. Quantize at load "
+            f"(quantization='fp8' or 'int8_wo', or 'int4_awq'{hint}: weights are quantized "
+            f"one layer at a time), use a smaller model or free the GPU. ({first})")
 
 
 def _log_loaded(model: nn.Module, device: torch.device, seconds: float) -> None:

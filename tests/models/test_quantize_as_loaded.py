@@ -140,3 +140,42 @@ def test_a_tensor_repeated_after_its_layer_was_quantized_is_an_error(llama_dir):
     again = next(t for t in tensors if t[0] == "model.layers.0.mlp.down_proj.weight")
     with pytest.raises(ValueError, match="down_proj.weight arrived again"):
         load_weights(model, [*tensors, again], QuantizeAsLoaded(model, "cpu"))
+
+
+def test_out_of_memory_message_sizes_the_weights_and_names_the_way_out(tmp_path):
+    from slipstream.bench.shapes import materialize_shape, shape_config, weight_bytes
+    from slipstream.models.loader import oom_message
+
+    d = materialize_shape("llama-3.1-70b", tmp_path)
+    config = engine_config(d, dtype="bfloat16", load_format="dummy")
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.75 GiB.\nmore")
+    msg = oom_message(config, free=139 * 2**30, total=int(139.8 * 2**30), error=err)
+    cfg = shape_config("llama-3.1-70b")
+    assert "about 131.4 GiB as loaded (bfloat16)" in msg
+    fp8 = weight_bytes(cfg, "bfloat16", "fp8") / 2**30
+    int4 = weight_bytes(cfg, "bfloat16", "int4_awq") / 2**30
+    assert f"about {fp8:.1f} / {int4:.1f} GiB" in msg and fp8 < 70 < 131
+    assert "139.8 GiB, 139.0 GiB of it free" in msg and "quantization='fp8'" in msg
+    assert msg.endswith("(CUDA out of memory. Tried to allocate 1.75 GiB.)")
+    quant = oom_message(engine_config(d, dtype="bfloat16", quantization="fp8"), 1, 2, err)
+    assert f"about {fp8:.1f} GiB as loaded (bfloat16, fp8)" in quant
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_too_big_for_the_gpu_says_so(tmp_path):
+    """A 100-layer Llama-3.1-70B (163 GiB of bf16 weights) does not fit one H200: the loader's
+    error sizes it and suggests quantizing at load instead of a bare allocator message."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+
+    from slipstream.bench.shapes import shape_config
+
+    if torch.cuda.get_device_properties(0).total_memory > 160 * 2**30:
+        pytest.skip("this GPU would hold the weights")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**shape_config("llama-3.1-70b"), "num_hidden_layers": 100}))
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(torch.OutOfMemoryError, match=r"about 163.\d GiB as loaded.*'fp8'"):
+        load_model(engine_config(tmp_path, device="cuda", dtype="bfloat16", load_format="dummy"))
+    assert torch.cuda.memory_allocated() - before < 2**30  # the partly built model is freed
