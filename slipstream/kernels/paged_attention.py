@@ -131,7 +131,7 @@ def _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_
     cache's tile arrives as fp16 already."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     if CONVERTED:
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+        s = tl.dot(q, kt) * qk_scale
     elif F16_KV:
         s = tl.dot(q, _quantized_to_f16(kt, KV_QUANT, ASM_CVT)) * qk_scale
     else:
@@ -146,7 +146,7 @@ def _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if CONVERTED:
-        pv = tl.dot(p.to(P_DTYPE).to(v.dtype), v, input_precision=DOT_PREC)
+        pv = tl.dot(p.to(P_DTYPE).to(tl.float16), v)
     elif F16_KV:
         # P rounded to the model dtype first: the same values as with a bf16 cache.
         pv = tl.dot(p.to(P_DTYPE).to(tl.float16), _quantized_to_f16(v, KV_QUANT, ASM_CVT))
@@ -174,8 +174,8 @@ def _pipelined_tiles(acc, m_i, l_i, q, t_lo, t_hi, bt_row, k_ptr, v_ptr, kv_head
     kt, v = _load_kv_tile(t_lo, blk, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
                           stride_ks, stride_vb, stride_vs, n_hi, BLOCK_N, BLOCK_D, HEAD_DIM,
                           PAGE_SIZE)
-    kt = _tile_operand(kt, q, F16_KV, KV_QUANT, ASM_CVT)
-    v = _tile_operand(v, q, F16_KV, KV_QUANT, ASM_CVT)
+    kt = _quantized_to_f16(kt, KV_QUANT, ASM_CVT)
+    v = _quantized_to_f16(v, KV_QUANT, ASM_CVT)
     blk_next = _tile_blocks(t_lo + 1, bt_row, n_hi, BLOCK_N, PAGE_SIZE)
     for tile in range(t_lo, t_hi):
         kt_next, v_next = _load_kv_tile(tile + 1, blk_next, k_ptr, v_ptr, kv_head_off_k,
@@ -185,18 +185,9 @@ def _pipelined_tiles(acc, m_i, l_i, q, t_lo, t_hi, bt_row, k_ptr, v_ptr, kv_head
         acc, m_i, l_i = _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
                                      BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT,
                                      CONVERTED=True)
-        kt = _tile_operand(kt_next, q, F16_KV, KV_QUANT, ASM_CVT)
-        v = _tile_operand(v_next, q, F16_KV, KV_QUANT, ASM_CVT)
+        kt = _quantized_to_f16(kt_next, KV_QUANT, ASM_CVT)
+        v = _quantized_to_f16(v_next, KV_QUANT, ASM_CVT)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _tile_operand(t, q, F16_KV: tl.constexpr, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
-    """A loaded K / V tile in the dtype of the products: fp16 for a 1-byte cache under a 16-bit
-    model, else q's dtype."""
-    if F16_KV:
-        return _quantized_to_f16(t, KV_QUANT, ASM_CVT)
-    return t.to(q.dtype)
 
 
 # The split count and batch size vary step to step: runtime ints, never recompile triggers.
@@ -424,7 +415,7 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
-        pipe = _PIPE_KV and dtype != torch.float32
+        pipe = _PIPE_KV
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, pipe)
 
 
