@@ -86,7 +86,7 @@ def attention_case(ns) -> tuple:
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
                   FUSE_ROPE=True, DECODE=True, ASM_CVT=True,
-                  BLOCK_N=ns.block_n_attn, PIPE_KV=ns.pipe_kv)
+                  BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
 
@@ -102,7 +102,6 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--pipe-kv", action="store_true", help="attention: the pipelined tile loop")
     ns = ap.parse_args()
     kernel, types, consts, elems = (qgemv_case if ns.kernel == "qgemv" else attention_case)(ns)
     hist = loop_histogram(compile_sass(kernel, types, consts, ns.num_warps))

@@ -10,7 +10,6 @@ the output, so the inner loop only adds a widening cast.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,6 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
-_PIPE_KV = os.environ.get("SLIPSTREAM_ATTN_PIPE_KV", "1") != "0"  # 0: A/B against the plain loop
 
 
 @triton.jit
@@ -78,66 +76,34 @@ def _quantized_to_f16(v, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
 
 
 @triton.jit
-def _tile_blocks(tile, bt_row, n_hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The cache block of each of the tile's BLOCK_N positions (0 past n_hi: never read)."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    return tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < n_hi, other=0).to(tl.int64)
-
-
-@triton.jit
-def _load_kv_tile(tile, blk, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb, stride_ks,
-                  stride_vb, stride_vs, n_hi, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The tile's K (transposed, [D, N]) and V ([N, D]) as stored; positions from n_hi on read
-    as 0. K is loaded transposed so the score product needs no layout change."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_ok = offs_n < n_hi
-    d_ok = offs_d < HEAD_DIM  # constant over runs of 16 (head_dim % 16 == 0): loads stay wide
-    row = (offs_n % PAGE_SIZE).to(tl.int64)
-    k_off = blk * stride_kb + row * stride_ks + kv_head_off_k
-    v_off = blk * stride_vb + row * stride_vs + kv_head_off_v
-    kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
-                 mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-    # V is requested with K, before the score math: one memory round trip per tile, not two.
-    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-    return kt, v
-
-
-@triton.jit
 def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
                F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
                ASM_CVT: tl.constexpr):
-    """One K/V tile of BLOCK_N tokens: load it, then _attn_update."""
-    blk = _tile_blocks(tile, bt_row, seq_len, BLOCK_N, PAGE_SIZE)
-    kt, v = _load_kv_tile(tile, blk, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
-                          stride_ks, stride_vb, stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM,
-                          PAGE_SIZE)
-    return _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_N,
-                        MASKED, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
-
-
-@triton.jit
-def _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_N: tl.constexpr,
-                 MASKED: tl.constexpr, DOT_PREC: tl.constexpr, F16_KV: tl.constexpr,
-                 P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr,
-                 CONVERTED: tl.constexpr = False):
-    """Scores of one loaded tile, online-softmax update, accumulate P @ V. fp8 / int8 values
-    convert exactly to fp16 (or float32); their scales act outside. CONVERTED: a 1-byte
-    cache's tile arrives as fp16 already."""
+    """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    if CONVERTED:
-        s = tl.dot(q, kt) * qk_scale
-    elif F16_KV:
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_ok = offs_n < seq_len
+    d_ok = offs_d < HEAD_DIM  # constant over runs of 16 (head_dim % 16 == 0): loads stay wide
+    blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    row = (offs_n % PAGE_SIZE).to(tl.int64)
+    k_off = blk * stride_kb + row * stride_ks + kv_head_off_k
+    v_off = blk * stride_vb + row * stride_vs + kv_head_off_v
+    # K is loaded transposed ([D, N]) so the score product needs no layout change. fp8 / int8
+    # values convert exactly to fp16 (or float32); their scales act outside.
+    kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
+                 mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+    # V is requested with K, before the score math: one memory round trip per tile, not two.
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    if F16_KV:
         s = tl.dot(q, _quantized_to_f16(kt, KV_QUANT, ASM_CVT)) * qk_scale
     else:
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n < seq_len)[None, :]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows that have seen nothing yet keep m = -inf; shift them by 0 to avoid inf - inf.
@@ -145,49 +111,13 @@ def _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if CONVERTED:
-        pv = tl.dot(p.to(P_DTYPE).to(tl.float16), v)
-    elif F16_KV:
+    if F16_KV:
         # P rounded to the model dtype first: the same values as with a bf16 cache.
         pv = tl.dot(p.to(P_DTYPE).to(tl.float16), _quantized_to_f16(v, KV_QUANT, ASM_CVT))
     else:
         pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
-
-
-@triton.jit
-def _pipelined_tiles(acc, m_i, l_i, q, t_lo, t_hi, bt_row, k_ptr, v_ptr, kv_head_off_k,
-                     kv_head_off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
-                     qk_scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr,
-                     F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-                     ASM_CVT: tl.constexpr):
-    """Tiles t_lo..t_hi-1 of a 1-byte cache with the next tile's K / V requested before this
-    one's math and converted to fp16 after it (the block-table entries two tiles ahead), so a
-    program keeps one tile in flight while it computes: these tiles go through registers,
-    where Triton's own pipelining does not apply. The tiles carried from one iteration to the
-    next are fp16 (packed pairs); carried 8-bit values were unpacked and repacked byte by byte
-    (sm_90 SASS: +400 instructions per tile). Every tile is masked (one select per score)."""
-    n_hi = tl.minimum(seq_len, t_hi * BLOCK_N)  # prefetches past the range read nothing
-    blk = _tile_blocks(t_lo, bt_row, n_hi, BLOCK_N, PAGE_SIZE)
-    kt, v = _load_kv_tile(t_lo, blk, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
-                          stride_ks, stride_vb, stride_vs, n_hi, BLOCK_N, BLOCK_D, HEAD_DIM,
-                          PAGE_SIZE)
-    kt = _quantized_to_f16(kt, KV_QUANT, ASM_CVT)
-    v = _quantized_to_f16(v, KV_QUANT, ASM_CVT)
-    blk_next = _tile_blocks(t_lo + 1, bt_row, n_hi, BLOCK_N, PAGE_SIZE)
-    for tile in range(t_lo, t_hi):
-        kt_next, v_next = _load_kv_tile(tile + 1, blk_next, k_ptr, v_ptr, kv_head_off_k,
-                                        kv_head_off_v, stride_kb, stride_ks, stride_vb,
-                                        stride_vs, n_hi, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE)
-        blk_next = _tile_blocks(tile + 2, bt_row, n_hi, BLOCK_N, PAGE_SIZE)
-        acc, m_i, l_i = _attn_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
-                                     BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT,
-                                     CONVERTED=True)
-        kt = _quantized_to_f16(kt_next, KV_QUANT, ASM_CVT)
-        v = _quantized_to_f16(v_next, KV_QUANT, ASM_CVT)
-    return acc, m_i, l_i
 
 
 # The split count and batch size vary step to step: runtime ints, never recompile triggers.
@@ -203,7 +133,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
-    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PIPE_KV: tl.constexpr = False,
+    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False,
 ):
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
@@ -275,12 +205,6 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if PIPE_KV:
-        acc, m_i, l_i = _pipelined_tiles(acc, m_i, l_i, q, t_lo, t_hi, bt_row, k_ptr, v_ptr, off_k,
-                                         off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                         seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
-                                         DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
-        t_hi = t_lo  # the loops below have nothing left
     for tile in range(t_lo, tl.minimum(t_hi, t_full)):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
                                    stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
@@ -370,7 +294,6 @@ class AttnConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    pipe_kv: bool = False  # next tile's K / V loaded before this one's math (_pipelined_tiles)
 
 
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
@@ -403,7 +326,6 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
             splits //= 2
             scratch //= 2
     num_warps = 4 if block_m <= 64 else 8
-    pipe = False
     if decode and splits == 1 and dtype != torch.float32:
         # Many short programs (one per sequence and KV head): two warps each let more of them
         # share an SM. Measured on the H200 at batch 64-512, contexts 192-1000: 3-10% faster
@@ -415,8 +337,7 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
-        pipe = _PIPE_KV
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, pipe)
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages)
 
 
 @dataclass(frozen=True)
@@ -485,7 +406,7 @@ def paged_attention(
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
-        FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda, PIPE_KV=cfg.pipe_kv,
+        FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
     )
     return out
 

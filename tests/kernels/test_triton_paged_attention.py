@@ -141,45 +141,6 @@ def test_mixed_batch_quantized_cache(dtype: torch.dtype, group: int, head_dim: i
     _check_quant(q, kq, vq, ks, vs, meta, cfg)
 
 
-PIPE = AttnConfig(block_m=16, block_n=16, num_splits=1, num_warps=2, num_stages=1, pipe_kv=True)
-PIPE_SPLIT3 = AttnConfig(block_m=32, block_n=16, num_splits=3, num_warps=4, num_stages=1,
-                         pipe_kv=True)
-
-
-@pytest.mark.parametrize("dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("cfg", [PIPE, PIPE_SPLIT3])
-def test_pipelined_tile_loop_matches_the_reference(dtype: torch.dtype, cfg: AttnConfig) -> None:
-    """The loop that loads the next K / V tile before this one's math: decodes over contexts
-    that end mid-tile, on a tile edge, and in one tile; with splits the prefetch past a split's
-    range must read nothing (masked) and chunks over a prefix stay causal."""
-    q, kc, vc, meta = make_batch([1, 1, 1, 1, 5], [47, 32, 9, 1, 40], num_kv_heads=2, group=4,
-                                 head_dim=64, block_size=16, dtype=torch.float32, seed=11)
-    kq, vq, ks, vs = _quantize_caches(kc, vc, dtype)
-    _check_quant(q, kq, vq, ks, vs, meta, cfg)
-
-
-def test_pipelined_and_plain_loops_agree_bit_for_bit() -> None:
-    q, kc, vc, meta = make_batch([1, 1, 1], [70, 16, 33], num_kv_heads=2, group=4, head_dim=64,
-                                 block_size=16, dtype=torch.float32, seed=5)
-    kq, vq, ks, vs = _quantize_caches(kc, vc, torch.float8_e4m3fn)
-    plain = AttnConfig(block_m=16, block_n=16, num_splits=1, num_warps=2, num_stages=1)
-    a = paged_attention(q, kq, vq, meta, 0.125, k_scale=ks, v_scale=vs, config=plain)
-    b = paged_attention(q, kq, vq, meta, 0.125, k_scale=ks, v_scale=vs, config=PIPE)
-    assert torch.equal(a[:3], b[:3])
-
-
-def test_decode_over_a_one_byte_cache_chooses_the_pipelined_loop() -> None:
-    from slipstream.kernels import paged_attention as pa
-
-    _, kc, _, meta = make_batch([1] * 512, [100] * 512, num_kv_heads=8, group=4, head_dim=128,
-                                block_size=16, dtype=torch.float32)
-    cfg = pa.choose_config(meta, 8, 4, 128, torch.device("cpu"), torch.bfloat16,
-                           torch.float8_e4m3fn)
-    assert cfg.num_splits == 1 and cfg.pipe_kv == pa._PIPE_KV
-    bf16 = pa.choose_config(meta, 8, 4, 128, torch.device("cpu"), torch.bfloat16, torch.bfloat16)
-    assert not bf16.pipe_kv  # bf16 tiles stream through Triton's asynchronous-copy pipeline
-
-
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_quantized_cache_scales_are_applied(dtype: torch.dtype) -> None:
     """Doubling k_scale sharpens the softmax and doubling v_scale doubles the output, in both
