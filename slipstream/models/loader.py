@@ -84,7 +84,7 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
 
 def oom_message(config: EngineConfig, free: int, total: int, error: BaseException) -> str:
     """What to do when the weights do not fit: their size as loaded, and quantized."""
-    from slipstream.bench.shapes import weight_bytes
+    from slipstream.models.sizes import weight_bytes
 
     gib = 2**30
     dtype, method = str(config.dtype).removeprefix("torch."), config.quant.method

@@ -1,0 +1,76 @@
+"""Model sizes from a Llama-family config.json: parameter counts and the bytes the weights and
+the KV cache take, per dtype and quantization method (the benchmarks' speed-of-light bounds and
+the loader's out-of-memory message)."""
+from __future__ import annotations
+
+from typing import Any
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def count_parameters(cfg: dict[str, Any]) -> int:
+    """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) from its config."""
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = _head_dim(cfg)
+    model_type = cfg.get("model_type", "")
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    attn = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    if cfg.get("attention_bias", model_type == "qwen2"):
+        attn += q_out + 2 * kv_out
+    if model_type == "qwen3":
+        attn += 2 * head_dim  # q_norm and k_norm weights
+    mlp = 3 * hidden * inter
+    layer = attn + mlp + 2 * hidden  # two RMSNorms
+    embed = vocab * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    return embed + lm_head + cfg["num_hidden_layers"] * layer + hidden
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
+
+
+# Bytes per weight of a quantized linear layer (int4: groups of 128 with an fp16 scale and a
+# uint8 zero each); per-row scales are left out (4 bytes per row of thousands).
+QUANT_WEIGHT_BYTES = {"fp8": 1.0, "int8_wo": 1.0, "w8a8_sq": 1.0, "int4_awq": 0.5 + 3 / 128}
+
+
+def linear_parameters(cfg: dict[str, Any]) -> int:
+    """Weights of the decoder layers' linear projections (what a quant method stores)."""
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    q_out, kv_out = heads * _head_dim(cfg), kv_heads * _head_dim(cfg)
+    per_layer = 2 * hidden * q_out + 2 * hidden * kv_out + 3 * hidden * inter
+    return cfg["num_hidden_layers"] * per_layer
+
+
+def weight_bytes(cfg: dict[str, Any], dtype: str, quantization: str | None = None,
+                 quantized_lm_head: bool = False) -> int:
+    """Bytes a decode step streams for the weights: every parameter once (the convention of
+    BENCHMARKS.md's speed-of-light figure, embedding table included), the linear layers at their
+    quantization method's bytes per weight, a quantized LM head at one byte (its own copy when
+    tied to the embedding)."""
+    size = dtype_bytes(dtype)
+    total = count_parameters(cfg) * size
+    per_weight = QUANT_WEIGHT_BYTES.get(quantization or "")
+    if per_weight is not None:
+        total -= linear_parameters(cfg) * (size - per_weight)
+    if quantized_lm_head:
+        head = cfg["vocab_size"] * cfg["hidden_size"]
+        total += head if cfg.get("tie_word_embeddings", False) else -head * (size - 1)
+    return int(total)
+
+
+def kv_bytes_per_token(cfg: dict[str, Any], dtype: str) -> int:
+    """K and V bytes of one token over all layers."""
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * _head_dim(cfg) * dtype_bytes(dtype)
