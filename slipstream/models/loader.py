@@ -54,6 +54,7 @@ def load_model(config: EngineConfig) -> nn.Module:
         return _load_model(config, device)
     torch.cuda.reset_peak_memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
+    check_weights_fit(config, free, total)
     try:
         return _load_model(config, device)
     except torch.OutOfMemoryError as e:
@@ -82,26 +83,47 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     return model.eval()
 
 
-def oom_message(config: EngineConfig, free: int, total: int, error: BaseException) -> str:
-    """What to do when the weights do not fit: their size as loaded, and quantized."""
+def weights_estimate(config: EngineConfig, method: str | None = "as loaded") -> int | None:
+    """Bytes the model's weights will take on the device (quantized layers at their method's
+    width; `method` overrides the configured one), or None for a config the size arithmetic
+    does not cover."""
     from slipstream.models.sizes import weight_bytes
 
+    dtype = str(config.dtype).removeprefix("torch.")
+    quantized_head = method == "as loaded" and bool(config.quant.lm_head)
+    method = config.quant.method if method == "as loaded" else method
+    try:
+        return weight_bytes(config.model.hf_config, dtype, method, quantized_head)
+    except (KeyError, ValueError):
+        return None
+
+
+def check_weights_fit(config: EngineConfig, free: int, total: int) -> None:
+    """Fail before reading the checkpoint when the weights alone exceed the free memory (2%
+    margin for the estimate), not after minutes of loading."""
+    need = weights_estimate(config)
+    if need is not None and 0.98 * need > free:
+        raise torch.OutOfMemoryError(oom_message(config, free, total, None))
+
+
+def oom_message(config: EngineConfig, free: int, total: int, error: BaseException | None) -> str:
+    """What to do when the weights do not fit: their size as loaded, and quantized. error: the
+    allocator's, when loading ran out of memory (None: the estimate alone exceeds free memory)."""
     gib = 2**30
     dtype, method = str(config.dtype).removeprefix("torch."), config.quant.method
-    try:
-        size = weight_bytes(config.model.hf_config, dtype, method, bool(config.quant.lm_head))
-        fp8 = weight_bytes(config.model.hf_config, dtype, "fp8")
-        int4 = weight_bytes(config.model.hf_config, dtype, "int4_awq")
-    except (KeyError, ValueError):  # a config these counts do not cover: no estimate
-        size = fp8 = int4 = None
+    size, fp8, int4 = (weights_estimate(config), weights_estimate(config, "fp8"),
+                       weights_estimate(config, "int4_awq"))
     need = f"its weights take about {size / gib:.1f} GiB as loaded ({dtype}" if size else "(" + dtype
-    hint = (f" (about {fp8 / gib:.1f} / {int4 / gib:.1f} GiB)" if fp8 and int4 else "")
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return (f"out of GPU memory while loading {config.model_path}: {need}"
+    hint = f" (about {fp8 / gib:.1f} / {int4 / gib:.1f} GiB)" if fp8 and int4 else ""
+    lead = "out of GPU memory while loading" if error is not None else "not enough GPU memory for"
+    tail = ""
+    if error is not None:
+        tail = " (" + (str(error).splitlines()[0] if str(error) else type(error).__name__) + ")"
+    return (f"{lead} {config.model_path}: {need}"
             f"{', ' + method if method else ''}) and the GPU has {total / gib:.1f} GiB, "
             f"{free / gib:.1f} GiB of it free before loading. Quantize at load "
             f"(quantization='fp8' or 'int8_wo', or 'int4_awq'{hint}: weights are quantized "
-            f"one layer at a time), use a smaller model or free the GPU. ({first})")
+            f"one layer at a time), use a smaller model or free the GPU.{tail}")
 
 
 def _log_loaded(model: nn.Module, device: torch.device, seconds: float) -> None:

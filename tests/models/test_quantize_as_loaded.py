@@ -162,20 +162,45 @@ def test_out_of_memory_message_sizes_the_weights_and_names_the_way_out(tmp_path)
 
 
 @pytest.mark.gpu
-def test_gpu_a_model_too_big_for_the_gpu_says_so(tmp_path):
+def test_gpu_a_model_too_big_for_the_gpu_says_so(monkeypatch, tmp_path):
     """A 100-layer Llama-3.1-70B (163 GiB of bf16 weights) does not fit one H200: the loader's
-    error sizes it and suggests quantizing at load instead of a bare allocator message."""
+    error sizes it and suggests quantizing at load instead of a bare allocator message. The
+    up-front estimate check is switched off to run out of memory for real (the error a model
+    the estimate misjudges would get)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import json
 
     from slipstream.bench.shapes import shape_config
+    from slipstream.models import loader
+
+    monkeypatch.setattr(loader, "check_weights_fit", lambda *args: None)
 
     if torch.cuda.get_device_properties(0).total_memory > 160 * 2**30:
         pytest.skip("this GPU would hold the weights")
     (tmp_path / "config.json").write_text(json.dumps(
         {**shape_config("llama-3.1-70b"), "num_hidden_layers": 100}))
     before = torch.cuda.memory_allocated()
-    with pytest.raises(torch.OutOfMemoryError, match=r"about 163.\d GiB as loaded.*'fp8'"):
+    with pytest.raises(torch.OutOfMemoryError,
+                       match=r"^out of GPU memory while loading .*about 163.\d GiB as loaded.*'fp8'"):
         load_model(engine_config(tmp_path, device="cuda", dtype="bfloat16", load_format="dummy"))
     assert torch.cuda.memory_allocated() - before < 2**30  # the partly built model is freed
+
+
+def test_weights_that_cannot_fit_fail_before_loading(tmp_path):
+    import json
+
+    from slipstream.bench.shapes import shape_config
+    from slipstream.models.loader import check_weights_fit, weights_estimate
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**shape_config("llama-3.1-70b"), "num_hidden_layers": 100}))
+    bf16 = engine_config(tmp_path, dtype="bfloat16", load_format="dummy")
+    fp8 = engine_config(tmp_path, dtype="bfloat16", load_format="dummy", quantization="fp8")
+    free, total = 139 * 2**30, int(139.8 * 2**30)
+    assert weights_estimate(bf16) > free > weights_estimate(fp8)
+    with pytest.raises(torch.OutOfMemoryError, match=r"^not enough GPU memory for .*about 163.3 "
+                       r"GiB as loaded \(bfloat16\).*free the GPU\.$"):
+        check_weights_fit(bf16, free, total)
+    check_weights_fit(fp8, free, total)  # ~87 GiB: fits, loading goes on
+    check_weights_fit(bf16, int(weights_estimate(bf16) * 0.99), total)  # within the margin
