@@ -12,11 +12,13 @@ import importlib
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from tqdm.auto import tqdm
 
 from slipstream.quantization.base import METHOD_NAMES
 from slipstream.quantization.calibration import (
@@ -37,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 METHODS = (*METHOD_NAMES, "none")
 KV_SCALES_FILE = "kv_cache_scales.safetensors"  # method "none": scales beside the copied weights
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 << 30  # as transformers shards by default
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,7 +48,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         calib_data: str | Path | None = None, num_calib_samples: int = 128,
                         max_calib_len: int = 512, device: str = "cpu",
                         options: dict | None = None, kv_cache_dtype: str | None = None,
-                        quantize_lm_head: bool = False) -> Path:
+                        quantize_lm_head: bool = False,
+                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
 
     options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
@@ -64,6 +69,11 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
     if quantize_lm_head and method == "none":
         raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
+    if Path(output_dir).resolve() == Path(model_dir).resolve():
+        raise ValueError(f"the output directory must differ from the source checkpoint "
+                         f"({model_dir}): its weight files would be replaced")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     dtype = "float32" if device == "cpu" else "bfloat16"
     module = importlib.import_module(f"slipstream.quantization.{method}") if method != "none" else None
     at_load = quantizes_at_load(method, module, options, device)
@@ -90,7 +100,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     else:
         save_checkpoint(model, model_dir, output_dir, module.checkpoint_config(**(options or {})),
                         kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
-                        quantize_lm_head=quantize_lm_head)
+                        quantize_lm_head=quantize_lm_head, max_shard_bytes=max_shard_bytes)
     return Path(output_dir)
 
 
@@ -169,8 +179,10 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Path,
                     quant_config: dict, *, kv_tensors: dict[str, torch.Tensor] | None = None,
-                    kv_cache_dtype: str | None = None, quantize_lm_head: bool = False) -> None:
-    """model.safetensors + config.json (with quantization_config) + the source's other files.
+                    kv_cache_dtype: str | None = None, quantize_lm_head: bool = False,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """model.safetensors (or shards of at most max_shard_bytes with their index) + config.json
+    (with quantization_config) + the source's other files.
 
     kv_tensors (per-layer KV scales, float32) go into model.safetensors as they are and
     kv_cache_dtype into config.json; without them a stale `kv_cache_dtype` is dropped. So is
@@ -180,15 +192,17 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
     dst.mkdir(parents=True, exist_ok=True)
     config = json.loads((src / "config.json").read_text())
     save_dtype = _SAVE_DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
-    tensors, float_names = {}, _float_names(model)
-    for name, t in checkpoint_tensors(model).items():
+    float_names = _float_names(model)
+
+    def on_host(name: str, t: torch.Tensor) -> torch.Tensor:
         # Unquantized floats (embeddings, norms, lm_head) go back to the checkpoint's dtype;
         # quantized tensors and their scales keep the dtype their method chose.
         if name in float_names and t.is_floating_point():
             t = t.to(save_dtype)
-        tensors[name] = t.detach().contiguous().cpu()
-    tensors.update(kv_tensors or {})
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        return t.detach().contiguous().cpu()
+
+    tensors = {**checkpoint_tensors(model), **(kv_tensors or {})}
+    write_safetensors(tensors, dst, on_host, max_shard_bytes)
     config["quantization_config"] = quant_config
     config.pop("quantize_lm_head", None)
     if quantize_lm_head:
@@ -199,6 +213,40 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
                 "config.json", "model.safetensors.index.json"):
             shutil.copy2(f, dst / f.name)
     logger.info("wrote %d tensors to %s", len(tensors), dst)
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], dst: Path,
+                      on_host: Callable[[str, torch.Tensor], torch.Tensor],
+                      max_shard_bytes: int) -> None:
+    """`tensors` (still on their device) as model.safetensors, or, past max_shard_bytes, as
+    model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json (the layout the
+    loader and transformers read). One shard at a time is on the host (on_host converts each
+    tensor), so a 70 GB checkpoint needs ~max_shard_bytes of host memory, not 70 GB. Earlier
+    weight files of this layout in dst are removed first: a stale shard would load too."""
+    for old in [*dst.glob("model*.safetensors"), dst / INDEX_FILE]:
+        if old.is_file():
+            old.unlink()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    weight_map, total = {}, 0
+    for names, fname in zip(tqdm(shards, desc="Writing checkpoint shards", unit="file",
+                                 disable=len(shards) < 2), files, strict=True):
+        part = {name: on_host(name, tensors[name]) for name in names}
+        save_file(part, str(dst / fname), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        weight_map.update(dict.fromkeys(names, fname))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def save_kv_scales_only(src_dir: str | Path, output_dir: str | Path,

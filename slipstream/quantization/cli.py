@@ -7,6 +7,7 @@ loads with `LLM(model=OUTPUT)` (its config.json carries the quantization_config 
 from __future__ import annotations
 
 import argparse
+import re
 
 from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
 from slipstream.quantization.kv_cache import QUANT_KV_NAMES
@@ -40,8 +41,24 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help="the output's config asks the engine to quantize the LM head at load "
                         "too (one byte per weight: fp8 with fp8, else int8)")
     p.add_argument("--device", default="cpu", help="where calibration and quantization run")
+    p.add_argument("--max-shard-size", default="5GB", type=parse_size,
+                   help="largest weight file written (e.g. 5GB, 500MB); a bigger checkpoint is "
+                        "split into shards with an index, as transformers writes them")
     p.set_defaults(func=run_quantize)
     return p
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes (decimal units as transformers reads them)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _options(ns: argparse.Namespace) -> dict:
@@ -68,7 +85,8 @@ def run_quantize(ns: argparse.Namespace) -> int:
                               num_calib_samples=ns.num_calib_samples,
                               max_calib_len=ns.max_calib_len, device=ns.device,
                               options=_options(ns), kv_cache_dtype=kv,
-                              quantize_lm_head=ns.quantize_lm_head)
+                              quantize_lm_head=ns.quantize_lm_head,
+                              max_shard_bytes=ns.max_shard_size)
     kv_note = f" with {kv} KV-cache scales" if kv else ""
     print(f"wrote {ns.method} checkpoint{kv_note} to {out}")
     return 0

@@ -157,3 +157,56 @@ def test_calibrated_or_configured_methods_quantize_after_loading() -> None:
     assert not checkpoint.quantizes_at_load("w8a8_sq", w8a8_sq, None, "cpu")  # smoothing
     assert not checkpoint.quantizes_at_load("int8_wo", int8_wo, {"x": 1}, "cpu")
     assert not checkpoint.quantizes_at_load("none", None, None, "cpu")
+
+
+def test_a_big_checkpoint_is_written_in_shards_that_reload(tiny, tmp_path, prompts):
+    """Past max_shard_bytes the weights go to model-0000i-of-0000n.safetensors with an index
+    (one shard on the host at a time); the sharded checkpoint loads and generates exactly as
+    the single-file one, and a rerun into the same directory leaves no stale shard behind."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization.checkpoint import INDEX_FILE, quantize_checkpoint
+
+    one = quantize_checkpoint(tiny, "int8_wo", tmp_path / "one")
+    sharded = quantize_checkpoint(tiny, "int8_wo", tmp_path / "sharded", max_shard_bytes=40_000)
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    whole = load_file(str(one / "model.safetensors"))
+    assert set(index["weight_map"]) == set(whole) and set(index["weight_map"].values()) == set(files)
+    parts = {}
+    for f in files:
+        part = load_file(str(sharded / f))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 40_000 or len(part) == 1
+        parts.update(part)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in whole.values())
+    assert all(torch.equal(parts[k], whole[k]) for k in whole)
+    a = [o.outputs[0].token_ids for o in _llm(one).generate(prompts, GREEDY, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in _llm(sharded).generate(prompts, GREEDY, use_tqdm=False)]
+    assert a == b
+    again = quantize_checkpoint(tiny, "int8_wo", tmp_path / "sharded")  # now one file
+    assert sorted(p.name for p in again.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (again / INDEX_FILE).exists()
+
+
+def test_quantize_refuses_to_write_over_its_source(tiny):
+    from slipstream.quantization.checkpoint import quantize_checkpoint
+
+    with pytest.raises(ValueError, match="must differ from the source"):
+        quantize_checkpoint(tiny, "int8_wo", tiny)
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6),
+                                       ("2GiB", 2 * 2**30), ("1000", 1000), ("0.5 gb", 5 * 10**8)])
+def test_max_shard_size_parses_like_transformers(text, size):
+    from slipstream.quantization.cli import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["5XB", "-1GB", "0", "GB", ""])
+def test_max_shard_size_rejects_nonsense(text):
+    from slipstream.quantization.cli import parse_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size(text)
