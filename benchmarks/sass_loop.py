@@ -2,6 +2,7 @@
 
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
+    python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 2 --bit-convert 2 --prefetch
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element.
@@ -90,9 +91,18 @@ def attention_case(ns) -> tuple:
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
 
+def w4_case(ns) -> tuple:
+    from slipstream.kernels.gemv_int4 import _w4_gemv_kernel
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
+                 out_ptr="*bf16", ws_ptr="*fp32")
+    consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
+                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert)
+    return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("qgemv", "attention"))
+    ap.add_argument("kernel", choices=("qgemv", "attention", "w4"))
     ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
     ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
     ap.add_argument("--block-n", type=int, default=16)
@@ -103,7 +113,8 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ns = ap.parse_args()
-    kernel, types, consts, elems = (qgemv_case if ns.kernel == "qgemv" else attention_case)(ns)
+    case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case}[ns.kernel]
+    kernel, types, consts, elems = case(ns)
     hist = loop_histogram(compile_sass(kernel, types, consts, ns.num_warps))
     total = sum(hist.values())
     print(f"{total} instructions per loop iteration, {total / elems:.2f} per element per thread")
