@@ -73,8 +73,8 @@ class LMHead(nn.Module):
                             "int8_wo": (utils.quantize_int8_per_channel, int8_wo.int8_linear)}[method]
         w = self.weight.data
         w = torch.cat([w, w.new_zeros(-w.shape[0] % 16, w.shape[1])])
-        parts = [quantize(w[i:i + chunk_rows]) for i in range(0, w.shape[0], chunk_rows)]
-        self.weight = nn.Parameter(torch.cat([q for q, _ in parts]), requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.cat([s for _, s in parts]), requires_grad=False)
+        q, scale = quantize(w)  # row by row in bounded chunks (utils.ROW_CHUNK_ELEMENTS)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.quantized_linear = linear
         self.large_m_rows = chunk_rows if method == "int8_wo" else 0
