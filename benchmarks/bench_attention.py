@@ -1,11 +1,10 @@
 """Decode attention on one GPU: achieved KV-read bandwidth per batch shape and tile config.
 
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
-        [--kv bf16,fp8,int8] [--v-layout engine|dims]
+        [--kv bf16,fp8,int8]
 For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
 (choose_config) and, with --sweep, a grid of tile configs; prints GB/s against a device copy
-measured in the same run. 1-byte caches are laid out as the engine allocates them
-(attention.backend.new_kv_cache: V tokens-contiguous per page); --v-layout dims stores V as K is.
+measured in the same run.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ sys.path[:0] = [str(_ROOT), str(_ROOT / "tests" / "kernels")]
 
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
-from attn_batch import engine_layout, make_batch  # noqa: E402
+from attn_batch import make_batch  # noqa: E402
 
 from slipstream.kernels import paged_attention as pa  # noqa: E402
 
@@ -40,15 +39,12 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 2 / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool,
-             v_layout: str = "engine") -> list[dict]:
+def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[dict]:
     q, kc, vc, meta = make_batch([1] * batch, [ctx] * batch, num_kv_heads=HKV, group=HQ // HKV,
                                  head_dim=D, block_size=16, dtype=torch.bfloat16, device="cuda")
     scales = {}
     if kv_dtype != torch.bfloat16:
         kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
-        if v_layout == "engine":
-            kc, vc = engine_layout(kc, vc)
         one = torch.ones(1, device="cuda", dtype=torch.float32)
         scales = dict(k_scale=one, v_scale=one)
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
@@ -72,8 +68,7 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool,
         except Exception as e:  # e.g. out of shared memory
             print(f"  skip {cfg}: {type(e).__name__}")
             continue
-        rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), v_layout=v_layout, tag=tag,
-                         config=str(cfg),
+        rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag=tag, config=str(cfg),
                          us=ms * 1e3, gbps=nbytes / ms / 1e6))
     return rows
 
@@ -84,8 +79,6 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--cases", default=None, help="e.g. 512x1000,512x192 (default: all)")
     ap.add_argument("--kv", default="bf16,fp8,int8", help="cache dtypes to time")
-    ap.add_argument("--v-layout", default="engine", choices=("engine", "dims"),
-                    help="1-byte V caches: the engine's tokens-contiguous pages, or dims-contiguous")
     args = ap.parse_args()
     cases = CASES if not args.cases else [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     kv_types = [_KV_TYPES[k] for k in args.kv.split(",")]
@@ -95,7 +88,7 @@ def main() -> None:
     for (batch, ctx), kv in itertools.product(cases, kv_types):
         if kv != torch.bfloat16 and batch < 256:
             continue
-        case = run_case(batch, ctx, kv, args.sweep, args.v_layout)
+        case = run_case(batch, ctx, kv, args.sweep)
         rows += case
         best = min(case, key=lambda r: r["us"])
         default = next((r for r in case if r["tag"] == "default"), best)

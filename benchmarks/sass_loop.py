@@ -87,10 +87,7 @@ def attention_case(ns) -> tuple:
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
                   FUSE_ROPE=True, DECODE=True, ASM_CVT=True,
-                  BLOCK_N=ns.block_n_attn, V_RUN=0, stride_vd=1)
-    if ns.v_layout == "engine":  # 1-byte V with tokens contiguous per page (new_kv_cache)
-        consts.update(stride_vs=1, stride_vd=None, V_RUN=min(16, ns.block_n_attn))
-        del consts["stride_vd"]
+                  BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
 
@@ -114,8 +111,6 @@ def main() -> None:
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
-    ap.add_argument("--v-layout", default="dims", choices=("dims", "engine"),
-                    help="attention V cache order: head_dim contiguous, or tokens per page")
     ap.add_argument("--num-warps", type=int, default=4)
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case}[ns.kernel]

@@ -1,9 +1,8 @@
 """Attention backend interface and the per-step metadata every backend reads.
 
-KV cache layout (per layer): k_cache and v_cache, each indexed [num_blocks, block_size,
-num_kv_heads, head_dim]. Token t of a sequence lives in block block_table[t // block_size], row
-t % block_size; its flat slot is block_id * block_size + t % block_size. Kernels address caches
-through their strides: see new_kv_cache for the memory order the engine allocates.
+KV cache layout (per layer): k_cache and v_cache, each [num_blocks, block_size, num_kv_heads,
+head_dim]. Token t of a sequence lives in block block_table[t // block_size], row t % block_size;
+its flat slot is block_id * block_size + t % block_size.
 """
 from __future__ import annotations
 
@@ -36,18 +35,3 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
-
-
-def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k_cache, v_cache) of one layer, zeroed, indexed [num_blocks, block_size, num_kv_heads,
-    head_dim]. K is stored in that order. A 1-byte V (fp8 / int8) is stored [num_blocks,
-    num_kv_heads, head_dim, block_size] (a permuted view is returned): a page's tokens are
-    contiguous per dim, which is the order the attention's P @ V product consumes them in, so
-    8-bit values need no byte transposes on the way (16-bit caches get that from ldmatrix.trans)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.zeros(shape, dtype=dtype, device=device)
-    if dtype.itemsize != 1:
-        return k, torch.zeros(shape, dtype=dtype, device=device)
-    v = torch.zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype=dtype, device=device)
-    return k, v.permute(0, 3, 1, 2)

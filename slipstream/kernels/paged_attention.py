@@ -21,15 +21,13 @@ from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.rotary_cache import (
-    check_kv_caches,
+    _check_cache,
     kv_quant_args,
     load_rotated,
     store_new_kv,
 )
 
 _LOG2E = 1.4426950408889634
-import os
-_ASM_CVT_EXPERIMENT = os.environ.get('SLIPSTREAM_ATTN_ASM_CVT', '1') != '0'  # TEMP
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
@@ -79,11 +77,11 @@ def _quantized_to_f16(v, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
 
 @triton.jit
 def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v,
-               stride_kb, stride_ks, stride_vb, stride_vs, stride_vd, q_pos, seq_len, qk_scale,
+               stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
                F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-               ASM_CVT: tl.constexpr, V_RUN: tl.constexpr):
+               ASM_CVT: tl.constexpr):
     """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -98,18 +96,8 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
                  mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
     # V is requested with K, before the score math: one memory round trip per tile, not two.
-    v_ptrs = v_ptr + v_off[:, None] + offs_d[None, :] * stride_vd
-    if V_RUN > 1:
-        # A 1-byte V with each page's tokens contiguous per dim (new_kv_cache): read along
-        # tokens in runs of V_RUN (the block id is uniform within a page), masked per page so
-        # the loads stay wide. Rows past seq_len in the last page hold stale entries of the
-        # page's previous owner: zeroed, so that nothing non-finite meets their zero weights.
-        v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [V_RUN, 1]), [V_RUN, 1])
-        page_ok = (offs_n // PAGE_SIZE) * PAGE_SIZE < seq_len
-        v = tl.load(v_ptrs, mask=page_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
-    else:
-        v = tl.load(v_ptrs, mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
     if F16_KV:
         s = tl.dot(q, _quantized_to_f16(kt, KV_QUANT, ASM_CVT)) * qk_scale
     else:
@@ -137,7 +125,7 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, cnt_ptr, qsl_ptr, seq_lens_ptr,
     bt_ptr, ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, stride_pt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_cs,
@@ -145,7 +133,7 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
-    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, V_RUN: tl.constexpr = 0,
+    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False,
 ):
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
@@ -211,23 +199,22 @@ def _paged_attn_kernel(
     off_v = kv_head.to(tl.int64) * stride_vh
     if FUSE_ROPE:
         _write_own_kv(k_ptr + off_k, v_ptr + off_v, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr,
-                      ks_ptr, vs_ptr, q_start, kv_head, n_tiles, t_lo, t_hi, stride_kb, stride_ks,
-                      stride_vb, stride_vs, stride_vd,
+                      ks_ptr, vs_ptr, q_start, kv_head, n_tiles, t_lo, t_hi, stride_ks, stride_vs,
                       stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, HEAD_DIM,
-                      BLOCK_D, PAGE_SIZE, KV_QUANT)
+                      BLOCK_D, KV_QUANT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for tile in range(t_lo, tl.minimum(t_hi, t_full)):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
-                                   stride_kb, stride_ks, stride_vb, stride_vs, stride_vd, q_pos,
-                                   seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
-                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, V_RUN)
+                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
+                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
+                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
     for tile in range(tl.maximum(t_lo, t_full), t_hi):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
-                                   stride_kb, stride_ks, stride_vb, stride_vs, stride_vd, q_pos,
-                                   seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
-                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, V_RUN)
+                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
+                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
+                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -257,10 +244,9 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, ks_ptr, vs_ptr,
-                  token, kv_head, n_tiles, t_lo, t_hi, stride_kb, stride_ks, stride_vb,
-                  stride_vs, stride_vd, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                  stride_cs, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):
+                  token, kv_head, n_tiles, t_lo, t_hi, stride_ks, stride_vs, stride_knt,
+                  stride_knh, stride_vnt, stride_vnh, stride_cs, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
     """Decode with fused RoPE: the program whose KV range holds the new token (the last tile)
     rotates its k, stores k and v into the cache, then reads them back with the tile like
     any other position (the barrier makes every thread's stores visible to the whole program).
@@ -269,12 +255,9 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             pos = tl.load(pos_ptr + token)
-            blk = slot // PAGE_SIZE
-            row = slot % PAGE_SIZE
             store_new_kv(kn_ptr + token * stride_knt + kv_head * stride_knh,
                          vn_ptr + token * stride_vnt + kv_head * stride_vnh,
-                         kc_head + blk * stride_kb + row * stride_ks,
-                         vc_head + blk * stride_vb + row * stride_vs, stride_vd, pos, cs_ptr,
+                         kc_head + slot * stride_ks, vc_head + slot * stride_vs, pos, cs_ptr,
                          stride_cs, ks_ptr, vs_ptr, HEAD_DIM, HEAD_DIM // 2, BLOCK_D, KV_QUANT)
         tl.debug_barrier()
 
@@ -385,7 +368,6 @@ def paged_attention(
         q = q.contiguous()
     if rope is not None and meta.max_query_len > 1:
         raise ValueError("paged_attention: rope= is for decode batches (one token per sequence)")
-    check_kv_caches(k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -418,27 +400,15 @@ def paged_attention(
         q, k_cache, v_cache, out, part_out, part_lse, cnt, meta.query_start_loc, meta.seq_lens,
         meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        meta.block_tables.stride(0),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         num_heads * splits, splits, 1, *rope_args,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
-        FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda and _ASM_CVT_EXPERIMENT,
-        V_RUN=_v_token_run(v_cache, cfg.block_n),
+        FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
     )
     return out
-
-
-def _v_token_run(v_cache: torch.Tensor, block_n: int) -> int:
-    """Tokens a V tile reads contiguously (a compiler hint: each page's rows are one run, the
-    block ids between pages are data), or 0 when V's rows are not adjacent in memory."""
-    page = v_cache.shape[1]
-    strides = (v_cache.stride(0), v_cache.stride(2), v_cache.stride(3))
-    if v_cache.stride(1) != 1 or page & (page - 1) or any(st % page for st in strides):
-        return 0
-    return min(page, block_n)
 
 
 def _rope_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -447,6 +417,8 @@ def _rope_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rope, q stands in for the unread tensors."""
     if rope is None:
         return (q, q, q, q, q, 0, 0, 0, 0, 0)
+    _check_cache(k_cache)  # the new K/V row is addressed by its flat slot
+    _check_cache(v_cache)
     k, v = rope.k, rope.v
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()

@@ -83,13 +83,13 @@ def write_kv_cache(
 
     fp8 / int8 caches store k / k_scale and v / v_scale (quantize_kv; scale None = 1.0).
     """
-    block_size = k_cache.shape[1]
+    num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    # (block, row) indexing, not a flat view: a cache may be a strided view (new_kv_cache).
-    blocks, rows = slots // block_size, slots % block_size
-    k_cache[blocks, rows] = quantize_kv(k[valid], k_cache.dtype, k_scale)
-    v_cache[blocks, rows] = quantize_kv(v[valid], v_cache.dtype, v_scale)
+    slots = slot_mapping[valid]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slots] = quantize_kv(
+        k[valid], k_cache.dtype, k_scale)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slots] = quantize_kv(
+        v[valid], v_cache.dtype, v_scale)
 
 
 def rotary_and_cache_write(

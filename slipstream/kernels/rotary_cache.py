@@ -2,9 +2,7 @@
 
 Same semantics as apply_rotary / write_kv_cache / rotary_and_cache_write in kernels/reference.py:
 cos_sin_cache is [max_positions, D] float32 (cos | sin halves), caches are
-[num_blocks, block_size, num_kv_heads, head_dim] with any strides but K's head_dim unit (a
-1-byte V cache keeps a page's tokens contiguous: attention.backend.new_kv_cache); slot s is
-row s % block_size of block s // block_size, slot -1 is skipped. One program per token.
+[num_blocks, block_size, num_kv_heads, head_dim], slot -1 is skipped. One program per token.
 fp8 / int8 caches store x / scale (one float32 scale per layer for K and one for V).
 """
 from __future__ import annotations
@@ -95,20 +93,13 @@ def _load_cos_sin(pos_ptr, cs_ptr, stride_cs, t, HALF: tl.constexpr, BLOCK_HALF:
 
 
 @triton.jit
-def _copy_heads(src, stride_h, dst, dst_stride_h, dst_stride_d, n_heads, scale,
-                HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                KV_QUANT: tl.constexpr):
+def _copy_heads(src, stride_h, dst, dst_stride_h, n_heads, scale, HEAD_DIM: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < n_heads) & (d < HEAD_DIM)
     x = _quantize(tl.load(src + h * stride_h + d, mask=mask, other=0.0), scale, KV_QUANT)
-    tl.store(dst + h * dst_stride_h + d * dst_stride_d, x.to(dst.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _slot_row(cache_ptr, slot, stride_b, stride_s, PAGE_SIZE: tl.constexpr):
-    """Address of flat slot `slot`'s row (head 0, dim 0) in a paged cache."""
-    return cache_ptr + (slot // PAGE_SIZE) * stride_b + (slot % PAGE_SIZE) * stride_s
+    tl.store(dst + h * dst_stride_h + d, x.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -130,12 +121,11 @@ def load_rotated(row_ptrs, offs_d, pos, cs_ptr, stride_cs, mask, HALF: tl.conste
 
 
 @triton.jit
-def store_new_kv(k_row, v_row, kc_row, vc_row, stride_vd, pos, cs_ptr, stride_cs, ks_ptr, vs_ptr,
+def store_new_kv(k_row, v_row, kc_row, vc_row, pos, cs_ptr, stride_cs, ks_ptr, vs_ptr,
                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                  KV_QUANT: tl.constexpr):
-    """One token's k (rotated at pos) and v rows of one KV head into their cache rows (V's
-    elements stride_vd apart), quantized for an fp8 / int8 cache exactly as _rope_cache_kernel
-    does."""
+    """One token's k (rotated at pos) and v rows of one KV head into their cache rows, quantized
+    for an fp8 / int8 cache exactly as _rope_cache_kernel does."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = d < HEAD_DIM
     k = load_rotated(k_row, d, pos, cs_ptr, stride_cs, mask, HALF)
@@ -143,7 +133,7 @@ def store_new_kv(k_row, v_row, kc_row, vc_row, stride_vd, pos, cs_ptr, stride_cs
     tl.store(kc_row + d, k.to(kc_row.dtype.element_ty), mask=mask)
     v = _quantize(tl.load(v_row + d, mask=mask, other=0.0), _load_scale(vs_ptr, KV_QUANT),
                   KV_QUANT)
-    tl.store(vc_row + d * stride_vd, v.to(vc_row.dtype.element_ty), mask=mask)
+    tl.store(vc_row + d, v.to(vc_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -159,31 +149,28 @@ def _rope_kernel(x_ptr, pos_ptr, cs_ptr, out_ptr, stride_xt, stride_xh, stride_o
 
 @triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, stride_kt,
-                     stride_kh, stride_vt, stride_vh, stride_kc_b, stride_kc_s, stride_kc_h,
-                     stride_vc_b, stride_vc_s, stride_vc_h, stride_vc_d, n_kv_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):
+                     stride_kh, stride_vt, stride_vh, stride_kc_slot, stride_kc_h, stride_vc_slot,
+                     stride_vc_h, n_kv_heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, KV_QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        _copy_heads(k_ptr + t * stride_kt, stride_kh,
-                    _slot_row(kc_ptr, slot, stride_kc_b, stride_kc_s, PAGE_SIZE), stride_kc_h, 1,
+        _copy_heads(k_ptr + t * stride_kt, stride_kh, kc_ptr + slot * stride_kc_slot, stride_kc_h,
                     n_kv_heads, _load_scale(ks_ptr, KV_QUANT), HEAD_DIM, BLOCK_H, BLOCK_D,
                     KV_QUANT)
-        _copy_heads(v_ptr + t * stride_vt, stride_vh,
-                    _slot_row(vc_ptr, slot, stride_vc_b, stride_vc_s, PAGE_SIZE), stride_vc_h,
-                    stride_vc_d, n_kv_heads, _load_scale(vs_ptr, KV_QUANT), HEAD_DIM, BLOCK_H,
-                    BLOCK_D, KV_QUANT)
+        _copy_heads(v_ptr + t * stride_vt, stride_vh, vc_ptr + slot * stride_vc_slot, stride_vc_h,
+                    n_kv_heads, _load_scale(vs_ptr, KV_QUANT), HEAD_DIM, BLOCK_H, BLOCK_D,
+                    KV_QUANT)
 
 
 @triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_ptr, kc_ptr, vc_ptr,
                        slot_ptr, ks_ptr, vs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot, stride_koh,
-                       stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
-                       stride_vc_h, stride_vc_d, stride_cs, n_q_heads, n_kv_heads,
+                       stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_cs,
+                       n_q_heads, n_kv_heads,
                        HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, KV_QUANT: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, KV_QUANT: tl.constexpr,
                        USE_PDL: tl.constexpr = False):
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -203,29 +190,18 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_pt
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         ks = _load_scale(ks_ptr, KV_QUANT)
-        _store_halves(_slot_row(kc_ptr, slot, stride_kc_b, stride_kc_s, PAGE_SIZE), stride_kc_h,
-                      n_kv_heads, _quantize(k1, ks, KV_QUANT), _quantize(k2, ks, KV_QUANT), HALF,
-                      BLOCK_HKV, BLOCK_HALF)
-        _copy_heads(v_ptr + t * stride_vt, stride_vh,
-                    _slot_row(vc_ptr, slot, stride_vc_b, stride_vc_s, PAGE_SIZE), stride_vc_h,
-                    stride_vc_d, n_kv_heads, _load_scale(vs_ptr, KV_QUANT), 2 * HALF, BLOCK_HKV,
+        _store_halves(kc_ptr + slot * stride_kc_slot, stride_kc_h, n_kv_heads,
+                      _quantize(k1, ks, KV_QUANT), _quantize(k2, ks, KV_QUANT), HALF, BLOCK_HKV,
+                      BLOCK_HALF)
+        _copy_heads(v_ptr + t * stride_vt, stride_vh, vc_ptr + slot * stride_vc_slot, stride_vc_h,
+                    n_kv_heads, _load_scale(vs_ptr, KV_QUANT), 2 * HALF, BLOCK_HKV,
                     2 * BLOCK_HALF, KV_QUANT)
 
 
-def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Both [num_blocks, block_size, num_kv_heads, head_dim], one dtype; K with unit stride on
-    head_dim (its tiles are read along it). V may have any strides."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
-                         f"num_kv_heads, head_dim]; got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    if k_cache.stride(3) != 1:
-        raise ValueError("k_cache must have unit stride on head_dim")
-
-
-def _cache_strides(cache: torch.Tensor, with_d: bool) -> tuple[int, ...]:
-    """(block, row, head[, dim]) strides of a paged cache."""
-    return tuple(cache.stride())[:4 if with_d else 3]
+def _check_cache(cache: torch.Tensor) -> None:
+    # Flat slot addressing needs blocks and rows laid out back to back, unit stride on head_dim.
+    if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(3) != 1:
+        raise ValueError("KV cache must be contiguous in its block and head_dim dims")
 
 
 def _heads_view(x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +256,8 @@ def write_kv_cache(
 
     fp8 / int8 caches store k / k_scale and v / v_scale (device scalars; None = 1.0).
     """
-    check_kv_caches(k_cache, v_cache)
+    _check_cache(k_cache)
+    _check_cache(v_cache)
     k, v = _heads_view(k), _heads_view(v)
     num_tokens, n_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -288,9 +265,9 @@ def write_kv_cache(
     mode, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
     _kv_write_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, ks, vs, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), *_cache_strides(k_cache, False), *_cache_strides(v_cache, True),
+        v.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         n_kv_heads, HEAD_DIM=head_dim, BLOCK_H=_block(n_kv_heads), BLOCK_D=_block(head_dim),
-        PAGE_SIZE=k_cache.shape[1], KV_QUANT=mode, num_warps=4,
+        KV_QUANT=mode, num_warps=4,
     )
 
 
@@ -305,7 +282,8 @@ def rotary_and_cache_write(
     q, k, v may be strided views (e.g. slices of the fused QKV output); one program per token.
     fp8 / int8 caches get k_rot / k_scale and v / v_scale, as in write_kv_cache.
     """
-    check_kv_caches(k_cache, v_cache)
+    _check_cache(k_cache)
+    _check_cache(v_cache)
     q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -319,10 +297,9 @@ def rotary_and_cache_write(
         q, k, v, positions, cos_sin_cache, q_out, k_out, k_cache, v_cache, slot_mapping, ks, vs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        *_cache_strides(k_cache, False), *_cache_strides(v_cache, True),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         cos_sin_cache.stride(0), n_q_heads, n_kv_heads, HALF=half, BLOCK_HQ=_block(n_q_heads),
-        BLOCK_HKV=_block(n_kv_heads), BLOCK_HALF=_block(half), PAGE_SIZE=k_cache.shape[1],
-        KV_QUANT=mode, num_warps=4,
+        BLOCK_HKV=_block(n_kv_heads), BLOCK_HALF=_block(half), KV_QUANT=mode, num_warps=4,
         **pdl.launch_kwargs(q.device),
     )
     return q_out, k_out

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from slipstream.attention.backend import new_kv_cache
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
@@ -107,8 +106,12 @@ class ModelRunner:
         """Allocate (zeroed) K and V of `num_blocks` blocks for every layer."""
         self.prepare_kv_scales()
         shape = self._kv_shape(num_blocks)
-        self.kv_caches = [new_kv_cache(*shape, self.kv_cache_dtype, self.device)
-                          for _ in range(self.config.model.num_hidden_layers)]
+        dtype = self.kv_cache_dtype
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.config.model.num_hidden_layers)
+        ]
         self.num_blocks = num_blocks
 
     def _cuda_kv_budget(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.attention.backend import AttentionMetadata, new_kv_cache
+from slipstream.attention.backend import AttentionMetadata
 
 
 def make_batch(
@@ -50,13 +50,3 @@ def make_batch(
         query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
     )
     return q, k_cache, v_cache, meta
-
-
-def engine_layout(k_cache: torch.Tensor, v_cache: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches in the memory order the engine allocates (new_kv_cache: a 1-byte V
-    keeps each page's tokens contiguous per dim), same values."""
-    k, v = new_kv_cache(*k_cache.shape, k_cache.dtype, k_cache.device)
-    k.copy_(k_cache)
-    v.copy_(v_cache)
-    return k, v

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_batch import engine_layout, make_batch
+from attn_batch import make_batch
 
 from slipstream.kernels import reference
 from slipstream.kernels.paged_attention import AttnConfig, RopeInput, paged_attention
@@ -32,7 +32,7 @@ def _decode_case(lens: list[int], group: int, head_dim: int, dtype: torch.dtype,
     positions = torch.tensor([n - 1 for n in lens] + [0] * pad, device=device)
     scales = {}
     if cache_dtype is not None:
-        kc, vc = engine_layout((kc.float() / 4).to(cache_dtype), (vc.float() / 4).to(cache_dtype))
+        kc, vc = (kc.float() / 4).to(cache_dtype), (vc.float() / 4).to(cache_dtype)
         scales = {"k_scale": torch.tensor(0.5, device=device),
                   "v_scale": torch.tensor(0.25, device=device)}
     return q, k, v, positions, _cos_sin(max(lens) + 1, head_dim).to(device), kc, vc, meta, scales
