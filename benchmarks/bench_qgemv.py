@@ -1,9 +1,10 @@
-"""Batch-1 GEMV per weight format: every candidate config on the Llama-3.1-8B layer shapes.
+"""Decode GEMV per weight format: every candidate config on the Llama-3.1-8B layer shapes.
 
 For bf16 (kernels/gemv.py), int8 and fp8 (kernels/gemv_int8.py) weights, times each candidate
-config at M=1 and prints the best, its effective bandwidth and its share of the device-to-device
-copy bandwidth measured in the same run. Shows which tiles the start-up tuner should consider
-and how far each format is from streaming its bytes at copy speed.
+config at M=1 (--m: another row count, up to 16) and prints the best, its effective bandwidth
+and its share of the device-to-device copy bandwidth measured in the same run. Shows which
+tiles the start-up tuner should consider and how far each format is from streaming its bytes at
+copy speed.
 
   python benchmarks/bench_qgemv.py --output-json $OUT/qgemv.json
 """
@@ -29,11 +30,11 @@ def copy_gbps() -> float:
     return measure_copy_bandwidth("cuda") / 1e9
 
 
-def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if fmt == "bf16":
-        configs = gemv.candidate_configs(1, n, k)
+        configs = gemv.candidate_configs(m, n, k)
         sets = weight_copies((x, w))
         run = lambda cfg: lambda a: gemv.gemv(*a, config=cfg)  # noqa: E731
         nbytes = w.numel() * 2
@@ -42,7 +43,7 @@ def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
     else:
         q, s = (utils.quantize_int8_per_channel(w) if fmt == "int8"
                 else utils.quantize_fp8_per_channel(w))
-        configs = gemv_int8.candidate_qconfigs(1, q.dtype)
+        configs = gemv_int8.candidate_qconfigs(m, q.dtype)
         sets = weight_copies((x, q, s))
         run = lambda cfg: lambda a: gemv_int8.qgemv(*a, config=cfg)  # noqa: E731
         nbytes = q.numel()
@@ -54,13 +55,14 @@ def bench_shape(name: str, k: int, n: int, fmt: str) -> dict:
             rows.append({"config": repr(cfg), "error": str(exc)[:200]})
     ok = [r for r in rows if "us" in r]
     best = min(ok, key=lambda r: r["us"])
-    return {"layer": name, "format": fmt, "k": k, "n": n, "bytes": nbytes, "best": best,
+    return {"layer": name, "format": fmt, "m": m, "k": k, "n": n, "bytes": nbytes, "best": best,
             "best_gbps": nbytes / best["us"] / 1e3, "all": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,int8,fp8")
+    ap.add_argument("--m", type=int, default=1, help="activation rows (1-16)")
     ap.add_argument("--output-json")
     ns = ap.parse_args()
     peak = copy_gbps()
@@ -70,7 +72,7 @@ def main() -> None:
     step = {}
     for fmt in ns.formats.split(","):
         for name, (k, n) in SHAPES.items():
-            r = bench_shape(name, k, n, fmt)
+            r = bench_shape(name, k, n, fmt, ns.m)
             results.append(r)
             mult = 32 if name != "lm_head" else 1
             step[fmt] = step.get(fmt, 0.0) + mult * r["best"]["us"]

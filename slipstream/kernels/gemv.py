@@ -166,6 +166,9 @@ class GemvConfig:
     # or run the tensor-core (tl.dot) kernel.
     bit_convert: int = 0
     dot: bool = False
+    # FP8 weights only (kernels/gemv_fp8.py): activations quantized to FP8 in the kernel and
+    # FP8 tensor-core products, any M <= 16.
+    fp8_act: bool = False
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import torch
 import triton
@@ -24,12 +25,16 @@ from slipstream.kernels.gemv import (
     _load_x,
     _split_k,
 )
+from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
+# rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
+_FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
 
 
 @triton.jit
@@ -179,9 +184,20 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
         staged = [GemvConfig(bn, bk, 0, w, st, bit_convert=bits) for bn, bk, w, st in
                   [(8, 1024, 4, 4), (16, 512, 4, 4), (4, 1024, 2, 4), (8, 512, 4, 4),
                    (4, 2048, 4, 3)]]
-        return cfgs + tricks + staged + dots
+        return cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
-    return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
+    return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles] + _fp8_act_configs(weight_dtype)
+
+
+def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
+    """FP8 weights: the tensor-core kernel with FP8 activations (kernels/gemv_fp8.py), tiles of
+    64-256 weight rows (one or two warp groups) by 128-256 columns (~1.2-2 sm_90 instructions per
+    weight against the dequant kernels' ~4.75)."""
+    if weight_dtype != torch.float8_e4m3fn or not _FP8_ACT_GEMV:
+        return []
+    return [GemvConfig(bn, bk, 0, w, st, fp8_act=True) for bn, bk, w, st in
+            [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 4),
+             (128, 256, 4, 3), (256, 256, 8, 2)]]
 
 
 _QCHOICES: dict[tuple, GemvConfig] = {}
@@ -191,6 +207,13 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA (gated: see qgemv;
     it shares the plain product's measured config)."""
+    return qgemv(x, qweight, scale, bias, measured_qconfig(x, qweight, scale, bias), gated=gated)
+
+
+def measured_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> GemvConfig | None:
+    """The config qlinear_small runs for x's row count and this weight (measured on first use
+    on CUDA; None off CUDA or while capturing a graph before it was measured: the default)."""
     k = qweight.shape[1]
     m = x.numel() // x.shape[-1]
     bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
@@ -198,22 +221,25 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     cfg = _QCHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return qgemv(x, qweight, scale, bias, gated=gated)
+            return None
         cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype)
-    return qgemv(x, qweight, scale, bias, cfg, gated=gated)
+    return cfg
 
 
 def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              dtype: torch.dtype) -> GemvConfig:
     x = torch.randn((m, qweight.shape[1]), device=qweight.device, dtype=dtype)
     expect = qgemv_reference(x, qweight, scale, bias).float()
-    tol = 2e-2 * expect.abs().max().item()
     arg_sets = weight_copies((x, qweight, scale) if bias is None else (x, qweight, scale, bias))
     best, best_us = default_qconfig(m), float("inf")
     for cfg in candidate_qconfigs(m, qweight.dtype):
+        want = expect
+        if cfg.fp8_act:  # its own oracle: the activations it quantizes are part of its result
+            want = fp8_dot_gemv_reference(x, qweight, scale, bias, cfg.block_k).float()
+        tol = 2e-2 * want.abs().max().item()
         try:
             got = qgemv(x, qweight, scale, bias, cfg).float()
-            if not torch.allclose(got, expect, rtol=2e-2, atol=tol):
+            if not torch.allclose(got, want, rtol=2e-2, atol=tol):
                 continue  # a miscompiled config must never be chosen
             us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg), arg_sets)
         except Exception:  # e.g. out of shared memory for this tile
@@ -234,6 +260,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     """
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
+    if config is not None and config.fp8_act:
+        return fp8_dot_gemv(x, qweight, scale, bias, config, gated=gated)
     x2, m, n, k = _gemv_operands(x, qweight, gated)
     qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
     scale = scale.float().contiguous()

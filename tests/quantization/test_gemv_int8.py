@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels import gemv_int8
+from slipstream.kernels import gemv_fp8, gemv_int8
 from slipstream.kernels.gemv import GemvConfig
 from slipstream.quantization import utils
 
@@ -101,6 +101,53 @@ def test_fp8_bit_conversion_is_exact_for_every_value() -> None:
         assert gemv_int8.qgemv(x, q, torch.ones(1), None, cfg).item() == q[0, j].float().item()
 
 
+# ---------------------------------------------- FP8 activations, tensor-core products (gemv_fp8)
+FP8_DOT = [GemvConfig(block_n=64, block_k=128, split_k=3, num_stages=2, fp8_act=True),
+           GemvConfig(block_n=32, block_k=64, split_k=1, fp8_act=True)]
+
+
+@pytest.mark.parametrize("cfg", FP8_DOT)
+@pytest.mark.parametrize("m,n,k", [(1, 45, 300), (3, 130, 256), (16, 50, 200)])
+@pytest.mark.parametrize("gated,with_bias", [(False, True), (True, False)])
+def test_fp8_dot_gemv_interpreter(cfg: GemvConfig, m: int, n: int, k: int, gated: bool,
+                                  with_bias: bool) -> None:
+    """Per (row, block_k slice) FP8 activations and FP8 products: equal to the oracle up to
+    float32 rounding, uneven K, split-K, gated input and bias included."""
+    x = torch.randn(m, 2 * k if gated else k) * 3
+    q, s = _qweight(n, k, torch.float8_e4m3fn)
+    b = torch.randn(n) if with_bias else None
+    got = gemv_int8.qgemv(x, q, s, b, cfg, gated=gated)
+    want = gemv_fp8.fp8_dot_gemv_reference(x, q, s, b, cfg.block_k, gated=gated)
+    assert got.shape == (m, n) and _rel(got, want) < 1e-5
+
+
+def test_fp8_dot_reference_scales_each_slice_by_its_amax() -> None:
+    """Slices whose amax is 448 * 2^e and whose values are E4M3 values times 2^e quantize
+    exactly (the scale is a power of two): the oracle then equals the float product. One
+    value nudged off the grid makes it differ: the activations really are quantized."""
+    k, bk = 256, 64
+    grid = torch.tensor([448.0, -448.0, 1.5, -0.75, 12.0, 0.0, 3.25, -96.0])
+    x = grid.repeat(k // len(grid)).view(1, k).clone()
+    for i, e in enumerate([-3, 0, 2, -7]):  # a different scale in each slice
+        x[0, i * bk:(i + 1) * bk] *= 2.0 ** e
+    q, s = _qweight(40, k, torch.float8_e4m3fn)
+    exact = gemv_int8.qgemv_reference(x.double(), q, s).float()
+    torch.testing.assert_close(gemv_fp8.fp8_dot_gemv_reference(x, q, s, None, bk), exact,
+                               atol=1e-4, rtol=1e-5)
+    x[0, 2] = 1.55  # between the E4M3 values 1.5 and 1.625
+    off = gemv_fp8.fp8_dot_gemv_reference(x, q, s, None, bk)
+    assert not torch.allclose(off, gemv_int8.qgemv_reference(x.double(), q, s).float(),
+                              atol=1e-6, rtol=1e-6)
+
+
+def test_fp8_act_candidates_only_for_fp8_weights() -> None:
+    for m in (1, 4, 16):
+        assert any(c.fp8_act for c in gemv_int8.candidate_qconfigs(m, torch.float8_e4m3fn))
+        assert not any(c.fp8_act for c in gemv_int8.candidate_qconfigs(m, torch.int8))
+    with pytest.raises(TypeError):
+        gemv_fp8.fp8_dot_gemv(torch.randn(1, 64), *_qweight(16, 64, torch.int8), None, FP8_DOT[1])
+
+
 def test_qgemv_rejects_float_weights() -> None:
     with pytest.raises(TypeError):
         gemv_int8.qgemv(torch.randn(1, 8), torch.randn(4, 8), torch.ones(4))
@@ -121,10 +168,41 @@ def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = gemv_int8.qgemv_reference(x.float(), q, s, b.float())
     assert _rel(gemv_int8.qgemv(x, q, s, b), want) < 1e-2
-    assert _rel(gemv_int8.qlinear_small(x, q, s, b), want) < 1e-2  # the measured config
+    chosen = gemv_int8.measured_qconfig(x, q, s, b)
+    got = gemv_int8.qlinear_small(x, q, s, b)  # the measured config
+    if chosen.fp8_act:
+        oracle = gemv_fp8.fp8_dot_gemv_reference(x, q, s, b, chosen.block_k)
+        assert _rel(got, oracle) < 1e-2 and _rel(got, want) < 4e-2, chosen
+    else:
+        assert _rel(got, want) < 1e-2, chosen
     if m == 1:  # every candidate, including the shared-memory pipelined ones
         for cfg in gemv_int8.candidate_qconfigs(1, wdtype):
-            assert _rel(gemv_int8.qgemv(x, q, s, b, cfg), want) < 1e-2, cfg
+            got = gemv_int8.qgemv(x, q, s, b, cfg)
+            if cfg.fp8_act:  # FP8 activations: ~2.5% from the float product, exact to its oracle
+                oracle = gemv_fp8.fp8_dot_gemv_reference(x.float(), q, s, b.float(), cfg.block_k)
+                assert _rel(got, oracle) < 1e-2 and _rel(got, want) < 4e-2, cfg
+            else:
+                assert _rel(got, want) < 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 7, 16])
+@pytest.mark.parametrize("k,n", _SHAPES_8B + [(333, 50), (4096, 128256)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_dot_gemv_gpu(m: int, k: int, n: int, gated: bool) -> None:
+    """The tensor-core FP8 GEMV against its oracle on the H200, every candidate tile; bf16
+    activations with outliers (a few channels 100x larger), as real hidden states have."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("FP8 tensor-core products need sm_89+; the candidates are tuned for sm_90")
+    x = torch.randn(m, 2 * k if gated else k, device="cuda")
+    x[:, ::97] *= 100
+    x = x.to(torch.bfloat16)
+    q, s = _qweight(n, k, torch.float8_e4m3fn, "cuda")
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for cfg in [c for c in gemv_int8.candidate_qconfigs(m, torch.float8_e4m3fn) if c.fp8_act]:
+        got = gemv_int8.qgemv(x, q, s, b, cfg, gated=gated)
+        want = gemv_fp8.fp8_dot_gemv_reference(x, q, s, b, cfg.block_k, gated=gated)
+        assert _rel(got, want) < 1e-2, cfg
 
 
 @pytest.mark.gpu
@@ -140,5 +218,11 @@ def test_int8_and_fp8_linear_gpu(m: int) -> None:
     assert _rel(int8_linear(x, q, s, None), want) < 1e-2
     if torch.cuda.get_device_capability() >= (8, 9):
         q8, s8 = _qweight(n, k, torch.float8_e4m3fn, "cuda")
-        want8 = fp8_linear_reference(x.float(), q8, s8)  # W8A8 oracle (small M is W8A16: closer)
-        assert _rel(fp8_linear(x, q8, s8, None), want8) < 3e-2
+        # W8A8: per-token FP8 activations (large M) or per-slice ones (small M, when the
+        # tuner picks the tensor-core kernel), each ~2.5% from the float product on random data.
+        float_ref = gemv_int8.qgemv_reference(x.float(), q8, s8)
+        assert _rel(fp8_linear_reference(x.float(), q8, s8), float_ref) < 4e-2
+        got8 = fp8_linear(x, q8, s8, None)
+        assert _rel(got8, float_ref) < 4e-2
+        if m > 16:  # torch._scaled_mm: the per-token oracle's own quantization
+            assert _rel(got8, fp8_linear_reference(x.float(), q8, s8)) < 3e-2

@@ -140,7 +140,7 @@ def test_quantized_checkpoint_carries_the_choice(tmp_path) -> None:
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["fp8", "int8_wo"])
-@pytest.mark.parametrize("m", [1, 64])  # the decode GEMV; torch._scaled_mm / cuBLAS
+@pytest.mark.parametrize("m", [1, 4, 64])  # the decode GEMVs; torch._scaled_mm / cuBLAS
 def test_gpu_quantized_head(method: str, m: int) -> None:
     vocab, hidden = 128256, 4096
     head = LMHead(vocab, hidden, torch.bfloat16).cuda()
@@ -150,8 +150,9 @@ def test_gpu_quantized_head(method: str, m: int) -> None:
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     got = head(x)
     want = F.linear(x.float(), head.weight.float() * head.weight_scale[:, None])
-    # bf16 output; fp8 at M=64 also rounds the activations to FP8 (per token).
-    tol = 4e-2 if (method == "fp8" and m > 16) else 1e-2
+    # bf16 output; fp8 may also round the activations to FP8 (per token at M=64; per token
+    # and slice in the small-batch tensor-core GEMV, which the tuner picks at M=4 on the H200).
+    tol = 4e-2 if method == "fp8" else 1e-2
     assert float((got - want).norm() / want.norm()) < tol
     exact = F.linear(x.float(), w)
     assert float((got - exact).norm() / exact.norm()) < (6e-2 if method == "fp8" else 1e-2)
