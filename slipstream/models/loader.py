@@ -6,6 +6,7 @@ per-layer KV-cache scales (`...self_attn.k_scale` / `v_scale`) go to the attenti
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -22,7 +23,11 @@ from slipstream.config import EngineConfig
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
 from slipstream.models.llama import BuildContext
-from slipstream.models.quantize_as_loaded import QuantizeAsLoaded
+from slipstream.models.quantize_as_loaded import (
+    QuantizeAsLoaded,
+    decoder_layer_of,
+    layer_hook_active,
+)
 from slipstream.models.registry import get_model_class
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.kv_cache import load_kv_scale
@@ -74,8 +79,12 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
         init_dummy_weights(model, config.seed, layers)
     else:
         files = safetensors_files(config.model_path)
-        shards = tqdm(files, desc="Loading checkpoint shards", unit="file", disable=len(files) < 2)
-        load_weights(model, iterate_safetensors(shards), layers)
+        if layer_hook_active():  # a whole-layer calibration: one decoder layer at a time
+            load_weights(model, iterate_in_layer_order(files), layers)
+        else:
+            shards = tqdm(files, desc="Loading checkpoint shards", unit="file",
+                          disable=len(files) < 2)
+            load_weights(model, iterate_safetensors(shards), layers)
     layers.finish()
     if config.quant.lm_head:
         model.lm_head.quantize(config.quant.lm_head)
@@ -175,6 +184,35 @@ def iterate_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tens
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def iterate_in_layer_order(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) with the tensors outside decoder layers that come before them (the
+    embedding) first, then decoder layer 0, 1, ... each whole, then the rest (final norm, head),
+    read by name across the files (a progress bar over the layers): a checkpoint's own order
+    may interleave layers (names sort as layers.1, layers.10, layers.2) or split one across
+    shards."""
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt", device="cpu"))
+                   for p in files]
+        where = {name: h for h in handles for name in h.keys()}
+        by_layer: dict[int, list[str]] = {}
+        before, after = [], []
+        for name in where:
+            layer = decoder_layer_of(name)
+            if layer is not None:
+                by_layer.setdefault(layer[1], []).append(name)
+            elif name.endswith("embed_tokens.weight"):
+                before.append(name)
+            else:
+                after.append(name)
+        for name in before:
+            yield name, where[name].get_tensor(name)
+        for i in tqdm(sorted(by_layer), desc="Loading layers", unit="layer"):
+            for name in by_layer[i]:
+                yield name, where[name].get_tensor(name)
+        for name in after:
+            yield name, where[name].get_tensor(name)
 
 
 def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[str, int | None]]:

@@ -7,13 +7,48 @@ filling it: a storage-less one gets device memory then. When the last tensor of 
 arrived, the layer's process_after_loading runs and its 16-bit weight is freed. The device holds
 the quantized model plus about one layer of 16-bit weights at a time, instead of the whole 16-bit
 model: Llama-3.1-70B (141 GB in bf16) can be quantized to FP8 at load on one 141 GB GPU.
+
+A calibration that needs a whole decoder layer in 16 bits before any of its linears is quantized
+(AWQ's scale search) runs inside `before_each_layer(hook)`: the linears of decoder layer i are
+then held until all of them are in, `hook(model, i, layer)` runs, and they are quantized
+together. The loader feeds such a load one decoder layer at a time, in order
+(loader.iterate_in_layer_order).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+LayerHook = Callable[[nn.Module, int, nn.Module], None]
+_LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
+    "slipstream_before_each_layer", default=None)
+_DECODER_LAYER = re.compile(r"^(.*\.layers\.(\d+))\.")
+
+
+@contextlib.contextmanager
+def before_each_layer(hook: LayerHook) -> Iterator[None]:
+    """Models loaded in this context call hook(model, i, decoder_layer) once decoder layer i's
+    weights are all in, before its linears are quantized."""
+    token = _LAYER_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _LAYER_HOOK.reset(token)
+
+
+def layer_hook_active() -> bool:
+    return _LAYER_HOOK.get() is not None
+
+
+def decoder_layer_of(name: str) -> tuple[str, int] | None:
+    """(decoder layer path, index) of a parameter / module / checkpoint name inside one."""
+    m = _DECODER_LAYER.match(name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 class QuantizeAsLoaded:
@@ -24,12 +59,17 @@ class QuantizeAsLoaded:
         self.device = torch.device(device)
         self.processed: set[str] = set()
         self._pending: dict[str, set[str]] = {}
+        self._hook = _LAYER_HOOK.get()
+        self._held: dict[str, list[str]] = {}  # decoder layer -> its complete, unprocessed modules
 
     def expect(self, keys: Iterable[tuple[str, str]]) -> None:
         """(module path, key) pairs that must arrive before that module is processed; only
-        modules that own a storage-less parameter are tracked (the others process at finish)."""
+        modules that own a storage-less parameter are tracked (the others process at finish),
+        and under a layer hook every module of a decoder layer (its norms too: the hook reads
+        the whole layer)."""
         for path, key in keys:
-            if path in self._pending or _has_deferred_param(self.model.get_submodule(path)):
+            if (path in self._pending or _has_deferred_param(self.model.get_submodule(path))
+                    or (self._hook is not None and decoder_layer_of(path) is not None)):
                 self._pending.setdefault(path, set()).add(key)
 
     def param(self, pname: str) -> nn.Parameter:
@@ -50,13 +90,35 @@ class QuantizeAsLoaded:
         if keys is None:
             return
         keys.discard(key)
-        if not keys:
-            del self._pending[path]
+        if keys:
+            return
+        del self._pending[path]
+        layer = decoder_layer_of(path) if self._hook is not None else None
+        if layer is None:
             self._process(path)
+            return
+        self._held.setdefault(layer[0], []).append(path)
+        if not any(p.startswith(layer[0] + ".") for p in self._pending):
+            self._release(*layer)
+
+    def _release(self, layer_path: str, index: int) -> None:
+        """Decoder layer `index` is complete: the hook, then its linears in module order."""
+        self._hook(self.model, index, self.model.get_submodule(layer_path))
+        for path in sorted(self._held.pop(layer_path), key=self._module_order().index):
+            if getattr(self.model.get_submodule(path), "quant_method", None) is not None:
+                self._process(path)
+
+    def _module_order(self) -> list[str]:
+        if not hasattr(self, "_order"):
+            self._order = [name for name, _ in self.model.named_modules()]
+        return self._order
 
     def finish(self) -> None:
         """Process every quantized module not processed yet (pre-quantized checkpoints, layers
         without deferred weights), in module order, as the loader always did."""
+        if self._held:
+            raise RuntimeError(f"decoder layers {sorted(self._held)} never received all their "
+                               "weights")
         for path, module in self.model.named_modules():
             if path not in self.processed and getattr(module, "quant_method", None) is not None:
                 self._process(path)

@@ -330,35 +330,72 @@ def clip_layer(layer: nn.Module, grams: dict[str, torch.Tensor],
 
 # --- the whole model ------------------------------------------------------------------------------
 
-@torch.no_grad()
-def awq_prepare(model: nn.Module, prompts: list[list[int]], group_size: int, *,
-                seq_len: int | None = None, search_tokens: int = SEARCH_TOKENS,
-                block_tokens: int = BLOCK_TOKENS, clip: bool = True,
-                grid: int = SCALE_GRID) -> None:
-    """Scale and clip every decoder layer's projections in place, layer by layer (Llama family).
+class LayerByLayerAwq:
+    """AWQ one decoder layer at a time, in order: call it with (model, i, layer) for i = 0, 1, ...
+    once layer i's float weights are in (and, for i == 0, the embedding). It keeps the float
+    residual stream of the calibration blocks between calls, so only the current layer needs
+    its float weights: `slipstream quantize --method int4_awq` streams a checkpoint through it
+    (models/quantize_as_loaded.before_each_layer) and never holds the whole float model.
 
     Each layer is searched on the float model's inputs to it: earlier layers' quantization error
     is not propagated (as in AutoAWQ; propagating it measured worse here). seq_len: tokens per
     packed block (default: the longest prompt, i.e. the calibration length). Memory: six
     [search_tokens, hidden or intermediate] float32 tensors for the current layer.
     """
-    cos_sin = model.model.rotary_emb.cos_sin_cache.float()
-    seq_len = min(seq_len or max(map(len, prompts)), cos_sin.shape[0])
-    blocks = pack_blocks(prompts, seq_len, search_tokens)
-    norm_dtype = _NORM_DTYPES.get(str(getattr(model.config, "torch_dtype", "")))
-    embed = model.model.embed_tokens
-    h = embed(blocks.to(embed.weight.device)).float()
-    logger.info("AWQ: %d x %d calibration tokens, group size %d", *blocks.shape, group_size)
-    for i, layer in enumerate(tqdm(model.model.layers, desc="AWQ search", unit="layer")):
-        prefix = f"model.layers.{i}"
-        inp, h_next = layer_inputs(layer, h, cos_sin)
+
+    def __init__(self, prompts: list[list[int]], group_size: int, *, seq_len: int | None = None,
+                 search_tokens: int = SEARCH_TOKENS, block_tokens: int = BLOCK_TOKENS,
+                 clip: bool = True, grid: int = SCALE_GRID, progress: bool = False):
+        self.prompts, self.group_size, self.seq_len = prompts, group_size, seq_len
+        self.search_tokens, self.block_tokens = search_tokens, block_tokens
+        self.clip, self.grid, self.progress = clip, grid, progress
+        self.next_layer = 0
+        self._h: torch.Tensor | None = None
+        self._bar = None
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, index: int, layer: nn.Module) -> None:
+        if index != self.next_layer:
+            raise RuntimeError(f"AWQ: decoder layer {index} arrived before layer "
+                               f"{self.next_layer} (layers must be calibrated in order)")
+        cos_sin = model.model.rotary_emb.cos_sin_cache.float()
+        if self._h is None:
+            self._start(model, cos_sin)
+        prefix = f"model.layers.{index}"
+        inp, h_next = layer_inputs(layer, self._h, cos_sin)
         grams = {"self_attn.qkv_proj": gram(inp.attn_in), "self_attn.o_proj": gram(inp.ctx),
                  "mlp.gate_up_proj": gram(inp.mlp_in), "mlp.down_proj": gram(inp.act)}
-        scales = search_layer_scales(layer, inp, grams, cos_sin, group_size, block_tokens, grid)
-        applied = fold_layer(layer, prefix, scales, norm_dtype)
-        if clip:
-            clip_layer(layer, grams, applied, group_size)
-        h = h_next
+        scales = search_layer_scales(layer, inp, grams, cos_sin, self.group_size,
+                                     self.block_tokens, self.grid)
+        applied = fold_layer(layer, prefix, scales, self._norm_dtype)
+        if self.clip:
+            clip_layer(layer, grams, applied, self.group_size)
+        self._h = h_next
+        self.next_layer += 1
+        if self._bar is not None:
+            self._bar.update()
+            if self.next_layer == len(model.model.layers):
+                self._bar.close()
+
+    def _start(self, model: nn.Module, cos_sin: torch.Tensor) -> None:
+        seq_len = min(self.seq_len or max(map(len, self.prompts)), cos_sin.shape[0])
+        blocks = pack_blocks(self.prompts, seq_len, self.search_tokens)
+        self._norm_dtype = _NORM_DTYPES.get(str(getattr(model.config, "torch_dtype", "")))
+        embed = model.model.embed_tokens
+        self._h = embed(blocks.to(embed.weight.device)).float()
+        logger.info("AWQ: %d x %d calibration tokens, group size %d", *blocks.shape,
+                    self.group_size)
+        if self.progress:
+            self._bar = tqdm(total=len(model.model.layers), desc="AWQ search", unit="layer")
+
+
+@torch.no_grad()
+def awq_prepare(model: nn.Module, prompts: list[list[int]], group_size: int, **kwargs) -> None:
+    """Scale and clip every decoder layer's projections of a loaded float model in place, layer
+    by layer (Llama family); kwargs: LayerByLayerAwq's."""
+    awq = LayerByLayerAwq(prompts, group_size, progress=True, **kwargs)
+    for i, layer in enumerate(model.model.layers):
+        awq(model, i, layer)
 
 
 def fold_layer(layer: nn.Module, prefix: str, scales: dict[str, torch.Tensor],

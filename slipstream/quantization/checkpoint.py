@@ -49,13 +49,16 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         max_calib_len: int = 512, device: str = "cpu",
                         options: dict | None = None, kv_cache_dtype: str | None = None,
                         quantize_lm_head: bool = False,
-                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                        max_shard_bytes: int = MAX_SHARD_BYTES, stream_layers: bool = True) -> Path:
     """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
 
     options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
     computes) and make that the checkpoint's default KV dtype. quantize_lm_head: config.json
     asks the engine to quantize the LM head at load (the head is stored float, as read).
+    stream_layers: int4_awq with its default options runs AWQ on each decoder layer as it is
+    loaded and quantizes it right after (streamed_awq), so the float model never has to fit;
+    False loads the whole float model first (the same tensors: tested).
     """
     from slipstream.llm import LLM
 
@@ -77,13 +80,19 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     dtype = "float32" if device == "cpu" else "bfloat16"
     module = importlib.import_module(f"slipstream.quantization.{method}") if method != "none" else None
     at_load = quantizes_at_load(method, module, options, device)
+    streamed = stream_layers and method == "int4_awq" and _default_options(options)
+    texts = load_calib_texts(calib_data, num_calib_samples) if streamed else None
     # A float KV cache while calibrating: every layer must see exact K/V.
-    llm = LLM(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
-              kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False,
-              kv_cache_dtype=dtype, quantization=method if at_load else None)
+    engine_args = dict(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
+                       kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False,
+                       kv_cache_dtype=dtype,
+                       quantization=method if at_load or streamed else None)
+    if streamed:
+        llm = streamed_awq(model_dir, texts, max_calib_len, engine_args)
+    else:
+        llm = LLM(**engine_args)
     model: nn.Module = llm.engine.runner.model
-    texts = None
-    if module is not None and not at_load:
+    if module is not None and not at_load and not streamed:
         if getattr(module, "NEEDS_CALIBRATION", False):
             texts = load_calib_texts(calib_data, num_calib_samples)
             # A method may gather its own calibration (AWQ reruns the prompts layer by layer).
@@ -102,6 +111,38 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
                         quantize_lm_head=quantize_lm_head, max_shard_bytes=max_shard_bytes)
     return Path(output_dir)
+
+
+def streamed_awq(model_dir: str | Path, texts: list[str], max_calib_len: int, engine_args: dict):
+    """An LLM of `model_dir` whose int4_awq layers got AWQ scales and clipping while loading:
+    the loader feeds the checkpoint one decoder layer at a time, and each layer is searched on
+    the calibration blocks' float residual stream (kept between layers), then quantized, before
+    the next one is read. The device holds the quantized layers, one float layer and the
+    calibration activations, not the float model."""
+    from slipstream.llm import LLM, _maybe_load_tokenizer
+    from slipstream.models.quantize_as_loaded import before_each_layer
+    from slipstream.quantization.awq import LayerByLayerAwq
+    from slipstream.quantization.int4_awq import DEFAULT_GROUP
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = calibration_prompts(_maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
+                                  vocab)
+    awq = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True)
+    with before_each_layer(awq):
+        llm = LLM(**engine_args)
+    layers = len(llm.engine.runner.model.model.layers)
+    if awq.next_layer != layers:
+        raise RuntimeError(f"AWQ saw {awq.next_layer} of {layers} decoder layers")
+    return llm
+
+
+def _default_options(options: dict | None) -> bool:
+    """Whether `options` only repeat int4_awq's defaults (group 128, AWQ on)."""
+    from slipstream.quantization.int4_awq import DEFAULT_GROUP
+
+    defaults = {"group_size": DEFAULT_GROUP, "awq": True}
+    options = dict(options or {})
+    return set(options) <= set(defaults) and all(options[k] == defaults[k] for k in options)
 
 
 def quantizes_at_load(method: str, module, options: dict | None, device: str) -> bool:

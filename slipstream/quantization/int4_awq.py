@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models.quantize_as_loaded import layer_hook_active
 from slipstream.quantization import awq as awq_mod
 from slipstream.quantization import compressed_tensors
 from slipstream.quantization import utils as qu
@@ -262,7 +263,7 @@ def make_int4(hf_config: dict):
             raise ValueError(f"int4_awq loads 4-bit checkpoints, this one has bits={qc['bits']}")
         if layout == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
             raise ValueError(f"AWQ version {qc.get('version')!r}: only the GEMM layout loads")
-    else:
+    elif not layer_hook_active():  # `slipstream quantize` runs AWQ inside the load instead
         logger.info("int4_awq at load time: round-to-nearest; `slipstream quantize --method "
                     "int4_awq` runs the AWQ scale search on calibration data")
     offset = 0 if qc.get("checkpoint_format") == "gptq_v2" else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,97 @@ def test_max_shard_size_rejects_nonsense(text):
 
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
         parse_size(text)
+
+
+def _interleaved_shards(src: Path, dst: Path) -> Path:
+    """`src` re-saved as three shards that split every decoder layer across files, in an order
+    that is not the layers' (the embedding last): what a streamed load must put in order."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors, key=lambda n: (n.startswith("model.embed"), n[::-1]))
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    weight_map = {}
+    for i in range(3):
+        part = {n: tensors[n] for n in names[i::3]}
+        save_file(part, str(dst / f"model-0000{i + 1}-of-00003.safetensors"))
+        weight_map.update({n: f"model-0000{i + 1}-of-00003.safetensors" for n in part})
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return dst
+
+
+def test_streamed_awq_writes_the_same_checkpoint(tiny, tmp_path):
+    """`slipstream quantize --method int4_awq` runs AWQ on each decoder layer while it loads
+    (the float model never has to fit): the files are byte for byte those of the whole-model
+    path, also from shards that scatter the layers."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization import checkpoint
+
+    kw = dict(num_calib_samples=4)
+    whole = checkpoint.quantize_checkpoint(tiny, "int4_awq", tmp_path / "whole",
+                                           stream_layers=False, **kw)
+    want = load_file(str(whole / "model.safetensors"))
+    shards = _interleaved_shards(tiny, tmp_path / "shards")
+    for src, name in ((tiny, "streamed"), (shards, "streamed-shards")):
+        out = checkpoint.quantize_checkpoint(src, "int4_awq", tmp_path / name, **kw)
+        got = load_file(str(out / "model.safetensors"))
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key], want[key]), (name, key)
+        assert json.loads((out / "config.json").read_text()) == json.loads(
+            (whole / "config.json").read_text())
+
+
+def test_streamed_awq_holds_one_float_layer(monkeypatch, tiny, tmp_path):
+    """When AWQ runs on decoder layer i, layer i is whole and float (norms included), the
+    layers before it are already INT4 and the ones after it have no weights yet."""
+    from slipstream.quantization import awq, checkpoint
+
+    seen = []
+    real_call = awq.LayerByLayerAwq.__call__
+
+    def spy(self, model, index, layer):
+        layers = model.model.layers
+        assert not layer.self_attn.qkv_proj.weight.is_meta
+        assert layer.self_attn.qkv_proj.weight.is_floating_point()
+        assert torch.isfinite(layer.input_layernorm.weight).all()
+        for lay in layers[:index]:  # packed INT4, no float weight left
+            params = dict(lay.mlp.down_proj.named_parameters(recurse=False))
+            assert "weight" not in params and params["qweight"].dtype == torch.uint8
+        assert all(lay.mlp.down_proj.weight.is_meta for lay in layers[index + 1:])
+        seen.append(index)
+        return real_call(self, model, index, layer)
+
+    monkeypatch.setattr(awq.LayerByLayerAwq, "__call__", spy)
+    checkpoint.quantize_checkpoint(tiny, "int4_awq", tmp_path / "out", num_calib_samples=2)
+    assert seen == [0, 1]
+
+
+def test_layer_by_layer_awq_refuses_layers_out_of_order(tiny):
+    """The residual stream it carries belongs to the next layer in order: any other is a clear
+    error, not a silently wrong search."""
+    from slipstream.quantization.awq import LayerByLayerAwq
+
+    model = _llm(tiny).engine.runner.model
+    awq = LayerByLayerAwq([[5, 6, 7, 8]], group_size=128)
+    with pytest.raises(RuntimeError, match="layer 1 arrived before layer 0"):
+        awq(model, 1, model.model.layers[1])
+
+
+@pytest.mark.gpu
+def test_gpu_streamed_awq_writes_the_same_checkpoint(tiny, tmp_path):
+    """On CUDA (bf16, the engine's GPU load path), streamed AWQ equals the whole-model path."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization import checkpoint
+
+    kw = dict(num_calib_samples=4, device="cuda")
+    whole = checkpoint.quantize_checkpoint(tiny, "int4_awq", tmp_path / "whole",
+                                           stream_layers=False, **kw)
+    streamed = checkpoint.quantize_checkpoint(tiny, "int4_awq", tmp_path / "streamed", **kw)
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(streamed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
