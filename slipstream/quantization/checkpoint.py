@@ -147,8 +147,11 @@ def _default_options(options: dict | None) -> bool:
 
 def quantizes_at_load(method: str, module, options: dict | None, device: str) -> bool:
     """Whether the engine can quantize `method` while loading (one layer at a time: the 16-bit
-    model never has to fit the device): methods without calibration or options, on a device
-    that runs them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
+    model never has to fit the device): methods without calibration or options, int4_awq
+    without AWQ (round-to-nearest at group 128, what it does at load), on a device that runs
+    them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
+    if method == "int4_awq" and options and options.get("awq") is False:
+        return _default_options({**options, "awq": True})
     if module is None or getattr(module, "NEEDS_CALIBRATION", False) or options:
         return False
     if method == "fp8" and torch.device(device).type == "cuda":

@@ -126,11 +126,14 @@ def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, refe
     assert dlogp["--awq"] < 1.5, dlogp
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8_wo"])
-def test_quantize_at_load_writes_the_same_checkpoint(monkeypatch, tiny, tmp_path, method):
-    """Methods without calibration quantize while the engine loads (one layer at a time, so a
-    model whose 16-bit weights do not fit the device can be quantized); the files are byte for
-    byte those of quantizing the whole loaded float model."""
+@pytest.mark.parametrize("method,options", [("fp8", None), ("int8_wo", None),
+                                            ("int4_awq", {"group_size": 128, "awq": False})])
+def test_quantize_at_load_writes_the_same_checkpoint(monkeypatch, tiny, tmp_path, method,
+                                                     options):
+    """Methods without calibration (and int4 round-to-nearest, `--no-awq`) quantize while the
+    engine loads (one layer at a time, so a model whose 16-bit weights do not fit the device
+    can be quantized); the files are byte for byte those of quantizing the whole loaded float
+    model."""
     import importlib
 
     from safetensors.torch import load_file
@@ -138,10 +141,11 @@ def test_quantize_at_load_writes_the_same_checkpoint(monkeypatch, tiny, tmp_path
     from slipstream.quantization import checkpoint
 
     module = importlib.import_module(f"slipstream.quantization.{method}")
-    assert checkpoint.quantizes_at_load(method, module, None, "cpu")
-    streamed = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "streamed")
+    assert checkpoint.quantizes_at_load(method, module, options, "cpu")
+    streamed = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "streamed", options=options)
     monkeypatch.setattr(checkpoint, "quantizes_at_load", lambda *a: False)
-    whole = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "whole")
+    whole = checkpoint.quantize_checkpoint(tiny, method, tmp_path / "whole", options=options,
+                                           stream_layers=False)
     a, b = load_file(str(streamed / "model.safetensors")), load_file(str(whole / "model.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
@@ -157,6 +161,8 @@ def test_calibrated_or_configured_methods_quantize_after_loading() -> None:
     assert not checkpoint.quantizes_at_load("int4_awq", int4_awq, None, "cpu")  # AWQ search
     assert not checkpoint.quantizes_at_load("w8a8_sq", w8a8_sq, None, "cpu")  # smoothing
     assert not checkpoint.quantizes_at_load("int8_wo", int8_wo, {"x": 1}, "cpu")
+    assert not checkpoint.quantizes_at_load("int4_awq", int4_awq, {"group_size": 64, "awq": False},
+                                            "cpu")  # the load-time method has group 128
     assert not checkpoint.quantizes_at_load("none", None, None, "cpu")
 
 
