@@ -56,9 +56,10 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
     computes) and make that the checkpoint's default KV dtype. quantize_lm_head: config.json
     asks the engine to quantize the LM head at load (the head is stored float, as read).
-    stream_layers: int4_awq with its default options runs AWQ on each decoder layer as it is
-    loaded and quantizes it right after (streamed_awq), so the float model never has to fit;
-    False loads the whole float model first (the same tensors: tested).
+    stream_layers: calibrate each decoder layer as it is loaded and quantize it right after
+    (streamed_calibration: int4_awq with default options, w8a8_sq), so the float model never
+    has to fit; False loads the whole float model first (int4_awq: the same tensors; w8a8_sq:
+    the same statistics up to float rounding; tested).
     """
     from slipstream.llm import LLM
 
@@ -80,7 +81,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     dtype = "float32" if device == "cpu" else "bfloat16"
     module = importlib.import_module(f"slipstream.quantization.{method}") if method != "none" else None
     at_load = quantizes_at_load(method, module, options, device)
-    streamed = stream_layers and method == "int4_awq" and _default_options(options)
+    streamed = stream_layers and streams_calibration(method, options)
     texts = load_calib_texts(calib_data, num_calib_samples) if streamed else None
     # A float KV cache while calibrating: every layer must see exact K/V.
     engine_args = dict(model=str(model_dir), device=device, dtype=dtype, enforce_eager=True,
@@ -88,7 +89,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                        kv_cache_dtype=dtype,
                        quantization=method if at_load or streamed else None)
     if streamed:
-        llm = streamed_awq(model_dir, texts, max_calib_len, engine_args)
+        llm = streamed_calibration(model_dir, method, texts, max_calib_len, engine_args, options)
     else:
         llm = LLM(**engine_args)
     model: nn.Module = llm.engine.runner.model
@@ -113,27 +114,40 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     return Path(output_dir)
 
 
-def streamed_awq(model_dir: str | Path, texts: list[str], max_calib_len: int, engine_args: dict):
-    """An LLM of `model_dir` whose int4_awq layers got AWQ scales and clipping while loading:
-    the loader feeds the checkpoint one decoder layer at a time, and each layer is searched on
-    the calibration blocks' float residual stream (kept between layers), then quantized, before
-    the next one is read. The device holds the quantized layers, one float layer and the
-    calibration activations, not the float model."""
+def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
+                         max_calib_len: int, engine_args: dict, options: dict | None):
+    """An LLM of `model_dir` whose `method` layers were calibrated while loading: the loader
+    feeds the checkpoint one decoder layer at a time, each layer gets its AWQ search or
+    SmoothQuant scales from the calibration prompts' float residual stream (kept between
+    layers) and is quantized before the next one is read. The device holds the quantized layers,
+    one float layer and the calibration activations, never the float model."""
     from slipstream.llm import LLM, _maybe_load_tokenizer
     from slipstream.models.quantize_as_loaded import before_each_layer
-    from slipstream.quantization.awq import LayerByLayerAwq
-    from slipstream.quantization.int4_awq import DEFAULT_GROUP
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = calibration_prompts(_maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
                                   vocab)
-    awq = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True)
-    with before_each_layer(awq):
+    if method == "int4_awq":
+        from slipstream.quantization.awq import LayerByLayerAwq
+        from slipstream.quantization.int4_awq import DEFAULT_GROUP
+
+        hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True)
+    else:
+        from slipstream.quantization.w8a8_sq import LayerByLayerSmoothQuant
+
+        hook = LayerByLayerSmoothQuant(prompts, **dict(options or {}))
+    with before_each_layer(hook):
         llm = LLM(**engine_args)
     layers = len(llm.engine.runner.model.model.layers)
-    if awq.next_layer != layers:
-        raise RuntimeError(f"AWQ saw {awq.next_layer} of {layers} decoder layers")
+    if hook.next_layer != layers:
+        raise RuntimeError(f"{method}: calibrated {hook.next_layer} of {layers} decoder layers")
     return llm
+
+
+def streams_calibration(method: str, options: dict | None) -> bool:
+    """Whether `slipstream quantize` calibrates `method` layer by layer while loading: int4_awq
+    with its default options (group 128, AWQ on), w8a8_sq (any alpha)."""
+    return method == "w8a8_sq" or (method == "int4_awq" and _default_options(options))
 
 
 def _default_options(options: dict | None) -> bool:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.models.quantize_as_loaded import layer_hook_active
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import register_quant_method
 from slipstream.quantization.int8_wo import Int8WeightOnlyMethod, method_factory
@@ -90,10 +91,53 @@ def smooth_scales(act_absmax: torch.Tensor, weight: torch.Tensor,
 @torch.no_grad()
 def prepare_for_quantization(model: nn.Module, stats: dict, alpha: float = DEFAULT_ALPHA) -> None:
     """Fold SmoothQuant scales from the calibration stats (input absmax per linear layer)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"w8a8_sq: alpha must be in [0, 1], got {alpha}")
+    _check_alpha(alpha)
     qu.fold_input_scales(
         model, lambda name, linear: smooth_scales(stats[name].absmax, linear.weight.data, alpha))
+
+
+class LayerByLayerSmoothQuant:
+    """SmoothQuant one decoder layer at a time, in order (a models.quantize_as_loaded layer
+    hook, as awq.LayerByLayerAwq): each calibration prompt's float residual stream is kept
+    between layers, layer i's projection inputs give the per-channel absmax, and the scales
+    are folded into layer i before it is quantized. The same statistics as running the prompts
+    through the loaded float model (collect_linear_stats), up to float rounding, without ever
+    holding that model."""
+
+    def __init__(self, prompts: list[list[int]], alpha: float = DEFAULT_ALPHA):
+        _check_alpha(alpha)
+        self.prompts, self.alpha = prompts, alpha
+        self.next_layer = 0
+        self._h: list[torch.Tensor] | None = None  # per prompt [1, T, hidden] float32
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, index: int, layer: nn.Module) -> None:
+        from slipstream.quantization.awq import layer_inputs
+
+        if index != self.next_layer:
+            raise RuntimeError(f"SmoothQuant: decoder layer {index} arrived before layer "
+                               f"{self.next_layer} (layers must be calibrated in order)")
+        cos_sin = model.model.rotary_emb.cos_sin_cache.float()
+        if self._h is None:
+            embed = model.model.embed_tokens
+            self._h = [embed(torch.tensor([p], device=embed.weight.device)).float()
+                       for p in self.prompts]
+        absmax: dict[str, torch.Tensor] = {}
+        for i, h in enumerate(self._h):
+            inp, self._h[i] = layer_inputs(layer, h, cos_sin)
+            for name, x in (("self_attn.qkv_proj", inp.attn_in), ("self_attn.o_proj", inp.ctx),
+                            ("mlp.gate_up_proj", inp.mlp_in), ("mlp.down_proj", inp.act)):
+                m = x.reshape(-1, x.shape[-1]).abs().amax(dim=0)
+                absmax[name] = torch.maximum(absmax[name], m) if name in absmax else m
+        prefix = f"model.layers.{index}"
+        qu.fold_layer_input_scales(layer, prefix, lambda name, linear: smooth_scales(
+            absmax[name.removeprefix(prefix + ".")], linear.weight.data, self.alpha))
+        self.next_layer += 1
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"w8a8_sq: alpha must be in [0, 1], got {alpha}")
 
 
 # --- registration ---------------------------------------------------------------------------------
@@ -101,7 +145,7 @@ def prepare_for_quantization(model: nn.Module, stats: dict, alpha: float = DEFAU
 @register_quant_method("w8a8_sq")
 def make_w8a8_sq(hf_config: dict):
     prequantized = qu.check_checkpoint_method("w8a8_sq", hf_config)
-    if not prequantized:
+    if not prequantized and not layer_hook_active():  # `slipstream quantize` calibrates in the load
         logger.warning("w8a8_sq at load time has no calibration data, so no SmoothQuant "
                        "migration: plain per-channel INT8 W8A8. Run `slipstream quantize --method "
                        "w8a8_sq` for the smoothed checkpoint")
