@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -35,6 +36,12 @@ QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
 # rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
 _FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
+# SLIPSTREAM_TUNE_GATED=1: the down projection's gated calls get their own measured choice,
+# fused (SiLU·up computed as the kernel loads x) or unfused (the activation kernel, then the
+# plain GEMV). Off by default until measured: sm_90 SASS shows the fused loop at 2.2x the
+# plain one's instructions at M=1 (every N tile recomputes SiLU over its K range) and 5x in
+# the M=2-16 dequant kernel (the activation tile is computed in the replicated dot layout).
+_TUNE_GATED = os.environ.get("SLIPSTREAM_TUNE_GATED", "0") == "1"
 
 
 @triton.jit
@@ -204,10 +211,71 @@ _QCHOICES: dict[tuple, GemvConfig] = {}
 
 
 def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA (gated: see qgemv;
-    it shares the plain product's measured config)."""
+                  bias: torch.Tensor | None = None, gated: bool = False,
+                  act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA. gated (see
+    qgemv): the plain product's measured config; with SLIPSTREAM_TUNE_GATED=1 and `act` (the
+    activation the gated kernel computes), a choice measured for the gated call itself, which
+    may be to run act first and then the plain product."""
+    if gated and act is not None and _TUNE_GATED:
+        cfg = _gated_choice(x, qweight, scale, bias, act)
+        if cfg is _UNFUSED:
+            return qlinear_small(act(x), qweight, scale, bias)
+        if cfg is not None:
+            return qgemv(x, qweight, scale, bias, cfg, gated=True)
     return qgemv(x, qweight, scale, bias, measured_qconfig(x, qweight, scale, bias), gated=gated)
+
+
+_UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
+_GATED_CHOICES: dict[tuple, GemvConfig] = {}
+
+
+def _gated_choice(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None, act) -> GemvConfig | None:
+    """The measured choice for a gated call of this shape (None: not measurable now, use the
+    plain product's config fused)."""
+    m = gate_up.numel() // gate_up.shape[-1]
+    bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
+    key = (bucket, qweight.shape[0], qweight.shape[1], gate_up.dtype, qweight.dtype,
+           gate_up.device.index)
+    cfg = _GATED_CHOICES.get(key)
+    if cfg is None:
+        if not gate_up.is_cuda or torch.cuda.is_current_stream_capturing():
+            return None
+        cfg = _GATED_CHOICES[key] = _measure_gated(bucket, qweight, scale, bias, gate_up.dtype,
+                                                   act)
+    return cfg
+
+
+def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype, act) -> GemvConfig:
+    """Time act-then-plain (the plain product's measured config) against each candidate run
+    gated; the fastest correct one (_UNFUSED for the former)."""
+    k = qweight.shape[1]
+    gate_up = torch.randn((m, 2 * k), device=qweight.device, dtype=dtype)
+    plain = measured_qconfig(gate_up[:, :k], qweight, scale, bias)
+    expect = qgemv_reference(act(gate_up), qweight, scale, bias).float()
+    arg_sets = weight_copies((gate_up, qweight, scale) if bias is None
+                             else (gate_up, qweight, scale, bias))
+    best = _UNFUSED
+    best_us = graph_time_us(lambda a: qgemv(act(a[0]), *a[1:], config=plain), arg_sets)
+    for cfg in candidate_qconfigs(m, qweight.dtype):
+        want = expect
+        if cfg.fp8_act:
+            want = fp8_dot_gemv_reference(gate_up, qweight, scale, bias, cfg.block_k,
+                                          gated=True).float()
+        try:
+            got = qgemv(gate_up, qweight, scale, bias, cfg, gated=True).float()
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                continue
+            us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg, gated=True), arg_sets)
+        except Exception:  # e.g. out of shared memory for this tile
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    logger.info("qgemv gated M<=%d N=%d K=%d %s: %s (%.1f us)", m, qweight.shape[0], k,
+                qweight.dtype, "unfused" if best is _UNFUSED else best, best_us)
+    return best
 
 
 def measured_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

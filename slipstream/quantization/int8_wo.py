@@ -36,7 +36,8 @@ class PerChannelMethod(QuantMethod):
         (one launch less); anything else: apply(act(gate_up))."""
         m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
         if gate_up.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
-            return _qlinear_small()(gate_up, layer.weight, layer.weight_scale, bias, gated=True)
+            return _qlinear_small()(gate_up, layer.weight, layer.weight_scale, bias, gated=True,
+                                    act=act)
         return self.apply(layer, act(gate_up), bias)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:

@@ -226,3 +226,69 @@ def test_int8_and_fp8_linear_gpu(m: int) -> None:
         assert _rel(got8, float_ref) < 4e-2
         if m > 16:  # torch._scaled_mm: the per-token oracle's own quantization
             assert _rel(got8, fp8_linear_reference(x.float(), q8, s8)) < 3e-2
+
+
+def test_gated_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLIPSTREAM_TUNE_GATED: a gated call's choice times act-then-plain against each candidate
+    run gated, skips wrong results, and keeps the fastest."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    q, s = _qweight(40, 64, torch.int8)
+    cands = gemv_int8.candidate_qconfigs(1, torch.int8)[:3]
+    plain = cands[0]
+    monkeypatch.setattr(gemv_int8, "candidate_qconfigs", lambda m, dt: cands)
+    monkeypatch.setattr(gemv_int8, "measured_qconfig", lambda *a: plain)
+    times = iter([1.0, 2.0, 3.0, 4.0])  # unfused first, then each candidate in order
+    monkeypatch.setattr(gemv_int8, "graph_time_us",
+                        lambda call, sets: (call(sets[0]), next(times))[1])
+    assert gemv_int8._measure_gated(1, q, s, None, torch.float32, silu_and_mul) is gemv_int8._UNFUSED
+    real = gemv_int8.qgemv
+
+    def broken_second(x, w, sc, b=None, config=None, gated=False):
+        out = real(x, w, sc, b, config, gated=gated)
+        return out + 1.0 if (config == cands[1] and gated) else out
+
+    monkeypatch.setattr(gemv_int8, "qgemv", broken_second)
+    times = iter([5.0, 3.0, 1.0, 2.0])  # cands[1] would win at 1.0 had it been timed
+    assert gemv_int8._measure_gated(1, q, s, None, torch.float32, silu_and_mul) == cands[2]
+
+
+def test_qlinear_small_runs_the_gated_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.kernels.reference import silu_and_mul
+
+    q, s = _qweight(45, 300, torch.int8)
+    gate_up = torch.randn(2, 600)
+    want = gemv_int8.qgemv_reference(silu_and_mul(gate_up).double(), q, s)
+    calls = []
+
+    def act(x):
+        calls.append(x.shape)
+        return silu_and_mul(x)
+
+    monkeypatch.setattr(gemv_int8, "_TUNE_GATED", True)
+    monkeypatch.setattr(gemv_int8, "_gated_choice", lambda *a: gemv_int8._UNFUSED)
+    assert _rel(gemv_int8.qlinear_small(gate_up, q, s, gated=True, act=act), want) < 1e-5
+    assert calls == [(2, 600)]  # the activation ran first, then the plain product
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2)
+    monkeypatch.setattr(gemv_int8, "_gated_choice", lambda *a: cfg)
+    assert _rel(gemv_int8.qlinear_small(gate_up, q, s, gated=True, act=act), want) < 1e-5
+    assert len(calls) == 1  # fused: the kernel computed the activation
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_tuned_gated_down_projection(monkeypatch: pytest.MonkeyPatch, wdtype, m) -> None:
+    """SLIPSTREAM_TUNE_GATED=1 on the GPU: the gated call's own measured choice (fused or
+    act-then-plain) gives the product of act(gate_up), within the method's tolerance."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    monkeypatch.setattr(gemv_int8, "_TUNE_GATED", True)
+    k, n = 14336, 4096
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    q, s = _qweight(n, k, wdtype, "cuda")
+    got = gemv_int8.qlinear_small(gate_up, q, s, None, gated=True, act=silu_and_mul)
+    want = gemv_int8.qgemv_reference(silu_and_mul(gate_up).float(), q, s)
+    assert _rel(got, want) < (4e-2 if wdtype == torch.float8_e4m3fn else 1e-2)
