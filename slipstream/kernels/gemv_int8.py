@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import gemv as _gemv
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
@@ -36,12 +37,11 @@ QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
 # rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
 _FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
-# SLIPSTREAM_TUNE_GATED=1: the down projection's gated calls get their own measured choice,
-# fused (SiLU·up computed as the kernel loads x) or unfused (the activation kernel, then the
-# plain GEMV). Off by default until measured: sm_90 SASS shows the fused loop at 2.2x the
-# plain one's instructions at M=1 (every N tile recomputes SiLU over its K range) and 5x in
-# the M=2-16 dequant kernel (the activation tile is computed in the replicated dot layout).
-_TUNE_GATED = os.environ.get("SLIPSTREAM_TUNE_GATED", "0") == "1"
+# SLIPSTREAM_TUNE_GATED=1 (gemv.GATED_EXPERIMENT): the down projection's gated calls also get
+# their own measured choice, fused (SiLU·up computed as the kernel loads x) or unfused (the
+# activation kernel, then the plain GEMV). Off until measured: sm_90 SASS shows the fused loop
+# at 2.2x the plain one's instructions at M=1 (every N tile recomputes SiLU over its K range).
+_TUNE_GATED = _gemv.GATED_EXPERIMENT
 
 
 @triton.jit
@@ -133,7 +133,8 @@ def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
                     stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                    ANCHOR_GATED: tl.constexpr = False):
     """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -155,7 +156,7 @@ def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
             w = tl.load(w_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K)
+        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K, ANCHOR_GATED)
         # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
         acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
     scale = tl.load(s_ptr + rows)
@@ -354,8 +355,9 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                                         **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        anchor = gated and x.is_cuda and _gemv.GATED_EXPERIMENT
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
-                                          **pdl.launch_kwargs(x.device))
+                                          ANCHOR_GATED=anchor, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
 
 
