@@ -51,6 +51,54 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
 
 
 @triton.jit
+def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
+    """Weight rows of program pid_n's tile. Rows past N re-read row N-1 (no mask needed).
+    GATE_OUT (a [gate | up] weight of N = 2I rows): the tile's first half is gate rows
+    j0 .. j0 + BLOCK_N/2 - 1 and its second half the matching up rows I + j0 .., so that the
+    program can write SiLU(gate)·up for its BLOCK_N/2 columns (_finish_gate_out)."""
+    r = tl.arange(0, BLOCK_N)
+    if GATE_OUT:
+        half = N // 2
+        j = tl.minimum(pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2), half - 1)
+        rows = tl.where(r < BLOCK_N // 2, j, half + j)
+    else:
+        rows = tl.minimum(pid_n * BLOCK_N + r, N - 1)
+    return rows.to(tl.int64)
+
+
+@triton.jit
+def _finish_gate_out(part, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """M == 1, GATE_OUT: part [BLOCK_N] holds the tile's gate then up sums (_tile_rows); write
+    SiLU(gate)·up for its BLOCK_N/2 columns, each operand rounded to the output dtype first:
+    the values silu_and_mul computes from the stored gate/up projection. Split-K partials are
+    reduced as in _finish (workspace: BLOCK_N floats per tile and split)."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_virtual = tl.num_programs(0) * BLOCK_N
+    done = True
+    if SPLIT:
+        tl.store(ws_ptr + pid_k * n_virtual + v, part)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        done = arrived == split_k - 1
+        if done:
+            part = tl.zeros_like(part)
+            for i in range(0, split_k):  # fixed order: the same sum on every run
+                part += tl.load(ws_ptr + i * n_virtual + v, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    if done:
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + rows).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        g, u = tl.split(tl.permute(tl.reshape(part, (2, HALF)), (1, 0)))
+        g = g.to(out_ty).to(tl.float32)
+        u = u.to(out_ty).to(tl.float32)
+        j = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + j, (g * tl.sigmoid(g) * u).to(out_ty), mask=j < N // 2)
+
+
+@triton.jit
 def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr,
             ANCHOR: tl.constexpr = False):
     """A tile of the GEMV input. GATED: the input is the gate/up projection's [gate | up]
@@ -83,21 +131,20 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
                  stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1):
+                 STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
     flight per program, in registers. STAGES > 1 instead asks Triton to pipeline the loop
     (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
     without the registers. Under PDL the first tile's loads are issued before waiting for the
-    previous kernel (kernels/pdl.py).
+    previous kernel (kernels/pdl.py). GATE_OUT: see _tile_rows.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Rows past N re-read row N-1 instead of masking, so weight loads need no N mask.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -114,10 +161,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    part = tl.sum(acc, 1)[None, :]
-    offs_m = tl.arange(0, 1)
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-            stride_om, split_k, SPLIT, HAS_BIAS)
+    if GATE_OUT:
+        _finish_gate_out(tl.sum(acc, 1), rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+                         N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
+    else:
+        part = tl.sum(acc, 1)[None, :]
+        offs_m = tl.arange(0, 1)
+        _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+                stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -249,11 +300,16 @@ def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, gated: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, gated: bool = False,
+         gate_out: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
+    gate_out (one row, a [gate | up] weight, config gate_out_ok): the output is
+    silu_and_mul of the product, [..., N / 2], in the same launch.
     """
+    if gate_out:
+        return _gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape))
     x2, m, n, k = _gemv_operands(x, weight, gated)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
@@ -280,6 +336,40 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                                          ANCHOR_GATED=gated and x.is_cuda and GATED_EXPERIMENT,
                                          **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
+
+
+def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
+    """Whether the M == 1 kernels can write SiLU(gate)·up for this call (gate_out)."""
+    return (m == 1 and n % 2 == 0 and cfg is not None and not cfg.dot and not cfg.fp8_act
+            and cfg.block_n >= 2)
+
+
+def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   cfg: GemvConfig) -> torch.Tensor:
+    x2, m, n, k = _gemv_operands(x, weight, False)
+    if not gate_out_ok(m, n, cfg):
+        raise ValueError(f"gate_out needs one row, an even N and a one-row config; got M={m}, "
+                         f"N={n}, {cfg}")
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
+    _gemv_kernel[(n_tiles, split)](
+        x2, weight, bias if bias is not None else out, out, ws, cnt, 1, n, k, x2.stride(0),
+        weight.stride(0), out.stride(0), per_split, split, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, GATE_OUT=True,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+    return out.view(*x.shape[:-1], n // 2)
+
+
+def gate_out_launch(cfg: GemvConfig, n: int, k: int, device: torch.device):
+    """(split, k_per_split, tiles, workspace, counters) of a gate_out launch: tiles of
+    block_n / 2 output columns, split-K chosen as for the plain product of that many tiles."""
+    n_tiles = triton.cdiv(n // 2, cfg.block_n // 2)
+    split, per_split = _split_k(cfg, n, k, device)
+    ws = torch.empty((split, n_tiles * cfg.block_n), dtype=torch.float32, device=device)
+    cnt = _counters(device, n_tiles) if split > 1 else ws
+    return split, per_split, n_tiles, ws, cnt
 
 
 def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool

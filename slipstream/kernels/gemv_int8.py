@@ -22,10 +22,14 @@ from slipstream.kernels.gemv import (
     GemvConfig,
     _counters,
     _finish,
+    _finish_gate_out,
     _gemv_operands,
     _load_w_tile,
     _load_x,
     _split_k,
+    _tile_rows,
+    gate_out_launch,
+    gate_out_ok,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.pdl import pdl_release, pdl_wait
@@ -91,15 +95,16 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  STAGES: tl.constexpr = 1):
+                  STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end.
     STAGES > 1 (without PREFETCH): weight tiles stream through shared memory, STAGES - 1 ahead
-    (asynchronous copies), so the bytes in flight do not cost registers."""
+    (asynchronous copies), so the bytes in flight do not cost registers. GATE_OUT: see
+    gemv._tile_rows."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
+    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -122,10 +127,14 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     scale = tl.load(s_ptr + rows)
     if BIT_CONVERT == 2:
         scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-    part = (tl.sum(acc, 1) * scale)[None, :]
-    offs_m = tl.arange(0, 1)
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-            stride_om, split_k, SPLIT, HAS_BIAS)
+    if GATE_OUT:
+        _finish_gate_out(tl.sum(acc, 1) * scale, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n,
+                         pid_k, N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
+    else:
+        part = (tl.sum(acc, 1) * scale)[None, :]
+        offs_m = tl.arange(0, 1)
+        _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+                stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -227,6 +236,19 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return qgemv(x, qweight, scale, bias, measured_qconfig(x, qweight, scale, bias), gated=gated)
 
 
+def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu_and_mul of qlinear_small's product in one launch, for one row of x and a
+    [gate | up] weight whose measured config is a one-row dequant GEMV; else None."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or m != 1:
+        return None
+    cfg = measured_qconfig(x, qweight, scale, bias)
+    if not gate_out_ok(m, qweight.shape[0], cfg):
+        return None
+    return qgemv_gate_out(x, qweight, scale, bias, cfg)
+
+
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
 _GATED_CHOICES: dict[tuple, GemvConfig] = {}
 
@@ -318,6 +340,29 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     logger.info("qgemv M<=%d N=%d K=%d %s: %s (%.1f us)", m, qweight.shape[0], qweight.shape[1],
                 qweight.dtype, best, best_us)
     return best
+
+
+def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    """silu_and_mul(x @ (q * scale)^T (+ bias)) for one row of x and a [gate | up] weight, in
+    one launch of the M == 1 kernel (gemv.gate_out_ok configs)."""
+    x2, m, n, k = _gemv_operands(x, qweight, False)
+    if qweight.dtype not in QUANT_WEIGHT_DTYPES or not gate_out_ok(m, n, cfg):
+        raise ValueError(f"qgemv_gate_out needs one row, an even N, a one-row config and an "
+                         f"int8 / fp8 weight; got M={m}, N={n}, {qweight.dtype}, {cfg}")
+    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    scale = scale.float().contiguous()
+    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
+    _qgemv_kernel[(n_tiles, split)](
+        x2, qweight, scale, bias if bias is not None else out, out, ws, cnt, 1, n, k,
+        x2.stride(0), qweight.stride(0), out.stride(0), per_split, split, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch,
+        BIT_CONVERT=_bit_convert_mode(cfg, qweight.dtype, x.is_cuda), STAGES=cfg.num_stages,
+        GATE_OUT=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_kwargs(x.device))
+    return out.view(*x.shape[:-1], n // 2)
 
 
 def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

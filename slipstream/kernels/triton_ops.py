@@ -111,6 +111,20 @@ def linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return linear(act(gate_up), weight, bias)
 
 
+def linear_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> torch.Tensor | None:
+    """silu_and_mul(linear(x, weight, bias)) in one launch for one row of x and a [gate | up]
+    weight, when the measured choice for the product is a one-row Triton GEMV; else None."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (not x.is_cuda or m != 1 or os.environ.get("SLIPSTREAM_LINEAR", "auto") != "auto"
+            or not _kernel_fits(x, weight, bias)):
+        return None
+    cfg = _choice(m, weight, bias, x)
+    if not _gemv.gate_out_ok(m, weight.shape[0], cfg):
+        return None
+    return _gemv.gemv(x, weight, bias, cfg, gate_out=True)
+
+
 def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
             x: torch.Tensor) -> _gemv.GemvConfig | None:
     """The measured config for this shape (None: cuBLAS), measuring it the first time.

@@ -98,6 +98,13 @@ class MergedColumnParallelLinear(LinearBase):
                          quant_method, tp_size, tp_rank)
 
 
+    def forward_gate_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A [gate | up] layer: silu_and_mul(forward(x)) in one kernel where the quant method
+        has one for x (QuantMethod.apply_gate_out), else None. Each rank holds [gate | up] of its
+        own shard, so the activation stays rank-local as in the unfused path."""
+        return self.quant_method.apply_gate_out(self, x, self.bias)
+
+
 class QKVParallelLinear(MergedColumnParallelLinear):
     """Fused q, k, v projection: shards 0, 1, 2 of sizes Hq*D, Hkv*D, Hkv*D."""
 

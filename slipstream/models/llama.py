@@ -6,6 +6,7 @@ the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules
 from __future__ import annotations
 
 import logging
+import os
 from types import SimpleNamespace
 
 import torch
@@ -24,6 +25,10 @@ from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMe
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# SLIPSTREAM_GATE_UP_ACT=1 (experimental until measured on the GPU): at one decode row the
+# gate/up projection writes SiLU(gate)·up (kernels/gemv.py GATE_OUT) instead of the down
+# projection recomputing it per output tile (sm_90 SASS: that doubles the down GEMV's loop).
+GATE_UP_ACT = os.environ.get("SLIPSTREAM_GATE_UP_ACT", "0") == "1"
 
 
 class BuildContext:
@@ -96,6 +101,14 @@ class LlamaMLP(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), new residual), the norm fused where the method can."""
+        if GATE_UP_ACT and x.is_cuda and x.numel() == x.shape[-1]:
+            # One decode row: the gate/up GEMV writes SiLU(gate)·up itself where it can, and
+            # the down projection reads it as a plain input (no per-tile recompute).
+            h, new_residual = (norm(x), x) if residual is None else norm(x, residual)
+            act = self.gate_up_proj.forward_gate_out(h)
+            if act is not None:
+                return self.down_proj(act), new_residual
+            return self.down_proj.forward_gated(self.gate_up_proj(h), self.act_fn), new_residual
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_gated(gate_up, self.act_fn), residual
 

@@ -44,6 +44,12 @@ class QuantMethod(ABC):
         Methods whose decode kernel can compute the activation while loading x override it."""
         return self.apply(layer, act(gate_up), bias)
 
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        """silu_and_mul(apply(x)) of a [gate | up] layer in one kernel, where the method has one
+        for this input (decode GEMVs at one row); None: the caller runs apply, then the act."""
+        return None
+
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                      norm: nn.Module, bias: torch.Tensor | None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +86,11 @@ class UnquantizedLinearMethod(QuantMethod):
         if gate_up.is_cuda:
             return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
         return F.linear(act(gate_up), layer.weight, bias)
+
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        gate_out = getattr(_triton_ops(), "linear_gate_out", None) if x.is_cuda else None
+        return gate_out(x, layer.weight, bias) if gate_out is not None else None
 
 
 def _triton_ops():

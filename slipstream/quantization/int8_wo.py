@@ -40,6 +40,18 @@ class PerChannelMethod(QuantMethod):
                                     act=act)
         return self.apply(layer, act(gate_up), bias)
 
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        if not x.is_cuda or _qlinear_small() is None or not self._gate_out_applies(x):
+            return None
+        from slipstream.kernels.gemv_int8 import qlinear_small_gate_out
+
+        return qlinear_small_gate_out(x, layer.weight, layer.weight_scale, bias)
+
+    def _gate_out_applies(self, x: torch.Tensor) -> bool:
+        """Whether apply(x) would run the one-row GEMV (subclasses with another path: False)."""
+        return x.numel() == x.shape[-1]
+
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Fused tensors in checkpoint layout: leaf -> (tensor, output dim, pack factor)."""
         return {"weight": (layer.weight.data, 0, 1), "weight_scale": (layer.weight_scale.data, 0, 1)}

@@ -34,6 +34,9 @@ class W8A8SmoothQuantMethod(Int8WeightOnlyMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias)
 
+    def _gate_out_applies(self, x: torch.Tensor) -> bool:
+        return False  # its products take INT8 activations; the one-row GEMV takes bf16
+
 
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:

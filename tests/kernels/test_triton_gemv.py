@@ -191,3 +191,48 @@ def test_gpu_gemv_graph_replay() -> None:
         graph.replay()
         want = F.linear(x.float(), w.float(), b.float())
         assert (out.float() - want).norm() / want.norm() < 5e-3
+
+
+# ------------------------------------------- gate_out: the gate/up GEMV writes SiLU(gate)·up
+@pytest.mark.parametrize("cfg", [gemv.GemvConfig(block_n=8, block_k=64, split_k=3),
+                                 gemv.GemvConfig(block_n=4, block_k=128, split_k=1, prefetch=True),
+                                 gemv.GemvConfig(block_n=16, block_k=64, num_stages=2),
+                                 gemv.GemvConfig(block_n=2, block_k=64, split_k=2)])
+@pytest.mark.parametrize("half,k,with_bias", [(45, 300, True), (64, 256, False)])
+def test_gemv_gate_out(cfg: gemv.GemvConfig, half: int, k: int, with_bias: bool) -> None:
+    """One row, a [gate | up] weight: silu_and_mul of the product in one launch, equal to the
+    product then the activation (split-K, a partial last tile, bias on both halves)."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    x, w = torch.randn(1, k), torch.randn(2 * half, k)
+    b = torch.randn(2 * half) if with_bias else None
+    got = gemv.gemv(x, w, b, cfg, gate_out=True)
+    assert got.shape == (1, half)
+    want = silu_and_mul(F.linear(x.double(), w.double(), None if b is None else b.double()))
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_gate_out_limits() -> None:
+    one_row = gemv.GemvConfig(block_n=8, block_k=64)
+    assert gemv.gate_out_ok(1, 64, one_row)
+    assert not gemv.gate_out_ok(2, 64, one_row)  # one row only
+    assert not gemv.gate_out_ok(1, 63, one_row)  # [gate | up] halves
+    assert not gemv.gate_out_ok(1, 64, gemv.GemvConfig(block_n=32, block_k=64, dot=True))
+    assert not gemv.gate_out_ok(1, 64, None)  # cuBLAS chosen
+    with pytest.raises(ValueError, match="gate_out"):
+        gemv.gemv(torch.randn(2, 64), torch.randn(16, 64), None, one_row, gate_out=True)
+    # Off CUDA the automatic path never takes it (the caller then runs the two steps).
+    assert triton_ops.linear_gate_out(torch.randn(1, 64), torch.randn(16, 64), None) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,half", [(4096, 14336), (1000, 333)])
+def test_gpu_gate_out_equals_two_steps(k: int, half: int) -> None:
+    """bf16 on the GPU, every one-row candidate: the same bits as the product, then the
+    Triton silu_and_mul (same per-row sums, same activation formula and roundings)."""
+    ops = get_ops("cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * half, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    for cfg in gemv.candidate_configs(1, 2 * half, k):
+        want = ops.silu_and_mul(gemv.gemv(x, w, None, cfg))
+        assert torch.equal(gemv.gemv(x, w, None, cfg, gate_out=True), want), cfg

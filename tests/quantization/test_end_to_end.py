@@ -311,3 +311,23 @@ def test_gpu_streamed_awq_writes_the_same_checkpoint(tiny, tmp_path):
     streamed = checkpoint.quantize_checkpoint(tiny, "int4_awq", tmp_path / "streamed", **kw)
     a, b = load_file(str(whole / "model.safetensors")), load_file(str(streamed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8", "int8_wo"])
+def test_gpu_gate_up_act_decodes_the_same_tokens(monkeypatch, tiny, prompts, quantization):
+    """SLIPSTREAM_GATE_UP_ACT=1: at batch 1 the gate/up GEMV writes SiLU(gate)·up and the down
+    projection reads it plainly; greedy tokens (CUDA graphs, bf16) equal the default path's."""
+    from slipstream.models import llama
+
+    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+
+    def tokens(flag: bool) -> list[list[int]]:
+        monkeypatch.setattr(llama, "GATE_UP_ACT", flag)
+        llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization=quantization,
+                  kv_cache_memory=64 << 20, max_num_seqs=1)
+        return [list(o.outputs[0].token_ids) for o in
+                llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+
+    assert tokens(True) == tokens(False)

@@ -316,3 +316,24 @@ def test_gpu_anchored_gated_activation_is_exact(monkeypatch: pytest.MonkeyPatch,
     plain = run()
     monkeypatch.setattr(gemv, "GATED_EXPERIMENT", True)
     assert torch.equal(run(), plain)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=8, block_k=64, split_k=3),
+                                 GemvConfig(block_n=4, block_k=128, split_k=1, prefetch=True,
+                                            bit_convert=1),
+                                 GemvConfig(block_n=16, block_k=64, num_stages=2)])
+def test_qgemv_gate_out(wdtype: torch.dtype, cfg: GemvConfig) -> None:
+    """The one-row dequant GEMV writing SiLU(gate)·up of a [gate | up] weight: equal to the
+    product then the activation."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    x = torch.randn(1, 300)
+    q, s = _qweight(90, 300, wdtype)
+    b = torch.randn(90)
+    got = gemv_int8.qgemv_gate_out(x, q, s, b, cfg)
+    want = silu_and_mul(gemv_int8.qgemv_reference(x.double(), q, s, b.double()))
+    assert got.shape == (1, 45) and _rel(got, want) < 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        gemv_int8.qgemv_gate_out(torch.randn(2, 300), q, s, b, cfg)
+    assert gemv_int8.qlinear_small_gate_out(x, q, s, b) is None  # off CUDA: two steps
