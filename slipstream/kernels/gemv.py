@@ -29,25 +29,36 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
             stride_om, split_k, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Write part ([BLOCK_M, BLOCK_N] float32) to the output, reducing over the K splits."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ws_off = offs_m[:, None] * N + offs_n[None, :]
-    done = True
-    if SPLIT:
-        tl.store(ws_ptr + pid_k * M * N + ws_off, part, mask=mask)
-        # All threads' partial stores happen before the release of the arrival count.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        done = arrived == split_k - 1
-        if done:
-            part = tl.zeros_like(part)
-            for i in range(0, split_k):  # fixed order: the same sum on every run
-                part += tl.load(ws_ptr + i * M * N + ws_off, mask=mask, other=0.0,
-                                cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    part, done = _reduce_splits(part, ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask,
+                                M * N, cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:
             part += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  part.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _reduce_splits(part, ws_ptrs, mask, split_stride, cnt_ptr, pid_k, split_k,
+                   SPLIT: tl.constexpr):
+    """Split-K without a second launch: (the sum over every split of this tile's part, whether
+    this program holds it). Each program stores its part at ws_ptrs + pid_k * split_stride;
+    the last to arrive on the tile's counter adds all of them in a fixed order (the same sum on
+    every run) and resets the counter to zero."""
+    done = True
+    if SPLIT:
+        tl.store(ws_ptrs + pid_k * split_stride, part, mask=mask)
+        # All threads' partial stores happen before the release of the arrival count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        done = arrived == split_k - 1
+        if done:
+            part = tl.zeros_like(part)
+            for i in range(0, split_k):
+                part += tl.load(ws_ptrs + i * split_stride, mask=mask, other=0.0,
+                                cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr, 0)
+    return part, done
 
 
 @triton.jit
@@ -75,18 +86,8 @@ def _finish_gate_out(part, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_
     reduced as in _finish (workspace: BLOCK_N floats per tile and split)."""
     HALF: tl.constexpr = BLOCK_N // 2
     v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_virtual = tl.num_programs(0) * BLOCK_N
-    done = True
-    if SPLIT:
-        tl.store(ws_ptr + pid_k * n_virtual + v, part)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        done = arrived == split_k - 1
-        if done:
-            part = tl.zeros_like(part)
-            for i in range(0, split_k):  # fixed order: the same sum on every run
-                part += tl.load(ws_ptr + i * n_virtual + v, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+    part, done = _reduce_splits(part, ws_ptr + v, v >= 0, tl.num_programs(0) * BLOCK_N,
+                                cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:
             part += tl.load(bias_ptr + rows).to(tl.float32)
@@ -317,10 +318,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_config(m, n, k)
-    split, per_split = _split_k(cfg, n, k, x.device)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    split, per_split, n_tiles, ws, cnt = split_buffers(cfg, m, n, k, out)
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
@@ -336,6 +334,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                                          ANCHOR_GATED=gated and x.is_cuda and GATED_EXPERIMENT,
                                          **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
+
+
+def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):
+    """(split, k_per_split, n_tiles, workspace, counters) of a launch over [m, n] outputs;
+    without a split the output stands in for the unused workspace and counters."""
+    split, per_split = _split_k(cfg, n, k, out.device)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    if split == 1:
+        return split, per_split, n_tiles, out, out
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    return split, per_split, n_tiles, ws, _counters(out.device, n_tiles)
 
 
 def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:

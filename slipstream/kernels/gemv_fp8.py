@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels import pdl
-from slipstream.kernels.gemv import GemvConfig, _counters, _finish, _gemv_operands, _load_x, _split_k
+from slipstream.kernels.gemv import GemvConfig, _finish, _gemv_operands, _load_x, split_buffers
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.rotary_cache import _round_e4m3
 
@@ -96,10 +96,7 @@ def fp8_dot_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
-    split, per_split = _split_k(cfg, n, k, x.device)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    split, per_split, n_tiles, ws, cnt = split_buffers(cfg, m, n, k, out)
     _fp8_dot_gemv_kernel[(n_tiles, split)](
         x2, qweight, scale, bias if bias is not None else out, out, ws, cnt, m, n, k,
         x2.stride(0), qweight.stride(0), out.stride(0), per_split, split, BLOCK_M=BLOCK_M,

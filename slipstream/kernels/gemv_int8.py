@@ -20,16 +20,15 @@ from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
-    _counters,
     _finish,
     _finish_gate_out,
     _gemv_operands,
     _load_w_tile,
     _load_x,
-    _split_k,
     _tile_rows,
     gate_out_launch,
     gate_out_ok,
+    split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.pdl import pdl_release, pdl_wait
@@ -383,10 +382,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_qconfig(m)
-    split, per_split = _split_k(cfg, n, k, x.device)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    split, per_split, n_tiles, ws, cnt = split_buffers(cfg, m, n, k, out)
     b = bias if bias is not None else out
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
