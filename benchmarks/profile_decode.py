@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=None, help="default: the batch size")
     p.add_argument("--max-num-tokens", type=int, default=2048)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--quantize-lm-head", action="store_true", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--top", type=int, default=22, help="kernels to list")
     ns = p.parse_args()
@@ -72,7 +73,7 @@ def main() -> None:
     llm = LLM(model_dir, load_format="dummy", dtype="bfloat16",
               max_num_seqs=max(ns.batch_size, 1), max_model_len=ns.input_len + ns.steps + 64,
               enforce_eager=ns.enforce_eager, quantization=ns.quantization,
-              kv_cache_dtype=ns.kv_cache_dtype,
+              kv_cache_dtype=ns.kv_cache_dtype, quantize_lm_head=ns.quantize_lm_head,
               max_num_tokens=max(ns.max_num_tokens, ns.input_len))
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(ns.input_len)] for i in range(num_requests)]
     params = SamplingParams(max_tokens=ns.steps, ignore_eos=True, temperature=0)

@@ -40,11 +40,11 @@ QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
 # rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
 _FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
-# SLIPSTREAM_TUNE_GATED=1 (gemv.GATED_EXPERIMENT): the down projection's gated calls also get
+# gemv.TUNE_GATED (SLIPSTREAM_TUNE_GATED=0 turns it off): the down projection's gated calls get
 # their own measured choice, fused (SiLU·up computed as the kernel loads x) or unfused (the
-# activation kernel, then the plain GEMV). Off until measured: sm_90 SASS shows the fused loop
-# at 2.2x the plain one's instructions at M=1 (every N tile recomputes SiLU over its K range).
-_TUNE_GATED = _gemv.GATED_EXPERIMENT
+# activation kernel, then the plain GEMV); sm_90 SASS shows the fused loop at 2.2x the plain
+# one's instructions at M=1 (every N tile recomputes SiLU over its K range).
+_TUNE_GATED = _gemv.TUNE_GATED
 
 
 @triton.jit
@@ -223,7 +223,7 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None, gated: bool = False,
                   act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA. gated (see
-    qgemv): the plain product's measured config; with SLIPSTREAM_TUNE_GATED=1 and `act` (the
+    qgemv): the plain product's measured config; with gemv.TUNE_GATED and `act` (the
     activation the gated kernel computes), a choice measured for the gated call itself, which
     may be to run act first and then the plain product."""
     if gated and act is not None and _TUNE_GATED:
@@ -396,7 +396,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                                         **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        anchor = gated and x.is_cuda and _gemv.GATED_EXPERIMENT
+        anchor = gated and x.is_cuda and _gemv.TUNE_GATED
         _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
                                           ANCHOR_GATED=anchor, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)

@@ -316,8 +316,8 @@ def test_gpu_streamed_awq_writes_the_same_checkpoint(tiny, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8", "int8_wo"])
 def test_gpu_gate_up_act_decodes_the_same_tokens(monkeypatch, tiny, prompts, quantization):
-    """SLIPSTREAM_GATE_UP_ACT=1: at batch 1 the gate/up GEMV writes SiLU(gate)·up and the down
-    projection reads it plainly; greedy tokens (CUDA graphs, bf16) equal the default path's."""
+    """GATE_UP_ACT (on by default): at batch 1 the gate/up GEMV writes SiLU(gate)·up and the down
+    projection reads it plainly; greedy tokens (CUDA graphs, bf16) equal the other path's."""
     from slipstream.models import llama
 
     if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):

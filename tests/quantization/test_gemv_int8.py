@@ -229,7 +229,7 @@ def test_int8_and_fp8_linear_gpu(m: int) -> None:
 
 
 def test_gated_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SLIPSTREAM_TUNE_GATED: a gated call's choice times act-then-plain against each candidate
+    """gemv.TUNE_GATED: a gated call's choice times act-then-plain against each candidate
     run gated, skips wrong results, and keeps the fastest."""
     from slipstream.kernels.reference import silu_and_mul
 
@@ -279,7 +279,7 @@ def test_qlinear_small_runs_the_gated_choice(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_gpu_tuned_gated_down_projection(monkeypatch: pytest.MonkeyPatch, wdtype, m) -> None:
-    """SLIPSTREAM_TUNE_GATED=1 on the GPU: the gated call's own measured choice (fused or
+    """gemv.TUNE_GATED on the GPU: the gated call's own measured choice (fused or
     act-then-plain) gives the product of act(gate_up), within the method's tolerance."""
     from slipstream.kernels.reference import silu_and_mul
 
@@ -314,7 +314,7 @@ def test_gpu_anchored_gated_activation_is_exact(monkeypatch: pytest.MonkeyPatch,
         q, s = _qweight(n, k, wdtype, "cuda")
         run = lambda: gemv_int8.qgemv(gate_up, q, s, None, cfg, gated=True)  # noqa: E731
     plain = run()
-    monkeypatch.setattr(gemv, "GATED_EXPERIMENT", True)
+    monkeypatch.setattr(gemv, "TUNE_GATED", True)
     assert torch.equal(run(), plain)
 
 
