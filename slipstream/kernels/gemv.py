@@ -236,10 +236,6 @@ class GemvConfig:
     # FP8 weights only (kernels/gemv_fp8.py): activations quantized to FP8 in the kernel and
     # FP8 tensor-core products, any M <= 16.
     fp8_act: bool = False
-    # M == 1 kernels: each program's K range is one tile (split_k is K / block_k), all of it
-    # requested before the PDL wait. For a GEMV after a latency-bound kernel (decode attention
-    # at small batches): its weights stream in while that kernel runs.
-    preload: bool = False
 
 
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
@@ -296,7 +292,7 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
 def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(split_k, k_per_split): enough programs for ~4 resident per SM, K chunks a BLOCK_K multiple."""
     k_tiles = triton.cdiv(k, cfg.block_k)
-    split = k_tiles if cfg.preload else cfg.split_k
+    split = cfg.split_k
     if split <= 0:
         n_tiles = triton.cdiv(n, cfg.block_n)
         split = min(triton.cdiv(4 * num_sms(device), n_tiles), k_tiles, 16)

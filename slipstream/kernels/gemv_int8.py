@@ -71,15 +71,6 @@ def _to_float(w, BIT_CONVERT: tl.constexpr):
 
 
 @triton.jit
-def _product(w, x, BIT_CONVERT: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] float32 products of a weight tile and x's matching slice."""
-    xf = x.to(tl.float32)
-    if BIT_CONVERT == 2:
-        xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
-    return _to_float(w, BIT_CONVERT) * xf[None, :]
-
-
-@triton.jit
 def _int8x4_to_float(w):
     """int8 -> float32 as BIT_CONVERT 1 computes it, in fewer instructions: one XOR flips the
     sign bits of four packed bytes, then one byte permute per value builds the float bits
@@ -103,13 +94,11 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                   HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
                   GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False,
-                  PRELOAD: tl.constexpr = False):
+                  STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False):
     """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end.
     STAGES > 1 (without PREFETCH): weight tiles stream through shared memory, STAGES - 1 ahead
-    (asynchronous copies), so the bytes in flight do not cost registers. PRELOAD: the program's
-    K range is one tile, all of it requested before the PDL wait (see GemvConfig.preload).
-    GATE_OUT: see gemv._tile_rows."""
+    (asynchronous copies), so the bytes in flight do not cost registers. GATE_OUT: see
+    gemv._tile_rows."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -120,24 +109,21 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    scale = tl.load(s_ptr + rows)  # a weight: safe to read before the wait
-    if PRELOAD:
-        w = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        pdl_wait(USE_PDL)
-        x = _load_x(x_ptr + k_lo + offs_k, k_lo + offs_k < k_hi, K, GATED, EVEN_K)
-        acc += _product(w, x, BIT_CONVERT)
-    else:
+    if PREFETCH:
+        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
-            w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            if PREFETCH:
-                w = w_next
-                w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-            else:
-                w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-            x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
-            acc += _product(w, x, BIT_CONVERT)
+            w = w_next
+            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        else:
+            w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
+        xf = x.to(tl.float32)
+        if BIT_CONVERT == 2:
+            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
+        acc += _to_float(w, BIT_CONVERT) * xf[None, :]
+    scale = tl.load(s_ptr + rows)
     if BIT_CONVERT == 2:
         scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
     if GATE_OUT:
@@ -219,16 +205,6 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
     return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles] + _fp8_act_configs(weight_dtype)
 
 
-def preload_qconfigs(weight_dtype: torch.dtype = torch.int8) -> list[GemvConfig]:
-    """One-row configs whose programs request all their weights before the PDL wait: 8-32 KB
-    tiles (16-64 registers a thread), so that ~all programs of a 4k x 4k-6k projection are
-    resident at once; int8 converted by byte permutes, fp8 by the hardware convert."""
-    bits = 2 if weight_dtype == torch.int8 else 0
-    return [GemvConfig(bn, bk, 0, w, 1, bit_convert=bits, preload=True) for bn, bk, w in
-            [(4, 4096, 4), (8, 4096, 8), (2, 4096, 2), (8, 2048, 4), (4, 2048, 2), (16, 1024, 4),
-             (8, 1024, 2)]]
-
-
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
     """FP8 weights: the tensor-core kernel with FP8 activations (kernels/gemv_fp8.py), tiles of
     64-256 weight rows (one or two warp groups) by 128-256 columns (~1.2-2 sm_90 instructions per
@@ -245,21 +221,18 @@ _QCHOICES: dict[tuple, GemvConfig] = {}
 
 def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None, gated: bool = False,
-                  act: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  preload: bool = False) -> torch.Tensor:
+                  act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA. gated (see
     qgemv): the plain product's measured config; with gemv.TUNE_GATED and `act` (the
     activation the gated kernel computes), a choice measured for the gated call itself, which
-    may be to run act first and then the plain product. preload: the call follows a
-    latency-bound kernel; at one row it runs the fastest of preload_qconfigs."""
+    may be to run act first and then the plain product."""
     if gated and act is not None and _TUNE_GATED:
         cfg = _gated_choice(x, qweight, scale, bias, act)
         if cfg is _UNFUSED:
             return qlinear_small(act(x), qweight, scale, bias)
         if cfg is not None:
             return qgemv(x, qweight, scale, bias, cfg, gated=True)
-    cfg = measured_qconfig(x, qweight, scale, bias, preload=preload)
-    return qgemv(x, qweight, scale, bias, cfg, gated=gated)
+    return qgemv(x, qweight, scale, bias, measured_qconfig(x, qweight, scale, bias), gated=gated)
 
 
 def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -328,31 +301,28 @@ def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 def measured_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, preload: bool = False) -> GemvConfig | None:
+                     bias: torch.Tensor | None = None) -> GemvConfig | None:
     """The config qlinear_small runs for x's row count and this weight (measured on first use
-    on CUDA; None off CUDA or while capturing a graph before it was measured: the default).
-    preload (one row only): the fastest of preload_qconfigs."""
+    on CUDA; None off CUDA or while capturing a graph before it was measured: the default)."""
     k = qweight.shape[1]
     m = x.numel() // x.shape[-1]
     bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
-    preload = preload and bucket == 1
-    key = (bucket, qweight.shape[0], k, x.dtype, qweight.dtype, x.device.index, preload)
+    key = (bucket, qweight.shape[0], k, x.dtype, qweight.dtype, x.device.index)
     cfg = _QCHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
-        candidates = preload_qconfigs(qweight.dtype) if preload else None
-        cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype, candidates)
+        cfg = _QCHOICES[key] = _measure(bucket, qweight, scale, bias, x.dtype)
     return cfg
 
 
 def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             dtype: torch.dtype, candidates: list[GemvConfig] | None = None) -> GemvConfig:
+             dtype: torch.dtype) -> GemvConfig:
     x = torch.randn((m, qweight.shape[1]), device=qweight.device, dtype=dtype)
     expect = qgemv_reference(x, qweight, scale, bias).float()
     arg_sets = weight_copies((x, qweight, scale) if bias is None else (x, qweight, scale, bias))
     best, best_us = default_qconfig(m), float("inf")
-    for cfg in candidates or candidate_qconfigs(m, qweight.dtype):
+    for cfg in candidate_qconfigs(m, qweight.dtype):
         want = expect
         if cfg.fp8_act:  # its own oracle: the activations it quantizes are part of its result
             want = fp8_dot_gemv_reference(x, qweight, scale, bias, cfg.block_k).float()
@@ -389,7 +359,7 @@ def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch,
         BIT_CONVERT=_bit_convert_mode(cfg, qweight.dtype, x.is_cuda), STAGES=cfg.num_stages,
-        GATE_OUT=True, PRELOAD=cfg.preload, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GATE_OUT=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 
@@ -422,7 +392,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
-                                        STAGES=cfg.num_stages, PRELOAD=cfg.preload, **common,
+                                        STAGES=cfg.num_stages, **common,
                                         **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"

@@ -30,8 +30,6 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 # loop). H200 W1: fp8 + FP8 head 353 -> 371 tok/s, int8_wo + head 339 -> 362, bf16 unchanged.
 # SLIPSTREAM_GATE_UP_ACT=0 turns it off.
 GATE_UP_ACT = os.environ.get("SLIPSTREAM_GATE_UP_ACT", "1") != "0"
-# SLIPSTREAM_PRELOAD_O=1 (experimental until measured): see LlamaAttention.o_proj.
-PRELOAD_O_PROJ = os.environ.get("SLIPSTREAM_PRELOAD_O", "0") == "1"
 
 
 class BuildContext:
@@ -63,9 +61,6 @@ class LlamaAttention(nn.Module):
                                           **ctx.linear_kwargs(f"{prefix}.qkv_proj"))
         self.o_proj = RowParallelLinear(hq * d, cfg.hidden_size, o_bias,
                                         **ctx.linear_kwargs(f"{prefix}.o_proj"))
-        # It follows the attention kernel, which at small batches is latency-bound: its one-row
-        # GEMV requests its weights before waiting for it (GemvConfig.preload).
-        self.o_proj.preload_weights = PRELOAD_O_PROJ
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)

@@ -111,8 +111,7 @@ class Fp8LinearMethod(PerChannelMethod):
         replace_param(layer, "weight_scale", scale, output_dim=0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias,
-                          preload=getattr(layer, "preload_weights", False))
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias)
 
     def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
                     act) -> torch.Tensor:
@@ -149,14 +148,13 @@ class Fp8LinearMethod(PerChannelMethod):
 
 
 def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, preload: bool = False) -> torch.Tensor:
-    """y = x @ (qweight * scale)^T (+ bias); W8A8 with per-token activation scales. preload:
-    see gemv_int8.qlinear_small."""
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ (qweight * scale)^T (+ bias); W8A8 with per-token activation scales."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], qweight.shape[0]
     if x.is_cuda and 0 < m <= _SMALL_M and _qlinear_small() is not None:
-        return _qlinear_small()(x, qweight, scale, bias, preload=preload)
+        return _qlinear_small()(x, qweight, scale, bias)
     if x.is_cuda and k % 16 == 0 and n % 16 == 0 and m > 0:
         out = _scaled_mm_linear(x2, qweight, scale)
     else:

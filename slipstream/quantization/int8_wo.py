@@ -116,8 +116,7 @@ class Int8WeightOnlyMethod(PerChannelMethod):
         replace_param(layer, "weight_scale", scale, output_dim=0)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear(x, layer.weight, layer.weight_scale, bias,
-                           preload=getattr(layer, "preload_weights", False))
+        return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 def unpack_int8_cols(packed: torch.Tensor, k: int) -> torch.Tensor:
@@ -135,15 +134,14 @@ def per_shard_scalar_loader(param: nn.Parameter, loaded: torch.Tensor, shard: in
 
 
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None, preload: bool = False) -> torch.Tensor:
-    """x @ (qweight * scale[:, None])^T (+ bias) in x's dtype. preload: see
-    gemv_int8.qlinear_small."""
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (qweight * scale[:, None])^T (+ bias) in x's dtype."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if x.is_cuda and 0 < m <= _SMALL_M:
         small = _qlinear_small()
         if small is not None:
-            return small(x, qweight, scale, bias, preload=preload)
+            return small(x, qweight, scale, bias)
     # Large M (and the CPU reference): INT8 values are exact in x's dtype; scale the output.
     out = F.linear(x, qweight.to(x.dtype))
     out = out * scale.to(out.dtype)

@@ -39,9 +39,7 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
                                  GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
                                  GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
                                  GemvConfig(block_n=8, block_k=64, split_k=2, num_stages=4),
-                                 GemvConfig(block_n=32, block_k=64, dot=True),
-                                 GemvConfig(block_n=4, block_k=64, preload=True),
-                                 GemvConfig(block_n=8, block_k=512, preload=True, bit_convert=2)])
+                                 GemvConfig(block_n=32, block_k=64, dot=True)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     x = torch.randn(m, 300)
@@ -142,21 +140,6 @@ def test_fp8_dot_reference_scales_each_slice_by_its_amax() -> None:
                               atol=1e-6, rtol=1e-6)
 
 
-def test_preload_configs_cover_each_program_range_with_one_tile() -> None:
-    """A preload config's split is K / block_k, so each program's weights are one tile (loaded
-    before the PDL wait); the hint only applies at one row."""
-    from slipstream.kernels.gemv import split_buffers
-
-    out = torch.empty(1, 4096)
-    for cfg in gemv_int8.preload_qconfigs(torch.int8) + gemv_int8.preload_qconfigs(torch.float8_e4m3fn):
-        split, per_split, *_ = split_buffers(cfg, 1, 4096, 4096, out)
-        assert per_split == cfg.block_k and split == 4096 // cfg.block_k and cfg.preload
-        assert cfg.block_n * cfg.block_k <= 32 * 1024  # registers: <= 64 a thread at 4 warps
-    x = torch.randn(1, 300)
-    q, s = _qweight(45, 300, torch.float8_e4m3fn)
-    assert gemv_int8.measured_qconfig(x, q, s, preload=True) is None  # off CUDA: the default
-
-
 def test_fp8_act_candidates_only_for_fp8_weights() -> None:
     for m in (1, 4, 16):
         assert any(c.fp8_act for c in gemv_int8.candidate_qconfigs(m, torch.float8_e4m3fn))
@@ -193,7 +176,7 @@ def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
     else:
         assert _rel(got, want) < 1e-2, chosen
     if m == 1:  # every candidate, including the shared-memory pipelined ones
-        for cfg in gemv_int8.candidate_qconfigs(1, wdtype) + gemv_int8.preload_qconfigs(wdtype):
+        for cfg in gemv_int8.candidate_qconfigs(1, wdtype):
             got = gemv_int8.qgemv(x, q, s, b, cfg)
             if cfg.fp8_act:  # FP8 activations: ~2.5% from the float product, exact to its oracle
                 oracle = gemv_fp8.fp8_dot_gemv_reference(x.float(), q, s, b.float(), cfg.block_k)
