@@ -67,13 +67,13 @@ def loop_histogram(sass: str) -> collections.Counter:
 
 
 def qgemv_case(ns) -> tuple:
-    from slipstream.kernels.gemv_int8 import _qgemv_kernel
+    from slipstream.kernels.gemv import _gemv_kernel
     types = dict(x_ptr="*bf16", w_ptr=f"*{ns.weight}", s_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(BLOCK_N=ns.block_n, BLOCK_K=ns.block_k, SPLIT=False, EVEN_K=True,
                   HAS_BIAS=False, PREFETCH=ns.prefetch, BIT_CONVERT=ns.bit_convert, GATED=False,
-                  USE_PDL=False, STAGES=ns.stages)
-    return _qgemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
+                  USE_PDL=False, STAGES=ns.stages, GATE_OUT=False, HAS_SCALE=True)
+    return _gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
 def attention_case(ns) -> tuple:

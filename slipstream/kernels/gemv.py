@@ -16,6 +16,7 @@ import triton.language as tl
 
 from slipstream.kernels import pdl
 from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.weight_convert import weight_to_float
 
 MAX_M = 16
 # The down projection's gated paths (SLIPSTREAM_TUNE_GATED=0 turns them off): the M=2-16 kernels
@@ -129,18 +130,22 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr,
 
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREFETCH: tl.constexpr, GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                 STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                 stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
+                 USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
+                 GATE_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
+                 BIT_CONVERT: tl.constexpr = 0):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
     flight per program, in registers. STAGES > 1 instead asks Triton to pipeline the loop
     (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
     without the registers. Under PDL the first tile's loads are issued before waiting for the
-    previous kernel (kernels/pdl.py). GATE_OUT: see _tile_rows.
+    previous kernel (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
+    kernels/gemv_int8.py): INT8 / FP8 weights converted per BIT_CONVERT (kernels/weight_convert.py),
+    the sums scaled per output column (s_ptr).
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -162,15 +167,22 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stri
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        xf = x.to(tl.float32)
+        if BIT_CONVERT == 2:
+            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
+        acc += weight_to_float(w, BIT_CONVERT) * xf[None, :]
+    sums = tl.sum(acc, 1)
+    if HAS_SCALE:
+        scale = tl.load(s_ptr + rows)
+        if BIT_CONVERT == 2:
+            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
+        sums = sums * scale
     if GATE_OUT:
-        _finish_gate_out(tl.sum(acc, 1), rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
-                         N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
+        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
+                         SPLIT, HAS_BIAS, BLOCK_N)
     else:
-        part = tl.sum(acc, 1)[None, :]
-        offs_m = tl.arange(0, 1)
-        _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-                stride_om, split_k, SPLIT, HAS_BIAS)
+        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1),
+                offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit
@@ -184,13 +196,15 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                   ANCHOR_GATED: tl.constexpr = False):
-    """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step."""
+                   ANCHOR_GATED: tl.constexpr = False, HAS_SCALE: tl.constexpr = False):
+    """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step.
+    HAS_SCALE (the dequant GEMV, kernels/gemv_int8.py): INT8 / FP8 weights, exact in x's dtype,
+    converted per tile; the products scaled per output column (s_ptr) at the end."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
@@ -213,7 +227,11 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, st
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
         x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K, ANCHOR_GATED)
+        if HAS_SCALE:
+            w = w.to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + rows)[None, :]
     _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
@@ -324,8 +342,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None, GATED=gated,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x2, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-            per_split, split)
+    # The weight stands in for the unread scale (HAS_SCALE off).
+    args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
+            out.stride(0), per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
                                        **common, **pdl.launch_kwargs(x.device))
@@ -355,7 +374,9 @@ def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
 
 
 def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   cfg: GemvConfig) -> torch.Tensor:
+                   cfg: GemvConfig, scale: torch.Tensor | None = None,
+                   bit_convert: int = 0) -> torch.Tensor:
+    """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv_int8.py)."""
     x2, m, n, k = _gemv_operands(x, weight, False)
     if not gate_out_ok(m, n, cfg):
         raise ValueError(f"gate_out needs one row, an even N and a one-row config; got M={m}, "
@@ -364,11 +385,12 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
     _gemv_kernel[(n_tiles, split)](
-        x2, weight, bias if bias is not None else out, out, ws, cnt, 1, n, k, x2.stride(0),
-        weight.stride(0), out.stride(0), per_split, split, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+        x2, weight, weight if scale is None else scale, bias if bias is not None else out, out,
+        ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
         HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, GATE_OUT=True,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
+        HAS_SCALE=scale is not None, BIT_CONVERT=bit_convert, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 
 

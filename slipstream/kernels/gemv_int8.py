@@ -12,26 +12,17 @@ import os
 from collections.abc import Callable
 
 import torch
-import triton
-import triton.language as tl
 
 from slipstream.kernels import gemv as _gemv
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
-    _finish,
-    _finish_gate_out,
     _gemv_operands,
-    _load_w_tile,
-    _load_x,
-    _tile_rows,
-    gate_out_launch,
     gate_out_ok,
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
-from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -45,131 +36,6 @@ _FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
 # activation kernel, then the plain GEMV); sm_90 SASS shows the fused loop at 2.2x the plain
 # one's instructions at M=1 (every N tile recomputes SiLU over its K range).
 _TUNE_GATED = _gemv.TUNE_GATED
-
-
-@triton.jit
-def _to_float(w, BIT_CONVERT: tl.constexpr):
-    """w as float32 (BIT_CONVERT 2: times 2^-120), converted without conversion instructions when
-    BIT_CONVERT is set (int->float and fp8->float converts run at a fraction of the FMA rate).
-
-    1 (int8): bits b ^ 0x4B000080 read as float32 are 2^23 + 128 + value.
-    2 (fp8 e4m3): sign to bit 31, exponent and mantissa to bits 20-26: e4m3's value times 2^-120
-    (subnormals land on float32 subnormals, the same scaling); the caller multiplies back.
-    3 (int8, CUDA only): the same float as 1, one PRMT per value from four packed bytes.
-    """
-    if BIT_CONVERT == 3:
-        return _int8x4_to_float(w)
-    elif BIT_CONVERT == 1:
-        bits = w.to(tl.uint8, bitcast=True).to(tl.uint32) ^ 0x4B000080
-        return bits.to(tl.float32, bitcast=True) - 8388736.0
-    elif BIT_CONVERT == 2:
-        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
-        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return w.to(tl.float32)
-
-
-@triton.jit
-def _int8x4_to_float(w):
-    """int8 -> float32 as BIT_CONVERT 1 computes it, in fewer instructions: one XOR flips the
-    sign bits of four packed bytes, then one byte permute per value builds the float bits
-    0x4B0000uu (2^23 + uu); the subtraction leaves the value. Inline PTX: GPU only."""
-    f = tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t;
-        xor.b32 t, $4, 0x80808080;
-        prmt.b32 $0, t, 0x4B000000, 0x7540;
-        prmt.b32 $1, t, 0x4B000000, 0x7541;
-        prmt.b32 $2, t, 0x4B000000, 0x7542;
-        prmt.b32 $3, t, 0x4B000000, 0x7543;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[w], dtype=tl.float32, is_pure=True, pack=4)
-    return f - 8388736.0
-
-
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _qgemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, BIT_CONVERT: tl.constexpr,
-                  GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                  STAGES: tl.constexpr = 1, GATE_OUT: tl.constexpr = False):
-    """M == 1: products into a 2-D float32 accumulator, one reduction and one scale at the end.
-    STAGES > 1 (without PREFETCH): weight tiles stream through shared memory, STAGES - 1 ahead
-    (asynchronous copies), so the bytes in flight do not cost registers. GATE_OUT: see
-    gemv._tile_rows."""
-    pdl_release(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if PREFETCH:
-        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-    pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        if PREFETCH:
-            w = w_next
-            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        else:
-            w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
-        xf = x.to(tl.float32)
-        if BIT_CONVERT == 2:
-            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
-        acc += _to_float(w, BIT_CONVERT) * xf[None, :]
-    scale = tl.load(s_ptr + rows)
-    if BIT_CONVERT == 2:
-        scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-    if GATE_OUT:
-        _finish_gate_out(tl.sum(acc, 1) * scale, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n,
-                         pid_k, N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
-    else:
-        part = (tl.sum(acc, 1) * scale)[None, :]
-        offs_m = tl.arange(0, 1)
-        _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
-                stride_om, split_k, SPLIT, HAS_BIAS)
-
-
-@triton.jit(do_not_specialize=["M", "split_k"])
-def _qskinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                    ANCHOR_GATED: tl.constexpr = False):
-    """1 < M <= 16: weight tile converted to x's dtype, then a tensor-core product per step."""
-    pdl_release(USE_PDL)
-    pdl_wait(USE_PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_rows = tl.minimum(offs_m, M - 1)
-    offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = w_ptr + rows[None, :] * stride_wn + offs_k[:, None]
-    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        k_ok = k + offs_k < k_hi
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-        else:
-            w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K, ANCHOR_GATED)
-        # INT8 and FP8 E4M3 values are exact in bf16 / fp16 / fp32.
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PREC)
-    scale = tl.load(s_ptr + rows)
-    _finish(acc * scale[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m,
-            offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 def default_qconfig(m: int) -> GemvConfig:
@@ -345,23 +211,10 @@ def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
     """silu_and_mul(x @ (q * scale)^T (+ bias)) for one row of x and a [gate | up] weight, in
     one launch of the M == 1 kernel (gemv.gate_out_ok configs)."""
-    x2, m, n, k = _gemv_operands(x, qweight, False)
-    if qweight.dtype not in QUANT_WEIGHT_DTYPES or not gate_out_ok(m, n, cfg):
-        raise ValueError(f"qgemv_gate_out needs one row, an even N, a one-row config and an "
-                         f"int8 / fp8 weight; got M={m}, N={n}, {qweight.dtype}, {cfg}")
-    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
-    scale = scale.float().contiguous()
-    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
-    split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
-    _qgemv_kernel[(n_tiles, split)](
-        x2, qweight, scale, bias if bias is not None else out, out, ws, cnt, 1, n, k,
-        x2.stride(0), qweight.stride(0), out.stride(0), per_split, split, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch,
-        BIT_CONVERT=_bit_convert_mode(cfg, qweight.dtype, x.is_cuda), STAGES=cfg.num_stages,
-        GATE_OUT=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_kwargs(x.device))
-    return out.view(*x.shape[:-1], n // 2)
+    if qweight.dtype not in QUANT_WEIGHT_DTYPES:
+        raise ValueError(f"qgemv_gate_out needs an int8 / fp8 weight; got {qweight.dtype}")
+    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
+                                _bit_convert_mode(cfg, qweight.dtype, x.is_cuda))
 
 
 def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -391,14 +244,15 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _qgemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, BIT_CONVERT=bit_convert,
-                                        STAGES=cfg.num_stages, **common,
-                                        **pdl.launch_kwargs(x.device))
+        _gemv._gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
+                                             HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
+                                             **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         anchor = gated and x.is_cuda and _gemv.TUNE_GATED
-        _qskinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
-                                          ANCHOR_GATED=anchor, **pdl.launch_kwargs(x.device))
+        _gemv._skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
+                                               ANCHOR_GATED=anchor, HAS_SCALE=True,
+                                               **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
 
 
