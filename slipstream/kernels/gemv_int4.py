@@ -19,7 +19,17 @@ import triton.language as tl
 
 from slipstream.kernels import pdl
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
-from slipstream.kernels.gemv import MAX_M, GemvConfig, _counters, _finish, _split_k
+from slipstream.kernels.gemv import (
+    MAX_M,
+    GemvConfig,
+    _counters,
+    _finish,
+    _finish_gate_out,
+    _split_k,
+    _tile_rows,
+    gate_out_launch,
+    gate_out_ok,
+)
 from slipstream.kernels.int4_common import (
     measure_best,
     packed_words,
@@ -30,7 +40,8 @@ from slipstream.kernels.int4_common import (
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
-           "w4_linear_large", "w4_linear_reference", "w4_linear_small"]
+           "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
+           "w4_linear_small_gate_out"]
 
 
 @triton.jit
@@ -120,18 +131,20 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                    USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0):
+                    USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
+                    GATE_OUT: tl.constexpr = False):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
     BLOCK_N / (8 num_warps) rows each thread holds. BF16X2 (bf16 x only): t from packed bf16
-    pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX)."""
+    pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX). GATE_OUT: a
+    [gate | up] weight, the program writes SiLU(gate)·up (gemv._tile_rows)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
+    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)  # past N: row N-1 again, no mask
     offs_w = tl.arange(0, WORDS)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK: no K mask either
@@ -180,9 +193,12 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
             t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
             acc += t * (16.0 * s)
-    part = tl.sum(acc, 1)[None, :]
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1), offs_n, M,
-            N, stride_om, split_k, SPLIT, HAS_BIAS)
+    if GATE_OUT:
+        _finish_gate_out(tl.sum(acc, 1), rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+                         N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
+    else:
+        _finish(tl.sum(acc, 1)[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+                tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -323,6 +339,14 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """w4_gemv with a config measured once per (M bucket, N, K, group, dtype) on CUDA. Off CUDA,
     and for an unmeasured shape during CUDA-graph capture, the default config runs."""
+    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
+    return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
+
+
+def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor, group_size: int,
+                  bias: torch.Tensor | None) -> W4Config | None:
+    """w4_linear_small's measured config for x's row count (None: not measurable now)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
@@ -330,7 +354,7 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return w4_gemv(x, qweight, scales, zeros, group_size, bias)
+            return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
         cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
                  for c in candidate_w4_configs(bucket, x.dtype)]
@@ -338,7 +362,47 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
                                                  default_w4_config(bucket), label)
-    return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
+    return cfg
+
+
+def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                     config: W4Config) -> torch.Tensor:
+    """silu_and_mul(w4_gemv(x)) for one row of x and a [gate | up] weight of 2I rows, in one
+    launch of the M == 1 kernel (each program pairs its gate rows with the matching up rows)."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    words = packed_words(qweight, scales, zeros, group_size, k)
+    x2 = row_major(x.reshape(-1, k))
+    if not gate_out_ok(x2.shape[0], n, config):
+        raise ValueError(f"w4_gemv_gate_out needs one row, an even N and a one-row config; got "
+                         f"M={x2.shape[0]}, N={n}, {config}")
+    out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+    chunk = math.gcd(config.block_k, group_size)
+    split, per_split, n_tiles, ws, cnt = gate_out_launch(config, n, k, x.device)
+    scales, zeros = row_major(scales), row_major(zeros)
+    _w4_gemv_kernel[(n_tiles, split)](
+        x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
+        x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+        per_split, split, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=config.prefetch,
+        BF16X2=_bf16x2_mode(config, x2), GATE_OUT=True, num_warps=config.num_warps,
+        num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
+    return out.view(*x.shape[:-1], n // 2)
+
+
+def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                             zeros: torch.Tensor, group_size: int,
+                             bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """w4_gemv_gate_out with the measured config of the plain product, for one row of x on CUDA
+    when that config is a one-row kernel; else None (the caller runs the product, then the
+    activation)."""
+    if not x.is_cuda or x.numel() != x.shape[-1]:
+        return None
+    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
+    if not gate_out_ok(1, qweight.shape[0], cfg):
+        return None
+    return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg)
 
 
 def w4_choices() -> dict[str, str]:

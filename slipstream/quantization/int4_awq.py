@@ -14,6 +14,7 @@ columns in the same order first. The per-format unpacking helpers: int4_layouts.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ DEFAULT_GROUP = 128
 ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
 _CT_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 NEEDS_CALIBRATION = True
+# SLIPSTREAM_W4_GATE_OUT=1 (experimental until measured on the GPU): at one decode row the int4
+# gate/up GEMV writes SiLU(gate)·up itself (apply_gate_out), one launch less per layer.
+W4_GATE_OUT = os.environ.get("SLIPSTREAM_W4_GATE_OUT", "0") == "1"
 # AWQ runs the model on the prompts itself: the engine pass of collect_linear_stats is not needed.
 collect_calibration = collect_prompts
 
@@ -194,6 +198,20 @@ class Int4LinearMethod(QuantMethod):
             x = x.index_select(-1, perm)
         group = x.shape[-1] // layer.scales.shape[1]  # also right for one group per row
         return fn(x, layer.qweight, layer.scales, layer.zeros, group, bias)
+
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        """One decode row on CUDA (W4_GATE_OUT): the W4 GEMV writes silu_and_mul of the
+        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None."""
+        if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
+            return None
+        from slipstream.kernels.gemv_int4 import w4_linear_small_gate_out
+
+        perm = layer._buffers.get(ACT_ORDER_PERM)
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        group = x.shape[-1] // layer.scales.shape[1]
+        return w4_linear_small_gate_out(x, layer.qweight, layer.scales, layer.zeros, group, bias)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""

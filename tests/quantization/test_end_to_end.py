@@ -331,3 +331,22 @@ def test_gpu_gate_up_act_decodes_the_same_tokens(monkeypatch, tiny, prompts, qua
                 llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
 
     assert tokens(True) == tokens(False)
+
+
+@pytest.mark.gpu
+def test_gpu_w4_gate_out_decodes_the_same_tokens(monkeypatch, tiny, prompts):
+    """int4_awq with W4_GATE_OUT (SLIPSTREAM_W4_GATE_OUT=1): at batch 1 the W4 gate/up GEMV
+    writes SiLU(gate)·up; greedy tokens (CUDA graphs, bf16) equal those of the two-step path."""
+    from slipstream.models import llama
+    from slipstream.quantization import int4_awq
+
+    monkeypatch.setattr(llama, "GATE_UP_ACT", True)
+
+    def tokens(flag: bool) -> list[list[int]]:
+        monkeypatch.setattr(int4_awq, "W4_GATE_OUT", flag)
+        llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization="int4_awq",
+                  kv_cache_memory=64 << 20, max_num_seqs=1)
+        return [list(o.outputs[0].token_ids) for o in
+                llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+
+    assert tokens(True) == tokens(False)

@@ -116,6 +116,35 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("cfg", [
+    W4Config(block_n=16, block_k=128, split_k=1, prefetch=True),
+    W4Config(block_n=8, block_k=64, split_k=3),  # split-K partials reduced before the activation
+    W4Config(block_n=32, block_k=128, split_k=2, bit_convert=1),  # packed bf16 pairs (bf16 x)
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4_gate_out_equals_product_then_activation(cfg: W4Config, with_bias: bool) -> None:
+    """One row, a [gate | up] weight (I = 21: the last tile is partial): the kernel's SiLU(gate)·up
+    equals silu_and_mul of the same config's stored product (each operand rounded to x's dtype)."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    n, k, group = 42, 384, 128
+    packed = _quantized(n, k, group, seed=3)
+    dtype = torch.bfloat16 if cfg.bit_convert else torch.float32
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, cfg)
+    want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, group, b, cfg).float())
+    assert got.shape == (1, n // 2) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
+    for buf in _COUNTERS.values():  # split-K tile counters back at zero
+        assert int(buf.abs().sum()) == 0
+    with pytest.raises(ValueError, match="one row"):
+        gemv_int4.w4_gemv_gate_out(torch.randn(2, k).to(dtype), *packed, group, b, cfg)
+    assert gemv_int4.w4_linear_small_gate_out(x, *packed, group, b) is None  # off CUDA
+
+
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,cfg", [
     (128, None),
     (64, gemm_int4.W4GemmConfig(32, 32, 128, 4, 1)),  # block_k clamped to the group
@@ -243,6 +272,26 @@ def test_int4_linear_gpu(n: int, k: int, m: int) -> None:
         _gpu_check(gemv_int4.w4_gemv(x, *packed, 128, b), want, "w4_gemv default")
     else:
         _gpu_check(gemm_int4.w4_gemm(x, *packed, 128, b), want, "w4_gemm default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(28672, 4096), (2 * 333, 256)])
+def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
+    """On the GPU the one-launch SiLU(gate)·up has the same bits as the product then
+    silu_and_mul, for every one-row candidate (and the measured choice's wrapper)."""
+    from slipstream.kernels.activation import silu_and_mul
+
+    packed = _quantized(n, k, 128, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    for cfg in gemv_int4.candidate_w4_configs(1, x.dtype):
+        if cfg.dot:
+            continue
+        got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
+        want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg))
+        assert torch.equal(got, want), cfg
+    measured = gemv_int4.w4_linear_small_gate_out(x, *packed, 128)
+    plain = gemv_int4.w4_linear_small(x, *packed, 128)
+    assert measured is not None and torch.equal(measured, silu_and_mul(plain))
 
 
 @pytest.mark.gpu
