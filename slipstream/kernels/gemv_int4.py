@@ -278,8 +278,10 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
-    # Packed bf16 products: ~27% fewer instructions per weight (bf16 activations only).
-    bf16x2 = [dataclasses.replace(c, bit_convert=1) for c in fma] if dtype == torch.bfloat16 else []
+    # Packed bf16 products: ~27% fewer instructions per weight (bf16 activations only); their
+    # split variants too (split_k is a runtime value: no extra compiles).
+    bf16x2 = ([dataclasses.replace(c, bit_convert=1) for c in fma + splits]
+              if dtype == torch.bfloat16 else [])
     return fma + splits + bf16x2 + dot[:2]
 
 
