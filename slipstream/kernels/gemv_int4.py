@@ -201,6 +201,104 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
+def _two_rows_dot_asm() -> str:
+    """sm_90 PTX of _bf16x2_word_dot for two rows of x at once: each nibble pair of the word is
+    unpacked and has the zero subtracted once (lop3, sub), then multiplied into both rows'
+    packed-bf16 sums, in the one-row kernel's order. Operands: the two outputs, the word, the
+    zero pair, row 0's four x pairs, row 1's."""
+    lines = [".reg .b32 t, v, a0, a1;", ".reg .b16 lo, hi;", ".reg .f32 flo, fhi;"]
+    for a in range(4):
+        src = "$2"
+        if a:
+            lines.append(f"shr.u32 t, $2, {4 * a};")
+            src = "t"
+        lines += [f"lop3.b32 v, {src}, 0x000F000F, 0x43004300, 0xEA;", "sub.rn.bf16x2 v, v, $3;"]
+        for r in range(2):
+            pair = f"${4 + 4 * r + a}"
+            lines.append(f"mul.rn.bf16x2 a{r}, v, {pair};" if a == 0
+                         else f"fma.rn.bf16x2 a{r}, v, {pair}, a{r};")
+    for r in range(2):
+        lines += [f"mov.b32 {{lo, hi}}, a{r};", "cvt.f32.bf16 flo, lo;", "cvt.f32.bf16 fhi, hi;",
+                  f"add.f32 ${r}, flo, fhi;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_TWO_ROWS_ASM = tl.constexpr(_two_rows_dot_asm())
+
+
+@triton.jit
+def _word_dot_f32(u, p0, p1, p2, p3, zf):
+    """_bf16x2_word_dot's float32 twin for one row (the interpreter)."""
+    t = _pair_dot(u, p0, zf, 0)
+    t += _pair_dot(u, p1, zf, 4)
+    t += _pair_dot(u, p2, zf, 8)
+    return t + _pair_dot(u, p3, zf, 12)
+
+
+@triton.jit
+def _two_rows_word_dot(w, z, p00, p01, p02, p03, p10, p11, p12, p13, ASM: tl.constexpr):
+    """sum_i (q_i - z) x_ri per word for rows r = 0, 1 (p<r><a>: row r's x pairs), each as
+    _bf16x2_word_dot computes it (ASM: its PTX; else the float32 twin)."""
+    if ASM:
+        zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
+        t0, t1 = tl.inline_asm_elementwise(
+            asm=_TWO_ROWS_ASM, constraints="=r,=r,r,r,r,r,r,r,r,r,r,r",
+            args=[w, zc, p00, p01, p02, p03, p10, p11, p12, p13],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        u = w.to(tl.uint32, bitcast=True)
+        zf = z.to(tl.float32)
+        t0 = _word_dot_f32(u, p00, p01, p02, p03, zf)
+        t1 = _word_dot_f32(u, p10, p11, p12, p13, zf)
+    return t0, t1
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                        stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
+                        split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+                        ASM: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """M == 2 rows of bf16 x: the one-row kernel's packed-bf16 products, each weight word
+    unpacked once for both rows (_two_rows_word_dot). Against the tensor-core kernel (16 rows
+    padded, the dequantized tile through shared memory): ~4.8 sm_90 instructions per weight."""
+    WORDS: tl.constexpr = CHUNK // 8
+    pdl_release(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_w = tl.arange(0, WORDS)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
+    acc0 = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    if PREFETCH:
+        w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    pdl_wait(USE_PDL)
+    for k in range(k_lo, k_hi, CHUNK):
+        if PREFETCH:
+            w = w_next
+            k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
+            w_next = tl.load(w_ptrs + tl.multiple_of(k_next // 8, WORDS))
+        else:
+            w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
+        g = k // GROUP
+        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+        z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+        p00, p01, p02, p03 = _x_pairs(x_ptr, k, offs_w)
+        p10, p11, p12, p13 = _x_pairs(x_ptr + stride_xm, k, offs_w)
+        t0, t1 = _two_rows_word_dot(w, z8, p00[None, :], p01[None, :], p02[None, :],
+                                    p03[None, :], p10[None, :], p11[None, :], p12[None, :],
+                                    p13[None, :], ASM)
+        acc0 += t0 * s
+        acc1 += t1 * s
+    part = tl.trans(tl.join(tl.sum(acc0, 1), tl.sum(acc1, 1)))
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 2), offs_n, M,
+            N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
@@ -246,14 +344,17 @@ class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
     tensor-core (M <= 16) kernel instead of float32 FMAs. bit_convert (M == 1 FMA kernel, bf16
-    x): products from packed bf16 pairs (BF16X2)."""
+    x): products from packed bf16 pairs (BF16X2). two_rows (two rows of bf16 x): the
+    packed-bf16 kernel for both rows at once (_w4_two_rows_kernel), not the tensor-core one."""
 
     dot: bool = False
+    two_rows: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        kind = "dot" if self.dot else ("fma" + (" bf16x2" if self.bit_convert else "")
-                                        + (" prefetch" if self.prefetch else ""))
+        kind = "dot" if self.dot else ("two-row" if self.two_rows else "fma") + (
+            " bf16x2" if self.bit_convert or self.two_rows else "") + (
+            " prefetch" if self.prefetch else "")
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -274,7 +375,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
             (128, 4, 4, 1)]]
     if m > 1:
-        return dot + [W4Config(128, 64, 0, 4, dot=True)]
+        return dot + [W4Config(128, 64, 0, 4, dot=True)] + _two_rows_configs(m, dtype)
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
@@ -283,6 +384,15 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     bf16x2 = ([dataclasses.replace(c, bit_convert=1) for c in fma + splits]
               if dtype == torch.bfloat16 else [])
     return fma + splits + bf16x2 + dot[:2]
+
+
+def _two_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
+    """The two-row packed-bf16 kernel's tiles (bf16 x, the two-row bucket only; sm_90 SASS: ~4.8
+    instructions per weight, no spills; a four-row variant needed 8-10 and was dropped)."""
+    if dtype != torch.bfloat16 or m != 2:
+        return []
+    return [W4Config(bn, 128, 0, w, 1, pf, two_rows=True)
+            for bn, w, pf in [(64, 2, True), (64, 2, False), (128, 4, True)]]
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -319,6 +429,12 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
                                           BF16X2=_bf16x2_mode(cfg, x2), **common)
+    elif getattr(cfg, "two_rows", False):
+        if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
+            raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
+                             f"got {m} rows of {x2.dtype}")
+        _w4_two_rows_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x2.is_cuda,
+                                              **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
@@ -351,7 +467,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """w4_linear_small's measured config for x's row count (None: not measurable now)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    bucket = 1 if m == 1 else 4 if m <= 4 else MAX_M
+    bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:

@@ -7,6 +7,8 @@ GPU (`-m gpu`): bf16 activations on the Llama-3.1-8B layer shapes; each output w
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -113,6 +115,38 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int) -> None:
     # The bf16 output's rounding, which the interpreter does by truncation (up to one ulp, 2^-8
     # relative, always toward zero); a wrong pairing or zero would be off by tens of percent.
     assert _rel(got, want) < 8e-3
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("split,prefetch", [(1, True), (3, False)])
+def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefetch: bool) -> None:
+    """The two-row packed-bf16 kernel (each weight word unpacked once for both rows): each row's
+    output has the bits of the one-row packed-bf16 kernel on that row alone (same tile, split
+    and pairing), with bias (the interpreter runs the float32 twin; the GPU tests the PTX)."""
+    n, k, group = 45, 640, 128
+    packed = _quantized(n, k, group, seed=split)
+    g = torch.Generator().manual_seed(split)
+    x, b = torch.randn(2, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    assert not torch.equal(x[0], x[1])
+    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch, two_rows=True)
+    got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
+    one_row = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch, bit_convert=1)
+    for r in range(2):
+        want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
+        torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
+    assert _rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
+    for buf in _COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+    for bad in (torch.randn(3, k).bfloat16(), torch.randn(2, k)):
+        with pytest.raises(ValueError, match="two rows"):
+            gemv_int4.w4_gemv(bad, *packed, group, b, cfg)
+
+
+def test_two_row_candidates_only_for_two_bf16_rows() -> None:
+    assert any(c.two_rows for c in gemv_int4.candidate_w4_configs(2, torch.bfloat16))
+    for m, dtype in [(2, torch.float16), (4, torch.bfloat16), (16, torch.bfloat16)]:
+        assert not any(c.two_rows for c in gemv_int4.candidate_w4_configs(m, dtype))
+    assert "two-row bf16x2" in W4Config(64, 128, two_rows=True).label()
 
 
 @pytest.mark.usefixtures("poison_outputs")
@@ -295,12 +329,25 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336)])
+def test_gpu_two_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
+    """The two-row PTX computes each row as the one-row packed-bf16 PTX does (same bits)."""
+    packed = _quantized(n, k, 128, "cuda")
+    x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
+    for cfg in [c for c in gemv_int4.candidate_w4_configs(2, x.dtype) if c.two_rows]:
+        got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
+        one = dataclasses.replace(cfg, two_rows=False, bit_convert=1)
+        for r in range(2):
+            assert torch.equal(got[r:r + 1], gemv_int4.w4_gemv(x[r:r + 1], *packed, 128, None, one)), cfg
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("group,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
     """Every config the tuners may pick, run twice (split-K counters left at zero)."""
     n, k = 4104, 4096
     packed = _quantized(n, k, group, "cuda")
-    for m in (1, 3, 16):
+    for m in (1, 2, 3, 16):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         want = gemv_int4.w4_linear_reference(x, *packed, group)
         for cfg in gemv_int4.candidate_w4_configs(m, dtype):
