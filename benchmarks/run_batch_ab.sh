@@ -34,3 +34,7 @@ for batch in ${BATCHES:-4}; do
     echo "$line"
   done
 done
+# PACK=1: one tarball instead of the files (the device tool returns at most 8 files a call).
+if [[ -n ${PACK:-} ]]; then
+  tar czf "$RESULTS.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
+fi

@@ -31,3 +31,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     grep -E "^(none|int8_wo|fp8|int4_awq)\b" "$RESULTS/W1_${tree}_$round.log"
   done
 done
+# PACK=1: one tarball instead of the files (the device tool returns at most 8 files a call).
+if [[ -n ${PACK:-} ]]; then
+  tar czf "$RESULTS.tgz" -C "$RESULTS" . && rm -rf "$RESULTS"
+fi
