@@ -106,12 +106,16 @@ def _bf16x2_word_dot(w, p0, p1, p2, p3, z, ASM: tl.constexpr):
             constraints="=r,r,r,r,r,r,r", args=[w, p0, p1, p2, p3, zc], dtype=tl.float32,
             is_pure=True, pack=1)
     else:
-        u = w.to(tl.uint32, bitcast=True)
-        zf = z.to(tl.float32)
-        t = _pair_dot(u, p0, zf, 0)
-        t += _pair_dot(u, p1, zf, 4)
-        t += _pair_dot(u, p2, zf, 8)
-        return t + _pair_dot(u, p3, zf, 12)
+        return _word_dot_f32(w.to(tl.uint32, bitcast=True), p0, p1, p2, p3, z.to(tl.float32))
+
+
+@triton.jit
+def _word_dot_f32(u, p0, p1, p2, p3, zf):
+    """_bf16x2_word_dot's float32 twin for one row (the interpreter)."""
+    t = _pair_dot(u, p0, zf, 0)
+    t += _pair_dot(u, p1, zf, 4)
+    t += _pair_dot(u, p2, zf, 8)
+    return t + _pair_dot(u, p3, zf, 12)
 
 
 @triton.jit
@@ -224,15 +228,6 @@ def _two_rows_dot_asm() -> str:
 
 
 _TWO_ROWS_ASM = tl.constexpr(_two_rows_dot_asm())
-
-
-@triton.jit
-def _word_dot_f32(u, p0, p1, p2, p3, zf):
-    """_bf16x2_word_dot's float32 twin for one row (the interpreter)."""
-    t = _pair_dot(u, p0, zf, 0)
-    t += _pair_dot(u, p1, zf, 4)
-    t += _pair_dot(u, p2, zf, 8)
-    return t + _pair_dot(u, p3, zf, 12)
 
 
 @triton.jit
