@@ -330,9 +330,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     if gate_out:
         return _gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape))
-    x2, m, n, k = _gemv_operands(x, weight, gated)
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    x2, weight, m, n, k = _gemv_operands(x, weight, gated)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
@@ -377,11 +375,10 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    cfg: GemvConfig, scale: torch.Tensor | None = None,
                    bit_convert: int = 0) -> torch.Tensor:
     """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv_int8.py)."""
-    x2, m, n, k = _gemv_operands(x, weight, False)
+    x2, weight, m, n, k = _gemv_operands(x, weight, False)
     if not gate_out_ok(m, n, cfg):
         raise ValueError(f"gate_out needs one row, an even N and a one-row config; got M={m}, "
                          f"N={n}, {cfg}")
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
     _gemv_kernel[(n_tiles, split)](
@@ -405,8 +402,9 @@ def gate_out_launch(cfg: GemvConfig, n: int, k: int, device: torch.device):
 
 
 def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool
-                   ) -> tuple[torch.Tensor, int, int, int]:
-    """(x as [M, K or 2K] with unit column stride, M, N, K), checking the shapes."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(x as [M, K or 2K] and the weight, both with unit column stride, M, N, K), checking the
+    shapes."""
     k = weight.shape[1]
     if x.shape[-1] != (2 * k if gated else k):
         raise ValueError(f"gemv: x has {x.shape[-1]} columns, weight has K={k}"
@@ -416,4 +414,6 @@ def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool
         raise ValueError(f"gemv handles at most {MAX_M} rows, got {x2.shape[0]}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x2, x2.shape[0], weight.shape[0], k
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    return x2, weight, x2.shape[0], weight.shape[0], k

@@ -90,8 +90,7 @@ def fp8_dot_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     most 16 rows of x, activations quantized per (row, block_k slice); output in x's dtype."""
     if qweight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8_dot_gemv: weight dtype {qweight.dtype} is not float8_e4m3fn")
-    x2, m, n, k = _gemv_operands(x, qweight, gated)
-    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    x2, qweight, m, n, k = _gemv_operands(x, qweight, gated)
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:

@@ -228,8 +228,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
     if config is not None and config.fp8_act:
         return fp8_dot_gemv(x, qweight, scale, bias, config, gated=gated)
-    x2, m, n, k = _gemv_operands(x, qweight, gated)
-    qweight = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    x2, qweight, m, n, k = _gemv_operands(x, qweight, gated)
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
