@@ -2,7 +2,7 @@
 
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
-    python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 2 --bit-convert 2 --prefetch
+    python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 2 --bit-convert 2 --prefetch [--chain]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element.
@@ -96,7 +96,7 @@ def w4_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
-                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert)
+                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert, CHAIN=ns.chain)
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))

@@ -129,6 +129,91 @@ def _pair_dot(u, p, zf, SHIFT: tl.constexpr):
     return (q_lo - zf) * x_lo + (q_hi - zf) * x_hi
 
 
+def _chained_dot_asm() -> str:
+    """sm_90 PTX of four words of one row as _bf16x2_word_dot computes one, the products of all
+    four chained in one packed-bf16 sum (16 per half) before the one conversion to float32:
+    ~1.1 instructions per word fewer than four word sums. Operands: $0 the float32 sum, $1-$4
+    the words, $5 the zero pair, $6 + 4 i + a word i's x pair a."""
+    lines = [".reg .b32 t, v, acc;", ".reg .f32 flo, fhi;"]
+    for i in range(4):
+        for a in range(4):
+            src = f"${1 + i}"
+            if a:
+                lines.append(f"shr.u32 t, {src}, {4 * a};")
+                src = "t"
+            lines += [f"lop3.b32 v, {src}, 0x000F000F, 0x43004300, 0xEA;", "sub.rn.bf16x2 v, v, $5;"]
+            pair = f"${6 + 4 * i + a}"
+            lines.append(f"mul.rn.bf16x2 acc, v, {pair};" if i == a == 0
+                         else f"fma.rn.bf16x2 acc, v, {pair}, acc;")
+    # bf16 -> float32 is a shift into the upper half (the low half) or a mask (the high one).
+    lines += ["shl.b32 t, acc, 16;", "and.b32 v, acc, 0xFFFF0000;", "mov.b32 flo, t;",
+              "mov.b32 fhi, v;", "add.f32 $0, flo, fhi;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_CHAINED_ASM = tl.constexpr(_chained_dot_asm())
+
+
+@triton.jit
+def _quarters(v):
+    """[..., C, 2, 2] (the last axis of 4C words reshaped) -> words 4c, 4c+1, 4c+2, 4c+3 as four
+    [..., C] tensors; the four sit in one thread (16-byte loads), so nothing moves."""
+    a, b = tl.split(v)  # words 4c + 2i and 4c + 2i + 1
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _x_pairs_prmt(x_ptr, k, offs_w):
+    """_x_pairs from two 64-bit loads per word column and one PRMT per pair (sm_90 PTX): half
+    the loads and instructions of the 32-bit loads and masks."""
+    xi = x_ptr.to(tl.pointer_type(tl.uint64)) + k // 4 + 2 * offs_w
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b, c, d;
+        mov.b64 {a, b}, $4;
+        mov.b64 {c, d}, $5;
+        prmt.b32 $0, a, c, 0x5410;
+        prmt.b32 $1, a, c, 0x7632;
+        prmt.b32 $2, b, d, 0x5410;
+        prmt.b32 $3, b, d, 0x7632;
+        }""",
+        constraints="=r,=r,=r,=r,l,l", args=[tl.load(xi), tl.load(xi + 1)],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _chained_row_dot(w, z, p0, p1, p2, p3, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                     ASM: tl.constexpr):
+    """[ROWS, WORDS] words -> [ROWS, WORDS // 4]: sum_i (q_i - z) x_i over each run of four
+    words of a row (ASM: _CHAINED_ASM; else four _word_dot_f32 in float32, the interpreter)."""
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
+    a0, a1, a2, a3 = _quarters(tl.reshape(p0, [WORDS // 4, 2, 2]))
+    b0, b1, b2, b3 = _quarters(tl.reshape(p1, [WORDS // 4, 2, 2]))
+    c0, c1, c2, c3 = _quarters(tl.reshape(p2, [WORDS // 4, 2, 2]))
+    d0, d1, d2, d3 = _quarters(tl.reshape(p3, [WORDS // 4, 2, 2]))
+    if ASM:
+        zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
+        return tl.inline_asm_elementwise(
+            asm=_CHAINED_ASM, constraints="=r" + ",r" * 21,
+            args=[w0, w1, w2, w3, zc, a0[None, :], b0[None, :], c0[None, :], d0[None, :],
+                  a1[None, :], b1[None, :], c1[None, :], d1[None, :], a2[None, :],
+                  b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :],
+                  c3[None, :], d3[None, :]],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        zf = z.to(tl.float32)
+        t = _word_dot_f32(w0.to(tl.uint32, bitcast=True), a0[None, :], b0[None, :],
+                          c0[None, :], d0[None, :], zf)
+        t += _word_dot_f32(w1.to(tl.uint32, bitcast=True), a1[None, :], b1[None, :],
+                           c1[None, :], d1[None, :], zf)
+        t += _word_dot_f32(w2.to(tl.uint32, bitcast=True), a2[None, :], b2[None, :],
+                           c2[None, :], d2[None, :], zf)
+        return t + _word_dot_f32(w3.to(tl.uint32, bitcast=True), a3[None, :], b3[None, :],
+                                 c3[None, :], d3[None, :], zf)
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -136,13 +221,15 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
-                    GATE_OUT: tl.constexpr = False):
+                    GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
     BLOCK_N / (8 num_warps) rows each thread holds. BF16X2 (bf16 x only): t from packed bf16
-    pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX). GATE_OUT: a
-    [gate | up] weight, the program writes SiLU(gate)·up (gemv._tile_rows)."""
+    pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
+    (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
+    pairs by PRMT (_x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
+    SiLU(gate)·up (gemv._tile_rows)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -154,7 +241,10 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK: no K mask either
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     x_ptrs = x_ptr + 8 * offs_w
-    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    if CHAIN:
+        acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
     one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
     if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
         w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
@@ -168,7 +258,14 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
             w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-        if BF16X2:
+        if CHAIN:
+            z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+            if BF16X2 == 2:
+                p0, p1, p2, p3 = _x_pairs_prmt(x_ptr, k, offs_w)
+            else:
+                p0, p1, p2, p3 = _x_pairs(x_ptr, k, offs_w)
+            acc += _chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WORDS, BF16X2 == 2) * s
+        elif BF16X2:
             z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
             p0, p1, p2, p3 = _x_pairs(x_ptr, k, offs_w)
             t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
@@ -339,7 +436,7 @@ class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
     tensor-core (M <= 16) kernel instead of float32 FMAs. bit_convert (M == 1 FMA kernel, bf16
-    x): products from packed bf16 pairs (BF16X2). two_rows (two rows of bf16 x): the
+    x): products from packed bf16 pairs (BF16X2; 2: four words per packed sum, CHAIN). two_rows (two rows of bf16 x): the
     packed-bf16 kernel for both rows at once (_w4_two_rows_kernel), not the tensor-core one."""
 
     dot: bool = False
@@ -349,6 +446,7 @@ class W4Config(GemvConfig):
         """A short name for logs and benchmark tables."""
         kind = "dot" if self.dot else ("two-row" if self.two_rows else "fma") + (
             " bf16x2" if self.bit_convert or self.two_rows else "") + (
+            " chained" if self.bit_convert == 2 else "") + (
             " prefetch" if self.prefetch else "")
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
@@ -374,11 +472,17 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
-    # Packed bf16 products: ~27% fewer instructions per weight (bf16 activations only); their
-    # split variants too (split_k is a runtime value: no extra compiles).
-    bf16x2 = ([dataclasses.replace(c, bit_convert=1) for c in fma + splits]
-              if dtype == torch.bfloat16 else [])
-    return fma + splits + bf16x2 + dot[:2]
+    if dtype != torch.bfloat16:
+        return fma + splits + dot[:2]
+    # bf16 x: packed bf16 products, four words per packed sum (bit_convert 2; per-word sums where
+    # a chunk row has fewer than four words). H200, Llama-3.1-8B shapes: the 256-thread tile of
+    # two rows per thread wins every projection (qkv 9.0 -> 8.4 us, o 7.5 -> 7.2, gate_up
+    # 29.9 -> 27.0, down 16.5 -> 14.8 against the per-word sums' best); split_k is a runtime
+    # value, so the split variants cost only their timing.
+    chained = [W4Config(bn, 128, sk, w, 1, True, bit_convert=2) for bn, w, sks in
+               [(128, 8, (0, 2, 4, 8, 16)), (64, 4, (0, 2, 8, 16)), (32, 2, (2, 16)),
+                (128, 2, (0,)), (128, 4, (0,))] for sk in sks]
+    return fma + splits + chained + dot[:2]
 
 
 def _two_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -423,7 +527,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                   **pdl.launch_kwargs(x.device))
     if m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
-                                          BF16X2=_bf16x2_mode(cfg, x2), **common)
+                                          BF16X2=_bf16x2_mode(cfg, x2),
+                                          CHAIN=_chained(cfg, x2, chunk), **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -442,6 +547,13 @@ def _bf16x2_mode(cfg: GemvConfig, x2: torch.Tensor) -> int:
     if not cfg.bit_convert or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4:
         return 0
     return 2 if x2.is_cuda else 1
+
+
+def _chained(cfg: GemvConfig, x2: torch.Tensor, chunk: int) -> bool:
+    """The M == 1 kernel's CHAIN: bit_convert 2 asks for it; it needs packed bf16 products, four
+    words per chunk row and x 8-byte aligned (read as 64-bit pairs of pairs)."""
+    return (cfg.bit_convert == 2 and _bf16x2_mode(cfg, x2) > 0 and chunk % 32 == 0
+            and x2.data_ptr() % 8 == 0)
 
 
 _SMALL_CHOICES: dict[tuple, W4Config] = {}
@@ -499,7 +611,8 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
         per_split, split, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=config.prefetch,
-        BF16X2=_bf16x2_mode(config, x2), GATE_OUT=True, num_warps=config.num_warps,
+        BF16X2=_bf16x2_mode(config, x2), CHAIN=_chained(config, x2, chunk), GATE_OUT=True,
+        num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 

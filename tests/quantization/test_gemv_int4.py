@@ -100,15 +100,21 @@ def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
 
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,split", [(128, 1), (64, 3)])
-def test_w4_gemv_bf16x2_pairs(group: int, split: int) -> None:
+@pytest.mark.parametrize("chained", [False, True])
+def test_w4_gemv_bf16x2_pairs(group: int, split: int, chained: bool) -> None:
     """The packed-bf16 M == 1 path pairs each word's nibbles a and a+4 with x_a and x_a+4 and
-    subtracts its own row's zero (the interpreter runs its float32 twin; the GPU tests the PTX)."""
+    subtracts its own row's zero; chained, it sums each run of four words of a row (words 4c to
+    4c+3, split out of the tile's last axis) in one packed sum. The interpreter runs the float32
+    twins; the GPU tests the PTX."""
     n, k = 45, 640
     packed = _quantized(n, k, group)
     g = torch.Generator().manual_seed(split)
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=1)
+    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True,
+                   bit_convert=2 if chained else 1)
     assert gemv_int4._bf16x2_mode(cfg, x) == 1
+    assert gemv_int4._chained(cfg, x, group) == chained
+    assert not gemv_int4._chained(cfg, x, 16)  # two words per chunk row: the per-word sums
     got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
     want = gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())
     assert got.dtype == torch.bfloat16
@@ -154,6 +160,7 @@ def test_two_row_candidates_only_for_two_bf16_rows() -> None:
     W4Config(block_n=16, block_k=128, split_k=1, prefetch=True),
     W4Config(block_n=8, block_k=64, split_k=3),  # split-K partials reduced before the activation
     W4Config(block_n=32, block_k=128, split_k=2, bit_convert=1),  # packed bf16 pairs (bf16 x)
+    W4Config(block_n=32, block_k=128, split_k=2, bit_convert=2),  # four words per packed sum
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w4_gate_out_equals_product_then_activation(cfg: W4Config, with_bias: bool) -> None:
