@@ -2,7 +2,7 @@
 
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
-    python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 2 --bit-convert 2 --prefetch [--chain]
+    python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element.

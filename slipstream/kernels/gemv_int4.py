@@ -9,7 +9,6 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -436,8 +435,9 @@ class W4Config(GemvConfig):
     """GemvConfig for packed int4: block_k is the K chunk (clamped to the group size: each chunk
     has one scale and zero per row) and the split-K granularity. dot: run M == 1 through the
     tensor-core (M <= 16) kernel instead of float32 FMAs. bit_convert (M == 1 FMA kernel, bf16
-    x): products from packed bf16 pairs (BF16X2; 2: four words per packed sum, CHAIN). two_rows (two rows of bf16 x): the
-    packed-bf16 kernel for both rows at once (_w4_two_rows_kernel), not the tensor-core one."""
+    x): products from packed bf16 pairs (BF16X2; 2: four words per packed sum, CHAIN).
+    two_rows (two rows of bf16 x): the packed-bf16 kernel for both rows at once
+    (_w4_two_rows_kernel), not the tensor-core one."""
 
     dot: bool = False
     two_rows: bool = False
