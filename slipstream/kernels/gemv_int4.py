@@ -128,29 +128,36 @@ def _pair_dot(u, p, zf, SHIFT: tl.constexpr):
     return (q_lo - zf) * x_lo + (q_hi - zf) * x_hi
 
 
-def _chained_dot_asm() -> str:
-    """sm_90 PTX of four words of one row as _bf16x2_word_dot computes one, the products of all
-    four chained in one packed-bf16 sum (16 per half) before the one conversion to float32:
-    ~1.1 instructions per word fewer than four word sums. Operands: $0 the float32 sum, $1-$4
-    the words, $5 the zero pair, $6 + 4 i + a word i's x pair a."""
-    lines = [".reg .b32 t, v, acc;", ".reg .f32 flo, fhi;"]
+def _chained_dot_asm(rows: int = 1) -> str:
+    """sm_90 PTX of four words of one weight row as _bf16x2_word_dot computes one, the products
+    of all four chained in one packed-bf16 sum (16 per half) before the one conversion to
+    float32: ~1.1 instructions per word fewer than four word sums. With rows = 2 each nibble
+    pair is unpacked once for two rows of x. Operands: $0 .. the float32 sums (one per x row),
+    then the four words, the zero pair, and x row r's pair a for word i at 4 (4 r + i) + a
+    past it."""
+    words, zc = rows, rows + 4
+    lines = [".reg .b32 t, v;", ".reg .f32 flo, fhi;"] + [f".reg .b32 acc{r};" for r in range(rows)]
     for i in range(4):
         for a in range(4):
-            src = f"${1 + i}"
+            src = f"${words + i}"
             if a:
                 lines.append(f"shr.u32 t, {src}, {4 * a};")
                 src = "t"
-            lines += [f"lop3.b32 v, {src}, 0x000F000F, 0x43004300, 0xEA;", "sub.rn.bf16x2 v, v, $5;"]
-            pair = f"${6 + 4 * i + a}"
-            lines.append(f"mul.rn.bf16x2 acc, v, {pair};" if i == a == 0
-                         else f"fma.rn.bf16x2 acc, v, {pair}, acc;")
-    # bf16 -> float32 is a shift into the upper half (the low half) or a mask (the high one).
-    lines += ["shl.b32 t, acc, 16;", "and.b32 v, acc, 0xFFFF0000;", "mov.b32 flo, t;",
-              "mov.b32 fhi, v;", "add.f32 $0, flo, fhi;"]
+            lines += [f"lop3.b32 v, {src}, 0x000F000F, 0x43004300, 0xEA;",
+                      f"sub.rn.bf16x2 v, v, ${zc};"]
+            for r in range(rows):
+                pair = f"${zc + 1 + 4 * (4 * r + i) + a}"
+                lines.append(f"mul.rn.bf16x2 acc{r}, v, {pair};" if i == a == 0
+                             else f"fma.rn.bf16x2 acc{r}, v, {pair}, acc{r};")
+    for r in range(rows):
+        # bf16 -> float32 is a shift into the upper half (the low half) or a mask (the high one).
+        lines += [f"shl.b32 t, acc{r}, 16;", f"and.b32 v, acc{r}, 0xFFFF0000;", "mov.b32 flo, t;",
+                  "mov.b32 fhi, v;", f"add.f32 ${r}, flo, fhi;"]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
+_CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
 
 
 @triton.jit
@@ -183,34 +190,67 @@ def _x_pairs_prmt(x_ptr, k, offs_w):
 
 
 @triton.jit
-def _chained_row_dot(w, z, p0, p1, p2, p3, ROWS: tl.constexpr, WORDS: tl.constexpr,
-                     ASM: tl.constexpr):
-    """[ROWS, WORDS] words -> [ROWS, WORDS // 4]: sum_i (q_i - z) x_i over each run of four
-    words of a row (ASM: _CHAINED_ASM; else four _word_dot_f32 in float32, the interpreter)."""
-    w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
+def _pair_quarters(p0, p1, p2, p3, WORDS: tl.constexpr):
+    """The x pairs of words 4c + i (i = 0..3) as four (p0, p1, p2, p3) tuples of [1, WORDS // 4]
+    rows, flattened in word order: 16 tensors."""
     a0, a1, a2, a3 = _quarters(tl.reshape(p0, [WORDS // 4, 2, 2]))
     b0, b1, b2, b3 = _quarters(tl.reshape(p1, [WORDS // 4, 2, 2]))
     c0, c1, c2, c3 = _quarters(tl.reshape(p2, [WORDS // 4, 2, 2]))
     d0, d1, d2, d3 = _quarters(tl.reshape(p3, [WORDS // 4, 2, 2]))
+    return (a0[None, :], b0[None, :], c0[None, :], d0[None, :], a1[None, :], b1[None, :],
+            c1[None, :], d1[None, :], a2[None, :], b2[None, :], c2[None, :], d2[None, :],
+            a3[None, :], b3[None, :], c3[None, :], d3[None, :])
+
+
+@triton.jit
+def _quartet_dot_f32(w0, w1, w2, w3, zf, x):
+    """_CHAINED_ASM's float32 twin for one row of x (x: _pair_quarters' 16 tensors)."""
+    t = _word_dot_f32(w0.to(tl.uint32, bitcast=True), x[0], x[1], x[2], x[3], zf)
+    t += _word_dot_f32(w1.to(tl.uint32, bitcast=True), x[4], x[5], x[6], x[7], zf)
+    t += _word_dot_f32(w2.to(tl.uint32, bitcast=True), x[8], x[9], x[10], x[11], zf)
+    return t + _word_dot_f32(w3.to(tl.uint32, bitcast=True), x[12], x[13], x[14], x[15], zf)
+
+
+@triton.jit
+def _chained_row_dot(w, z, p0, p1, p2, p3, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                     ASM: tl.constexpr):
+    """[ROWS, WORDS] words -> [ROWS, WORDS // 4]: sum_i (q_i - z) x_i over each run of four
+    words of a row (ASM: _CHAINED_ASM; else its float32 twin, the interpreter)."""
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
+    x = _pair_quarters(p0, p1, p2, p3, WORDS)
     if ASM:
         zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
         return tl.inline_asm_elementwise(
             asm=_CHAINED_ASM, constraints="=r" + ",r" * 21,
-            args=[w0, w1, w2, w3, zc, a0[None, :], b0[None, :], c0[None, :], d0[None, :],
-                  a1[None, :], b1[None, :], c1[None, :], d1[None, :], a2[None, :],
-                  b2[None, :], c2[None, :], d2[None, :], a3[None, :], b3[None, :],
-                  c3[None, :], d3[None, :]],
+            args=[w0, w1, w2, w3, zc, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8],
+                  x[9], x[10], x[11], x[12], x[13], x[14], x[15]],
             dtype=tl.float32, is_pure=True, pack=1)
     else:
+        return _quartet_dot_f32(w0, w1, w2, w3, z.to(tl.float32), x)
+
+
+@triton.jit
+def _chained_two_rows_dot(w, z, p00, p01, p02, p03, p10, p11, p12, p13, ROWS: tl.constexpr,
+                          WORDS: tl.constexpr, ASM: tl.constexpr):
+    """_chained_row_dot for two rows of x (p<r><a>: row r's pairs), each nibble pair unpacked
+    once for both (ASM: _CHAINED_TWO_ROWS_ASM; else the float32 twin per row)."""
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
+    x = _pair_quarters(p00, p01, p02, p03, WORDS)
+    y = _pair_quarters(p10, p11, p12, p13, WORDS)
+    if ASM:
+        zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
+        t0, t1 = tl.inline_asm_elementwise(
+            asm=_CHAINED_TWO_ROWS_ASM, constraints="=r,=r" + ",r" * 37,
+            args=[w0, w1, w2, w3, zc, x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], x[8],
+                  x[9], x[10], x[11], x[12], x[13], x[14], x[15], y[0], y[1], y[2], y[3],
+                  y[4], y[5], y[6], y[7], y[8], y[9], y[10], y[11], y[12], y[13], y[14],
+                  y[15]],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
         zf = z.to(tl.float32)
-        t = _word_dot_f32(w0.to(tl.uint32, bitcast=True), a0[None, :], b0[None, :],
-                          c0[None, :], d0[None, :], zf)
-        t += _word_dot_f32(w1.to(tl.uint32, bitcast=True), a1[None, :], b1[None, :],
-                           c1[None, :], d1[None, :], zf)
-        t += _word_dot_f32(w2.to(tl.uint32, bitcast=True), a2[None, :], b2[None, :],
-                           c2[None, :], d2[None, :], zf)
-        return t + _word_dot_f32(w3.to(tl.uint32, bitcast=True), a3[None, :], b3[None, :],
-                                 c3[None, :], d3[None, :], zf)
+        t0 = _quartet_dot_f32(w0, w1, w2, w3, zf, x)
+        t1 = _quartet_dot_f32(w0, w1, w2, w3, zf, y)
+    return t0, t1
 
 
 # M and the split count are runtime values (no recompile per batch size or shape).
@@ -349,10 +389,12 @@ def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
                         split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                        ASM: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
+                        CHAIN: tl.constexpr = False):
     """M == 2 rows of bf16 x: the one-row kernel's packed-bf16 products, each weight word
     unpacked once for both rows (_two_rows_word_dot). Against the tensor-core kernel (16 rows
-    padded, the dequantized tile through shared memory): ~4.8 sm_90 instructions per weight."""
+    padded, the dequantized tile through shared memory): ~4.8 sm_90 instructions per weight.
+    CHAIN: four words of a weight row per packed sum, as the one-row kernel's CHAIN."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -363,8 +405,12 @@ def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
-    acc0 = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    if CHAIN:
+        acc0 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_N, WORDS], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, WORDS], tl.float32)
     if PREFETCH:
         w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
     pdl_wait(USE_PDL)
@@ -378,11 +424,19 @@ def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
         z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
-        p00, p01, p02, p03 = _x_pairs(x_ptr, k, offs_w)
-        p10, p11, p12, p13 = _x_pairs(x_ptr + stride_xm, k, offs_w)
-        t0, t1 = _two_rows_word_dot(w, z8, p00[None, :], p01[None, :], p02[None, :],
-                                    p03[None, :], p10[None, :], p11[None, :], p12[None, :],
-                                    p13[None, :], ASM)
+        if CHAIN and ASM:
+            p00, p01, p02, p03 = _x_pairs_prmt(x_ptr, k, offs_w)
+            p10, p11, p12, p13 = _x_pairs_prmt(x_ptr + stride_xm, k, offs_w)
+        else:
+            p00, p01, p02, p03 = _x_pairs(x_ptr, k, offs_w)
+            p10, p11, p12, p13 = _x_pairs(x_ptr + stride_xm, k, offs_w)
+        if CHAIN:
+            t0, t1 = _chained_two_rows_dot(w, z8, p00, p01, p02, p03, p10, p11, p12, p13,
+                                           BLOCK_N, WORDS, ASM)
+        else:
+            t0, t1 = _two_rows_word_dot(w, z8, p00[None, :], p01[None, :], p02[None, :],
+                                        p03[None, :], p10[None, :], p11[None, :],
+                                        p12[None, :], p13[None, :], ASM)
         acc0 += t0 * s
         acc1 += t1 * s
     part = tl.trans(tl.join(tl.sum(acc0, 1), tl.sum(acc1, 1)))
@@ -490,8 +544,13 @@ def _two_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     instructions per weight, no spills; a four-row variant needed 8-10 and was dropped)."""
     if dtype != torch.bfloat16 or m != 2:
         return []
-    return [W4Config(bn, 128, 0, w, 1, pf, two_rows=True)
-            for bn, w, pf in [(64, 2, True), (64, 2, False), (128, 4, True)]]
+    per_word = [W4Config(bn, 128, 0, w, 1, pf, two_rows=True)
+                for bn, w, pf in [(64, 2, True), (64, 2, False), (128, 4, True)]]
+    # Four words per packed sum (bit_convert 2), in the one-row kernel's winning tiles.
+    chained = [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, two_rows=True)
+               for bn, w, sk in [(128, 8, 0), (128, 8, 2), (64, 4, 0), (64, 4, 8), (64, 2, 0),
+                                 (128, 4, 0)]]
+    return per_word + chained
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -533,8 +592,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
                              f"got {m} rows of {x2.dtype}")
+        chain = (cfg.bit_convert == 2 and chunk % 32 == 0 and x2.data_ptr() % 8 == 0
+                 and x2.stride(0) % 4 == 0)
         _w4_two_rows_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x2.is_cuda,
-                                              **common)
+                                              CHAIN=chain, **common)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)

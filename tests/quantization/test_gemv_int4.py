@@ -124,19 +124,23 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int, chained: bool) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("split,prefetch", [(1, True), (3, False)])
-def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefetch: bool) -> None:
+@pytest.mark.parametrize("split,prefetch,bits", [(1, True, 1), (3, False, 1), (3, True, 2)])
+def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefetch: bool,
+                                                              bits: int) -> None:
     """The two-row packed-bf16 kernel (each weight word unpacked once for both rows): each row's
     output has the bits of the one-row packed-bf16 kernel on that row alone (same tile, split
-    and pairing), with bias (the interpreter runs the float32 twin; the GPU tests the PTX)."""
+    and pairing; bits 2: four words per packed sum), with bias (the interpreter runs the
+    float32 twins; the GPU tests the PTX)."""
     n, k, group = 45, 640, 128
     packed = _quantized(n, k, group, seed=split)
     g = torch.Generator().manual_seed(split)
     x, b = torch.randn(2, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     assert not torch.equal(x[0], x[1])
-    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch, two_rows=True)
+    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch, two_rows=True,
+                   bit_convert=bits)
     got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
-    one_row = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch, bit_convert=1)
+    one_row = W4Config(block_n=16, block_k=128, split_k=split, prefetch=prefetch,
+                       bit_convert=bits)
     for r in range(2):
         want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
         torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
@@ -338,12 +342,13 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336)])
 def test_gpu_two_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
-    """The two-row PTX computes each row as the one-row packed-bf16 PTX does (same bits)."""
+    """The two-row PTX computes each row as the one-row packed-bf16 PTX does (same bits), per
+    word or four words per packed sum."""
     packed = _quantized(n, k, 128, "cuda")
     x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
     for cfg in [c for c in gemv_int4.candidate_w4_configs(2, x.dtype) if c.two_rows]:
         got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
-        one = dataclasses.replace(cfg, two_rows=False, bit_convert=1)
+        one = dataclasses.replace(cfg, two_rows=False, bit_convert=cfg.bit_convert or 1)
         for r in range(2):
             assert torch.equal(got[r:r + 1], gemv_int4.w4_gemv(x[r:r + 1], *packed, 128, None, one)), cfg
 
