@@ -158,6 +158,7 @@ def _chained_dot_asm(rows: int = 1) -> str:
 
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
+_CHAINED_FOUR_ROWS_ASM = tl.constexpr(_chained_dot_asm(4))
 
 
 @triton.jit
@@ -251,6 +252,37 @@ def _chained_two_rows_dot(w, z, p00, p01, p02, p03, p10, p11, p12, p13, ROWS: tl
         t0 = _quartet_dot_f32(w0, w1, w2, w3, zf, x)
         t1 = _quartet_dot_f32(w0, w1, w2, w3, zf, y)
     return t0, t1
+
+
+@triton.jit
+def _chained_four_rows_dot(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                           ASM: tl.constexpr):
+    """_chained_row_dot for four rows of x (x<r>: row r's four pair tensors as _x_pairs returns
+    them), each nibble pair unpacked once for all four (ASM: _CHAINED_FOUR_ROWS_ASM, 73
+    operands; else the float32 twin per row)."""
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
+    a = _pair_quarters(x0[0], x0[1], x0[2], x0[3], WORDS)
+    b = _pair_quarters(x1[0], x1[1], x1[2], x1[3], WORDS)
+    c = _pair_quarters(x2[0], x2[1], x2[2], x2[3], WORDS)
+    d = _pair_quarters(x3[0], x3[1], x3[2], x3[3], WORDS)
+    if ASM:
+        zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
+        return tl.inline_asm_elementwise(
+            asm=_CHAINED_FOUR_ROWS_ASM, constraints="=r,=r,=r,=r" + ",r" * 69,
+            args=[w0, w1, w2, w3, zc,
+                  a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11],
+                  a[12], a[13], a[14], a[15],
+                  b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                  b[12], b[13], b[14], b[15],
+                  c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], c[8], c[9], c[10], c[11],
+                  c[12], c[13], c[14], c[15],
+                  d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11],
+                  d[12], d[13], d[14], d[15]],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        zf = z.to(tl.float32)
+        return (_quartet_dot_f32(w0, w1, w2, w3, zf, a), _quartet_dot_f32(w0, w1, w2, w3, zf, b),
+                _quartet_dot_f32(w0, w1, w2, w3, zf, c), _quartet_dot_f32(w0, w1, w2, w3, zf, d))
 
 
 # M and the split count are runtime values (no recompile per batch size or shape).
@@ -384,17 +416,28 @@ def _two_rows_word_dot(w, z, p00, p01, p02, p03, p10, p11, p12, p13, ASM: tl.con
     return t0, t1
 
 
+@triton.jit
+def _x_row_pairs(x_ptr, r, M, stride_xm, k, offs_w, PRMT: tl.constexpr):
+    """Row r of x's pairs for the chunk at k (rows past M re-read row M - 1: no mask)."""
+    x_row = x_ptr + tl.minimum(r, M - 1) * stride_xm
+    if PRMT:
+        return _x_pairs_prmt(x_row, k, offs_w)
+    else:
+        return _x_pairs(x_row, k, offs_w)
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
                         split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                         ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                        CHAIN: tl.constexpr = False):
-    """M == 2 rows of bf16 x: the one-row kernel's packed-bf16 products, each weight word
-    unpacked once for both rows (_two_rows_word_dot). Against the tensor-core kernel (16 rows
-    padded, the dequantized tile through shared memory): ~4.8 sm_90 instructions per weight.
-    CHAIN: four words of a weight row per packed sum, as the one-row kernel's CHAIN."""
+                        CHAIN: tl.constexpr = False, FOUR: tl.constexpr = False):
+    """M == 2 rows of bf16 x (FOUR, with CHAIN: 3-4 rows): the one-row kernel's packed-bf16
+    products, each weight word unpacked once for every row (_two_rows_word_dot). Against the
+    tensor-core kernel (16 rows padded, the dequantized tile through shared memory): ~4.8 sm_90
+    instructions per weight at two rows. CHAIN: four words of a weight row per packed sum, as
+    the one-row kernel's CHAIN."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -408,6 +451,9 @@ def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     if CHAIN:
         acc0 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
         acc1 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+        if FOUR:
+            acc2 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+            acc3 = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
     else:
         acc0 = tl.zeros([BLOCK_N, WORDS], tl.float32)
         acc1 = tl.zeros([BLOCK_N, WORDS], tl.float32)
@@ -424,24 +470,34 @@ def _w4_two_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
         z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
-        if CHAIN and ASM:
-            p00, p01, p02, p03 = _x_pairs_prmt(x_ptr, k, offs_w)
-            p10, p11, p12, p13 = _x_pairs_prmt(x_ptr + stride_xm, k, offs_w)
+        x0 = _x_row_pairs(x_ptr, 0, M, stride_xm, k, offs_w, CHAIN and ASM)
+        x1 = _x_row_pairs(x_ptr, 1, M, stride_xm, k, offs_w, CHAIN and ASM)
+        if FOUR:
+            x2 = _x_row_pairs(x_ptr, 2, M, stride_xm, k, offs_w, ASM)
+            x3 = _x_row_pairs(x_ptr, 3, M, stride_xm, k, offs_w, ASM)
+            t0, t1, t2, t3 = _chained_four_rows_dot(w, z8, x0, x1, x2, x3, BLOCK_N, WORDS, ASM)
+            acc2 += t2 * s
+            acc3 += t3 * s
+        elif CHAIN:
+            t0, t1 = _chained_two_rows_dot(w, z8, x0[0], x0[1], x0[2], x0[3], x1[0], x1[1],
+                                           x1[2], x1[3], BLOCK_N, WORDS, ASM)
         else:
-            p00, p01, p02, p03 = _x_pairs(x_ptr, k, offs_w)
-            p10, p11, p12, p13 = _x_pairs(x_ptr + stride_xm, k, offs_w)
-        if CHAIN:
-            t0, t1 = _chained_two_rows_dot(w, z8, p00, p01, p02, p03, p10, p11, p12, p13,
-                                           BLOCK_N, WORDS, ASM)
-        else:
-            t0, t1 = _two_rows_word_dot(w, z8, p00[None, :], p01[None, :], p02[None, :],
-                                        p03[None, :], p10[None, :], p11[None, :],
-                                        p12[None, :], p13[None, :], ASM)
+            t0, t1 = _two_rows_word_dot(w, z8, x0[0][None, :], x0[1][None, :], x0[2][None, :],
+                                        x0[3][None, :], x1[0][None, :], x1[1][None, :],
+                                        x1[2][None, :], x1[3][None, :], ASM)
         acc0 += t0 * s
         acc1 += t1 * s
-    part = tl.trans(tl.join(tl.sum(acc0, 1), tl.sum(acc1, 1)))
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 2), offs_n, M,
-            N, stride_om, split_k, SPLIT, HAS_BIAS)
+    if FOUR:
+        # tl.join adds a last axis: [n, j, i] = row 2j + i after the reshape.
+        both = tl.join(tl.join(tl.sum(acc0, 1), tl.sum(acc2, 1)),
+                       tl.join(tl.sum(acc1, 1), tl.sum(acc3, 1)))
+        part = tl.trans(tl.reshape(both, [BLOCK_N, 4]))
+        offs_m = tl.arange(0, 4)
+    else:
+        part = tl.trans(tl.join(tl.sum(acc0, 1), tl.sum(acc1, 1)))
+        offs_m = tl.arange(0, 2)
+    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+            stride_om, split_k, SPLIT, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -491,15 +547,19 @@ class W4Config(GemvConfig):
     tensor-core (M <= 16) kernel instead of float32 FMAs. bit_convert (M == 1 FMA kernel, bf16
     x): products from packed bf16 pairs (BF16X2; 2: four words per packed sum, CHAIN).
     two_rows (two rows of bf16 x): the packed-bf16 kernel for both rows at once
-    (_w4_two_rows_kernel), not the tensor-core one."""
+    (_w4_few_rows_kernel), not the tensor-core one; four_rows (3-4 rows of bf16 x, bit_convert
+    2): the same for four rows, falling back to the tensor-core kernel where x is not 8-byte
+    aligned or a chunk row has fewer than four words."""
 
     dot: bool = False
     two_rows: bool = False
+    four_rows: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        kind = "dot" if self.dot else ("two-row" if self.two_rows else "fma") + (
-            " bf16x2" if self.bit_convert or self.two_rows else "") + (
+        rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
+        kind = "dot" if self.dot else (rows or "fma") + (
+            " bf16x2" if self.bit_convert or rows else "") + (
             " chained" if self.bit_convert == 2 else "") + (
             " prefetch" if self.prefetch else "")
         split = f"split {self.split_k}" if self.split_k else "split auto"
@@ -522,7 +582,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
             (128, 4, 4, 1)]]
     if m > 1:
-        return dot + [W4Config(128, 64, 0, 4, dot=True)] + _two_rows_configs(m, dtype)
+        return dot + [W4Config(128, 64, 0, 4, dot=True)] + _few_rows_configs(m, dtype)
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
@@ -539,11 +599,15 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     return fma + splits + chained + dot[:2]
 
 
-def _two_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
-    """The two-row packed-bf16 kernel's tiles (bf16 x, the two-row bucket only; sm_90 SASS: ~4.8
-    instructions per weight, no spills; a four-row variant needed 8-10 and was dropped)."""
-    if dtype != torch.bfloat16 or m != 2:
+def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
+    """The packed-bf16 few-row kernel's tiles for bf16 x: two rows (the two-row bucket; sm_90
+    SASS ~4.8 instructions per weight per word sums, ~3.5 chained, no spills) or four (the
+    3-4-row bucket, chained only: per word sums needed 8-10 per weight)."""
+    if dtype != torch.bfloat16 or m not in (2, 4):
         return []
+    if m == 4:
+        return [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, four_rows=True)
+                for bn, w, sk in [(128, 8, 0), (64, 4, 0), (64, 2, 0), (128, 4, 0), (128, 8, 2)]]
     per_word = [W4Config(bn, 128, 0, w, 1, pf, two_rows=True)
                 for bn, w, pf in [(64, 2, True), (64, 2, False), (128, 4, True)]]
     # Four words per packed sum (bit_convert 2), in the one-row kernel's winning tiles.
@@ -592,11 +656,13 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
                              f"got {m} rows of {x2.dtype}")
-        chain = (cfg.bit_convert == 2 and chunk % 32 == 0 and x2.data_ptr() % 8 == 0
-                 and x2.stride(0) % 4 == 0)
-        _w4_two_rows_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x2.is_cuda,
-                                              CHAIN=chain, **common)
-    else:
+        _w4_few_rows_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x2.is_cuda,
+                                              CHAIN=cfg.bit_convert == 2 and _chain_ok(x2, chunk),
+                                              **common)
+    elif getattr(cfg, "four_rows", False) and 2 < m <= 4 and _chain_ok(x2, chunk):
+        _w4_few_rows_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, ASM=x2.is_cuda,
+                                              CHAIN=True, FOUR=True, **common)
+    else:  # the tensor-core kernel (also four_rows' fallback)
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
@@ -613,8 +679,13 @@ def _bf16x2_mode(cfg: GemvConfig, x2: torch.Tensor) -> int:
 def _chained(cfg: GemvConfig, x2: torch.Tensor, chunk: int) -> bool:
     """The M == 1 kernel's CHAIN: bit_convert 2 asks for it; it needs packed bf16 products, four
     words per chunk row and x 8-byte aligned (read as 64-bit pairs of pairs)."""
-    return (cfg.bit_convert == 2 and _bf16x2_mode(cfg, x2) > 0 and chunk % 32 == 0
-            and x2.data_ptr() % 8 == 0)
+    return cfg.bit_convert == 2 and _bf16x2_mode(cfg, x2) > 0 and _chain_ok(x2, chunk)
+
+
+def _chain_ok(x2: torch.Tensor, chunk: int) -> bool:
+    """Four words per chunk row, and bf16 x whose rows start 8-byte aligned."""
+    return (x2.dtype == torch.bfloat16 and chunk % 32 == 0 and x2.data_ptr() % 8 == 0
+            and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
 
 
 _SMALL_CHOICES: dict[tuple, W4Config] = {}

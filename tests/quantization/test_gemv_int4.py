@@ -152,6 +152,44 @@ def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefet
             gemv_int4.w4_gemv(bad, *packed, group, b, cfg)
 
 
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("m,split", [(4, 1), (3, 3)])
+def test_w4_four_rows_kernel_equals_the_one_row_kernel_per_row(m: int, split: int) -> None:
+    """The four-row kernel (3-4 rows of bf16 x, four words per packed sum, each weight word
+    unpacked once for all rows): each row has the bits of the one-row chained kernel on that row
+    alone, with bias and split-K; at three rows the fourth re-reads row 2 and is not written.
+    x that is not 8-byte aligned falls back to the tensor-core kernel."""
+    n, k, group = 45, 640, 128
+    packed = _quantized(n, k, group, seed=m)
+    g = torch.Generator().manual_seed(m)
+    x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=2,
+                   four_rows=True)
+    got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
+    assert got.shape == (m, n)
+    one_row = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=2)
+    for r in range(m):
+        want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
+        torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
+    for buf in _COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+    assert _rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
+    odd = torch.empty(m * k + 1, dtype=torch.bfloat16)[1:].view(m, k).copy_(x)
+    assert not gemv_int4._chain_ok(odd, 128)
+    # (The interpreter's bf16 tensor-core product is not the GPU's: compare routes, not values.)
+    tensor_core = dataclasses.replace(cfg, four_rows=False, bit_convert=0, dot=True)
+    assert torch.equal(gemv_int4.w4_gemv(odd, *packed, group, b, cfg),
+                       gemv_int4.w4_gemv(odd, *packed, group, b, tensor_core))
+    assert "four-row bf16x2 chained" in cfg.label()
+
+
+def test_four_row_candidates_only_for_the_four_row_bucket() -> None:
+    assert any(c.four_rows for c in gemv_int4.candidate_w4_configs(4, torch.bfloat16))
+    for m, dtype in [(4, torch.float16), (2, torch.bfloat16), (1, torch.bfloat16),
+                     (16, torch.bfloat16)]:
+        assert not any(c.four_rows for c in gemv_int4.candidate_w4_configs(m, dtype))
+
+
 def test_two_row_candidates_only_for_two_bf16_rows() -> None:
     assert any(c.two_rows for c in gemv_int4.candidate_w4_configs(2, torch.bfloat16))
     for m, dtype in [(2, torch.float16), (4, torch.bfloat16), (16, torch.bfloat16)]:
@@ -341,28 +379,35 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336)])
-def test_gpu_two_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
-    """The two-row PTX computes each row as the one-row packed-bf16 PTX does (same bits), per
-    word or four words per packed sum."""
+def test_gpu_few_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
+    """The two- and four-row PTX computes each row as the one-row packed-bf16 PTX does (same
+    bits), per word or four words per packed sum; three rows run the four-row kernel."""
     packed = _quantized(n, k, 128, "cuda")
-    x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
-    for cfg in [c for c in gemv_int4.candidate_w4_configs(2, x.dtype) if c.two_rows]:
-        got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
-        one = dataclasses.replace(cfg, two_rows=False, bit_convert=cfg.bit_convert or 1)
-        for r in range(2):
-            assert torch.equal(got[r:r + 1], gemv_int4.w4_gemv(x[r:r + 1], *packed, 128, None, one)), cfg
+    for m, bucket in [(2, 2), (4, 4), (3, 4)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cfgs = [c for c in gemv_int4.candidate_w4_configs(bucket, x.dtype)
+                if c.two_rows or c.four_rows]
+        assert cfgs
+        for cfg in cfgs:
+            got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
+            one = dataclasses.replace(cfg, two_rows=False, four_rows=False,
+                                      bit_convert=cfg.bit_convert or 1)
+            for r in range(m):
+                want = gemv_int4.w4_gemv(x[r:r + 1], *packed, 128, None, one)
+                assert torch.equal(got[r:r + 1], want), (m, cfg)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("group,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
-    """Every config the tuners may pick, run twice (split-K counters left at zero)."""
+    """Every config the tuners may pick (3 rows: the 3-4-row bucket's), run twice (split-K
+    counters left at zero)."""
     n, k = 4104, 4096
     packed = _quantized(n, k, group, "cuda")
-    for m in (1, 2, 3, 16):
+    for m, bucket in [(1, 1), (2, 2), (3, 4), (4, 4), (16, 16)]:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         want = gemv_int4.w4_linear_reference(x, *packed, group)
-        for cfg in gemv_int4.candidate_w4_configs(m, dtype):
+        for cfg in gemv_int4.candidate_w4_configs(bucket, dtype):
             for _ in range(2):
                 _gpu_check(gemv_int4.w4_gemv(x, *packed, group, None, cfg), want, repr(cfg))
     for m in (40, 300):
