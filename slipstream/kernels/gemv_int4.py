@@ -608,13 +608,11 @@ def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     if m == 4:
         return [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, four_rows=True)
                 for bn, w, sk in [(128, 8, 0), (64, 4, 0), (64, 2, 0), (128, 4, 0), (128, 8, 2)]]
-    per_word = [W4Config(bn, 128, 0, w, 1, pf, two_rows=True)
-                for bn, w, pf in [(64, 2, True), (64, 2, False), (128, 4, True)]]
-    # Four words per packed sum (bit_convert 2), in the one-row kernel's winning tiles.
-    chained = [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, two_rows=True)
-               for bn, w, sk in [(128, 8, 0), (128, 8, 2), (64, 4, 0), (64, 4, 8), (64, 2, 0),
-                                 (128, 4, 0)]]
-    return per_word + chained
+    # Four words per packed sum (bit_convert 2; per-word sums where x is not 8-byte aligned):
+    # H200 at M=2, gate_up 38.8 -> 36.3 us, down 22.4 -> 19.3 against the per-word sums' tiles.
+    return [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, two_rows=True)
+            for bn, w, sk in [(128, 8, 0), (128, 8, 2), (64, 4, 0), (64, 4, 8), (64, 2, 0),
+                              (128, 4, 0)]]
 
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
