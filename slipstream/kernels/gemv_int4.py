@@ -35,6 +35,8 @@ from slipstream.kernels.int4_common import (
     row_major,
     unpack_paired,
     w4_linear_reference,
+    x_pairs,
+    x_pairs_prmt,
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
@@ -55,17 +57,6 @@ def _tail(w, one, NIB: tl.constexpr):
     if NIB < 7:
         y = y * (one << (28 - 4 * NIB))
     return ((y >> 9) + 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _x_pairs(x_ptr, k, offs_w):
-    """The chunk's bf16 x (from k) as packed pairs per word column j: p_a = (x_8j+a low,
-    x_8j+a+4 high), a = 0..3, the order of a word's nibbles a and a+4 (16 bits apart)."""
-    xi = x_ptr.to(tl.pointer_type(tl.uint32)) + k // 2 + 4 * offs_w
-    xa, xb = tl.load(xi), tl.load(xi + 1)
-    xc, xd = tl.load(xi + 2), tl.load(xi + 3)
-    return ((xa & 0xFFFF) | (xc << 16), (xa >> 16) | (xc & 0xFFFF0000),
-            (xb & 0xFFFF) | (xd << 16), (xb >> 16) | (xd & 0xFFFF0000))
 
 
 @triton.jit
@@ -172,25 +163,6 @@ def _quarters(v):
 
 
 @triton.jit
-def _x_pairs_prmt(x_ptr, k, offs_w):
-    """_x_pairs from two 64-bit loads per word column and one PRMT per pair (sm_90 PTX): half
-    the loads and instructions of the 32-bit loads and masks."""
-    xi = x_ptr.to(tl.pointer_type(tl.uint64)) + k // 4 + 2 * offs_w
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a, b, c, d;
-        mov.b64 {a, b}, $4;
-        mov.b64 {c, d}, $5;
-        prmt.b32 $0, a, c, 0x5410;
-        prmt.b32 $1, a, c, 0x7632;
-        prmt.b32 $2, b, d, 0x5410;
-        prmt.b32 $3, b, d, 0x7632;
-        }""",
-        constraints="=r,=r,=r,=r,l,l", args=[tl.load(xi), tl.load(xi + 1)],
-        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-
-
-@triton.jit
 def _pair_quarters(p0, p1, p2, p3, WORDS: tl.constexpr):
     """The x pairs of words 4c + i (i = 0..3) as four (p0, p1, p2, p3) tuples of [1, WORDS // 4]
     rows, flattened in word order: 16 tensors."""
@@ -257,7 +229,7 @@ def _chained_two_rows_dot(w, z, p00, p01, p02, p03, p10, p11, p12, p13, ROWS: tl
 @triton.jit
 def _chained_four_rows_dot(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, WORDS: tl.constexpr,
                            ASM: tl.constexpr):
-    """_chained_row_dot for four rows of x (x<r>: row r's four pair tensors as _x_pairs returns
+    """_chained_row_dot for four rows of x (x<r>: row r's four pair tensors as x_pairs returns
     them), each nibble pair unpacked once for all four (ASM: _CHAINED_FOUR_ROWS_ASM, 73
     operands; else the float32 twin per row)."""
     w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
@@ -299,7 +271,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     BLOCK_N / (8 num_warps) rows each thread holds. BF16X2 (bf16 x only): t from packed bf16
     pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
     (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
-    pairs by PRMT (_x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
+    pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
     SiLU(gate)·up (gemv._tile_rows)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
@@ -332,13 +304,13 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         if CHAIN:
             z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
             if BF16X2 == 2:
-                p0, p1, p2, p3 = _x_pairs_prmt(x_ptr, k, offs_w)
+                p0, p1, p2, p3 = x_pairs_prmt(x_ptr, k, offs_w)
             else:
-                p0, p1, p2, p3 = _x_pairs(x_ptr, k, offs_w)
+                p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
             acc += _chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WORDS, BF16X2 == 2) * s
         elif BF16X2:
             z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
-            p0, p1, p2, p3 = _x_pairs(x_ptr, k, offs_w)
+            p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
             t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
                                  BF16X2 == 2)
             acc += t * s
@@ -421,9 +393,9 @@ def _x_row_pairs(x_ptr, r, M, stride_xm, k, offs_w, PRMT: tl.constexpr):
     """Row r of x's pairs for the chunk at k (rows past M re-read row M - 1: no mask)."""
     x_row = x_ptr + tl.minimum(r, M - 1) * stride_xm
     if PRMT:
-        return _x_pairs_prmt(x_row, k, offs_w)
+        return x_pairs_prmt(x_row, k, offs_w)
     else:
-        return _x_pairs(x_row, k, offs_w)
+        return x_pairs(x_row, k, offs_w)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])

@@ -49,6 +49,37 @@ def magic_pair(w, A: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def x_pairs(x_ptr, k, offs_w):
+    """The chunk's bf16 x (from k) as packed pairs per word column j: p_a = (x_8j+a low,
+    x_8j+a+4 high), a = 0..3, the order of a word's nibbles a and a+4 (16 bits apart).
+    x_ptr may be one pointer or a tensor of them (a row per element)."""
+    xi = x_ptr.to(tl.pointer_type(tl.uint32)) + k // 2 + 4 * offs_w
+    xa, xb = tl.load(xi), tl.load(xi + 1)
+    xc, xd = tl.load(xi + 2), tl.load(xi + 3)
+    return ((xa & 0xFFFF) | (xc << 16), (xa >> 16) | (xc & 0xFFFF0000),
+            (xb & 0xFFFF) | (xd << 16), (xb >> 16) | (xd & 0xFFFF0000))
+
+
+@triton.jit
+def x_pairs_prmt(x_ptr, k, offs_w):
+    """x_pairs from two 64-bit loads per word column and one PRMT per pair (sm_90 PTX): half
+    the loads and instructions of the 32-bit loads and masks."""
+    xi = x_ptr.to(tl.pointer_type(tl.uint64)) + k // 4 + 2 * offs_w
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a, b, c, d;
+        mov.b64 {a, b}, $4;
+        mov.b64 {c, d}, $5;
+        prmt.b32 $0, a, c, 0x5410;
+        prmt.b32 $1, a, c, 0x7632;
+        prmt.b32 $2, b, d, 0x5410;
+        prmt.b32 $3, b, d, 0x7632;
+        }""",
+        constraints="=r,=r,=r,=r,l,l", args=[tl.load(xi), tl.load(xi + 1)],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+
+
+@triton.jit
 def unpack_natural(w, DT: tl.constexpr):
     """int32 words [R, W] -> [R, 8W] values 1 + q/16 in DT in k order (column 8j + i is nibble
     i of word j): three rounds of interleaving, column bits (t, u, v) = nibble 4t + 2u + v."""
