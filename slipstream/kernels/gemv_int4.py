@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import pdl
+from slipstream.kernels import gemv_int4_mma, pdl
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import (
     MAX_M,
@@ -521,16 +521,19 @@ class W4Config(GemvConfig):
     two_rows (two rows of bf16 x): the packed-bf16 kernel for both rows at once
     (_w4_few_rows_kernel), not the tensor-core one; four_rows (3-4 rows of bf16 x, bit_convert
     2): the same for four rows, falling back to the tensor-core kernel where x is not 8-byte
-    aligned or a chunk row has fewer than four words."""
+    aligned or a chunk row has fewer than four words. mma (1-8 rows of bf16 x, groups of 128,
+    block_n 16 or 32 rows per warp): the tensor-core kernel that unpacks nibbles straight into
+    mma fragments (gemv_int4_mma; opt-in, SLIPSTREAM_W4_MMA=1), falling back like four_rows."""
 
     dot: bool = False
     two_rows: bool = False
     four_rows: bool = False
+    mma: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
-        kind = "dot" if self.dot else (rows or "fma") + (
+        kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
             " chained" if self.bit_convert == 2 else "") + (
             " prefetch" if self.prefetch else "")
@@ -554,12 +557,14 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
             (128, 4, 4, 1)]]
     if m > 1:
-        return dot + [W4Config(128, 64, 0, 4, dot=True)] + _few_rows_configs(m, dtype)
+        return (dot + [W4Config(128, 64, 0, 4, dot=True)] + _few_rows_configs(m, dtype)
+                + _mma_configs(m, dtype))
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
            [(128, 2, True), (256, 4, True), (128, 4, True), (64, 2, True), (128, 2, False)]]
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
     if dtype != torch.bfloat16:
         return fma + splits + dot[:2]
+    fma += _mma_configs(m, dtype)
     # bf16 x: packed bf16 products, four words per packed sum (bit_convert 2; per-word sums where
     # a chunk row has fewer than four words). H200, Llama-3.1-8B shapes: the 256-thread tile of
     # two rows per thread wins every projection (qkv 9.0 -> 8.4 us, o 7.5 -> 7.2, gate_up
@@ -569,6 +574,15 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
                [(128, 8, (0, 2, 4, 8, 16)), (64, 4, (0, 2, 8, 16)), (32, 2, (2, 16)),
                 (128, 2, (0,)), (128, 4, (0,))] for sk in sks]
     return fma + splits + chained + dot[:2]
+
+
+def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
+    """The tensor-core fragment kernel's tiles (16 or 32 rows a warp), with SLIPSTREAM_W4_MMA=1
+    only: bf16 x, up to eight rows."""
+    if not gemv_int4_mma.ENABLED or dtype != torch.bfloat16 or m > gemv_int4_mma.MAX_ROWS:
+        return []
+    return [W4Config(16 * tiles * w, 128, sk, w, mma=True)
+            for tiles, w, sk in [(1, 4, 0), (2, 4, 0), (1, 8, 0), (2, 8, 0), (2, 4, 2), (1, 4, 4)]]
 
 
 def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -618,7 +632,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if m == 1 and not getattr(cfg, "dot", False):
+    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size):
+        gemv_int4_mma.launch(args, n_tiles, split, cfg.num_warps, cfg.block_n, bias is not None,
+                             x2.is_cuda, pdl.launch_kwargs(x.device))
+    elif m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
                                           BF16X2=_bf16x2_mode(cfg, x2),
                                           CHAIN=_chained(cfg, x2, chunk), **common)
@@ -677,6 +694,8 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
+    if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.MAX_ROWS:
+        bucket = gemv_int4_mma.MAX_ROWS  # the mma kernel's own bucket (5-8 rows)
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:
@@ -728,8 +747,8 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
-    if not gate_out_ok(1, qweight.shape[0], cfg):
-        return None
+    if not gate_out_ok(1, qweight.shape[0], cfg) or getattr(cfg, "mma", False):
+        return None  # (the mma kernel has no gate-out: its product, then the activation)
     return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg)
 
 

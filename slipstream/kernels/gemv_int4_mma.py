@@ -1,0 +1,225 @@
+"""W4A16 GEMV on tensor cores for 1-8 rows of bf16 x: mma.sync m16n8k16 with the weight nibbles
+unpacked straight into the A fragments (no shared memory, no layout conversion).
+
+Each warp owns 16 weight rows (TILES = 2: 32) over the program's K range, one group (128) per
+step. Lane (g, t) = (lane // 4, lane % 4) holds, for weight rows g and g + 8, nibble pairs
+(a, a + 4) of word t + 4c of the group's row: the K order inside an mma is free as long as the
+B fragment (row n = g of x; rows past M re-read row M - 1) follows the same permutation, so
+each lane loads only the words it uses and one shift and one LOP3 make two A values. A value
+is 128 + q (the nibble ORed under bf16's exponent of 128, exact); the mma sums (128 + q) x in
+float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group.
+Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
+
+ASM (CUDA): the mma in PTX. In the interpreter _mma_twin emulates the instruction on the
+per-lane tensors ([32 * NW], element i in lane i % 32 of warp i // 32), so the CPU tests check
+every address and index; only the PTX needs the GPU. Opt-in (SLIPSTREAM_W4_MMA=1) until
+measured there.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.gemv import _reduce_splits
+from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
+from slipstream.kernels.pdl import pdl_release, pdl_wait
+
+ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
+MAX_ROWS = 8  # one n8 mma per k step
+GROUP_SIZE = 128  # the group the kernel steps by (each lane reads four words of a row per group)
+_GROUP = tl.constexpr(GROUP_SIZE)
+
+_MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+
+@triton.jit
+def _halves(r, NW: tl.constexpr):
+    """Per-lane bf16x2 registers [32 NW] -> float32 [NW, 8 (g), 4 (t), 2 (half)]."""
+    u = tl.reshape(r.to(tl.uint32, bitcast=True), [NW, 8, 4])
+    return tl.join((u << 16).to(tl.float32, bitcast=True),
+                   (u & 0xFFFF0000).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _frag_dot(a, b):
+    """[w, m, n] = sum over a lane's k slots (t, half) of a[w, m, t, h] b[w, n, t, h]."""
+    return tl.sum(tl.sum(a[:, :, None, :, :] * b[:, None, :, :, :], 4), 3)
+
+
+@triton.jit
+def _lane_columns(d, NW: tl.constexpr):
+    """[NW, 8 (g), 8 (n)] -> each lane's columns n = 2t and 2t + 1 as two [32 NW] tensors."""
+    even, odd = tl.split(tl.reshape(d, [NW, 8, 4, 2]))
+    return tl.reshape(even, [32 * NW]), tl.reshape(odd, [32 * NW])
+
+
+@triton.jit
+def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr):
+    """mma.m16n8k16 (bf16 in, float32 accumulate) on per-lane fragments, in tensor arithmetic:
+    A reg0 = (row g, k 2t, 2t+1), reg1 = (row g+8, same k), reg2 / reg3 the same at k + 8;
+    B reg0 = (k 2t, 2t+1; column g), reg1 at k + 8; C / D = (row g, columns 2t, 2t+1), then
+    row g + 8 (lower-indexed element in the lower half of a register)."""
+    b0h, b1h = _halves(b0, NW), _halves(b1, NW)
+    top = _frag_dot(_halves(a0, NW), b0h) + _frag_dot(_halves(a2, NW), b1h)
+    bottom = _frag_dot(_halves(a1, NW), b0h) + _frag_dot(_halves(a3, NW), b1h)
+    d0, d1 = _lane_columns(top, NW)
+    d2, d3 = _lane_columns(bottom, NW)
+    return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, ASM: tl.constexpr):
+    """D = A B + C for one m16n8k16 step (ASM: the PTX instruction; else its twin)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm=_MMA, constraints="=r,=r,=r,=r" + ",r" * 10,
+            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW)
+
+
+@triton.jit
+def _pair(w, mask, A: tl.constexpr):
+    """Nibbles A and A + 4 of each word as the bf16 pair (128 + q_A, 128 + q_A+4). mask is
+    0x000F000F held in a register (a LOP3 takes one immediate: as a constant ptxas would
+    rematerialise it before every use)."""
+    return ((w.to(tl.uint32, bitcast=True) >> (4 * A)) & mask) | 0x43004300
+
+
+@triton.jit
+def _word_steps(lw, hw, xq, d0, d1, d2, d3, mask, NW: tl.constexpr, ASM: tl.constexpr):
+    """The two mma steps of one word column: pairs 0, 1 then 2, 3 of the lane's word of rows g
+    (lw) and g + 8 (hw), against the same pairs of x (xq: x_pairs' four)."""
+    d0, d1, d2, d3 = _mma(_pair(lw, mask, 0), _pair(hw, mask, 0), _pair(lw, mask, 1),
+                          _pair(hw, mask, 1), xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
+    return _mma(_pair(lw, mask, 2), _pair(hw, mask, 2), _pair(lw, mask, 3), _pair(hw, mask, 3),
+                xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
+
+
+@triton.jit
+def _x_sums(xq0, xq1, xq2, xq3, one, NW: tl.constexpr, ASM: tl.constexpr):
+    """sum of the group's x for the lane's columns n = 2t, 2t + 1: mma steps with A = one, the
+    bf16 pair (1, 1) (a runtime value, kept in registers like _pair's mask)."""
+    zero = tl.zeros([32 * NW], tl.float32)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq0[0], xq0[1], zero, zero, zero, zero, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq0[2], xq0[3], s0, s1, s2, s3, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq1[0], xq1[1], s0, s1, s2, s3, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq1[2], xq1[3], s0, s1, s2, s3, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq2[0], xq2[1], s0, s1, s2, s3, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq2[2], xq2[3], s0, s1, s2, s3, NW, ASM)
+    s0, s1, s2, s3 = _mma(one, one, one, one, xq3[0], xq3[1], s0, s1, s2, s3, NW, ASM)
+    return _mma(one, one, one, one, xq3[2], xq3[3], s0, s1, s2, s3, NW, ASM)
+
+
+@triton.jit
+def _tile_group(w_ptr, s_ptr, z_ptr, r_lo, r_hi, stride_wn, stride_sn, stride_zn, k, t,
+                xq0, xq1, xq2, xq3, sx0, sx1, acc0, acc1, acc2, acc3, mask, NW: tl.constexpr,
+                ASM: tl.constexpr):
+    """One group of one 16-row tile: eight mma steps over the lane's words t + 4c, then
+    acc += s (D - (128 + z) sum x) for rows r_lo (acc0, acc1) and r_hi (acc2, acc3)."""
+    wl = w_ptr + r_lo * stride_wn + k // 8 + t
+    wh = w_ptr + r_hi * stride_wn + k // 8 + t
+    zero = tl.zeros([32 * NW], tl.float32)
+    d = _word_steps(tl.load(wl), tl.load(wh), xq0, zero, zero, zero, zero, mask, NW, ASM)
+    d = _word_steps(tl.load(wl + 4), tl.load(wh + 4), xq1, d[0], d[1], d[2], d[3], mask, NW, ASM)
+    d = _word_steps(tl.load(wl + 8), tl.load(wh + 8), xq2, d[0], d[1], d[2], d[3], mask, NW, ASM)
+    d = _word_steps(tl.load(wl + 12), tl.load(wh + 12), xq3, d[0], d[1], d[2], d[3], mask, NW,
+                    ASM)
+    gi = k // _GROUP
+    s_lo = tl.load(s_ptr + r_lo * stride_sn + gi).to(tl.float32)
+    s_hi = tl.load(s_ptr + r_hi * stride_sn + gi).to(tl.float32)
+    z_lo = 128.0 + tl.load(z_ptr + r_lo * stride_zn + gi).to(tl.float32)
+    z_hi = 128.0 + tl.load(z_ptr + r_hi * stride_zn + gi).to(tl.float32)
+    return (acc0 + s_lo * (d[0] - z_lo * sx0), acc1 + s_lo * (d[1] - z_lo * sx1),
+            acc2 + s_hi * (d[2] - z_hi * sx0), acc3 + s_hi * (d[3] - z_hi * sx1))
+
+
+@triton.jit
+def _quad(v0, v1, v2, v3):
+    """Four per-lane tensors as one [32 NW, 2, 2] (v_2i+j at [., i, j]): one epilogue for all."""
+    return tl.join(tl.join(v0, v2), tl.join(v1, v3))
+
+
+# M and the split count are runtime values (no recompile per batch size or shape).
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                   stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
+                   NW: tl.constexpr, TILES: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """out[n, row] for rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8."""
+    pdl_release(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    lane = tl.arange(0, 32 * NW)
+    g = (lane % 32) // 4
+    t = lane % 4
+    row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
+    r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
+    x_row = x_ptr + tl.minimum(g, M - 1) * stride_xm
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of _GROUP
+    # Loop-carried accumulators as plain tensors: a<tile><value>.
+    a00 = tl.zeros([32 * NW], tl.float32)
+    a01, a02, a03 = a00, a00, a00
+    a10, a11, a12, a13 = a00, a00, a00, a00
+    unit = tl.full([32 * NW], 1, tl.uint32) * (K > 0).to(tl.uint32)  # 1, unknown to the compiler
+    mask, one = unit * 0x000F000F, unit * 0x3F803F80
+    pdl_wait(USE_PDL)
+    for k in range(k_lo, k_hi, _GROUP):
+        if ASM:
+            xq0, xq1 = x_pairs_prmt(x_row, k, t), x_pairs_prmt(x_row, k, t + 4)
+            xq2, xq3 = x_pairs_prmt(x_row, k, t + 8), x_pairs_prmt(x_row, k, t + 12)
+        else:
+            xq0, xq1 = x_pairs(x_row, k, t), x_pairs(x_row, k, t + 4)
+            xq2, xq3 = x_pairs(x_row, k, t + 8), x_pairs(x_row, k, t + 12)
+        sums = _x_sums(xq0, xq1, xq2, xq3, one, NW, ASM)
+        a00, a01, a02, a03 = _tile_group(w_ptr, s_ptr, z_ptr, r0, r1, stride_wn, stride_sn,
+                                         stride_zn, k, t, xq0, xq1, xq2, xq3, sums[0], sums[1],
+                                         a00, a01, a02, a03, mask, NW, ASM)
+        if TILES == 2:
+            a10, a11, a12, a13 = _tile_group(
+                w_ptr, s_ptr, z_ptr, tl.minimum(row + 16, N - 1).to(tl.int64),
+                tl.minimum(row + 24, N - 1).to(tl.int64), stride_wn, stride_sn, stride_zn, k, t,
+                xq0, xq1, xq2, xq3, sums[0], sums[1], a10, a11, a12, a13, mask, NW, ASM)
+    # Lane values: (row, 2t), (row, 2t + 1), (row + 8, 2t), (row + 8, 2t + 1) per tile.
+    part = _quad(a00, a01, a02, a03)
+    rows = _quad(row, row, row + 8, row + 8)
+    cols = _quad(2 * t, 2 * t + 1, 2 * t, 2 * t + 1)
+    if TILES == 2:
+        part = tl.join(part, _quad(a10, a11, a12, a13))
+        rows = tl.join(rows, rows + 16)
+        cols = tl.join(cols, cols)
+    mask = (cols < M) & (rows < N)
+    part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
+                                pid_k, split_k, SPLIT)
+    if done:
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
+    """Whether _w4_mma_kernel takes these rows of x: 1-8 rows of bf16, 8-byte aligned, groups of
+    128 (the kernel reads four words of a row per lane and group)."""
+    return (x2.dtype == torch.bfloat16 and 1 <= x2.shape[0] <= MAX_ROWS
+            and group_size == GROUP_SIZE and x2.shape[-1] % GROUP_SIZE == 0
+            and x2.data_ptr() % 8 == 0
+            and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
+
+
+def launch(args: tuple, n_tiles: int, split: int, num_warps: int, block_n: int, has_bias: bool,
+           asm: bool, pdl_kwargs: dict) -> None:
+    """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
+    K, strides, k_per_split, split_k)."""
+    tiles = block_n // (16 * num_warps)
+    if tiles not in (1, 2) or block_n != 16 * tiles * num_warps:
+        raise ValueError(f"w4 mma: block_n {block_n} is not 16 or 32 rows per warp of "
+                         f"{num_warps}")
+    _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, SPLIT=split > 1,
+                                     HAS_BIAS=has_bias, ASM=asm, num_warps=num_warps,
+                                     **pdl_kwargs)

@@ -1,0 +1,145 @@
+"""The tensor-core W4A16 GEMV (kernels/gemv_int4_mma.py): its mma twin against the PTX fragment
+layout of mma.m16n8k16, the kernel against the float64 reference (CPU: the interpreter runs
+the twin; GPU: the PTX), its fallbacks and its opt-in tuner candidates."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import gemv_int4, gemv_int4_mma
+from slipstream.kernels.gemv import _COUNTERS
+from slipstream.kernels.gemv_int4 import W4Config
+from slipstream.quantization import utils as qu
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh torch.empty tensors hold NaN, so an output element a kernel skips cannot pass."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+
+
+def _quantized(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, scales, zeros = qu.quantize_int4_groupwise(torch.randn(n, k, generator=g, device=device),
+                                                  group)
+    return qu.pack_int4_rows(q), scales.half(), zeros
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@triton.jit
+def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr):
+    lane = tl.arange(0, 32 * NW)
+    d0, d1, d2, d3 = gemv_int4_mma._mma_twin(
+        tl.load(a_ptr + 4 * lane), tl.load(a_ptr + 4 * lane + 1), tl.load(a_ptr + 4 * lane + 2),
+        tl.load(a_ptr + 4 * lane + 3), tl.load(b_ptr + 2 * lane), tl.load(b_ptr + 2 * lane + 1),
+        tl.load(c_ptr + 4 * lane), tl.load(c_ptr + 4 * lane + 1), tl.load(c_ptr + 4 * lane + 2),
+        tl.load(c_ptr + 4 * lane + 3), NW)
+    tl.store(d_ptr + 4 * lane, d0)
+    tl.store(d_ptr + 4 * lane + 1, d1)
+    tl.store(d_ptr + 4 * lane + 2, d2)
+    tl.store(d_ptr + 4 * lane + 3, d3)
+
+
+def _pack(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Two bf16 values as one 32-bit register, the lower-indexed in the low half."""
+    bits = lambda v: v.view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
+    return bits(lo) | (bits(hi) << 16)
+
+
+def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
+    """PTX ISA, mma.m16n8k16 .bf16: lane (g, t) holds A (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+    (g+8, 2t+8..); B (2t..2t+1, g), (2t+8.., g); C / D (g, 2t..2t+1), (g+8, 2t..2t+1). The twin
+    on fragments distributed that way equals A B + C for every warp."""
+    nw = 2
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(nw, 16, 16, generator=gen).bfloat16()
+    b = torch.randn(nw, 16, 8, generator=gen).bfloat16()
+    c = torch.randn(nw, 16, 8, generator=gen)
+    lane = torch.arange(32 * nw)
+    w, g, t = lane // 32, (lane % 32) // 4, lane % 4
+    a_regs = torch.stack([_pack(a[w, r, col], a[w, r, col + 1])
+                          for r, col in [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8),
+                                         (g + 8, 2 * t + 8)]], 1)
+    b_regs = torch.stack([_pack(b[w, 2 * t, g], b[w, 2 * t + 1, g]),
+                          _pack(b[w, 2 * t + 8, g], b[w, 2 * t + 9, g])], 1)
+    where = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
+    c_regs = torch.stack([c[w, r, col] for r, col in where], 1)
+    d = torch.empty(32 * nw, 4)
+    _twin_kernel[(1,)](a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous(), d, NW=nw)
+    want = a.float() @ b.float() + c
+    torch.testing.assert_close(d, torch.stack([want[w, r, col] for r, col in where], 1),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("m,tiles,split", [(1, 1, 1), (3, 2, 3), (8, 1, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int,
+                                             with_bias: bool) -> None:
+    """1-8 rows of bf16 x, a partial last tile (N = 45), five groups, split-K: each output within
+    bf16 rounding of the float64 reference (A values are exact, products exact in float32)."""
+    n, k, nw = 45, 640, 1
+    packed = _quantized(n, k, 128, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    cfg = W4Config(16 * tiles * nw, 128, split, nw, mma=True)
+    assert gemv_int4_mma.mma_ok(x, 128)
+    got = gemv_int4.w4_gemv(x, *packed, 128, b, cfg)
+    want = gemv_int4.w4_linear_reference(x.double(), *packed, 128,
+                                         None if b is None else b.double())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert _rel(got, want) < 4e-3
+    for buf in _COUNTERS.values():  # split-K tile counters back at zero
+        assert int(buf.abs().sum()) == 0
+
+
+def test_w4_mma_falls_back_where_it_does_not_apply() -> None:
+    """Groups of 64, float32 x or nine rows: the config runs the other kernels, same result."""
+    n, k = 40, 256
+    for group, dtype, m in [(64, torch.bfloat16, 1), (128, torch.float32, 2),
+                            (128, torch.float32, 9)]:
+        packed = _quantized(n, k, group)
+        x = torch.randn(m, k).to(dtype)
+        assert not gemv_int4_mma.mma_ok(x.reshape(-1, k), group)
+        got = gemv_int4.w4_gemv(x, *packed, group, None, W4Config(64, 128, 0, 4, mma=True))
+        want = gemv_int4.w4_linear_reference(x.double(), *packed, group)
+        assert _rel(got, want) < (8e-3 if dtype == torch.bfloat16 else 1e-5)
+    with pytest.raises(ValueError, match="rows per warp"):
+        gemv_int4.w4_gemv(torch.randn(1, k).bfloat16(), *_quantized(n, k, 128), 128, None,
+                          W4Config(48, 128, 0, 1, mma=True))
+
+
+def test_mma_candidates_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemv_int4_mma, "ENABLED", False)
+    assert not any(c.mma for m in (1, 2, 4, 16) for c in gemv_int4.candidate_w4_configs(m))
+    monkeypatch.setattr(gemv_int4_mma, "ENABLED", True)
+    for m in (1, 2, 4, 8):
+        assert any(c.mma for c in gemv_int4.candidate_w4_configs(m, torch.bfloat16))
+    assert not any(c.mma for c in gemv_int4.candidate_w4_configs(16, torch.bfloat16))
+    assert not any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.float16))
+    assert W4Config(64, 128, 0, 4, mma=True).label().startswith("w4 mma n64")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
+    """The PTX kernel on the Llama-3.1-8B shapes, 1-8 rows, every candidate tile: within bf16
+    rounding of the reference, run twice (split-K counters back at zero)."""
+    packed = _quantized(n, k, 128, "cuda")
+    cfgs = [W4Config(16 * tiles * w, 128, sk, w, mma=True)
+            for tiles, w, sk in [(1, 4, 0), (2, 4, 0), (1, 8, 0), (2, 8, 0), (2, 4, 2), (1, 4, 4)]]
+    for m in (1, 2, 3, 8):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = gemv_int4.w4_linear_reference(x.float(), *packed, 128)
+        for cfg in cfgs:
+            for _ in range(2):
+                got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
+                assert _rel(got, want) < 8e-3, (m, cfg)
