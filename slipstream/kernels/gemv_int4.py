@@ -521,7 +521,7 @@ class W4Config(GemvConfig):
     two_rows (two rows of bf16 x): the packed-bf16 kernel for both rows at once
     (_w4_few_rows_kernel), not the tensor-core one; four_rows (3-4 rows of bf16 x, bit_convert
     2): the same for four rows, falling back to the tensor-core kernel where x is not 8-byte
-    aligned or a chunk row has fewer than four words. mma (1-8 rows of bf16 x, groups of 128,
+    aligned or a chunk row has fewer than four words. mma (1-16 rows of bf16 x, groups of 128,
     block_n 16 or 32 rows per warp): the tensor-core kernel that unpacks nibbles straight into
     mma fragments (gemv_int4_mma; opt-in, SLIPSTREAM_W4_MMA=1), falling back like four_rows."""
 
@@ -578,7 +578,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     """The tensor-core fragment kernel's tiles (16 or 32 rows a warp), with SLIPSTREAM_W4_MMA=1
-    only: bf16 x, up to eight rows."""
+    only: bf16 x, up to 16 rows."""
     if not gemv_int4_mma.ENABLED or dtype != torch.bfloat16 or m > gemv_int4_mma.MAX_ROWS:
         return []
     return [W4Config(16 * tiles * w, 128, sk, w, mma=True)
@@ -633,8 +633,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
     if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size):
-        gemv_int4_mma.launch(args, n_tiles, split, cfg.num_warps, cfg.block_n, bias is not None,
-                             x2.is_cuda, pdl.launch_kwargs(x.device))
+        gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
+                             bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device))
     elif m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
                                           BF16X2=_bf16x2_mode(cfg, x2),
@@ -694,8 +694,8 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
-    if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.MAX_ROWS:
-        bucket = gemv_int4_mma.MAX_ROWS  # the mma kernel's own bucket (5-8 rows)
+    if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.NARROW_ROWS:
+        bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:

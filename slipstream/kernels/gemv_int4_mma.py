@@ -1,10 +1,11 @@
-"""W4A16 GEMV on tensor cores for 1-8 rows of bf16 x: mma.sync m16n8k16 with the weight nibbles
-unpacked straight into the A fragments (no shared memory, no layout conversion).
+"""W4A16 GEMV on tensor cores for 1-16 rows of bf16 x: mma.sync m16n8k16 with the weight
+nibbles unpacked straight into the A fragments (no shared memory, no layout conversion).
 
 Each warp owns 16 weight rows (TILES = 2: 32) over the program's K range, one group (128) per
 step. Lane (g, t) = (lane // 4, lane % 4) holds, for weight rows g and g + 8, nibble pairs
 (a, a + 4) of word t + 4c of the group's row: the K order inside an mma is free as long as the
-B fragment (row n = g of x; rows past M re-read row M - 1) follows the same permutation, so
+B fragment (row n = g of x; rows past M re-read row M - 1; above 8 rows a second mma per A
+fragment takes rows g + 8) follows the same permutation, so
 each lane loads only the words it uses and one shift and one LOP3 make two A values. A value
 is 128 + q (the nibble ORed under bf16's exponent of 128, exact); the mma sums (128 + q) x in
 float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group.
@@ -28,7 +29,8 @@ from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
-MAX_ROWS = 8  # one n8 mma per k step
+NARROW_ROWS = 8  # one n8 mma step per A fragment
+MAX_ROWS = 16  # two above NARROW_ROWS (WIDE)
 GROUP_SIZE = 128  # the group the kernel steps by (each lane reads four words of a row per group)
 _GROUP = tl.constexpr(GROUP_SIZE)
 
@@ -92,13 +94,22 @@ def _pair(w, mask, A: tl.constexpr):
 
 
 @triton.jit
-def _word_steps(lw, hw, xq, d0, d1, d2, d3, mask, NW: tl.constexpr, ASM: tl.constexpr):
+def _word_steps(lw, hw, xq, yq, d0, d1, d2, d3, e0, e1, e2, e3, mask, NW: tl.constexpr,
+                WIDE: tl.constexpr, ASM: tl.constexpr):
     """The two mma steps of one word column: pairs 0, 1 then 2, 3 of the lane's word of rows g
-    (lw) and g + 8 (hw), against the same pairs of x (xq: x_pairs' four)."""
-    d0, d1, d2, d3 = _mma(_pair(lw, mask, 0), _pair(hw, mask, 0), _pair(lw, mask, 1),
-                          _pair(hw, mask, 1), xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
-    return _mma(_pair(lw, mask, 2), _pair(hw, mask, 2), _pair(lw, mask, 3), _pair(hw, mask, 3),
-                xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
+    (lw) and g + 8 (hw), against the same pairs of x (xq: x_pairs' four) into d; WIDE: the
+    same A fragments also against x rows 8-15 (yq) into e."""
+    a0, a1 = _pair(lw, mask, 0), _pair(hw, mask, 0)
+    a2, a3 = _pair(lw, mask, 1), _pair(hw, mask, 1)
+    d0, d1, d2, d3 = _mma(a0, a1, a2, a3, xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
+    if WIDE:
+        e0, e1, e2, e3 = _mma(a0, a1, a2, a3, yq[0], yq[1], e0, e1, e2, e3, NW, ASM)
+    a0, a1 = _pair(lw, mask, 2), _pair(hw, mask, 2)
+    a2, a3 = _pair(lw, mask, 3), _pair(hw, mask, 3)
+    d0, d1, d2, d3 = _mma(a0, a1, a2, a3, xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
+    if WIDE:
+        e0, e1, e2, e3 = _mma(a0, a1, a2, a3, yq[2], yq[3], e0, e1, e2, e3, NW, ASM)
+    return d0, d1, d2, d3, e0, e1, e2, e3
 
 
 @triton.jit
@@ -117,26 +128,38 @@ def _x_sums(xq0, xq1, xq2, xq3, one, NW: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile_group(w_ptr, s_ptr, z_ptr, r_lo, r_hi, stride_wn, stride_sn, stride_zn, k, t,
-                xq0, xq1, xq2, xq3, sx0, sx1, acc0, acc1, acc2, acc3, mask, NW: tl.constexpr,
-                ASM: tl.constexpr):
-    """One group of one 16-row tile: eight mma steps over the lane's words t + 4c, then
-    acc += s (D - (128 + z) sum x) for rows r_lo (acc0, acc1) and r_hi (acc2, acc3)."""
+def _scaled(acc0, acc1, acc2, acc3, d0, d1, d2, d3, s_lo, s_hi, z_lo, z_hi, sx0, sx1):
+    """acc + s (D - (128 + z) sum x): rows lo (acc0, acc1), hi (acc2, acc3); z is 128 + zero."""
+    return (acc0 + s_lo * (d0 - z_lo * sx0), acc1 + s_lo * (d1 - z_lo * sx1),
+            acc2 + s_hi * (d2 - z_hi * sx0), acc3 + s_hi * (d3 - z_hi * sx1))
+
+
+@triton.jit
+def _tile_group(w_ptr, s_ptr, z_ptr, r_lo, r_hi, stride_wn, stride_sn, stride_zn, k, t, xq, yq,
+                sx, sy, a0, a1, a2, a3, b0, b1, b2, b3, mask, NW: tl.constexpr,
+                WIDE: tl.constexpr, ASM: tl.constexpr):
+    """One group of one 16-row tile: eight mma steps over the lane's words t + 4c, then the
+    scaled, zero-corrected sums added to a (x rows 0-7) and, WIDE, b (x rows 8-15). xq / yq:
+    the four word columns' x pairs; sx / sy: the group's sums of x (_x_sums)."""
     wl = w_ptr + r_lo * stride_wn + k // 8 + t
     wh = w_ptr + r_hi * stride_wn + k // 8 + t
-    zero = tl.zeros([32 * NW], tl.float32)
-    d = _word_steps(tl.load(wl), tl.load(wh), xq0, zero, zero, zero, zero, mask, NW, ASM)
-    d = _word_steps(tl.load(wl + 4), tl.load(wh + 4), xq1, d[0], d[1], d[2], d[3], mask, NW, ASM)
-    d = _word_steps(tl.load(wl + 8), tl.load(wh + 8), xq2, d[0], d[1], d[2], d[3], mask, NW, ASM)
-    d = _word_steps(tl.load(wl + 12), tl.load(wh + 12), xq3, d[0], d[1], d[2], d[3], mask, NW,
-                    ASM)
+    z = tl.zeros([32 * NW], tl.float32)
+    d = _word_steps(tl.load(wl), tl.load(wh), xq[0], yq[0], z, z, z, z, z, z, z, z, mask, NW,
+                    WIDE, ASM)
+    for c in tl.static_range(1, 4):
+        d = _word_steps(tl.load(wl + 4 * c), tl.load(wh + 4 * c), xq[c], yq[c], d[0], d[1],
+                        d[2], d[3], d[4], d[5], d[6], d[7], mask, NW, WIDE, ASM)
     gi = k // _GROUP
     s_lo = tl.load(s_ptr + r_lo * stride_sn + gi).to(tl.float32)
     s_hi = tl.load(s_ptr + r_hi * stride_sn + gi).to(tl.float32)
     z_lo = 128.0 + tl.load(z_ptr + r_lo * stride_zn + gi).to(tl.float32)
     z_hi = 128.0 + tl.load(z_ptr + r_hi * stride_zn + gi).to(tl.float32)
-    return (acc0 + s_lo * (d[0] - z_lo * sx0), acc1 + s_lo * (d[1] - z_lo * sx1),
-            acc2 + s_hi * (d[2] - z_hi * sx0), acc3 + s_hi * (d[3] - z_hi * sx1))
+    a0, a1, a2, a3 = _scaled(a0, a1, a2, a3, d[0], d[1], d[2], d[3], s_lo, s_hi, z_lo, z_hi,
+                             sx[0], sx[1])
+    if WIDE:
+        b0, b1, b2, b3 = _scaled(b0, b1, b2, b3, d[4], d[5], d[6], d[7], s_lo, s_hi, z_lo, z_hi,
+                                 sy[0], sy[1])
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
@@ -145,13 +168,34 @@ def _quad(v0, v1, v2, v3):
     return tl.join(tl.join(v0, v2), tl.join(v1, v3))
 
 
+@triton.jit
+def _group_pairs(x_row, k, t, ASM: tl.constexpr):
+    """The lane's x pairs for the group at k: word columns t, t + 4, t + 8, t + 12."""
+    if ASM:
+        return (x_pairs_prmt(x_row, k, t), x_pairs_prmt(x_row, k, t + 4),
+                x_pairs_prmt(x_row, k, t + 8), x_pairs_prmt(x_row, k, t + 12))
+    else:
+        return (x_pairs(x_row, k, t), x_pairs(x_row, k, t + 4), x_pairs(x_row, k, t + 8),
+                x_pairs(x_row, k, t + 12))
+
+
+@triton.jit
+def _lane_values(acc0, acc1, acc2, acc3, row, col):
+    """(values, weight rows, x rows) of one tile half: (row, col), (row, col + 1), (row + 8,
+    col), (row + 8, col + 1), as [32 NW, 2, 2] tensors (one epilogue for everything)."""
+    return (_quad(acc0, acc1, acc2, acc3), _quad(row, row, row + 8, row + 8),
+            _quad(col, col + 1, col, col + 1))
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
-                   NW: tl.constexpr, TILES: tl.constexpr, SPLIT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """out[n, row] for rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8."""
+                   NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
+                   USE_PDL: tl.constexpr = False):
+    """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
+    (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15)."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,40 +204,42 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     t = lane % 4
     row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
     r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
+    r2, r3 = tl.minimum(row + 16, N - 1).to(tl.int64), tl.minimum(row + 24, N - 1).to(tl.int64)
     x_row = x_ptr + tl.minimum(g, M - 1) * stride_xm
+    y_row = x_ptr + tl.minimum(g + 8, M - 1) * stride_xm
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of _GROUP
-    # Loop-carried accumulators as plain tensors: a<tile><value>.
+    # Loop-carried accumulators as plain tensors: <a: x rows 0-7, b: 8-15><tile><value>.
     a00 = tl.zeros([32 * NW], tl.float32)
-    a01, a02, a03 = a00, a00, a00
-    a10, a11, a12, a13 = a00, a00, a00, a00
+    a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
+    b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
     unit = tl.full([32 * NW], 1, tl.uint32) * (K > 0).to(tl.uint32)  # 1, unknown to the compiler
     mask, one = unit * 0x000F000F, unit * 0x3F803F80
     pdl_wait(USE_PDL)
     for k in range(k_lo, k_hi, _GROUP):
-        if ASM:
-            xq0, xq1 = x_pairs_prmt(x_row, k, t), x_pairs_prmt(x_row, k, t + 4)
-            xq2, xq3 = x_pairs_prmt(x_row, k, t + 8), x_pairs_prmt(x_row, k, t + 12)
-        else:
-            xq0, xq1 = x_pairs(x_row, k, t), x_pairs(x_row, k, t + 4)
-            xq2, xq3 = x_pairs(x_row, k, t + 8), x_pairs(x_row, k, t + 12)
-        sums = _x_sums(xq0, xq1, xq2, xq3, one, NW, ASM)
-        a00, a01, a02, a03 = _tile_group(w_ptr, s_ptr, z_ptr, r0, r1, stride_wn, stride_sn,
-                                         stride_zn, k, t, xq0, xq1, xq2, xq3, sums[0], sums[1],
-                                         a00, a01, a02, a03, mask, NW, ASM)
+        xq = _group_pairs(x_row, k, t, ASM)
+        sx = _x_sums(xq[0], xq[1], xq[2], xq[3], one, NW, ASM)
+        yq, sy = xq, sx
+        if WIDE:
+            yq = _group_pairs(y_row, k, t, ASM)
+            sy = _x_sums(yq[0], yq[1], yq[2], yq[3], one, NW, ASM)
+        a00, a01, a02, a03, b00, b01, b02, b03 = _tile_group(
+            w_ptr, s_ptr, z_ptr, r0, r1, stride_wn, stride_sn, stride_zn, k, t, xq, yq, sx, sy,
+            a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM)
         if TILES == 2:
-            a10, a11, a12, a13 = _tile_group(
-                w_ptr, s_ptr, z_ptr, tl.minimum(row + 16, N - 1).to(tl.int64),
-                tl.minimum(row + 24, N - 1).to(tl.int64), stride_wn, stride_sn, stride_zn, k, t,
-                xq0, xq1, xq2, xq3, sums[0], sums[1], a10, a11, a12, a13, mask, NW, ASM)
-    # Lane values: (row, 2t), (row, 2t + 1), (row + 8, 2t), (row + 8, 2t + 1) per tile.
-    part = _quad(a00, a01, a02, a03)
-    rows = _quad(row, row, row + 8, row + 8)
-    cols = _quad(2 * t, 2 * t + 1, 2 * t, 2 * t + 1)
+            a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
+                w_ptr, s_ptr, z_ptr, r2, r3, stride_wn, stride_sn, stride_zn, k, t, xq, yq, sx,
+                sy, a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+    part, rows, cols = _lane_values(a00, a01, a02, a03, row, 2 * t)
     if TILES == 2:
-        part = tl.join(part, _quad(a10, a11, a12, a13))
-        rows = tl.join(rows, rows + 16)
-        cols = tl.join(cols, cols)
+        p1, r1_, c1 = _lane_values(a10, a11, a12, a13, row + 16, 2 * t)
+        part, rows, cols = tl.join(part, p1), tl.join(rows, r1_), tl.join(cols, c1)
+    if WIDE:
+        pw, rw, cw = _lane_values(b00, b01, b02, b03, row, 2 * t + 8)
+        if TILES == 2:
+            p1, r1_, c1 = _lane_values(b10, b11, b12, b13, row + 16, 2 * t + 8)
+            pw, rw, cw = tl.join(pw, p1), tl.join(rw, r1_), tl.join(cw, c1)
+        part, rows, cols = tl.join(part, pw), tl.join(rows, rw), tl.join(cols, cw)
     mask = (cols < M) & (rows < N)
     part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
                                 pid_k, split_k, SPLIT)
@@ -204,22 +250,22 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
 
 
 def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
-    """Whether _w4_mma_kernel takes these rows of x: 1-8 rows of bf16, 8-byte aligned, groups of
-    128 (the kernel reads four words of a row per lane and group)."""
+    """Whether _w4_mma_kernel takes these rows of x: 1-16 rows of bf16, 8-byte aligned, groups
+    of 128 (the kernel reads four words of a row per lane and group)."""
     return (x2.dtype == torch.bfloat16 and 1 <= x2.shape[0] <= MAX_ROWS
             and group_size == GROUP_SIZE and x2.shape[-1] % GROUP_SIZE == 0
             and x2.data_ptr() % 8 == 0
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
 
 
-def launch(args: tuple, n_tiles: int, split: int, num_warps: int, block_n: int, has_bias: bool,
-           asm: bool, pdl_kwargs: dict) -> None:
+def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
+           has_bias: bool, asm: bool, pdl_kwargs: dict) -> None:
     """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
-    K, strides, k_per_split, split_k)."""
+    K, strides, k_per_split, split_k) for `rows` rows of x."""
     tiles = block_n // (16 * num_warps)
     if tiles not in (1, 2) or block_n != 16 * tiles * num_warps:
         raise ValueError(f"w4 mma: block_n {block_n} is not 16 or 32 rows per warp of "
                          f"{num_warps}")
-    _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, SPLIT=split > 1,
-                                     HAS_BIAS=has_bias, ASM=asm, num_warps=num_warps,
-                                     **pdl_kwargs)
+    _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
+                                     SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
+                                     num_warps=num_warps, **pdl_kwargs)
