@@ -669,6 +669,13 @@ def _chained(cfg: GemvConfig, x2: torch.Tensor, chunk: int) -> bool:
     return cfg.bit_convert == 2 and _bf16x2_mode(cfg, x2) > 0 and _chain_ok(x2, chunk)
 
 
+def _mma_gate_out(cfg: GemvConfig, x2: torch.Tensor, group_size: int) -> bool:
+    """Whether a gate-out call with this config runs the mma kernel (32 rows a warp: a gate and
+    an up tile) rather than the one-row FMA kernel."""
+    return (getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size)
+            and gemv_int4_mma.tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
+
+
 def _chain_ok(x2: torch.Tensor, chunk: int) -> bool:
     """Four words per chunk row, and bf16 x whose rows start 8-byte aligned."""
     return (x2.dtype == torch.bfloat16 and chunk % 32 == 0 and x2.data_ptr() % 8 == 0
@@ -727,10 +734,16 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     chunk = math.gcd(config.block_k, group_size)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(config, n, k, x.device)
     scales, zeros = row_major(scales), row_major(zeros)
+    args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
+            x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
+            per_split, split)
+    if _mma_gate_out(config, x2, group_size):
+        gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
+                             bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
+                             gate_out=True)
+        return out.view(*x.shape[:-1], n // 2)
     _w4_gemv_kernel[(n_tiles, split)](
-        x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
-        x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
-        per_split, split, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
+        *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=config.prefetch,
         BF16X2=_bf16x2_mode(config, x2), CHAIN=_chained(config, x2, chunk), GATE_OUT=True,
         num_warps=config.num_warps,
@@ -747,8 +760,9 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
-    if not gate_out_ok(1, qweight.shape[0], cfg) or getattr(cfg, "mma", False):
-        return None  # (the mma kernel has no gate-out: its product, then the activation)
+    if not gate_out_ok(1, qweight.shape[0], cfg) or (
+            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)):
+        return None  # (an mma tile of 16 rows a warp: its product, then the activation)
     return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg)
 
 

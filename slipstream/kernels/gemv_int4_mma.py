@@ -187,24 +187,61 @@ def _lane_values(acc0, acc1, acc2, acc3, row, col):
             _quad(col, col + 1, col, col + 1))
 
 
+@triton.jit
+def _gate_out_epilogue(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, bias_ptr,
+                       out_ptr, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
+                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """GATE_OUT: gate sums g (rows j, j + 8), up sums u (rows I + j, ..) -> SiLU(gate)·up at
+    columns j, j + 8, each operand rounded to the output dtype first (the values silu_and_mul
+    computes from the stored product). Split-K partials reduced as gemv's gate-out does
+    (workspace: 32 NW floats per program and split, indexed by weight row)."""
+    half = N // 2
+    gate, col, xrow = _lane_values(g0, g1, g2, g3, j, 2 * t)  # col: the output column (gate row)
+    mask = (xrow < M) & (col < half)
+    part = tl.join(gate, _quad(u0, u1, u2, u3))
+    rows = tl.join(col, col + half)  # weight rows: gate, up
+    both = tl.join(mask, mask)
+    part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
+                                cnt_ptr + pid_n, pid_k, split_k, SPLIT)
+    if done:
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + rows, mask=both, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        gv, uv = tl.split(part)
+        gv = gv.to(out_ty).to(tl.float32)
+        uv = uv.to(out_ty).to(tl.float32)
+        tl.store(out_ptr + xrow * stride_om + col, (gv * tl.sigmoid(gv) * uv).to(out_ty),
+                 mask=mask)
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                    NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                   USE_PDL: tl.constexpr = False):
+                   USE_PDL: tl.constexpr = False, GATE_OUT: tl.constexpr = False):
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
-    (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15)."""
+    (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
+    row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
+    I + j, and the lane writes SiLU(gate)·up for its columns j (_gate_out_epilogue)."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, 32 * NW)
     g = (lane % 32) // 4
     t = lane % 4
-    row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
-    r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
-    r2, r3 = tl.minimum(row + 16, N - 1).to(tl.int64), tl.minimum(row + 24, N - 1).to(tl.int64)
+    if GATE_OUT:
+        row = pid_n * (16 * NW) + (lane // 32) * 16 + g  # output column j (gate row)
+        half = N // 2
+        r0 = tl.minimum(row, half - 1).to(tl.int64)
+        r1 = tl.minimum(row + 8, half - 1).to(tl.int64)
+        r2, r3 = r0 + half, r1 + half
+    else:
+        row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
+        r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
+        r2 = tl.minimum(row + 16, N - 1).to(tl.int64)
+        r3 = tl.minimum(row + 24, N - 1).to(tl.int64)
     x_row = x_ptr + tl.minimum(g, M - 1) * stride_xm
     y_row = x_ptr + tl.minimum(g + 8, M - 1) * stride_xm
     k_lo = pid_k * k_per_split
@@ -230,6 +267,22 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
             a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
                 w_ptr, s_ptr, z_ptr, r2, r3, stride_wn, stride_sn, stride_zn, k, t, xq, yq, sx,
                 sy, a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+    if GATE_OUT:
+        _gate_out_epilogue(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr,
+                           cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW,
+                           SPLIT, HAS_BIAS)
+    else:
+        _epilogue(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
+                  b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k,
+                  stride_om, TILES, WIDE, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
+              row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k,
+              stride_om, TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """Every lane value to out[n, row] (n < M, row < N), split-K partials reduced first."""
     part, rows, cols = _lane_values(a00, a01, a02, a03, row, 2 * t)
     if TILES == 2:
         p1, r1_, c1 = _lane_values(a10, a11, a12, a13, row + 16, 2 * t)
@@ -258,14 +311,21 @@ def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
 
 
-def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
-           has_bias: bool, asm: bool, pdl_kwargs: dict) -> None:
-    """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
-    K, strides, k_per_split, split_k) for `rows` rows of x."""
+def tiles_per_warp(block_n: int, num_warps: int) -> int:
+    """16-row tiles per warp of a config (1 or 2), or 0 when block_n is neither."""
     tiles = block_n // (16 * num_warps)
-    if tiles not in (1, 2) or block_n != 16 * tiles * num_warps:
+    return tiles if tiles in (1, 2) and block_n == 16 * tiles * num_warps else 0
+
+
+def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
+           has_bias: bool, asm: bool, pdl_kwargs: dict, gate_out: bool = False) -> None:
+    """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
+    K, strides, k_per_split, split_k) for `rows` rows of x. gate_out: one row, a [gate | up]
+    weight, 32 rows per warp (gemv.gate_out_launch's tiles and workspace)."""
+    tiles = tiles_per_warp(block_n, num_warps)
+    if not tiles or (gate_out and (tiles != 2 or rows != 1)):
         raise ValueError(f"w4 mma: block_n {block_n} is not 16 or 32 rows per warp of "
-                         f"{num_warps}")
+                         f"{num_warps}{' (gate-out: 32, one row)' if gate_out else ''}")
     _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
                                      SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
-                                     num_warps=num_warps, **pdl_kwargs)
+                                     GATE_OUT=gate_out, num_warps=num_warps, **pdl_kwargs)

@@ -147,3 +147,42 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
             for _ in range(2):
                 got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
                 assert _rel(got, want) < 8e-3, (m, cfg)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("split,with_bias", [(1, False), (3, True)])
+def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: bool) -> None:
+    """One row, a [gate | up] weight (I = 40: the last program's columns partly past I), 32 rows
+    a warp: the mma kernel pairs a gate tile with its up tile and writes SiLU(gate)·up, equal to
+    silu_and_mul of the same config's stored product (operands rounded to bf16 first)."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    n, k = 80, 384
+    packed = _quantized(n, k, 128, seed=5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    cfg = W4Config(32, 128, split, 1, mma=True)
+    assert gemv_int4._mma_gate_out(cfg, x, 128)
+    assert not gemv_int4._mma_gate_out(W4Config(16, 128, split, 1, mma=True), x, 128)
+    got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, cfg)
+    want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, b, cfg).float())
+    assert got.shape == (1, n // 2) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-2)
+    for buf in _COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_w4_mma_gate_out() -> None:
+    """The PTX kernel's gate-out on the Llama-3.1-8B gate/up shape equals silu_and_mul of its
+    stored product, with and without split-K."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    packed = _quantized(28672, 4096, 128, "cuda")
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    for cfg in [W4Config(128, 128, 0, 4, mma=True), W4Config(256, 128, 2, 8, mma=True)]:
+        got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
+        want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg).float())
+        torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=1e-2)
