@@ -18,32 +18,15 @@ from slipstream.kernels import gemm_int4, gemv_int4, int4_common
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
 from slipstream.quantization import utils as qu
+from tests.quantization.int4_helpers import quantized, rel
 
 
-@pytest.fixture
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh torch.empty tensors hold NaN, so an output element a kernel skips cannot pass."""
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-
-
-def _quantized(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    w = torch.randn(n, k, generator=g, device=device)
-    q, scales, zeros = qu.quantize_int4_groupwise(w, group)
-    return qu.pack_int4_rows(q), scales.half(), zeros
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-def _check(got, x, packed, bias, group, rel=1e-5) -> None:
+def _check(got, x, packed, bias, group, tol=1e-5) -> None:
     """float64 reference: the kernel must land within float32 rounding of it."""
     want = gemv_int4.w4_linear_reference(x.double(), *packed, group,
                                          None if bias is None else bias.double())
     assert got.shape == want.shape and torch.isfinite(got).all()
-    assert _rel(got, want) < rel, f"relative error {_rel(got, want):.2e}"
+    assert rel(got, want) < tol, f"relative error {rel(got, want):.2e}"
 
 
 @triton.jit
@@ -74,7 +57,7 @@ def test_unpack_orders_and_magic_values(dtype: torch.dtype) -> None:
                                          (16, 33, 256, 64), (2, 24, 192, 192)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w4_gemv_default_config(m: int, n: int, k: int, group: int, with_bias: bool) -> None:
-    packed = _quantized(n, k, group)
+    packed = quantized(n, k, group)
     x = torch.randn(m, k)
     b = torch.randn(n) if with_bias else None
     _check(gemv_int4.w4_gemv(x, *packed, group, b), x, packed, b, group)
@@ -89,7 +72,7 @@ def test_w4_gemv_default_config(m: int, n: int, k: int, group: int, with_bias: b
 @pytest.mark.parametrize("m", [1, 4])
 def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
     n, k, group = 45, 640, 128
-    packed = _quantized(n, k, group)
+    packed = quantized(n, k, group)
     x, b = torch.randn(m, k), torch.randn(n)
     out = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
     _check(out, x, packed, b, group)
@@ -107,7 +90,7 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int, chained: bool) -> None:
     4c+3, split out of the tile's last axis) in one packed sum. The interpreter runs the float32
     twins; the GPU tests the PTX."""
     n, k = 45, 640
-    packed = _quantized(n, k, group)
+    packed = quantized(n, k, group)
     g = torch.Generator().manual_seed(split)
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True,
@@ -120,7 +103,7 @@ def test_w4_gemv_bf16x2_pairs(group: int, split: int, chained: bool) -> None:
     assert got.dtype == torch.bfloat16
     # The bf16 output's rounding, which the interpreter does by truncation (up to one ulp, 2^-8
     # relative, always toward zero); a wrong pairing or zero would be off by tens of percent.
-    assert _rel(got, want) < 8e-3
+    assert rel(got, want) < 8e-3
 
 
 @pytest.mark.usefixtures("poison_outputs")
@@ -132,7 +115,7 @@ def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefet
     and pairing; bits 2: four words per packed sum), with bias (the interpreter runs the
     float32 twins; the GPU tests the PTX)."""
     n, k, group = 45, 640, 128
-    packed = _quantized(n, k, group, seed=split)
+    packed = quantized(n, k, group, seed=split)
     g = torch.Generator().manual_seed(split)
     x, b = torch.randn(2, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     assert not torch.equal(x[0], x[1])
@@ -144,7 +127,7 @@ def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefet
     for r in range(2):
         want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
         torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
-    assert _rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
+    assert rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
     for buf in _COUNTERS.values():
         assert int(buf.abs().sum()) == 0
     for bad in (torch.randn(3, k).bfloat16(), torch.randn(2, k)):
@@ -160,7 +143,7 @@ def test_w4_four_rows_kernel_equals_the_one_row_kernel_per_row(m: int, split: in
     alone, with bias and split-K; at three rows the fourth re-reads row 2 and is not written.
     x that is not 8-byte aligned falls back to the tensor-core kernel."""
     n, k, group = 45, 640, 128
-    packed = _quantized(n, k, group, seed=m)
+    packed = quantized(n, k, group, seed=m)
     g = torch.Generator().manual_seed(m)
     x, b = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     cfg = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=2,
@@ -173,7 +156,7 @@ def test_w4_four_rows_kernel_equals_the_one_row_kernel_per_row(m: int, split: in
         torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
     for buf in _COUNTERS.values():
         assert int(buf.abs().sum()) == 0
-    assert _rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
+    assert rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
     odd = torch.empty(m * k + 1, dtype=torch.bfloat16)[1:].view(m, k).copy_(x)
     assert not gemv_int4._chain_ok(odd, 128)
     # (The interpreter's bf16 tensor-core product is not the GPU's: compare routes, not values.)
@@ -211,7 +194,7 @@ def test_w4_gate_out_equals_product_then_activation(cfg: W4Config, with_bias: bo
     from slipstream.kernels.reference import silu_and_mul
 
     n, k, group = 42, 384, 128
-    packed = _quantized(n, k, group, seed=3)
+    packed = quantized(n, k, group, seed=3)
     dtype = torch.bfloat16 if cfg.bit_convert else torch.float32
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1, k, generator=g).to(dtype)
@@ -237,7 +220,7 @@ def test_w4_gate_out_equals_product_then_activation(cfg: W4Config, with_bias: bo
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_w4_gemm(group: int, cfg, with_bias: bool) -> None:
     n, k = 37, 384
-    packed = _quantized(n, k, group)
+    packed = quantized(n, k, group)
     x = torch.randn(2, 20, k)  # leading dims: M = 40
     b = torch.randn(n) if with_bias else None
     out = gemm_int4.w4_gemm(x, *packed, group, b, cfg)
@@ -248,14 +231,14 @@ def test_w4_gemm(group: int, cfg, with_bias: bool) -> None:
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group", [128, 64, 192])
 def test_w4_dequantize_kernel_matches_utils(group: int) -> None:
-    q, s, z = _quantized(37, 384, group)
+    q, s, z = quantized(37, 384, group)
     want = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(q), s, z)
     got = gemm_int4.w4_dequantize(q, s, z, group, torch.float32, kernel=True)
     torch.testing.assert_close(got, want, atol=0, rtol=0)  # (q - z) * s rounded once, both
 
 
 def test_int4_linear_on_cpu_is_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = _quantized(24, 128, 64)
+    packed = quantized(24, 128, 64)
     monkeypatch.setattr(gemv_int4, "w4_gemv", lambda *a, **kw: pytest.fail("kernel on CPU"))
     for m in (1, 40):
         x, b = torch.randn(m, 128), torch.randn(24)
@@ -267,14 +250,14 @@ def test_int4_linear_on_cpu_is_the_reference(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_w4_linear_small_off_cuda_runs_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = _quantized(24, 128, 128)
+    packed = quantized(24, 128, 128)
     monkeypatch.setattr(gemv_int4, "measure_best", lambda *a: pytest.fail("measured on CPU"))
     x = torch.randn(1, 128)
     _check(gemv_int4.w4_linear_small(x, *packed, 128), x, packed, None, 128)
 
 
 def test_layout_errors() -> None:
-    q, s, z = _quantized(16, 256, 128)
+    q, s, z = quantized(16, 256, 128)
     x = torch.randn(1, 256)
     with pytest.raises(ValueError):
         gemv_int4.w4_gemv(x, q, s, z, 96)  # group does not divide K
@@ -346,7 +329,7 @@ def _gpu_check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("n,k", SHAPES_8B)
 @pytest.mark.parametrize("m", [1, 2, 8, 16, 64, 512])
 def test_int4_linear_gpu(n: int, k: int, m: int) -> None:
-    packed = _quantized(n, k, 128, "cuda", seed=m)
+    packed = quantized(n, k, 128, "cuda", seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = gemv_int4.w4_linear_reference(x, *packed, 128, b)
@@ -364,7 +347,7 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
     silu_and_mul, for every one-row candidate (and the measured choice's wrapper)."""
     from slipstream.kernels.activation import silu_and_mul
 
-    packed = _quantized(n, k, 128, "cuda")
+    packed = quantized(n, k, 128, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for cfg in gemv_int4.candidate_w4_configs(1, x.dtype):
         if cfg.dot:
@@ -382,7 +365,7 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
 def test_gpu_few_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
     """The two- and four-row PTX computes each row as the one-row packed-bf16 PTX does (same
     bits), per word or four words per packed sum; three rows run the four-row kernel."""
-    packed = _quantized(n, k, 128, "cuda")
+    packed = quantized(n, k, 128, "cuda")
     for m, bucket in [(2, 2), (4, 4), (3, 4)]:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfgs = [c for c in gemv_int4.candidate_w4_configs(bucket, x.dtype)
@@ -405,7 +388,7 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
     """Every config the tuners may pick (3 rows: the 3-4-row bucket's), run twice (split-K
     counters left at zero)."""
     n, k = 4104, 4096
-    packed = _quantized(n, k, group, "cuda")
+    packed = quantized(n, k, group, "cuda")
     for m, bucket in [(1, 1), (2, 2), (3, 4), (4, 4), (16, 16)]:
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         want = gemv_int4.w4_linear_reference(x, *packed, group)

@@ -11,25 +11,7 @@ import triton.language as tl
 from slipstream.kernels import gemv_int4, gemv_int4_mma
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
-from slipstream.quantization import utils as qu
-
-
-@pytest.fixture
-def poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh torch.empty tensors hold NaN, so an output element a kernel skips cannot pass."""
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
-
-
-def _quantized(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q, scales, zeros = qu.quantize_int4_groupwise(torch.randn(n, k, generator=g, device=device),
-                                                  group)
-    return qu.pack_int4_rows(q), scales.half(), zeros
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+from tests.quantization.int4_helpers import quantized, rel
 
 
 @triton.jit
@@ -87,7 +69,7 @@ def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int,
     five groups, split-K: each output within bf16 rounding of the float64 reference (A values
     are exact, products exact in float32)."""
     n, k, nw = 45, 640, 1
-    packed = _quantized(n, k, 128, seed=m)
+    packed = quantized(n, k, 128, seed=m)
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
@@ -99,7 +81,7 @@ def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int,
     assert got.shape == (m, n) and got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     # bf16 output rounding (the interpreter truncates: up to 2^-8 relative); a wrong fragment,
     # pair or zero correction is off by tens of percent.
-    assert _rel(got, want) < 8e-3
+    assert rel(got, want) < 8e-3
     for buf in _COUNTERS.values():  # split-K tile counters back at zero
         assert int(buf.abs().sum()) == 0
 
@@ -111,13 +93,13 @@ def test_w4_mma_falls_back_where_it_does_not_apply() -> None:
     odd = torch.empty(k + 1, dtype=torch.bfloat16)[1:].view(1, k).copy_(torch.randn(1, k))
     for group, x in [(64, torch.randn(1, k).bfloat16()), (128, torch.randn(2, k)),
                      (128, torch.randn(5, k)), (128, odd)]:
-        packed = _quantized(n, k, group)
+        packed = quantized(n, k, group)
         assert not gemv_int4_mma.mma_ok(x, group)
         got = gemv_int4.w4_gemv(x, *packed, group, None, W4Config(64, 128, 0, 4, mma=True))
         want = gemv_int4.w4_linear_reference(x.double(), *packed, group)
-        assert _rel(got, want) < (8e-3 if x.dtype == torch.bfloat16 else 1e-5)
+        assert rel(got, want) < (8e-3 if x.dtype == torch.bfloat16 else 1e-5)
     with pytest.raises(ValueError, match="rows per warp"):
-        gemv_int4.w4_gemv(torch.randn(1, k).bfloat16(), *_quantized(n, k, 128), 128, None,
+        gemv_int4.w4_gemv(torch.randn(1, k).bfloat16(), *quantized(n, k, 128), 128, None,
                           W4Config(48, 128, 0, 1, mma=True))
 
 
@@ -137,7 +119,7 @@ def test_mma_candidates_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> No
 def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
     """The PTX kernel on the Llama-3.1-8B shapes, 1-16 rows, every candidate tile: within bf16
     rounding of the reference, run twice (split-K counters back at zero)."""
-    packed = _quantized(n, k, 128, "cuda")
+    packed = quantized(n, k, 128, "cuda")
     cfgs = [W4Config(16 * tiles * w, 128, sk, w, mma=True)
             for tiles, w, sk in [(1, 4, 0), (2, 4, 0), (1, 8, 0), (2, 8, 0), (2, 4, 2), (1, 4, 4)]]
     for m in (1, 2, 3, 8, 11, 16):
@@ -146,7 +128,7 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
         for cfg in cfgs:
             for _ in range(2):
                 got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
-                assert _rel(got, want) < 8e-3, (m, cfg)
+                assert rel(got, want) < 8e-3, (m, cfg)
 
 
 @pytest.mark.usefixtures("poison_outputs")
@@ -158,7 +140,7 @@ def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: b
     from slipstream.kernels.reference import silu_and_mul
 
     n, k = 80, 384
-    packed = _quantized(n, k, 128, seed=5)
+    packed = quantized(n, k, 128, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
@@ -180,7 +162,7 @@ def test_gpu_w4_mma_gate_out() -> None:
     stored product, with and without split-K."""
     from slipstream.kernels.reference import silu_and_mul
 
-    packed = _quantized(28672, 4096, 128, "cuda")
+    packed = quantized(28672, 4096, 128, "cuda")
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     for cfg in [W4Config(128, 128, 0, 4, mma=True), W4Config(256, 128, 2, 8, mma=True)]:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
