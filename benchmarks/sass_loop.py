@@ -3,6 +3,7 @@
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
     python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
+    python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element.
@@ -100,21 +101,33 @@ def w4_case(ns) -> tuple:
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
+def w4mma_case(ns) -> tuple:
+    from slipstream.kernels.gemv_int4_mma import _w4_mma_kernel
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
+                 out_ptr="*bf16", ws_ptr="*fp32")
+    consts = dict(NW=ns.num_warps, TILES=ns.tiles, WIDE=ns.wide, SPLIT=False, HAS_BIAS=False,
+                  ASM=True, USE_PDL=False, GATE_OUT=False)
+    return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 / 32  # weights per lane per group
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("qgemv", "attention", "w4"))
+    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma"))
     ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
     ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
+    ap.add_argument("--tiles", type=int, default=2, help="w4mma: 16-row tiles per warp (1, 2)")
+    ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ns = ap.parse_args()
-    case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case}[ns.kernel]
+    case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
+            "w4mma": w4mma_case}[ns.kernel]
     kernel, types, consts, elems = case(ns)
     hist = loop_histogram(compile_sass(kernel, types, consts, ns.num_warps))
     total = sum(hist.values())
