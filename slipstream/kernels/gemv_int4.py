@@ -581,8 +581,10 @@ def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     only: bf16 x, up to 16 rows."""
     if not gemv_int4_mma.ENABLED or dtype != torch.bfloat16 or m > gemv_int4_mma.MAX_ROWS:
         return []
-    return [W4Config(16 * tiles * w, 128, sk, w, mma=True)
-            for tiles, w, sk in [(1, 4, 0), (2, 4, 0), (1, 8, 0), (2, 8, 0), (2, 4, 2), (1, 4, 4)]]
+    return [W4Config(16 * tiles * w, 128, sk, w, 1, pf, mma=True)
+            for tiles, w, sk, pf in [(1, 4, 0, False), (2, 4, 0, False), (2, 8, 0, False),
+                                     (1, 4, 0, True), (2, 4, 0, True), (1, 8, 0, True),
+                                     (2, 8, 0, True), (2, 4, 2, True), (1, 4, 4, True)]]
 
 
 def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -634,7 +636,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                   **pdl.launch_kwargs(x.device))
     if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
-                             bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device))
+                             bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
+                             prefetch=cfg.prefetch)
     elif m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
                                           BF16X2=_bf16x2_mode(cfg, x2),
@@ -740,7 +743,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                             gate_out=True)
+                             gate_out=True, prefetch=config.prefetch)
         return out.view(*x.shape[:-1], n // 2)
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,

@@ -135,20 +135,27 @@ def _scaled(acc0, acc1, acc2, acc3, d0, d1, d2, d3, s_lo, s_hi, z_lo, z_hi, sx0,
 
 
 @triton.jit
-def _tile_group(w_ptr, s_ptr, z_ptr, r_lo, r_hi, stride_wn, stride_sn, stride_zn, k, t, xq, yq,
-                sx, sy, a0, a1, a2, a3, b0, b1, b2, b3, mask, NW: tl.constexpr,
-                WIDE: tl.constexpr, ASM: tl.constexpr):
-    """One group of one 16-row tile: eight mma steps over the lane's words t + 4c, then the
-    scaled, zero-corrected sums added to a (x rows 0-7) and, WIDE, b (x rows 8-15). xq / yq:
-    the four word columns' x pairs; sx / sy: the group's sums of x (_x_sums)."""
+def _tile_words(w_ptr, r_lo, r_hi, stride_wn, k, t):
+    """The lane's words of one 16-row tile for the group at k: words t + 4c (c = 0..3) of rows
+    r_lo, then of r_hi."""
     wl = w_ptr + r_lo * stride_wn + k // 8 + t
     wh = w_ptr + r_hi * stride_wn + k // 8 + t
+    return (tl.load(wl), tl.load(wl + 4), tl.load(wl + 8), tl.load(wl + 12),
+            tl.load(wh), tl.load(wh + 4), tl.load(wh + 8), tl.load(wh + 12))
+
+
+@triton.jit
+def _tile_group(w, s_ptr, z_ptr, r_lo, r_hi, stride_sn, stride_zn, k, xq, yq, sx, sy,
+                a0, a1, a2, a3, b0, b1, b2, b3, mask, NW: tl.constexpr, WIDE: tl.constexpr,
+                ASM: tl.constexpr):
+    """One group of one 16-row tile (w: _tile_words): eight mma steps, then the scaled,
+    zero-corrected sums added to a (x rows 0-7) and, WIDE, b (x rows 8-15). xq / yq: the four
+    word columns' x pairs; sx / sy: the group's sums of x (_x_sums)."""
     z = tl.zeros([32 * NW], tl.float32)
-    d = _word_steps(tl.load(wl), tl.load(wh), xq[0], yq[0], z, z, z, z, z, z, z, z, mask, NW,
-                    WIDE, ASM)
+    d = _word_steps(w[0], w[4], xq[0], yq[0], z, z, z, z, z, z, z, z, mask, NW, WIDE, ASM)
     for c in tl.static_range(1, 4):
-        d = _word_steps(tl.load(wl + 4 * c), tl.load(wh + 4 * c), xq[c], yq[c], d[0], d[1],
-                        d[2], d[3], d[4], d[5], d[6], d[7], mask, NW, WIDE, ASM)
+        d = _word_steps(w[c], w[4 + c], xq[c], yq[c], d[0], d[1], d[2], d[3], d[4], d[5],
+                        d[6], d[7], mask, NW, WIDE, ASM)
     gi = k // _GROUP
     s_lo = tl.load(s_ptr + r_lo * stride_sn + gi).to(tl.float32)
     s_hi = tl.load(s_ptr + r_hi * stride_sn + gi).to(tl.float32)
@@ -220,11 +227,13 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                    stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split, split_k,
                    NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                   USE_PDL: tl.constexpr = False, GATE_OUT: tl.constexpr = False):
+                   USE_PDL: tl.constexpr = False, GATE_OUT: tl.constexpr = False,
+                   PREFETCH: tl.constexpr = False):
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
     (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
     row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
-    I + j, and the lane writes SiLU(gate)·up for its columns j (_gate_out_epilogue)."""
+    I + j, and the lane writes SiLU(gate)·up for its columns j (_gate_out_epilogue). PREFETCH:
+    the next group's words are requested before this group's products."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -253,7 +262,22 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     unit = tl.full([32 * NW], 1, tl.uint32) * (K > 0).to(tl.uint32)  # 1, unknown to the compiler
     mask, one = unit * 0x000F000F, unit * 0x3F803F80
     pdl_wait(USE_PDL)
+    if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two groups in flight
+        p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_lo, t)
+        if TILES == 2:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_lo, t)
     for k in range(k_lo, k_hi, _GROUP):
+        if PREFETCH:
+            w0 = (p0, p1, p2, p3, p4, p5, p6, p7)
+            k_next = tl.minimum(k + _GROUP, k_hi - _GROUP)  # past the end: the last group again
+            p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_next, t)
+            if TILES == 2:
+                w1 = (q0, q1, q2, q3, q4, q5, q6, q7)
+                q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_next, t)
+        else:
+            w0 = _tile_words(w_ptr, r0, r1, stride_wn, k, t)
+            if TILES == 2:
+                w1 = _tile_words(w_ptr, r2, r3, stride_wn, k, t)
         xq = _group_pairs(x_row, k, t, ASM)
         sx = _x_sums(xq[0], xq[1], xq[2], xq[3], one, NW, ASM)
         yq, sy = xq, sx
@@ -261,12 +285,12 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
             yq = _group_pairs(y_row, k, t, ASM)
             sy = _x_sums(yq[0], yq[1], yq[2], yq[3], one, NW, ASM)
         a00, a01, a02, a03, b00, b01, b02, b03 = _tile_group(
-            w_ptr, s_ptr, z_ptr, r0, r1, stride_wn, stride_sn, stride_zn, k, t, xq, yq, sx, sy,
+            w0, s_ptr, z_ptr, r0, r1, stride_sn, stride_zn, k, xq, yq, sx, sy,
             a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM)
         if TILES == 2:
             a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
-                w_ptr, s_ptr, z_ptr, r2, r3, stride_wn, stride_sn, stride_zn, k, t, xq, yq, sx,
-                sy, a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+                w1, s_ptr, z_ptr, r2, r3, stride_sn, stride_zn, k, xq, yq, sx, sy,
+                a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
     if GATE_OUT:
         _gate_out_epilogue(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr,
                            cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW,
@@ -318,7 +342,8 @@ def tiles_per_warp(block_n: int, num_warps: int) -> int:
 
 
 def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
-           has_bias: bool, asm: bool, pdl_kwargs: dict, gate_out: bool = False) -> None:
+           has_bias: bool, asm: bool, pdl_kwargs: dict, gate_out: bool = False,
+           prefetch: bool = False) -> None:
     """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
     K, strides, k_per_split, split_k) for `rows` rows of x. gate_out: one row, a [gate | up]
     weight, 32 rows per warp (gemv.gate_out_launch's tiles and workspace)."""
@@ -328,4 +353,5 @@ def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, blo
                          f"{num_warps}{' (gate-out: 32, one row)' if gate_out else ''}")
     _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
                                      SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
-                                     GATE_OUT=gate_out, num_warps=num_warps, **pdl_kwargs)
+                                     GATE_OUT=gate_out, PREFETCH=prefetch,
+                                     num_warps=num_warps, **pdl_kwargs)

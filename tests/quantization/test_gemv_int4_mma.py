@@ -60,10 +60,11 @@ def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("m,tiles,split", [(1, 1, 1), (3, 2, 3), (8, 1, 2), (12, 2, 1),
-                                           (16, 1, 3)])
+@pytest.mark.parametrize("m,tiles,split,prefetch", [(1, 1, 1, False), (3, 2, 3, True),
+                                                    (8, 1, 2, True), (12, 2, 1, False),
+                                                    (16, 1, 3, True), (16, 2, 3, True)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int,
+def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int, prefetch: bool,
                                              with_bias: bool) -> None:
     """1-16 rows of bf16 x (above 8 the second mma per A fragment), a partial last tile (N = 45),
     five groups, split-K: each output within bf16 rounding of the float64 reference (A values
@@ -73,7 +74,7 @@ def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int,
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    cfg = W4Config(16 * tiles * nw, 128, split, nw, mma=True)
+    cfg = W4Config(16 * tiles * nw, 128, split, nw, 1, prefetch, mma=True)
     assert gemv_int4_mma.mma_ok(x, 128)
     got = gemv_int4.w4_gemv(x, *packed, 128, b, cfg)
     want = gemv_int4.w4_linear_reference(x.double(), *packed, 128,
@@ -120,8 +121,9 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
     """The PTX kernel on the Llama-3.1-8B shapes, 1-16 rows, every candidate tile: within bf16
     rounding of the reference, run twice (split-K counters back at zero)."""
     packed = quantized(n, k, 128, "cuda")
-    cfgs = [W4Config(16 * tiles * w, 128, sk, w, mma=True)
-            for tiles, w, sk in [(1, 4, 0), (2, 4, 0), (1, 8, 0), (2, 8, 0), (2, 4, 2), (1, 4, 4)]]
+    cfgs = gemv_int4._mma_configs(16, torch.bfloat16) if gemv_int4_mma.ENABLED else [
+        W4Config(16 * tiles * w, 128, sk, w, 1, pf, mma=True)
+        for tiles, w, sk, pf in [(1, 4, 0, False), (2, 4, 0, True), (2, 8, 2, True)]]
     for m in (1, 2, 3, 8, 11, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         want = gemv_int4.w4_linear_reference(x.float(), *packed, 128)
@@ -132,8 +134,9 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("split,with_bias", [(1, False), (3, True)])
-def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("split,with_bias,prefetch", [(1, False, False), (3, True, True)])
+def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: bool,
+                                                        prefetch: bool) -> None:
     """One row, a [gate | up] weight (I = 40: the last program's columns partly past I), 32 rows
     a warp: the mma kernel pairs a gate tile with its up tile and writes SiLU(gate)·up, equal to
     silu_and_mul of the same config's stored product (operands rounded to bf16 first)."""
@@ -144,7 +147,7 @@ def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: b
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    cfg = W4Config(32, 128, split, 1, mma=True)
+    cfg = W4Config(32, 128, split, 1, 1, prefetch, mma=True)
     assert gemv_int4._mma_gate_out(cfg, x, 128)
     assert not gemv_int4._mma_gate_out(W4Config(16, 128, split, 1, mma=True), x, 128)
     got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, cfg)
@@ -164,7 +167,7 @@ def test_gpu_w4_mma_gate_out() -> None:
 
     packed = quantized(28672, 4096, 128, "cuda")
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    for cfg in [W4Config(128, 128, 0, 4, mma=True), W4Config(256, 128, 2, 8, mma=True)]:
+    for cfg in [W4Config(128, 128, 0, 4, mma=True), W4Config(256, 128, 2, 8, 1, True, mma=True)]:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
         want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg).float())
         torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=1e-2)
