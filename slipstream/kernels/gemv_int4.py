@@ -564,7 +564,6 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     splits = [W4Config(128, 128, sk, 2, 1, True) for sk in (1, 2, 4, 8)]
     if dtype != torch.bfloat16:
         return fma + splits + dot[:2]
-    fma += _mma_configs(m, dtype)
     # bf16 x: packed bf16 products, four words per packed sum (bit_convert 2; per-word sums where
     # a chunk row has fewer than four words). H200, Llama-3.1-8B shapes: the 256-thread tile of
     # two rows per thread wins every projection (qkv 9.0 -> 8.4 us, o 7.5 -> 7.2, gate_up
@@ -573,7 +572,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     chained = [W4Config(bn, 128, sk, w, 1, True, bit_convert=2) for bn, w, sks in
                [(128, 8, (0, 2, 4, 8, 16)), (64, 4, (0, 2, 8, 16)), (32, 2, (2, 16)),
                 (128, 2, (0,)), (128, 4, (0,))] for sk in sks]
-    return fma + splits + chained + dot[:2]
+    return fma + splits + chained + _mma_configs(m, dtype) + dot[:2]
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
