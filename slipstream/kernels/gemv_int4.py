@@ -257,6 +257,28 @@ def _chained_four_rows_dot(w, z, x0, x1, x2, x3, ROWS: tl.constexpr, WORDS: tl.c
                 _quartet_dot_f32(w0, w1, w2, w3, zf, c), _quartet_dot_f32(w0, w1, w2, w3, zf, d))
 
 
+@triton.jit
+def _first_words(w_ptrs, k_lo, WORDS: tl.constexpr, PREFETCH: tl.constexpr):
+    """PREFETCH: the first chunk's words, requested before the PDL wait (Triton does not
+    pipeline loads that feed no tl.dot: the kernels keep two tiles in flight themselves)."""
+    if PREFETCH:
+        return tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    else:
+        return tl.zeros(w_ptrs.shape, tl.int32)  # unused
+
+
+@triton.jit
+def _chunk_words(w_ptrs, w_next, k, k_hi, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
+    """(the words of the chunk at k, the request for the next one): PREFETCH rotates w_next
+    (past the end it re-reads the last tile); otherwise a plain load."""
+    WORDS: tl.constexpr = CHUNK // 8
+    if PREFETCH:
+        k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)
+        return w_next, tl.load(w_ptrs + tl.multiple_of(k_next // 8, WORDS))
+    else:
+        return tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS)), w_next
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -289,16 +311,10 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     else:
         acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
     one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
-    if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two tiles in flight
-        w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    w_next = _first_words(w_ptrs, k_lo, WORDS, PREFETCH)
     pdl_wait(USE_PDL)  # the first weight tile is already in flight (kernels/pdl.py)
     for k in range(k_lo, k_hi, CHUNK):
-        if PREFETCH:
-            w = w_next
-            k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
-            w_next = tl.load(w_ptrs + tl.multiple_of(k_next // 8, WORDS))
-        else:
-            w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
+        w, w_next = _chunk_words(w_ptrs, w_next, k, k_hi, CHUNK, PREFETCH)
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
         if CHAIN:
@@ -429,16 +445,10 @@ def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     else:
         acc0 = tl.zeros([BLOCK_N, WORDS], tl.float32)
         acc1 = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    if PREFETCH:
-        w_next = tl.load(w_ptrs + tl.multiple_of(k_lo // 8, WORDS))
+    w_next = _first_words(w_ptrs, k_lo, WORDS, PREFETCH)
     pdl_wait(USE_PDL)
     for k in range(k_lo, k_hi, CHUNK):
-        if PREFETCH:
-            w = w_next
-            k_next = tl.minimum(k + CHUNK, k_hi - CHUNK)  # past the end: re-read the last tile
-            w_next = tl.load(w_ptrs + tl.multiple_of(k_next // 8, WORDS))
-        else:
-            w = tl.load(w_ptrs + tl.multiple_of(k // 8, WORDS))
+        w, w_next = _chunk_words(w_ptrs, w_next, k, k_hi, CHUNK, PREFETCH)
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
         z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
