@@ -106,7 +106,7 @@ def w4mma_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(NW=ns.num_warps, TILES=ns.tiles, WIDE=ns.wide, SPLIT=False, HAS_BIAS=False,
-                  ASM=True, USE_PDL=False, GATE_OUT=False)
+                  ASM=True, USE_PDL=False, GATE_OUT=False, PREFETCH=ns.prefetch)
     return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 / 32  # weights per lane per group
 
 

@@ -11,9 +11,9 @@ is 128 + q (the nibble ORed under bf16's exponent of 128, exact); the mma sums (
 float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group.
 Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
 
-ASM (CUDA): the mma in PTX. In the interpreter _mma_twin emulates the instruction on the
-per-lane tensors ([32 * NW], element i in lane i % 32 of warp i // 32), so the CPU tests check
-every address and index; only the PTX needs the GPU. Opt-in (SLIPSTREAM_W4_MMA=1) until
+ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/mma_fragments.py) emulates
+the instruction on the per-lane tensors, so the CPU tests check every address and index;
+only the PTX needs the GPU. Opt-in (SLIPSTREAM_W4_MMA=1) until
 measured there.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ import triton.language as tl
 
 from slipstream.kernels.gemv import _reduce_splits
 from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
+from slipstream.kernels.mma_fragments import lane_values, mma, quad
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
@@ -33,57 +34,6 @@ NARROW_ROWS = 8  # one n8 mma step per A fragment
 MAX_ROWS = 16  # two above NARROW_ROWS (WIDE)
 GROUP_SIZE = 128  # the group the kernel steps by (each lane reads four words of a row per group)
 _GROUP = tl.constexpr(GROUP_SIZE)
-
-_MMA = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
-
-
-@triton.jit
-def _halves(r, NW: tl.constexpr):
-    """Per-lane bf16x2 registers [32 NW] -> float32 [NW, 8 (g), 4 (t), 2 (half)]."""
-    u = tl.reshape(r.to(tl.uint32, bitcast=True), [NW, 8, 4])
-    return tl.join((u << 16).to(tl.float32, bitcast=True),
-                   (u & 0xFFFF0000).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _frag_dot(a, b):
-    """[w, m, n] = sum over a lane's k slots (t, half) of a[w, m, t, h] b[w, n, t, h]."""
-    return tl.sum(tl.sum(a[:, :, None, :, :] * b[:, None, :, :, :], 4), 3)
-
-
-@triton.jit
-def _lane_columns(d, NW: tl.constexpr):
-    """[NW, 8 (g), 8 (n)] -> each lane's columns n = 2t and 2t + 1 as two [32 NW] tensors."""
-    even, odd = tl.split(tl.reshape(d, [NW, 8, 4, 2]))
-    return tl.reshape(even, [32 * NW]), tl.reshape(odd, [32 * NW])
-
-
-@triton.jit
-def _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr):
-    """mma.m16n8k16 (bf16 in, float32 accumulate) on per-lane fragments, in tensor arithmetic:
-    A reg0 = (row g, k 2t, 2t+1), reg1 = (row g+8, same k), reg2 / reg3 the same at k + 8;
-    B reg0 = (k 2t, 2t+1; column g), reg1 at k + 8; C / D = (row g, columns 2t, 2t+1), then
-    row g + 8 (lower-indexed element in the lower half of a register)."""
-    b0h, b1h = _halves(b0, NW), _halves(b1, NW)
-    top = _frag_dot(_halves(a0, NW), b0h) + _frag_dot(_halves(a2, NW), b1h)
-    bottom = _frag_dot(_halves(a1, NW), b0h) + _frag_dot(_halves(a3, NW), b1h)
-    d0, d1 = _lane_columns(top, NW)
-    d2, d3 = _lane_columns(bottom, NW)
-    return c0 + d0, c1 + d1, c2 + d2, c3 + d3
-
-
-@triton.jit
-def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, ASM: tl.constexpr):
-    """D = A B + C for one m16n8k16 step (ASM: the PTX instruction; else its twin)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            asm=_MMA, constraints="=r,=r,=r,=r" + ",r" * 10,
-            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        return _mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW)
-
 
 @triton.jit
 def _pair(w, mask, A: tl.constexpr):
@@ -101,14 +51,14 @@ def _word_steps(lw, hw, xq, yq, d0, d1, d2, d3, e0, e1, e2, e3, mask, NW: tl.con
     same A fragments also against x rows 8-15 (yq) into e."""
     a0, a1 = _pair(lw, mask, 0), _pair(hw, mask, 0)
     a2, a3 = _pair(lw, mask, 1), _pair(hw, mask, 1)
-    d0, d1, d2, d3 = _mma(a0, a1, a2, a3, xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
+    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[0], xq[1], d0, d1, d2, d3, NW, False, ASM)
     if WIDE:
-        e0, e1, e2, e3 = _mma(a0, a1, a2, a3, yq[0], yq[1], e0, e1, e2, e3, NW, ASM)
+        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[0], yq[1], e0, e1, e2, e3, NW, False, ASM)
     a0, a1 = _pair(lw, mask, 2), _pair(hw, mask, 2)
     a2, a3 = _pair(lw, mask, 3), _pair(hw, mask, 3)
-    d0, d1, d2, d3 = _mma(a0, a1, a2, a3, xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
+    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[2], xq[3], d0, d1, d2, d3, NW, False, ASM)
     if WIDE:
-        e0, e1, e2, e3 = _mma(a0, a1, a2, a3, yq[2], yq[3], e0, e1, e2, e3, NW, ASM)
+        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[2], yq[3], e0, e1, e2, e3, NW, False, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
 
 
@@ -116,15 +66,18 @@ def _word_steps(lw, hw, xq, yq, d0, d1, d2, d3, e0, e1, e2, e3, mask, NW: tl.con
 def _x_sums(xq0, xq1, xq2, xq3, one, NW: tl.constexpr, ASM: tl.constexpr):
     """sum of the group's x for the lane's columns n = 2t, 2t + 1: mma steps with A = one, the
     bf16 pair (1, 1) (a runtime value, kept in registers like _pair's mask)."""
-    zero = tl.zeros([32 * NW], tl.float32)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq0[0], xq0[1], zero, zero, zero, zero, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq0[2], xq0[3], s0, s1, s2, s3, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq1[0], xq1[1], s0, s1, s2, s3, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq1[2], xq1[3], s0, s1, s2, s3, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq2[0], xq2[1], s0, s1, s2, s3, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq2[2], xq2[3], s0, s1, s2, s3, NW, ASM)
-    s0, s1, s2, s3 = _mma(one, one, one, one, xq3[0], xq3[1], s0, s1, s2, s3, NW, ASM)
-    return _mma(one, one, one, one, xq3[2], xq3[3], s0, s1, s2, s3, NW, ASM)
+    z = tl.zeros([32 * NW], tl.float32)
+    s = _ones_steps(xq0, one, z, z, z, z, NW, ASM)
+    s = _ones_steps(xq1, one, s[0], s[1], s[2], s[3], NW, ASM)
+    s = _ones_steps(xq2, one, s[0], s[1], s[2], s[3], NW, ASM)
+    return _ones_steps(xq3, one, s[0], s[1], s[2], s[3], NW, ASM)
+
+
+@triton.jit
+def _ones_steps(xq, one, s0, s1, s2, s3, NW: tl.constexpr, ASM: tl.constexpr):
+    """Two mma steps with A = one against one word column's x pairs, added to s."""
+    s0, s1, s2, s3 = mma(one, one, one, one, xq[0], xq[1], s0, s1, s2, s3, NW, False, ASM)
+    return mma(one, one, one, one, xq[2], xq[3], s0, s1, s2, s3, NW, False, ASM)
 
 
 @triton.jit
@@ -170,12 +123,6 @@ def _tile_group(w, s_ptr, z_ptr, r_lo, r_hi, stride_sn, stride_zn, k, xq, yq, sx
 
 
 @triton.jit
-def _quad(v0, v1, v2, v3):
-    """Four per-lane tensors as one [32 NW, 2, 2] (v_2i+j at [., i, j]): one epilogue for all."""
-    return tl.join(tl.join(v0, v2), tl.join(v1, v3))
-
-
-@triton.jit
 def _group_pairs(x_row, k, t, ASM: tl.constexpr):
     """The lane's x pairs for the group at k: word columns t, t + 4, t + 8, t + 12."""
     if ASM:
@@ -187,14 +134,6 @@ def _group_pairs(x_row, k, t, ASM: tl.constexpr):
 
 
 @triton.jit
-def _lane_values(acc0, acc1, acc2, acc3, row, col):
-    """(values, weight rows, x rows) of one tile half: (row, col), (row, col + 1), (row + 8,
-    col), (row + 8, col + 1), as [32 NW, 2, 2] tensors (one epilogue for everything)."""
-    return (_quad(acc0, acc1, acc2, acc3), _quad(row, row, row + 8, row + 8),
-            _quad(col, col + 1, col, col + 1))
-
-
-@triton.jit
 def _gate_out_epilogue(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, bias_ptr,
                        out_ptr, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
                        SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -203,9 +142,9 @@ def _gate_out_epilogue(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_p
     computes from the stored product). Split-K partials reduced as gemv's gate-out does
     (workspace: 32 NW floats per program and split, indexed by weight row)."""
     half = N // 2
-    gate, col, xrow = _lane_values(g0, g1, g2, g3, j, 2 * t)  # col: the output column (gate row)
+    gate, col, xrow = lane_values(g0, g1, g2, g3, j, 2 * t)  # col: the output column (gate row)
     mask = (xrow < M) & (col < half)
-    part = tl.join(gate, _quad(u0, u1, u2, u3))
+    part = tl.join(gate, quad(u0, u1, u2, u3))
     rows = tl.join(col, col + half)  # weight rows: gate, up
     both = tl.join(mask, mask)
     part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
@@ -307,14 +246,14 @@ def _epilogue(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b
               stride_om, TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
               HAS_BIAS: tl.constexpr):
     """Every lane value to out[n, row] (n < M, row < N), split-K partials reduced first."""
-    part, rows, cols = _lane_values(a00, a01, a02, a03, row, 2 * t)
+    part, rows, cols = lane_values(a00, a01, a02, a03, row, 2 * t)
     if TILES == 2:
-        p1, r1_, c1 = _lane_values(a10, a11, a12, a13, row + 16, 2 * t)
+        p1, r1_, c1 = lane_values(a10, a11, a12, a13, row + 16, 2 * t)
         part, rows, cols = tl.join(part, p1), tl.join(rows, r1_), tl.join(cols, c1)
     if WIDE:
-        pw, rw, cw = _lane_values(b00, b01, b02, b03, row, 2 * t + 8)
+        pw, rw, cw = lane_values(b00, b01, b02, b03, row, 2 * t + 8)
         if TILES == 2:
-            p1, r1_, c1 = _lane_values(b10, b11, b12, b13, row + 16, 2 * t + 8)
+            p1, r1_, c1 = lane_values(b10, b11, b12, b13, row + 16, 2 * t + 8)
             pw, rw, cw = tl.join(pw, p1), tl.join(rw, r1_), tl.join(cw, c1)
         part, rows, cols = tl.join(part, pw), tl.join(rows, rw), tl.join(cols, cw)
     mask = (cols < M) & (rows < N)

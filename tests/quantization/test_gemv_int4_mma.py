@@ -8,20 +8,20 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4, gemv_int4_mma
+from slipstream.kernels import gemv_int4, gemv_int4_mma, mma_fragments
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
 from tests.quantization.int4_helpers import quantized, rel
 
 
 @triton.jit
-def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr):
+def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr, F16: tl.constexpr):
     lane = tl.arange(0, 32 * NW)
-    d0, d1, d2, d3 = gemv_int4_mma._mma_twin(
+    d0, d1, d2, d3 = mma_fragments.mma_twin(
         tl.load(a_ptr + 4 * lane), tl.load(a_ptr + 4 * lane + 1), tl.load(a_ptr + 4 * lane + 2),
         tl.load(a_ptr + 4 * lane + 3), tl.load(b_ptr + 2 * lane), tl.load(b_ptr + 2 * lane + 1),
         tl.load(c_ptr + 4 * lane), tl.load(c_ptr + 4 * lane + 1), tl.load(c_ptr + 4 * lane + 2),
-        tl.load(c_ptr + 4 * lane + 3), NW)
+        tl.load(c_ptr + 4 * lane + 3), NW, F16)
     tl.store(d_ptr + 4 * lane, d0)
     tl.store(d_ptr + 4 * lane + 1, d1)
     tl.store(d_ptr + 4 * lane + 2, d2)
@@ -29,19 +29,20 @@ def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr):
 
 
 def _pack(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Two bf16 values as one 32-bit register, the lower-indexed in the low half."""
+    """Two 16-bit values as one 32-bit register, the lower-indexed in the low half."""
     bits = lambda v: v.view(torch.int16).to(torch.int32) & 0xFFFF  # noqa: E731
     return bits(lo) | (bits(hi) << 16)
 
 
-def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
-    """PTX ISA, mma.m16n8k16 .bf16: lane (g, t) holds A (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
-    (g+8, 2t+8..); B (2t..2t+1, g), (2t+8.., g); C / D (g, 2t..2t+1), (g+8, 2t..2t+1). The twin
-    on fragments distributed that way equals A B + C for every warp."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_twin_follows_the_ptx_fragment_layout(dtype: torch.dtype) -> None:
+    """PTX ISA, mma.m16n8k16 .bf16 / .f16: lane (g, t) holds A (g, 2t..2t+1), (g+8, 2t..),
+    (g, 2t+8..), (g+8, 2t+8..); B (2t..2t+1, g), (2t+8.., g); C / D (g, 2t..2t+1), (g+8,
+    2t..2t+1). The twin on fragments distributed that way equals A B + C for every warp."""
     nw = 2
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(nw, 16, 16, generator=gen).bfloat16()
-    b = torch.randn(nw, 16, 8, generator=gen).bfloat16()
+    a = torch.randn(nw, 16, 16, generator=gen).to(dtype)
+    b = torch.randn(nw, 16, 8, generator=gen).to(dtype)
     c = torch.randn(nw, 16, 8, generator=gen)
     lane = torch.arange(32 * nw)
     w, g, t = lane // 32, (lane % 32) // 4, lane % 4
@@ -53,7 +54,8 @@ def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
     where = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
     c_regs = torch.stack([c[w, r, col] for r, col in where], 1)
     d = torch.empty(32 * nw, 4)
-    _twin_kernel[(1,)](a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous(), d, NW=nw)
+    _twin_kernel[(1,)](a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous(), d, NW=nw,
+                       F16=dtype == torch.float16)
     want = a.float() @ b.float() + c
     torch.testing.assert_close(d, torch.stack([want[w, r, col] for r, col in where], 1),
                                atol=1e-5, rtol=1e-5)

@@ -1,0 +1,87 @@
+"""mma.sync.m16n8k16 on per-lane tensors, for GEMV kernels that build the fragments in
+registers themselves (kernels/gemv_int4_mma.py, gemv_fp8_mma.py).
+
+A per-lane tensor has 32 * NW elements, element i in lane i % 32 of warp i // 32 (Triton's
+layout for a 1-D tensor of that size: one element a thread). Lane (g, t) = (lane // 4,
+lane % 4) holds, per the PTX ISA for 16-bit inputs: A reg0 = (row g, k 2t, 2t+1), reg1 = (row
+g + 8, same k), reg2 / reg3 the same at k + 8; B reg0 = (k 2t, 2t+1; column g), reg1 at k + 8;
+C / D = (row g, columns 2t, 2t+1), then row g + 8; the lower-indexed element in the lower half
+of a register. `mma` runs the PTX instruction (ASM) or its twin in tensor arithmetic (the
+interpreter), which the tests check against that layout.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_OPERANDS = "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+_MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS)
+_MMA_F16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 " + _OPERANDS)
+
+
+@triton.jit
+def _halves(r, NW: tl.constexpr, F16: tl.constexpr):
+    """Per-lane 16-bit pairs [32 NW] (bf16, or F16 float16) -> float32 [NW, 8 (g), 4 (t), 2]."""
+    u = tl.reshape(r.to(tl.uint32, bitcast=True), [NW, 8, 4])
+    if F16:
+        lo = (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = (u << 16).to(tl.float32, bitcast=True)
+        hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _frag_dot(a, b):
+    """[w, m, n] = sum over a lane's k slots (t, half) of a[w, m, t, h] b[w, n, t, h]."""
+    return tl.sum(tl.sum(a[:, :, None, :, :] * b[:, None, :, :, :], 4), 3)
+
+
+@triton.jit
+def _lane_columns(d, NW: tl.constexpr):
+    """[NW, 8 (g), 8 (n)] -> each lane's columns n = 2t and 2t + 1 as two [32 NW] tensors."""
+    even, odd = tl.split(tl.reshape(d, [NW, 8, 4, 2]))
+    return tl.reshape(even, [32 * NW]), tl.reshape(odd, [32 * NW])
+
+
+@triton.jit
+def mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.constexpr):
+    """D = A B + C of one m16n8k16 step (float32 accumulate) in tensor arithmetic."""
+    b0h, b1h = _halves(b0, NW, F16), _halves(b1, NW, F16)
+    top = _frag_dot(_halves(a0, NW, F16), b0h) + _frag_dot(_halves(a2, NW, F16), b1h)
+    bottom = _frag_dot(_halves(a1, NW, F16), b0h) + _frag_dot(_halves(a3, NW, F16), b1h)
+    d0, d1 = _lane_columns(top, NW)
+    d2, d3 = _lane_columns(bottom, NW)
+    return c0 + d0, c1 + d1, c2 + d2, c3 + d3
+
+
+@triton.jit
+def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.constexpr,
+        ASM: tl.constexpr):
+    """D = A B + C for one m16n8k16 step, bf16 (F16: float16) inputs: the PTX instruction
+    (ASM) or its twin."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm=_MMA_F16 if F16 else _MMA_BF16, constraints="=r,=r,=r,=r" + ",r" * 10,
+            args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        return mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW, F16)
+
+
+@triton.jit
+def quad(v0, v1, v2, v3):
+    """Four per-lane tensors as one [32 NW, 2, 2] (v_2i+j at [., i, j]): one epilogue for all."""
+    return tl.join(tl.join(v0, v2), tl.join(v1, v3))
+
+
+@triton.jit
+def lane_values(acc0, acc1, acc2, acc3, row, col):
+    """(values, A rows, B columns) of a lane's D registers: (row, col), (row, col + 1), (row + 8,
+    col), (row + 8, col + 1), as [32 NW, 2, 2] tensors."""
+    return (quad(acc0, acc1, acc2, acc3), quad(row, row, row + 8, row + 8),
+            quad(col, col + 1, col, col + 1))
+
+
+__all__ = ["lane_values", "mma", "mma_twin", "quad", "triton"]
