@@ -38,6 +38,7 @@ from slipstream.kernels.int4_common import (
     x_pairs,
     x_pairs_prmt,
 )
+from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
@@ -538,7 +539,6 @@ class W4Config(GemvConfig):
     dot: bool = False
     two_rows: bool = False
     four_rows: bool = False
-    mma: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -685,7 +685,7 @@ def _mma_gate_out(cfg: GemvConfig, x2: torch.Tensor, group_size: int) -> bool:
     """Whether a gate-out call with this config runs the mma kernel (32 rows a warp: a gate and
     an up tile) rather than the one-row FMA kernel."""
     return (getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size)
-            and gemv_int4_mma.tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
+            and tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
 
 
 def _chain_ok(x2: torch.Tensor, chunk: int) -> bool:

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from slipstream.kernels.gemv import _reduce_splits
 from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
-from slipstream.kernels.mma_fragments import lane_values, mma, quad
+from slipstream.kernels.mma_fragments import lane_values, mma, quad, store_lanes, tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
@@ -235,34 +235,9 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                            cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW,
                            SPLIT, HAS_BIAS)
     else:
-        _epilogue(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
-                  b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k,
-                  stride_om, TILES, WIDE, SPLIT, HAS_BIAS)
-
-
-@triton.jit
-def _epilogue(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
-              row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k,
-              stride_om, TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
-              HAS_BIAS: tl.constexpr):
-    """Every lane value to out[n, row] (n < M, row < N), split-K partials reduced first."""
-    part, rows, cols = lane_values(a00, a01, a02, a03, row, 2 * t)
-    if TILES == 2:
-        p1, r1_, c1 = lane_values(a10, a11, a12, a13, row + 16, 2 * t)
-        part, rows, cols = tl.join(part, p1), tl.join(rows, r1_), tl.join(cols, c1)
-    if WIDE:
-        pw, rw, cw = lane_values(b00, b01, b02, b03, row, 2 * t + 8)
-        if TILES == 2:
-            p1, r1_, c1 = lane_values(b10, b11, b12, b13, row + 16, 2 * t + 8)
-            pw, rw, cw = tl.join(pw, p1), tl.join(rw, r1_), tl.join(cw, c1)
-        part, rows, cols = tl.join(part, pw), tl.join(rows, rw), tl.join(cols, cw)
-    mask = (cols < M) & (rows < N)
-    part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
-                                pid_k, split_k, SPLIT)
-    if done:
-        if HAS_BIAS:
-            part += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + cols * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=mask)
+        store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
+                    b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 1.0, pid_n,
+                    pid_k, split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS, False)
 
 
 def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
@@ -272,12 +247,6 @@ def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
             and group_size == GROUP_SIZE and x2.shape[-1] % GROUP_SIZE == 0
             and x2.data_ptr() % 8 == 0
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
-
-
-def tiles_per_warp(block_n: int, num_warps: int) -> int:
-    """16-row tiles per warp of a config (1 or 2), or 0 when block_n is neither."""
-    tiles = block_n // (16 * num_warps)
-    return tiles if tiles in (1, 2) and block_n == 16 * tiles * num_warps else 0
 
 
 def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,

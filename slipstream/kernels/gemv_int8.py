@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels import pdl
+from slipstream.kernels import gemv_fp8_mma, pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
@@ -66,9 +66,21 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
         staged = [GemvConfig(bn, bk, 0, w, st, bit_convert=bits) for bn, bk, w, st in
                   [(8, 1024, 4, 4), (16, 512, 4, 4), (4, 1024, 2, 4), (8, 512, 4, 4),
                    (4, 2048, 4, 3)]]
-        return cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
+        return (cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
+                + _mma_configs(weight_dtype))
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
-    return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles] + _fp8_act_configs(weight_dtype)
+    return ([GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
+            + _fp8_act_configs(weight_dtype) + _mma_configs(weight_dtype))
+
+
+def _mma_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
+    """FP8 weights with SLIPSTREAM_FP8_MMA=1: the fragment mma kernel (gemv_fp8_mma), 16 or 32
+    rows a warp, K steps of 64."""
+    if weight_dtype != torch.float8_e4m3fn or not gemv_fp8_mma.ENABLED:
+        return []
+    return [GemvConfig(16 * tiles * w, gemv_fp8_mma.CHUNK, sk, w, 1, pf, mma=True)
+            for tiles, w, sk, pf in [(1, 4, 0, True), (2, 4, 0, True), (2, 8, 0, True),
+                                     (1, 8, 0, True), (2, 4, 0, False), (2, 4, 2, True)]]
 
 
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
@@ -109,8 +121,8 @@ def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     if not x.is_cuda or m != 1:
         return None
     cfg = measured_qconfig(x, qweight, scale, bias)
-    if not gate_out_ok(m, qweight.shape[0], cfg):
-        return None
+    if not gate_out_ok(m, qweight.shape[0], cfg) or (cfg is not None and cfg.mma):
+        return None  # (the fp8 mma kernel has no gate-out: its product, then the activation)
     return qgemv_gate_out(x, qweight, scale, bias, cfg)
 
 
@@ -148,6 +160,8 @@ def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
     best = _UNFUSED
     best_us = graph_time_us(lambda a: qgemv(act(a[0]), *a[1:], config=plain), arg_sets)
     for cfg in candidate_qconfigs(m, qweight.dtype):
+        if cfg.mma:  # no gated form (it would run the dequant kernels with its tile)
+            continue
         want = expect
         if cfg.fp8_act:
             want = fp8_dot_gemv_reference(gate_up, qweight, scale, bias, cfg.block_k,
@@ -241,7 +255,11 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
-    if m == 1 and not cfg.dot:
+    if cfg.mma and not gated and gemv_fp8_mma.mma_ok(x2, qweight):
+        gemv_fp8_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
+                            bias is not None, x.is_cuda, cfg.prefetch,
+                            pdl.launch_kwargs(x.device))
+    elif m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _gemv._gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
                                              HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,

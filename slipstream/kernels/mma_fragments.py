@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from slipstream.kernels.gemv import _reduce_splits
+
 _OPERANDS = "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
 _MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS)
 _MMA_F16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 " + _OPERANDS)
@@ -84,4 +86,37 @@ def lane_values(acc0, acc1, acc2, acc3, row, col):
             quad(col, col + 1, col, col + 1))
 
 
-__all__ = ["lane_values", "mma", "mma_twin", "quad", "triton"]
+def tiles_per_warp(block_n: int, num_warps: int) -> int:
+    """16-row tiles per warp of a GEMV config (1 or 2), or 0 when block_n is neither."""
+    tiles = block_n // (16 * num_warps)
+    return tiles if tiles in (1, 2) and block_n == 16 * tiles * num_warps else 0
+
+
+@triton.jit
+def store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
+                row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, s_mult, pid_n, pid_k,
+                split_k, stride_om, TILES: tl.constexpr, WIDE: tl.constexpr,
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Every lane's D values to out[n, row] (n < M, row < N): a<tile><reg> for x rows 0-7 and,
+    WIDE, b<tile><reg> for rows 8-15 (tile 1 is 16 rows past tile 0); split-K partials
+    reduced first (gemv's workspace and counters), then HAS_SCALE: times s_mult * s[row]
+    (per-channel scales), then the bias."""
+    part, rows, cols = lane_values(a00, a01, a02, a03, row, 2 * t)
+    if TILES == 2:
+        p1, r1, c1 = lane_values(a10, a11, a12, a13, row + 16, 2 * t)
+        part, rows, cols = tl.join(part, p1), tl.join(rows, r1), tl.join(cols, c1)
+    if WIDE:
+        pw, rw, cw = lane_values(b00, b01, b02, b03, row, 2 * t + 8)
+        if TILES == 2:
+            p1, r1, c1 = lane_values(b10, b11, b12, b13, row + 16, 2 * t + 8)
+            pw, rw, cw = tl.join(pw, p1), tl.join(rw, r1), tl.join(cw, c1)
+        part, rows, cols = tl.join(part, pw), tl.join(rows, rw), tl.join(cols, cw)
+    mask = (cols < M) & (rows < N)
+    part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
+                                pid_k, split_k, SPLIT)
+    if done:
+        if HAS_SCALE:
+            part *= s_mult * tl.load(s_ptr + rows, mask=mask, other=0.0)
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=mask)
