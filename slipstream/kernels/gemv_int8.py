@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels import gemv_fp8_mma, pdl
+from slipstream.kernels import gemv_w8_mma, pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
@@ -74,11 +74,11 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
 
 
 def _mma_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
-    """FP8 weights with SLIPSTREAM_FP8_MMA=1: the fragment mma kernel (gemv_fp8_mma), 16 or 32
-    rows a warp, K steps of 64."""
-    if weight_dtype != torch.float8_e4m3fn or not gemv_fp8_mma.ENABLED:
+    """With SLIPSTREAM_W8_MMA=1: the fragment mma kernel (gemv_w8_mma), 16 or 32 rows a warp,
+    K steps of 64."""
+    if weight_dtype not in gemv_w8_mma.WEIGHT_DTYPES or not gemv_w8_mma.ENABLED:
         return []
-    return [GemvConfig(16 * tiles * w, gemv_fp8_mma.CHUNK, sk, w, 1, pf, mma=True)
+    return [GemvConfig(16 * tiles * w, gemv_w8_mma.CHUNK, sk, w, 1, pf, mma=True)
             for tiles, w, sk, pf in [(1, 4, 0, True), (2, 4, 0, True), (2, 8, 0, True),
                                      (1, 8, 0, True), (2, 4, 0, False), (2, 4, 2, True)]]
 
@@ -122,7 +122,7 @@ def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
         return None
     cfg = measured_qconfig(x, qweight, scale, bias)
     if not gate_out_ok(m, qweight.shape[0], cfg) or (cfg is not None and cfg.mma):
-        return None  # (the fp8 mma kernel has no gate-out: its product, then the activation)
+        return None  # (the w8 mma kernel has no gate-out: its product, then the activation)
     return qgemv_gate_out(x, qweight, scale, bias, cfg)
 
 
@@ -255,8 +255,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
-    if cfg.mma and not gated and gemv_fp8_mma.mma_ok(x2, qweight):
-        gemv_fp8_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
+    if cfg.mma and not gated and gemv_w8_mma.mma_ok(x2, qweight):
+        gemv_w8_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                             bias is not None, x.is_cuda, cfg.prefetch,
                             pdl.launch_kwargs(x.device))
     elif m == 1 and not cfg.dot:

@@ -1,5 +1,5 @@
 """mma.sync.m16n8k16 on per-lane tensors, for GEMV kernels that build the fragments in
-registers themselves (kernels/gemv_int4_mma.py, gemv_fp8_mma.py).
+registers themselves (kernels/gemv_int4_mma.py, gemv_w8_mma.py).
 
 A per-lane tensor has 32 * NW elements, element i in lane i % 32 of warp i // 32 (Triton's
 layout for a 1-D tensor of that size: one element a thread). Lane (g, t) = (lane // 4,

@@ -1,18 +1,21 @@
-"""FP8 (e4m3) weight GEMV on tensor cores for 1-16 rows of bf16 x: mma.sync m16n8k16 in float16,
-the weights converted straight into the A fragments (cvt.rn.f16x2.e4m3x2, exact): no shared
-memory, no layout conversion, ~1 instruction a weight where the dequant GEMV needs ~4.75.
+"""INT8 / FP8 (e4m3) weight GEMV on tensor cores for 1-16 rows of bf16 x: mma.sync m16n8k16 in
+float16 with the weight bytes converted straight into the A fragments (no shared memory, no
+layout conversion): ~2 instructions a weight where the dequant GEMV needs ~4.75.
 
 Each warp owns 16 weight rows (TILES = 2: 32) and steps over K 64 at a time. Lane (g, t) =
 (lane // 4, lane % 4) reads words 4t .. 4t + 3 of the 64-byte chunk of rows g and g + 8; in
 step c (0..3) word 4t + c's bytes (0, 1) fill the A k slots (2t, 2t + 1) and bytes (2, 3) the
 slots (2t + 8, 2t + 9). The K order inside a step is free when B follows it: B is x row g's
 elements 16t + 4c .. + 3 of the chunk (rows past M re-read row M - 1; above 8 rows a second
-mma per A fragment takes rows g + 8). x is converted to float16 scaled by 2^-4 (no overflow
-below ~1e6 in magnitude, exact above ~1e-3, below that an absolute error under 1e-6), the
-products accumulate in float32, and the output is 16 * scale[row] * acc.
+mma per A fragment takes rows g + 8). FP8 bytes become float16 by cvt.rn.f16x2.e4m3x2
+(exact); INT8 bytes q by one PRMT under float16's exponent of 1024 as 1152 + q (exact, the
+sign bit flipped first), and mma steps with A = -1152 against the same x, accumulated once
+per program, remove the offset. x is converted to float16 scaled by 2^-4 (no overflow below
+~1e6 in magnitude, exact above ~1e-3, below that an absolute error under 1e-6), the products
+accumulate in float32, and the output is 16 * scale[row] * acc.
 
 ASM (CUDA): the conversions and the mma in PTX; the interpreter runs their twins, so the CPU
-tests check every address and index. Opt-in (SLIPSTREAM_FP8_MMA=1) until measured on a GPU.
+tests check every address and index. Opt-in (SLIPSTREAM_W8_MMA=1) until measured on a GPU.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import triton.language as tl
 from slipstream.kernels.mma_fragments import mma, store_lanes, tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
-ENABLED = os.environ.get("SLIPSTREAM_FP8_MMA", "0") == "1"
+ENABLED = os.environ.get("SLIPSTREAM_W8_MMA", "0") == "1"
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 MAX_ROWS = 16
 NARROW_ROWS = 8  # one n8 mma per A fragment up to here
 CHUNK = 64  # K per step of the loop (four mma steps); the config's block_k
@@ -36,6 +40,33 @@ _CHUNK = tl.constexpr(CHUNK)
 def _f16_bits(f):
     """float32 -> its float16 bits in a uint32 (round to nearest)."""
     return f.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _int8_halves(w, ASM: tl.constexpr):
+    """Each word's four int8 bytes q as float16 pairs 1152 + q (bytes 0, 1) and (2, 3), the
+    lower byte in the lower half: q + 128 (the sign bit flipped) under the exponent of 1024."""
+    u = w.to(tl.uint32, bitcast=True) ^ 0x80808080
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            prmt.b32 $0, $2, 0x64646464, 0x4140;
+            prmt.b32 $1, $2, 0x64646464, 0x4342;
+            }""",
+            constraints="=r,=r,r", args=[u], dtype=(tl.uint32, tl.uint32), is_pure=True,
+            pack=1)
+    else:
+        return ((u & 0xFF) | 0x6400 | (((u >> 8) & 0xFF) | 0x6400) << 16,
+                ((u >> 16) & 0xFF) | 0x6400 | ((u >> 24) | 0x6400) << 16)
+
+
+@triton.jit
+def _w8_halves(w, INT8: tl.constexpr, ASM: tl.constexpr):
+    """A word of four weight bytes as two float16 pairs (see _int8_halves / _fp8_halves)."""
+    if INT8:
+        return _int8_halves(w, ASM)
+    else:
+        return _fp8_halves(w, ASM)
 
 
 @triton.jit
@@ -100,11 +131,11 @@ def _tile_words(w_ptr, r_lo, r_hi, stride_wn, k, t):
 
 @triton.jit
 def _step(lw, hw, xb0, xb1, yb0, yb1, d0, d1, d2, d3, e0, e1, e2, e3, NW: tl.constexpr,
-          WIDE: tl.constexpr, ASM: tl.constexpr):
+          WIDE: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
     """One mma step: words lw (row g), hw (row g + 8) as the A fragment, against x (xb) and,
     WIDE, x rows 8-15 (yb)."""
-    l01, l23 = _fp8_halves(lw, ASM)
-    h01, h23 = _fp8_halves(hw, ASM)
+    l01, l23 = _w8_halves(lw, INT8, ASM)
+    h01, h23 = _w8_halves(hw, INT8, ASM)
     d0, d1, d2, d3 = mma(l01, h01, l23, h23, xb0, xb1, d0, d1, d2, d3, NW, True, ASM)
     if WIDE:
         e0, e1, e2, e3 = mma(l01, h01, l23, h23, yb0, yb1, e0, e1, e2, e3, NW, True, ASM)
@@ -113,26 +144,47 @@ def _step(lw, hw, xb0, xb1, yb0, yb1, d0, d1, d2, d3, e0, e1, e2, e3, NW: tl.con
 
 @triton.jit
 def _tile_chunk(w, xs, ys, a0, a1, a2, a3, b0, b1, b2, b3, NW: tl.constexpr,
-                WIDE: tl.constexpr, ASM: tl.constexpr):
-    """One 64-wide chunk of one 16-row tile (w: _tile_words): four mma steps into a (x rows
-    0-7) and, WIDE, b (rows 8-15)."""
+                WIDE: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
+    """One 64-wide chunk of one 16-row tile (w: _tile_words; INT8: the offset words of
+    _offset_chunk): four mma steps into a (x rows 0-7) and, WIDE, b (rows 8-15)."""
     d = _step(w[0], w[4], xs[0], xs[1], ys[0], ys[1], a0, a1, a2, a3, b0, b1, b2, b3, NW, WIDE,
-              ASM)
+              INT8, ASM)
     d = _step(w[1], w[5], xs[2], xs[3], ys[2], ys[3], d[0], d[1], d[2], d[3], d[4], d[5], d[6],
-              d[7], NW, WIDE, ASM)
+              d[7], NW, WIDE, INT8, ASM)
     d = _step(w[2], w[6], xs[4], xs[5], ys[4], ys[5], d[0], d[1], d[2], d[3], d[4], d[5], d[6],
-              d[7], NW, WIDE, ASM)
+              d[7], NW, WIDE, INT8, ASM)
     return _step(w[3], w[7], xs[6], xs[7], ys[6], ys[7], d[0], d[1], d[2], d[3], d[4], d[5],
-                 d[6], d[7], NW, WIDE, ASM)
+                 d[6], d[7], NW, WIDE, INT8, ASM)
+
+
+@triton.jit
+def _offset_steps(minus, xs, ys, o0, o1, o2, o3, p0, p1, p2, p3, NW: tl.constexpr,
+                  WIDE: tl.constexpr, ASM: tl.constexpr):
+    """INT8: -1152 sum x over one chunk added to o (x rows 0-7) and, WIDE, p (rows 8-15): the
+    four mma steps with every A value -1152 (minus: the float16 pair, in a register)."""
+    o0, o1, o2, o3 = mma(minus, minus, minus, minus, xs[0], xs[1], o0, o1, o2, o3, NW, True, ASM)
+    o0, o1, o2, o3 = mma(minus, minus, minus, minus, xs[2], xs[3], o0, o1, o2, o3, NW, True, ASM)
+    o0, o1, o2, o3 = mma(minus, minus, minus, minus, xs[4], xs[5], o0, o1, o2, o3, NW, True, ASM)
+    o0, o1, o2, o3 = mma(minus, minus, minus, minus, xs[6], xs[7], o0, o1, o2, o3, NW, True, ASM)
+    if WIDE:
+        p0, p1, p2, p3 = mma(minus, minus, minus, minus, ys[0], ys[1], p0, p1, p2, p3, NW, True,
+                             ASM)
+        p0, p1, p2, p3 = mma(minus, minus, minus, minus, ys[2], ys[3], p0, p1, p2, p3, NW, True,
+                             ASM)
+        p0, p1, p2, p3 = mma(minus, minus, minus, minus, ys[4], ys[5], p0, p1, p2, p3, NW, True,
+                             ASM)
+        p0, p1, p2, p3 = mma(minus, minus, minus, minus, ys[6], ys[7], p0, p1, p2, p3, NW, True,
+                             ASM)
+    return o0, o1, o2, o3, p0, p1, p2, p3
 
 
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
-                    stride_wn, stride_om, k_per_split, split_k, NW: tl.constexpr,
-                    TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                    USE_PDL: tl.constexpr = False):
+def _w8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+                   stride_wn, stride_om, k_per_split, split_k, NW: tl.constexpr,
+                   TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                   INT8: tl.constexpr, USE_PDL: tl.constexpr = False):
     """out[n, row] = 16 s[row] (x[n] / 16) . w[row] (+ bias) for this program's rows and n < M.
     PREFETCH: the next chunk's words are requested before this chunk's products."""
     pdl_release(USE_PDL)
@@ -152,6 +204,9 @@ def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     a00 = tl.zeros([32 * NW], tl.float32)
     a01, a02, a03, a10, a11, a12, a13 = a00, a00, a00, a00, a00, a00, a00
     b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
+    o0, o1, o2, o3, o4, o5, o6, o7 = a00, a00, a00, a00, a00, a00, a00, a00  # INT8's offsets
+    # -1152 as a float16 pair, a runtime value (kept in registers, not rematerialised).
+    minus = tl.full([32 * NW], 0xE480E480, tl.uint32) * (K > 0).to(tl.uint32)
     if PREFETCH:
         p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_lo, t)
         if TILES == 2:
@@ -174,20 +229,28 @@ def _fp8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
         if WIDE:
             ys = _x_chunk(y_row, k, t, ASM)
         a00, a01, a02, a03, b00, b01, b02, b03 = _tile_chunk(
-            w0, xs, ys, a00, a01, a02, a03, b00, b01, b02, b03, NW, WIDE, ASM)
+            w0, xs, ys, a00, a01, a02, a03, b00, b01, b02, b03, NW, WIDE, INT8, ASM)
         if TILES == 2:
             a10, a11, a12, a13, b10, b11, b12, b13 = _tile_chunk(
-                w1, xs, ys, a10, a11, a12, a13, b10, b11, b12, b13, NW, WIDE, ASM)
+                w1, xs, ys, a10, a11, a12, a13, b10, b11, b12, b13, NW, WIDE, INT8, ASM)
+        if INT8:
+            o0, o1, o2, o3, o4, o5, o6, o7 = _offset_steps(minus, xs, ys, o0, o1, o2, o3, o4,
+                                                           o5, o6, o7, NW, WIDE, ASM)
+    if INT8:  # the same offsets for every weight row
+        a00, a01, a02, a03 = a00 + o0, a01 + o1, a02 + o2, a03 + o3
+        a10, a11, a12, a13 = a10 + o0, a11 + o1, a12 + o2, a13 + o3
+        b00, b01, b02, b03 = b00 + o4, b01 + o5, b02 + o6, b03 + o7
+        b10, b11, b12, b13 = b10 + o4, b11 + o5, b12 + o6, b13 + o7
     store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
                 row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 16.0, pid_n, pid_k,
                 split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS, True)
 
 
 def mma_ok(x2: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether _fp8_mma_kernel takes this call: 1-16 rows of bf16 x, 8-byte aligned; an e4m3
-    weight whose rows start 4-byte aligned; K a multiple of 64."""
+    """Whether _w8_mma_kernel takes this call: 1-16 rows of bf16 x, 8-byte aligned; an int8 or
+    e4m3 weight whose rows start 4-byte aligned; K a multiple of 64."""
     k = x2.shape[-1]
-    return (x2.dtype == torch.bfloat16 and qweight.dtype == torch.float8_e4m3fn
+    return (x2.dtype == torch.bfloat16 and qweight.dtype in WEIGHT_DTYPES
             and 1 <= x2.shape[0] <= MAX_ROWS and k % CHUNK == 0 and x2.data_ptr() % 8 == 0
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0) and qweight.data_ptr() % 4 == 0
             and qweight.stride(0) % 4 == 0 and qweight.stride(1) == 1)
@@ -199,9 +262,9 @@ def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, blo
     stride_xm, stride_wn, stride_om, k_per_split, split_k) for `rows` rows of x."""
     tiles = tiles_per_warp(block_n, num_warps)
     if not tiles:
-        raise ValueError(f"fp8 mma: block_n {block_n} is not 16 or 32 rows per warp of "
+        raise ValueError(f"w8 mma: block_n {block_n} is not 16 or 32 rows per warp of "
                          f"{num_warps}")
-    _fp8_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles,
-                                      WIDE=rows > NARROW_ROWS, SPLIT=split > 1,
-                                      HAS_BIAS=has_bias, ASM=asm, PREFETCH=prefetch,
-                                      num_warps=num_warps, **pdl_kwargs)
+    _w8_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
+                                     SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
+                                     PREFETCH=prefetch, INT8=args[1].dtype == torch.int8,
+                                     num_warps=num_warps, **pdl_kwargs)
