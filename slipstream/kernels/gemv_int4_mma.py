@@ -24,9 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv import _reduce_splits
 from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
-from slipstream.kernels.mma_fragments import lane_values, mma, quad, store_lanes, tiles_per_warp
+from slipstream.kernels.mma_fragments import (
+    lane_rows,
+    mma,
+    store_gate_out,
+    store_lanes,
+    tiles_per_warp,
+)
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
@@ -133,33 +138,6 @@ def _group_pairs(x_row, k, t, ASM: tl.constexpr):
                 x_pairs(x_row, k, t + 12))
 
 
-@triton.jit
-def _gate_out_epilogue(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, bias_ptr,
-                       out_ptr, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
-                       SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """GATE_OUT: gate sums g (rows j, j + 8), up sums u (rows I + j, ..) -> SiLU(gate)·up at
-    columns j, j + 8, each operand rounded to the output dtype first (the values silu_and_mul
-    computes from the stored product). Split-K partials reduced as gemv's gate-out does
-    (workspace: 32 NW floats per program and split, indexed by weight row)."""
-    half = N // 2
-    gate, col, xrow = lane_values(g0, g1, g2, g3, j, 2 * t)  # col: the output column (gate row)
-    mask = (xrow < M) & (col < half)
-    part = tl.join(gate, quad(u0, u1, u2, u3))
-    rows = tl.join(col, col + half)  # weight rows: gate, up
-    both = tl.join(mask, mask)
-    part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
-                                cnt_ptr + pid_n, pid_k, split_k, SPLIT)
-    if done:
-        if HAS_BIAS:
-            part += tl.load(bias_ptr + rows, mask=both, other=0.0).to(tl.float32)
-        out_ty = out_ptr.dtype.element_ty
-        gv, uv = tl.split(part)
-        gv = gv.to(out_ty).to(tl.float32)
-        uv = uv.to(out_ty).to(tl.float32)
-        tl.store(out_ptr + xrow * stride_om + col, (gv * tl.sigmoid(gv) * uv).to(out_ty),
-                 mask=mask)
-
-
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -171,7 +149,7 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
     (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
     row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
-    I + j, and the lane writes SiLU(gate)·up for its columns j (_gate_out_epilogue). PREFETCH:
+    I + j, and the lane writes SiLU(gate)·up for its columns j (mma_fragments.store_gate_out). PREFETCH:
     the next group's words are requested before this group's products."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -179,17 +157,7 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     lane = tl.arange(0, 32 * NW)
     g = (lane % 32) // 4
     t = lane % 4
-    if GATE_OUT:
-        row = pid_n * (16 * NW) + (lane // 32) * 16 + g  # output column j (gate row)
-        half = N // 2
-        r0 = tl.minimum(row, half - 1).to(tl.int64)
-        r1 = tl.minimum(row + 8, half - 1).to(tl.int64)
-        r2, r3 = r0 + half, r1 + half
-    else:
-        row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
-        r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
-        r2 = tl.minimum(row + 16, N - 1).to(tl.int64)
-        r3 = tl.minimum(row + 24, N - 1).to(tl.int64)
+    row, r0, r1, r2, r3 = lane_rows(pid_n, lane, N, NW, TILES, GATE_OUT)
     x_row = x_ptr + tl.minimum(g, M - 1) * stride_xm
     y_row = x_ptr + tl.minimum(g + 8, M - 1) * stride_xm
     k_lo = pid_k * k_per_split
@@ -231,9 +199,9 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                 w1, s_ptr, z_ptr, r2, r3, stride_sn, stride_zn, k, xq, yq, sx, sy,
                 a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
     if GATE_OUT:
-        _gate_out_epilogue(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr,
-                           cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW,
-                           SPLIT, HAS_BIAS)
+        store_gate_out(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr, cnt_ptr,
+                       bias_ptr, out_ptr, s_ptr, 1.0, pid_n, pid_k, split_k, stride_om, NW,
+                       SPLIT, HAS_BIAS, False)
     else:
         store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
                     b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 1.0, pid_n,

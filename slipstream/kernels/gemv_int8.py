@@ -19,10 +19,12 @@ from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
     _gemv_operands,
+    gate_out_launch,
     gate_out_ok,
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
+from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -121,9 +123,17 @@ def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     if not x.is_cuda or m != 1:
         return None
     cfg = measured_qconfig(x, qweight, scale, bias)
-    if not gate_out_ok(m, qweight.shape[0], cfg) or (cfg is not None and cfg.mma):
-        return None  # (the w8 mma kernel has no gate-out: its product, then the activation)
+    if not gate_out_ok(m, qweight.shape[0], cfg) or (
+            cfg.mma and not _mma_gate_out(cfg, x.reshape(1, -1), qweight)):
+        return None  # (an mma tile of 16 rows a warp: its product, then the activation)
     return qgemv_gate_out(x, qweight, scale, bias, cfg)
+
+
+def _mma_gate_out(cfg: GemvConfig, x2: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether a gate-out call with this config runs the mma kernel (32 rows a warp: a gate and
+    an up tile) rather than the one-row dequant kernel."""
+    return (cfg.mma and gemv_w8_mma.mma_ok(x2, qweight)
+            and tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
@@ -227,7 +237,19 @@ def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     one launch of the M == 1 kernel (gemv.gate_out_ok configs)."""
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise ValueError(f"qgemv_gate_out needs an int8 / fp8 weight; got {qweight.dtype}")
-    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
+    scale = scale.float().contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if _mma_gate_out(cfg, x2, qweight) and x2.shape[0] == 1 and qweight.shape[0] % 2 == 0:
+        n, k = qweight.shape
+        out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
+        split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
+        args = (x2, qweight, scale, bias if bias is not None else out, out, ws, cnt, 1, n, k,
+                x2.stride(0), qweight.stride(0), out.stride(0), per_split, split)
+        gemv_w8_mma.launch(args, 1, n_tiles, split, cfg.num_warps, cfg.block_n,
+                           bias is not None, x.is_cuda, cfg.prefetch, pdl.launch_kwargs(x.device),
+                           gate_out=True)
+        return out.view(*x.shape[:-1], n // 2)
+    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale,
                                 _bit_convert_mode(cfg, qweight.dtype, x.is_cuda))
 
 

@@ -25,7 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.mma_fragments import mma, store_lanes, tiles_per_warp
+from slipstream.kernels.mma_fragments import (
+    lane_rows,
+    mma,
+    store_gate_out,
+    store_lanes,
+    tiles_per_warp,
+)
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 ENABLED = os.environ.get("SLIPSTREAM_W8_MMA", "0") == "1"
@@ -184,18 +190,19 @@ def _w8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    stride_wn, stride_om, k_per_split, split_k, NW: tl.constexpr,
                    TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
-                   INT8: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   INT8: tl.constexpr, USE_PDL: tl.constexpr = False,
+                   GATE_OUT: tl.constexpr = False):
     """out[n, row] = 16 s[row] (x[n] / 16) . w[row] (+ bias) for this program's rows and n < M.
-    PREFETCH: the next chunk's words are requested before this chunk's products."""
+    PREFETCH: the next chunk's words are requested before this chunk's products. GATE_OUT
+    (TILES 2, one row, a [gate | up] weight): tile 0 holds gate rows j, tile 1 the up rows
+    I + j, and the lane writes SiLU(gate)·up (mma_fragments.store_gate_out)."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lane = tl.arange(0, 32 * NW)
     g = (lane % 32) // 4
     t = lane % 4
-    row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g  # tile 0's row g
-    r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
-    r2, r3 = tl.minimum(row + 16, N - 1).to(tl.int64), tl.minimum(row + 24, N - 1).to(tl.int64)
+    row, r0, r1, r2, r3 = lane_rows(pid_n, lane, N, NW, TILES, GATE_OUT)
     x_row = x_ptr + tl.minimum(g, M - 1) * stride_xm
     y_row = x_ptr + tl.minimum(g + 8, M - 1) * stride_xm
     k_lo = pid_k * k_per_split
@@ -241,9 +248,14 @@ def _w8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
         a10, a11, a12, a13 = a10 + o0, a11 + o1, a12 + o2, a13 + o3
         b00, b01, b02, b03 = b00 + o4, b01 + o5, b02 + o6, b03 + o7
         b10, b11, b12, b13 = b10 + o4, b11 + o5, b12 + o6, b13 + o7
-    store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
-                row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 16.0, pid_n, pid_k,
-                split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS, True)
+    if GATE_OUT:
+        store_gate_out(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr, cnt_ptr,
+                       bias_ptr, out_ptr, s_ptr, 16.0, pid_n, pid_k, split_k, stride_om, NW,
+                       SPLIT, HAS_BIAS, True)
+    else:
+        store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
+                    b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 16.0, pid_n,
+                    pid_k, split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS, True)
 
 
 def mma_ok(x2: torch.Tensor, qweight: torch.Tensor) -> bool:
@@ -257,14 +269,17 @@ def mma_ok(x2: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 
 def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
-           has_bias: bool, asm: bool, prefetch: bool, pdl_kwargs: dict) -> None:
+           has_bias: bool, asm: bool, prefetch: bool, pdl_kwargs: dict,
+           gate_out: bool = False) -> None:
     """Launch over qgemv's argument tuple (x2, qweight, scale, bias, out, ws, cnt, M, N, K,
-    stride_xm, stride_wn, stride_om, k_per_split, split_k) for `rows` rows of x."""
+    stride_xm, stride_wn, stride_om, k_per_split, split_k) for `rows` rows of x. gate_out:
+    one row, a [gate | up] weight, 32 rows per warp (gemv.gate_out_launch's tiles and
+    workspace)."""
     tiles = tiles_per_warp(block_n, num_warps)
-    if not tiles:
+    if not tiles or (gate_out and (tiles != 2 or rows != 1)):
         raise ValueError(f"w8 mma: block_n {block_n} is not 16 or 32 rows per warp of "
-                         f"{num_warps}")
+                         f"{num_warps}{' (gate-out: 32, one row)' if gate_out else ''}")
     _w8_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
                                      SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
                                      PREFETCH=prefetch, INT8=args[1].dtype == torch.int8,
-                                     num_warps=num_warps, **pdl_kwargs)
+                                     GATE_OUT=gate_out, num_warps=num_warps, **pdl_kwargs)

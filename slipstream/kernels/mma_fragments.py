@@ -93,6 +93,56 @@ def tiles_per_warp(block_n: int, num_warps: int) -> int:
 
 
 @triton.jit
+def lane_rows(pid_n, lane, N, NW: tl.constexpr, TILES: tl.constexpr, GATE_OUT: tl.constexpr):
+    """(row, r0, r1, r2, r3): the lane's tile-0 row g (GATE_OUT: its output column j) and the
+    weight rows it reads, clamped to the weight (no masks): r0 = row, r1 = row + 8, r2 / r3
+    the same in tile 1 (16 rows on; GATE_OUT, TILES 2: the up rows I + j of a [gate | up]
+    weight of N = 2I rows)."""
+    g = (lane % 32) // 4
+    if GATE_OUT:
+        row = pid_n * (16 * NW) + (lane // 32) * 16 + g
+        half = N // 2
+        r0 = tl.minimum(row, half - 1).to(tl.int64)
+        r1 = tl.minimum(row + 8, half - 1).to(tl.int64)
+        r2, r3 = r0 + half, r1 + half
+    else:
+        row = pid_n * (16 * TILES * NW) + (lane // 32) * (16 * TILES) + g
+        r0, r1 = tl.minimum(row, N - 1).to(tl.int64), tl.minimum(row + 8, N - 1).to(tl.int64)
+        r2 = tl.minimum(row + 16, N - 1).to(tl.int64)
+        r3 = tl.minimum(row + 24, N - 1).to(tl.int64)
+    return row, r0, r1, r2, r3
+
+
+@triton.jit
+def store_gate_out(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, bias_ptr,
+                   out_ptr, s_ptr, s_mult, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """GATE_OUT: gate sums g (rows j, j + 8), up sums u (rows I + j, ..) -> SiLU(gate)·up at
+    columns j, j + 8, each operand scaled (HAS_SCALE), biased and rounded to the output dtype
+    first (the values silu_and_mul computes from the stored product). Split-K partials reduced
+    as gemv's gate-out does (workspace: 32 NW floats per program and split, by weight row)."""
+    half = N // 2
+    gate, col, xrow = lane_values(g0, g1, g2, g3, j, 2 * t)  # col: the output column (gate row)
+    mask = (xrow < M) & (col < half)
+    part = tl.join(gate, quad(u0, u1, u2, u3))
+    rows = tl.join(col, col + half)  # weight rows: gate, up
+    both = tl.join(mask, mask)
+    part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
+                                cnt_ptr + pid_n, pid_k, split_k, SPLIT)
+    if done:
+        if HAS_SCALE:
+            part *= s_mult * tl.load(s_ptr + rows, mask=both, other=0.0)
+        if HAS_BIAS:
+            part += tl.load(bias_ptr + rows, mask=both, other=0.0).to(tl.float32)
+        out_ty = out_ptr.dtype.element_ty
+        gv, uv = tl.split(part)
+        gv = gv.to(out_ty).to(tl.float32)
+        uv = uv.to(out_ty).to(tl.float32)
+        tl.store(out_ptr + xrow * stride_om + col, (gv * tl.sigmoid(gv) * uv).to(out_ty),
+                 mask=mask)
+
+
+@triton.jit
 def store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
                 row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, s_mult, pid_n, pid_k,
                 split_k, stride_om, TILES: tl.constexpr, WIDE: tl.constexpr,

@@ -103,6 +103,33 @@ def test_w8_mma_candidates_only_when_enabled(monkeypatch: pytest.MonkeyPatch) ->
             assert any(c.mma for c in gemv_int8.candidate_qconfigs(m, dtype))
 
 
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("split,with_bias,prefetch", [(1, False, False), (3, True, True)])
+def test_w8_mma_gate_out_equals_product_then_activation(dtype: torch.dtype, split: int,
+                                                        with_bias: bool,
+                                                        prefetch: bool) -> None:
+    """One row, a [gate | up] weight (I = 40: the last program's columns partly past I), 32 rows
+    a warp: the kernel pairs a gate tile with its up tile and writes SiLU(gate)·up, equal to
+    silu_and_mul of the same config's stored product (operands rounded to bf16 first)."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    n, k = 80, 192
+    q, s = _w8(n, k, seed=5, dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    cfg = GemvConfig(32, 64, split, 1, 1, prefetch, mma=True)
+    assert gemv_int8._mma_gate_out(cfg, x, q)
+    assert not gemv_int8._mma_gate_out(GemvConfig(16, 64, split, 1, mma=True), x, q)
+    got = gemv_int8.qgemv_gate_out(x, q, s, b, cfg)
+    want = silu_and_mul(gemv_int8.qgemv(x, q, s, b, cfg).float())
+    assert got.shape == (1, n // 2) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-2)
+    for buf in _COUNTERS.values():
+        assert int(buf.abs().sum()) == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
@@ -120,3 +147,20 @@ def test_gpu_w8_mma_kernel(n: int, k: int, dtype: torch.dtype) -> None:
         for cfg in cfgs:
             for _ in range(2):
                 assert rel(gemv_int8.qgemv(x, q, s, None, cfg), want) < 8e-3, (m, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_gpu_w8_mma_gate_out(dtype: torch.dtype) -> None:
+    """The PTX kernel's gate-out on the Llama-3.1-8B gate/up shape equals silu_and_mul of its
+    stored product, with and without split-K."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    q, s = _w8(28672, 4096, "cuda", dtype=dtype)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    for cfg in [GemvConfig(128, 64, 0, 4, 1, True, mma=True),
+                GemvConfig(256, 64, 2, 8, 1, True, mma=True)]:
+        got = gemv_int8.qgemv_gate_out(x, q, s, None, cfg)
+        want = silu_and_mul(gemv_int8.qgemv(x, q, s, None, cfg).float())
+        torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=1e-2)
