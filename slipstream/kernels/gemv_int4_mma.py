@@ -149,8 +149,8 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
     (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
     row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
-    I + j, and the lane writes SiLU(gate)·up for its columns j (mma_fragments.store_gate_out). PREFETCH:
-    the next group's words are requested before this group's products."""
+    I + j, and the lane writes SiLU(gate)·up for its columns j (mma_fragments.store_gate_out).
+    PREFETCH: the next group's words are requested before this group's products."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -168,11 +168,11 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
     unit = tl.full([32 * NW], 1, tl.uint32) * (K > 0).to(tl.uint32)  # 1, unknown to the compiler
     mask, one = unit * 0x000F000F, unit * 0x3F803F80
-    pdl_wait(USE_PDL)
     if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two groups in flight
         p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_lo, t)
         if TILES == 2:
             q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_lo, t)
+    pdl_wait(USE_PDL)  # (the first weights are already requested: they do not depend on it)
     for k in range(k_lo, k_hi, _GROUP):
         if PREFETCH:
             w0 = (p0, p1, p2, p3, p4, p5, p6, p7)

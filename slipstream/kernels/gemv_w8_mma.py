@@ -214,11 +214,11 @@ def _w8_mma_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
     o0, o1, o2, o3, o4, o5, o6, o7 = a00, a00, a00, a00, a00, a00, a00, a00  # INT8's offsets
     # -1152 as a float16 pair, a runtime value (kept in registers, not rematerialised).
     minus = tl.full([32 * NW], 0xE480E480, tl.uint32) * (K > 0).to(tl.uint32)
-    if PREFETCH:
+    if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two chunks in flight
         p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_lo, t)
         if TILES == 2:
             q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_lo, t)
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)  # (the first weights are already requested: they do not depend on it)
     for k in range(k_lo, k_hi, _CHUNK):
         if PREFETCH:
             w0 = (p0, p1, p2, p3, p4, p5, p6, p7)
