@@ -1,8 +1,9 @@
 """Run each decode linear's measured kernel once inside a profiler range, for Nsight Compute.
 
 For every format (bf16, fp8, int4), Llama-3.1-8B layer shape and row count: tune as the engine
-does (first call), print the choice, then run it once between cudaProfilerStart / Stop, so
-`ncu --profile-from-start off` reads exactly the kernels the decode step runs:
+does (first call), then run it once between cudaProfilerStart / Stop, so that
+`ncu --profile-from-start off` reads exactly the kernels the decode step runs (the int4
+choices are printed at the end):
 
   ncu --clock-control none --profile-from-start off --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -23,18 +24,16 @@ GROUP = 128
 
 
 def prepared(fmt: str, n: int, k: int):
-    """(call(x), label of the measured choice after the first call)."""
+    """call(x): the engine's decode linear of this format on a random [n, k] weight."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if fmt == "bf16":
-        return lambda x: triton_ops.linear(x, w), lambda: "engine linear"
+        return lambda x: triton_ops.linear(x, w)
     if fmt == "fp8":
         q, s = qu.quantize_fp8_per_channel(w)
-        return (lambda x: gemv_int8.qlinear_small(x, q, s),
-                lambda: "see gemv_int8 choices")
+        return lambda x: gemv_int8.qlinear_small(x, q, s)
     q, s, z = qu.quantize_int4_groupwise(w, GROUP)
     packed = (qu.pack_int4_rows(q), s.half(), z)
-    return (lambda x: gemv_int4.w4_linear_small(x, *packed, GROUP),
-            lambda: str(gemv_int4.w4_choices()))
+    return lambda x: gemv_int4.w4_linear_small(x, *packed, GROUP)
 
 
 def main() -> None:
@@ -46,7 +45,7 @@ def main() -> None:
     for fmt in ns.formats.split(","):
         for name in ns.shapes.split(","):
             n, k = SHAPES[name]
-            call, choice = prepared(fmt, n, k)
+            call = prepared(fmt, n, k)
             for m in map(int, ns.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 call(x)  # measures the choice
@@ -56,8 +55,8 @@ def main() -> None:
                 call(x)
                 torch.cuda.synchronize()
                 torch.cuda.cudart().cudaProfilerStop()
-            if fmt == "int4":
-                print(choice(), flush=True)
+    if "int4" in ns.formats.split(","):
+        print(gemv_int4.w4_choices(), flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from slipstream.kernels import gemm_int4, gemv_int4, int4_common
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
 from slipstream.quantization import utils as qu
-from tests.quantization.int4_helpers import quantized, rel
+from tests.quantization.gemv_helpers import quantized, rel
 
 
 def _check(got, x, packed, bias, group, tol=1e-5) -> None:

@@ -11,7 +11,7 @@ import triton.language as tl
 from slipstream.kernels import gemv_int4, gemv_int4_mma, mma_fragments
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
-from tests.quantization.int4_helpers import quantized, rel
+from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
 
 @triton.jit
@@ -142,7 +142,6 @@ def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: b
     """One row, a [gate | up] weight (I = 40: the last program's columns partly past I), 32 rows
     a warp: the mma kernel pairs a gate tile with its up tile and writes SiLU(gate)·up, equal to
     silu_and_mul of the same config's stored product (operands rounded to bf16 first)."""
-    from slipstream.kernels.reference import silu_and_mul
 
     n, k = 80, 384
     packed = quantized(n, k, 128, seed=5)
@@ -153,11 +152,7 @@ def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: b
     assert gemv_int4._mma_gate_out(cfg, x, 128)
     assert not gemv_int4._mma_gate_out(W4Config(16, 128, split, 1, mma=True), x, 128)
     got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, cfg)
-    want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, b, cfg).float())
-    assert got.shape == (1, n // 2) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-2)
-    for buf in _COUNTERS.values():
-        assert int(buf.abs().sum()) == 0
+    check_gate_out(got, gemv_int4.w4_gemv(x, *packed, 128, b, cfg))
 
 
 @pytest.mark.gpu
