@@ -254,8 +254,8 @@ class GemvConfig:
     # FP8 weights only (kernels/gemv_fp8.py): activations quantized to FP8 in the kernel and
     # FP8 tensor-core products, any M <= 16.
     fp8_act: bool = False
-    # Weights converted straight into mma.sync fragments, 1-16 rows of bf16 x (int4:
-    # kernels/gemv_int4_mma.py, FP8: gemv_w8_mma.py); block_n 16 or 32 rows per warp.
+    # int4 weights converted straight into mma.sync fragments, 1-16 rows of bf16 x
+    # (kernels/gemv_int4_mma.py); block_n 16 or 32 rows per warp.
     mma: bool = False
 
 

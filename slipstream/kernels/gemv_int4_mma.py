@@ -13,8 +13,9 @@ Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
 
 ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/mma_fragments.py) emulates
 the instruction on the per-lane tensors, so the CPU tests check every address and index;
-only the PTX needs the GPU. Opt-in (SLIPSTREAM_W4_MMA=1) until
-measured there.
+only the PTX needs the GPU. A tuner candidate for 2-16 rows (H200, Llama-3.1-8B shapes: the
+fastest int4 GEMV at 4 and 16 rows, slower than the chained one-row kernel at one row);
+SLIPSTREAM_W4_MMA=1 adds it at one row too, SLIPSTREAM_W4_MMA=0 leaves it out.
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from slipstream.kernels.mma_fragments import (
 )
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 
-ENABLED = os.environ.get("SLIPSTREAM_W4_MMA", "0") == "1"
+_MODE = os.environ.get("SLIPSTREAM_W4_MMA", "")
+ENABLED = _MODE != "0"
+MIN_ROWS = 1 if _MODE == "1" else 2  # at one row the chained FMA kernel is faster
 NARROW_ROWS = 8  # one n8 mma step per A fragment
 MAX_ROWS = 16  # two above NARROW_ROWS (WIDE)
 GROUP_SIZE = 128  # the group the kernel steps by (each lane reads four words of a row per group)
@@ -56,14 +59,14 @@ def _word_steps(lw, hw, xq, yq, d0, d1, d2, d3, e0, e1, e2, e3, mask, NW: tl.con
     same A fragments also against x rows 8-15 (yq) into e."""
     a0, a1 = _pair(lw, mask, 0), _pair(hw, mask, 0)
     a2, a3 = _pair(lw, mask, 1), _pair(hw, mask, 1)
-    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[0], xq[1], d0, d1, d2, d3, NW, False, ASM)
+    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
     if WIDE:
-        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[0], yq[1], e0, e1, e2, e3, NW, False, ASM)
+        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[0], yq[1], e0, e1, e2, e3, NW, ASM)
     a0, a1 = _pair(lw, mask, 2), _pair(hw, mask, 2)
     a2, a3 = _pair(lw, mask, 3), _pair(hw, mask, 3)
-    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[2], xq[3], d0, d1, d2, d3, NW, False, ASM)
+    d0, d1, d2, d3 = mma(a0, a1, a2, a3, xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
     if WIDE:
-        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[2], yq[3], e0, e1, e2, e3, NW, False, ASM)
+        e0, e1, e2, e3 = mma(a0, a1, a2, a3, yq[2], yq[3], e0, e1, e2, e3, NW, ASM)
     return d0, d1, d2, d3, e0, e1, e2, e3
 
 
@@ -81,8 +84,8 @@ def _x_sums(xq0, xq1, xq2, xq3, one, NW: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _ones_steps(xq, one, s0, s1, s2, s3, NW: tl.constexpr, ASM: tl.constexpr):
     """Two mma steps with A = one against one word column's x pairs, added to s."""
-    s0, s1, s2, s3 = mma(one, one, one, one, xq[0], xq[1], s0, s1, s2, s3, NW, False, ASM)
-    return mma(one, one, one, one, xq[2], xq[3], s0, s1, s2, s3, NW, False, ASM)
+    s0, s1, s2, s3 = mma(one, one, one, one, xq[0], xq[1], s0, s1, s2, s3, NW, ASM)
+    return mma(one, one, one, one, xq[2], xq[3], s0, s1, s2, s3, NW, ASM)
 
 
 @triton.jit
@@ -200,12 +203,12 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                 a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
     if GATE_OUT:
         store_gate_out(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr, cnt_ptr,
-                       bias_ptr, out_ptr, s_ptr, 1.0, pid_n, pid_k, split_k, stride_om, NW,
-                       SPLIT, HAS_BIAS, False)
+                       bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW, SPLIT,
+                       HAS_BIAS)
     else:
         store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12,
-                    b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, 1.0, pid_n,
-                    pid_k, split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS, False)
+                    b13, row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+                    split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS)
 
 
 def mma_ok(x2: torch.Tensor, group_size: int) -> bool:

@@ -14,17 +14,15 @@ from collections.abc import Callable
 import torch
 
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels import gemv_w8_mma, pdl
+from slipstream.kernels import pdl
 from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
     _gemv_operands,
-    gate_out_launch,
     gate_out_ok,
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
-from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -68,21 +66,9 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
         staged = [GemvConfig(bn, bk, 0, w, st, bit_convert=bits) for bn, bk, w, st in
                   [(8, 1024, 4, 4), (16, 512, 4, 4), (4, 1024, 2, 4), (8, 512, 4, 4),
                    (4, 2048, 4, 3)]]
-        return (cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
-                + _mma_configs(weight_dtype))
+        return cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
-    return ([GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles]
-            + _fp8_act_configs(weight_dtype) + _mma_configs(weight_dtype))
-
-
-def _mma_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
-    """With SLIPSTREAM_W8_MMA=1: the fragment mma kernel (gemv_w8_mma), 16 or 32 rows a warp,
-    K steps of 64."""
-    if weight_dtype not in gemv_w8_mma.WEIGHT_DTYPES or not gemv_w8_mma.ENABLED:
-        return []
-    return [GemvConfig(16 * tiles * w, gemv_w8_mma.CHUNK, sk, w, 1, pf, mma=True)
-            for tiles, w, sk, pf in [(1, 4, 0, True), (2, 4, 0, True), (2, 8, 0, True),
-                                     (1, 8, 0, True), (2, 4, 0, False), (2, 4, 2, True)]]
+    return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles] + _fp8_act_configs(weight_dtype)
 
 
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
@@ -123,17 +109,9 @@ def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
     if not x.is_cuda or m != 1:
         return None
     cfg = measured_qconfig(x, qweight, scale, bias)
-    if not gate_out_ok(m, qweight.shape[0], cfg) or (
-            cfg.mma and not _mma_gate_out(cfg, x.reshape(1, -1), qweight)):
-        return None  # (an mma tile of 16 rows a warp: its product, then the activation)
+    if not gate_out_ok(m, qweight.shape[0], cfg):
+        return None
     return qgemv_gate_out(x, qweight, scale, bias, cfg)
-
-
-def _mma_gate_out(cfg: GemvConfig, x2: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether a gate-out call with this config runs the mma kernel (32 rows a warp: a gate and
-    an up tile) rather than the one-row dequant kernel."""
-    return (cfg.mma and gemv_w8_mma.mma_ok(x2, qweight)
-            and tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
@@ -170,8 +148,6 @@ def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
     best = _UNFUSED
     best_us = graph_time_us(lambda a: qgemv(act(a[0]), *a[1:], config=plain), arg_sets)
     for cfg in candidate_qconfigs(m, qweight.dtype):
-        if cfg.mma:  # no gated form (it would run the dequant kernels with its tile)
-            continue
         want = expect
         if cfg.fp8_act:
             want = fp8_dot_gemv_reference(gate_up, qweight, scale, bias, cfg.block_k,
@@ -237,19 +213,7 @@ def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     one launch of the M == 1 kernel (gemv.gate_out_ok configs)."""
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise ValueError(f"qgemv_gate_out needs an int8 / fp8 weight; got {qweight.dtype}")
-    scale = scale.float().contiguous()
-    x2 = x.reshape(-1, x.shape[-1])
-    if _mma_gate_out(cfg, x2, qweight) and x2.shape[0] == 1 and qweight.shape[0] % 2 == 0:
-        n, k = qweight.shape
-        out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
-        split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
-        args = (x2, qweight, scale, bias if bias is not None else out, out, ws, cnt, 1, n, k,
-                x2.stride(0), qweight.stride(0), out.stride(0), per_split, split)
-        gemv_w8_mma.launch(args, 1, n_tiles, split, cfg.num_warps, cfg.block_n,
-                           bias is not None, x.is_cuda, cfg.prefetch, pdl.launch_kwargs(x.device),
-                           gate_out=True)
-        return out.view(*x.shape[:-1], n // 2)
-    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale,
+    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
                                 _bit_convert_mode(cfg, qweight.dtype, x.is_cuda))
 
 
@@ -277,11 +241,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2, qweight, scale, b, out, ws, cnt, m, n, k, x2.stride(0), qweight.stride(0),
             out.stride(0), per_split, split)
-    if cfg.mma and not gated and gemv_w8_mma.mma_ok(x2, qweight):
-        gemv_w8_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
-                            bias is not None, x.is_cuda, cfg.prefetch,
-                            pdl.launch_kwargs(x.device))
-    elif m == 1 and not cfg.dot:
+    if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _gemv._gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
                                              HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,

@@ -1,5 +1,5 @@
 """mma.sync.m16n8k16 on per-lane tensors, for GEMV kernels that build the fragments in
-registers themselves (kernels/gemv_int4_mma.py, gemv_w8_mma.py).
+registers themselves (kernels/gemv_int4_mma.py).
 
 A per-lane tensor has 32 * NW elements, element i in lane i % 32 of warp i // 32 (Triton's
 layout for a 1-D tensor of that size: one element a thread). Lane (g, t) = (lane // 4,
@@ -18,20 +18,13 @@ from slipstream.kernels.gemv import _reduce_splits
 
 _OPERANDS = "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
 _MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS)
-_MMA_F16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 " + _OPERANDS)
 
 
 @triton.jit
-def _halves(r, NW: tl.constexpr, F16: tl.constexpr):
-    """Per-lane 16-bit pairs [32 NW] (bf16, or F16 float16) -> float32 [NW, 8 (g), 4 (t), 2]."""
+def _halves(r, NW: tl.constexpr):
+    """Per-lane bf16 pairs [32 NW] -> float32 [NW, 8 (g), 4 (t), 2]."""
     u = tl.reshape(r.to(tl.uint32, bitcast=True), [NW, 8, 4])
-    if F16:
-        lo = (u & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (u >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        lo = (u << 16).to(tl.float32, bitcast=True)
-        hi = (u & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return tl.join(lo, hi)
+    return tl.join((u << 16).to(tl.float32, bitcast=True), (u & 0xFFFF0000).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -48,28 +41,27 @@ def _lane_columns(d, NW: tl.constexpr):
 
 
 @triton.jit
-def mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.constexpr):
+def mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr):
     """D = A B + C of one m16n8k16 step (float32 accumulate) in tensor arithmetic."""
-    b0h, b1h = _halves(b0, NW, F16), _halves(b1, NW, F16)
-    top = _frag_dot(_halves(a0, NW, F16), b0h) + _frag_dot(_halves(a2, NW, F16), b1h)
-    bottom = _frag_dot(_halves(a1, NW, F16), b0h) + _frag_dot(_halves(a3, NW, F16), b1h)
+    b0h, b1h = _halves(b0, NW), _halves(b1, NW)
+    top = _frag_dot(_halves(a0, NW), b0h) + _frag_dot(_halves(a2, NW), b1h)
+    bottom = _frag_dot(_halves(a1, NW), b0h) + _frag_dot(_halves(a3, NW), b1h)
     d0, d1 = _lane_columns(top, NW)
     d2, d3 = _lane_columns(bottom, NW)
     return c0 + d0, c1 + d1, c2 + d2, c3 + d3
 
 
 @triton.jit
-def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, F16: tl.constexpr,
-        ASM: tl.constexpr):
-    """D = A B + C for one m16n8k16 step, bf16 (F16: float16) inputs: the PTX instruction
-    (ASM) or its twin."""
+def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW: tl.constexpr, ASM: tl.constexpr):
+    """D = A B + C for one m16n8k16 step, bf16 inputs: the PTX instruction (ASM) or its
+    twin."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm=_MMA_F16 if F16 else _MMA_BF16, constraints="=r,=r,=r,=r" + ",r" * 10,
+            asm=_MMA_BF16, constraints="=r,=r,=r,=r" + ",r" * 10,
             args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
             dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        return mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW, F16)
+        return mma_twin(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, NW)
 
 
 @triton.jit
@@ -115,10 +107,10 @@ def lane_rows(pid_n, lane, N, NW: tl.constexpr, TILES: tl.constexpr, GATE_OUT: t
 
 @triton.jit
 def store_gate_out(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, bias_ptr,
-                   out_ptr, s_ptr, s_mult, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
-                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+                   out_ptr, pid_n, pid_k, split_k, stride_om, NW: tl.constexpr,
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """GATE_OUT: gate sums g (rows j, j + 8), up sums u (rows I + j, ..) -> SiLU(gate)·up at
-    columns j, j + 8, each operand scaled (HAS_SCALE), biased and rounded to the output dtype
+    columns j, j + 8, each operand biased and rounded to the output dtype
     first (the values silu_and_mul computes from the stored product). Split-K partials reduced
     as gemv's gate-out does (workspace: 32 NW floats per program and split, by weight row)."""
     half = N // 2
@@ -130,8 +122,6 @@ def store_gate_out(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, 
     part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
                                 cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
-        if HAS_SCALE:
-            part *= s_mult * tl.load(s_ptr + rows, mask=both, other=0.0)
         if HAS_BIAS:
             part += tl.load(bias_ptr + rows, mask=both, other=0.0).to(tl.float32)
         out_ty = out_ptr.dtype.element_ty
@@ -144,13 +134,12 @@ def store_gate_out(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, 
 
 @triton.jit
 def store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
-                row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, s_ptr, s_mult, pid_n, pid_k,
-                split_k, stride_om, TILES: tl.constexpr, WIDE: tl.constexpr,
-                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
+                row, t, M, N, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, split_k,
+                stride_om, TILES: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
     """Every lane's D values to out[n, row] (n < M, row < N): a<tile><reg> for x rows 0-7 and,
     WIDE, b<tile><reg> for rows 8-15 (tile 1 is 16 rows past tile 0); split-K partials
-    reduced first (gemv's workspace and counters), then HAS_SCALE: times s_mult * s[row]
-    (per-channel scales), then the bias."""
+    reduced first (gemv's workspace and counters), then the bias."""
     part, rows, cols = lane_values(a00, a01, a02, a03, row, 2 * t)
     if TILES == 2:
         p1, r1, c1 = lane_values(a10, a11, a12, a13, row + 16, 2 * t)
@@ -165,8 +154,6 @@ def store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10,
     part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
                                 pid_k, split_k, SPLIT)
     if done:
-        if HAS_SCALE:
-            part *= s_mult * tl.load(s_ptr + rows, mask=mask, other=0.0)
         if HAS_BIAS:
             part += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + cols * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=mask)

@@ -350,7 +350,7 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
     packed = quantized(n, k, 128, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for cfg in gemv_int4.candidate_w4_configs(1, x.dtype):
-        if cfg.dot:
+        if cfg.dot or cfg.mma:  # mma (SLIPSTREAM_W4_MMA=1): test_gemv_int4_mma, to a tolerance
             continue
         got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
         want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg))

@@ -15,13 +15,13 @@ from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
 
 @triton.jit
-def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr, F16: tl.constexpr):
+def _twin_kernel(a_ptr, b_ptr, c_ptr, d_ptr, NW: tl.constexpr):
     lane = tl.arange(0, 32 * NW)
     d0, d1, d2, d3 = mma_fragments.mma_twin(
         tl.load(a_ptr + 4 * lane), tl.load(a_ptr + 4 * lane + 1), tl.load(a_ptr + 4 * lane + 2),
         tl.load(a_ptr + 4 * lane + 3), tl.load(b_ptr + 2 * lane), tl.load(b_ptr + 2 * lane + 1),
         tl.load(c_ptr + 4 * lane), tl.load(c_ptr + 4 * lane + 1), tl.load(c_ptr + 4 * lane + 2),
-        tl.load(c_ptr + 4 * lane + 3), NW, F16)
+        tl.load(c_ptr + 4 * lane + 3), NW)
     tl.store(d_ptr + 4 * lane, d0)
     tl.store(d_ptr + 4 * lane + 1, d1)
     tl.store(d_ptr + 4 * lane + 2, d2)
@@ -34,15 +34,14 @@ def _pack(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return bits(lo) | (bits(hi) << 16)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mma_twin_follows_the_ptx_fragment_layout(dtype: torch.dtype) -> None:
-    """PTX ISA, mma.m16n8k16 .bf16 / .f16: lane (g, t) holds A (g, 2t..2t+1), (g+8, 2t..),
+def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
+    """PTX ISA, mma.m16n8k16 .bf16: lane (g, t) holds A (g, 2t..2t+1), (g+8, 2t..),
     (g, 2t+8..), (g+8, 2t+8..); B (2t..2t+1, g), (2t+8.., g); C / D (g, 2t..2t+1), (g+8,
     2t..2t+1). The twin on fragments distributed that way equals A B + C for every warp."""
     nw = 2
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(nw, 16, 16, generator=gen).to(dtype)
-    b = torch.randn(nw, 16, 8, generator=gen).to(dtype)
+    a = torch.randn(nw, 16, 16, generator=gen).bfloat16()
+    b = torch.randn(nw, 16, 8, generator=gen).bfloat16()
     c = torch.randn(nw, 16, 8, generator=gen)
     lane = torch.arange(32 * nw)
     w, g, t = lane // 32, (lane % 32) // 4, lane % 4
@@ -54,8 +53,7 @@ def test_mma_twin_follows_the_ptx_fragment_layout(dtype: torch.dtype) -> None:
     where = [(g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1)]
     c_regs = torch.stack([c[w, r, col] for r, col in where], 1)
     d = torch.empty(32 * nw, 4)
-    _twin_kernel[(1,)](a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous(), d, NW=nw,
-                       F16=dtype == torch.float16)
+    _twin_kernel[(1,)](a_regs.contiguous(), b_regs.contiguous(), c_regs.contiguous(), d, NW=nw)
     want = a.float() @ b.float() + c
     torch.testing.assert_close(d, torch.stack([want[w, r, col] for r, col in where], 1),
                                atol=1e-5, rtol=1e-5)
@@ -110,10 +108,14 @@ def test_mma_candidates_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(gemv_int4_mma, "ENABLED", False)
     assert not any(c.mma for m in (1, 2, 4, 16) for c in gemv_int4.candidate_w4_configs(m))
     monkeypatch.setattr(gemv_int4_mma, "ENABLED", True)
-    for m in (1, 2, 4, 8, 16):
+    for m in (2, 4, 8, 16):
         assert any(c.mma for c in gemv_int4.candidate_w4_configs(m, torch.bfloat16))
+    assert not any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
+    monkeypatch.setattr(gemv_int4_mma, "MIN_ROWS", 1)  # SLIPSTREAM_W4_MMA=1
+    assert any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
     assert not any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.float16))
     assert W4Config(64, 128, 0, 4, mma=True).label().startswith("w4 mma n64")
+    assert W4Config(64, 128, 0, 4, prefetch=True, mma=True).label().startswith("w4 mma prefetch")
 
 
 @pytest.mark.gpu
