@@ -3,7 +3,7 @@
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
     python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
-    python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide]
+    python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element.
@@ -106,8 +106,9 @@ def w4mma_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(NW=ns.num_warps, TILES=ns.tiles, WIDE=ns.wide, SPLIT=False, HAS_BIAS=False,
-                  ASM=True, USE_PDL=False, GATE_OUT=False, PREFETCH=ns.prefetch)
-    return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 / 32  # weights per lane per group
+                  ASM=True, USE_PDL=False, GATE_OUT=False, PREFETCH=ns.prefetch,
+                  GROUPS=ns.groups)
+    return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 * ns.groups / 32  # per lane, step
 
 
 def main() -> None:
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
     ap.add_argument("--tiles", type=int, default=2, help="w4mma: 16-row tiles per warp (1, 2)")
     ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
+    ap.add_argument("--groups", type=int, default=1, help="w4mma: groups per loop step (1, 2, 4)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))

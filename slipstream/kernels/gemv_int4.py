@@ -589,15 +589,18 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
-    """The tensor-core fragment kernel's tiles (16 or 32 rows a warp) for bf16 x, MIN_ROWS-16
-    rows. H200, Llama-3.1-8B shapes at 4 and 16 rows: each of these five won or came within 3%
-    on some projection; explicit split counts (2, 4) lost everywhere to the shape's own."""
+    """The tensor-core fragment kernel's tiles for bf16 x, MIN_ROWS-16 rows: 16 or 32 rows a
+    warp, one group a step with or without PREFETCH, or 2-4 groups a step (block_k 256 / 512).
+    H200, Llama-3.1-8B shapes at 4 and 16 rows: each of these won a projection or came within
+    3%; two or four groups a step won the qkv, o and gate_up ones (M=16 o 15.2 -> 12.0 us, M=4
+    qkv 11.9 -> 10.1), explicit split counts (2, 4) lost everywhere to the shape's own."""
     if (not gemv_int4_mma.ENABLED or dtype != torch.bfloat16
             or not gemv_int4_mma.MIN_ROWS <= m <= gemv_int4_mma.MAX_ROWS):
         return []
-    return [W4Config(16 * tiles * w, 128, 0, w, 1, pf, mma=True)
-            for tiles, w, pf in [(2, 4, False), (2, 8, False), (1, 4, True), (1, 8, True),
-                                 (2, 8, True)]]
+    return [W4Config(16 * tiles * w, bk, 0, w, 1, pf, mma=True)
+            for tiles, w, pf, bk in [(2, 4, False, 128), (2, 8, False, 128), (1, 8, True, 128),
+                                     (1, 4, False, 256), (2, 4, False, 256), (1, 8, False, 512),
+                                     (2, 4, False, 512)]]
 
 
 def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -647,10 +650,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size):
+    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                             prefetch=cfg.prefetch)
+                             prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
         _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
                                           BF16X2=_bf16x2_mode(cfg, x2),
@@ -688,7 +691,7 @@ def _chained(cfg: GemvConfig, x2: torch.Tensor, chunk: int) -> bool:
 def _mma_gate_out(cfg: GemvConfig, x2: torch.Tensor, group_size: int) -> bool:
     """Whether a gate-out call with this config runs the mma kernel (32 rows a warp: a gate and
     an up tile) rather than the one-row FMA kernel."""
-    return (getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size)
+    return (getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k)
             and tiles_per_warp(cfg.block_n, cfg.num_warps) == 2)
 
 
@@ -756,7 +759,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                             gate_out=True, prefetch=config.prefetch)
+                             gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
         return out.view(*x.shape[:-1], n // 2)
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,

@@ -141,6 +141,28 @@ def _group_pairs(x_row, k, t, ASM: tl.constexpr):
                 x_pairs(x_row, k, t + 12))
 
 
+@triton.jit
+def _group(wa, wb, k, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3, stride_sn, stride_zn, one,
+           mask, a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
+           NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+    """The group at k of every tile (wa: tile 0's words, wb: tile 1's): the x pairs and sums,
+    then _tile_group per tile; returns the sixteen accumulators."""
+    xq = _group_pairs(x_row, k, t, ASM)
+    sx = _x_sums(xq[0], xq[1], xq[2], xq[3], one, NW, ASM)
+    yq, sy = xq, sx
+    if WIDE:
+        yq = _group_pairs(y_row, k, t, ASM)
+        sy = _x_sums(yq[0], yq[1], yq[2], yq[3], one, NW, ASM)
+    a00, a01, a02, a03, b00, b01, b02, b03 = _tile_group(
+        wa, s_ptr, z_ptr, r0, r1, stride_sn, stride_zn, k, xq, yq, sx, sy,
+        a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM)
+    if TILES == 2:
+        a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
+            wb, s_ptr, z_ptr, r2, r3, stride_sn, stride_zn, k, xq, yq, sx, sy,
+            a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+    return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
+
+
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
@@ -148,12 +170,14 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                    NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
                    USE_PDL: tl.constexpr = False, GATE_OUT: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1):
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
     (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
     row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
     I + j, and the lane writes SiLU(gate)·up for its columns j (mma_fragments.store_gate_out).
-    PREFETCH: the next group's words are requested before this group's products."""
+    PREFETCH: the next group's words are requested before this group's products. GROUPS (2 or
+    4, without PREFETCH): the words of that many consecutive groups requested at once, 64
+    GROUPS contiguous bytes of each weight row."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -176,31 +200,50 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
         if TILES == 2:
             q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_lo, t)
     pdl_wait(USE_PDL)  # (the first weights are already requested: they do not depend on it)
-    for k in range(k_lo, k_hi, _GROUP):
+    for k in range(k_lo, k_hi, _GROUP * GROUPS):
         if PREFETCH:
             w0 = (p0, p1, p2, p3, p4, p5, p6, p7)
             k_next = tl.minimum(k + _GROUP, k_hi - _GROUP)  # past the end: the last group again
             p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_next, t)
+            w1 = w0
             if TILES == 2:
                 w1 = (q0, q1, q2, q3, q4, q5, q6, q7)
                 q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_next, t)
         else:
             w0 = _tile_words(w_ptr, r0, r1, stride_wn, k, t)
+            w1 = w0
             if TILES == 2:
                 w1 = _tile_words(w_ptr, r2, r3, stride_wn, k, t)
-        xq = _group_pairs(x_row, k, t, ASM)
-        sx = _x_sums(xq[0], xq[1], xq[2], xq[3], one, NW, ASM)
-        yq, sy = xq, sx
-        if WIDE:
-            yq = _group_pairs(y_row, k, t, ASM)
-            sy = _x_sums(yq[0], yq[1], yq[2], yq[3], one, NW, ASM)
-        a00, a01, a02, a03, b00, b01, b02, b03 = _tile_group(
-            w0, s_ptr, z_ptr, r0, r1, stride_sn, stride_zn, k, xq, yq, sx, sy,
-            a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM)
-        if TILES == 2:
-            a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
-                w1, s_ptr, z_ptr, r2, r3, stride_sn, stride_zn, k, xq, yq, sx, sy,
-                a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+            if GROUPS >= 2:
+                v0 = _tile_words(w_ptr, r0, r1, stride_wn, k + _GROUP, t)
+                v1 = v0
+                if TILES == 2:
+                    v1 = _tile_words(w_ptr, r2, r3, stride_wn, k + _GROUP, t)
+            if GROUPS == 4:
+                u0 = _tile_words(w_ptr, r0, r1, stride_wn, k + 2 * _GROUP, t)
+                o0 = _tile_words(w_ptr, r0, r1, stride_wn, k + 3 * _GROUP, t)
+                u1, o1 = u0, o0
+                if TILES == 2:
+                    u1 = _tile_words(w_ptr, r2, r3, stride_wn, k + 2 * _GROUP, t)
+                    o1 = _tile_words(w_ptr, r2, r3, stride_wn, k + 3 * _GROUP, t)
+        a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _group(
+            w0, w1, k, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3, stride_sn, stride_zn, one,
+            mask, a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
+            NW, TILES, WIDE, ASM)
+        if GROUPS >= 2:
+            a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
+                _group(v0, v1, k + _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
+                       stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
+        if GROUPS == 4:
+            a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
+                _group(u0, u1, k + 2 * _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
+                       stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
+            a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
+                _group(o0, o1, k + 3 * _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
+                       stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
     if GATE_OUT:
         store_gate_out(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr, cnt_ptr,
                        bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW, SPLIT,
@@ -211,26 +254,31 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                     split_k, stride_om, TILES, WIDE, SPLIT, HAS_BIAS)
 
 
-def mma_ok(x2: torch.Tensor, group_size: int) -> bool:
+def mma_ok(x2: torch.Tensor, group_size: int, block_k: int = GROUP_SIZE) -> bool:
     """Whether _w4_mma_kernel takes these rows of x: 1-16 rows of bf16, 8-byte aligned, groups
-    of 128 (the kernel reads four words of a row per lane and group)."""
+    of 128 (the kernel reads four words of a row per lane and group), K a multiple of block_k
+    (the groups of one loop step)."""
     return (x2.dtype == torch.bfloat16 and 1 <= x2.shape[0] <= MAX_ROWS
-            and group_size == GROUP_SIZE and x2.shape[-1] % GROUP_SIZE == 0
+            and group_size == GROUP_SIZE and x2.shape[-1] % block_k == 0
+            and block_k in (GROUP_SIZE, 2 * GROUP_SIZE, 4 * GROUP_SIZE)
             and x2.data_ptr() % 8 == 0
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
 
 
 def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
            has_bias: bool, asm: bool, pdl_kwargs: dict, gate_out: bool = False,
-           prefetch: bool = False) -> None:
+           prefetch: bool = False, block_k: int = GROUP_SIZE) -> None:
     """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
     K, strides, k_per_split, split_k) for `rows` rows of x. gate_out: one row, a [gate | up]
     weight, 32 rows per warp (gemv.gate_out_launch's tiles and workspace)."""
     tiles = tiles_per_warp(block_n, num_warps)
+    groups = block_k // GROUP_SIZE
+    if prefetch and groups > 1:
+        raise ValueError("w4 mma: PREFETCH steps one group at a time (block_k 128)")
     if not tiles or (gate_out and (tiles != 2 or rows != 1)):
         raise ValueError(f"w4 mma: block_n {block_n} is not 16 or 32 rows per warp of "
                          f"{num_warps}{' (gate-out: 32, one row)' if gate_out else ''}")
     _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
                                      SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
-                                     GATE_OUT=gate_out, PREFETCH=prefetch,
+                                     GATE_OUT=gate_out, PREFETCH=prefetch, GROUPS=groups,
                                      num_warps=num_warps, **pdl_kwargs)

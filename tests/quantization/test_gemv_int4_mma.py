@@ -60,6 +60,29 @@ def test_mma_twin_follows_the_ptx_fragment_layout() -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("m,tiles,split,block_k", [(1, 1, 2, 256), (5, 2, 1, 512),
+                                                   (11, 2, 2, 256), (2, 1, 1, 512)])
+def test_w4_mma_groups_per_step_match_the_reference(m: int, tiles: int, split: int,
+                                                    block_k: int) -> None:
+    """block_k 256 / 512: two / four groups' words requested per loop step (GROUPS); K of
+    eight groups, split-K, a partial last tile: the same results as one group a step."""
+    n, k, nw = 45, 1024, 1
+    packed = quantized(n, k, 128, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    cfg = W4Config(16 * tiles * nw, block_k, split, nw, 1, mma=True)
+    assert gemv_int4_mma.mma_ok(x, 128, block_k)
+    assert not gemv_int4_mma.mma_ok(x[:, :640], 128, block_k)  # K not a multiple of block_k
+    got = gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
+    assert rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, 128)) < 8e-3
+    one_group = gemv_int4.w4_gemv(x, *packed, 128, None, W4Config(16 * tiles * nw, 128, split,
+                                                                    nw, 1, mma=True))
+    assert rel(got, one_group.double()) < 8e-3
+    with pytest.raises(ValueError, match="PREFETCH"):
+        gemv_int4.w4_gemv(x, *packed, 128, None, W4Config(16 * nw, block_k, 1, nw, 1, True,
+                                                          mma=True))
+
+
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("m,tiles,split,prefetch", [(1, 1, 1, False), (3, 2, 3, True),
                                                     (8, 1, 2, True), (12, 2, 1, False),
                                                     (16, 1, 3, True), (16, 2, 3, True)])
