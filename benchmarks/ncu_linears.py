@@ -8,6 +8,10 @@ choices are printed at the end):
   ncu --clock-control none --profile-from-start off --section SpeedOfLight \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     python3 benchmarks/ncu_linears.py --formats int4 --ms 1,4
+
+--int4-configs SUBSTRING profiles, instead of int4's measured choice, every int4 candidate whose
+label contains it (e.g. "mma" with SLIPSTREAM_W4_MMA=1 for the tensor-core GEMV at one row,
+which the tuner does not pick there), one profiler range each, its label printed before it.
 """
 from __future__ import annotations
 
@@ -21,6 +25,26 @@ from slipstream.quantization import utils as qu
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}  # (N, K)
 GROUP = 128
+
+
+def int4_candidates(n: int, k: int, m: int, substring: str):
+    """[(label, call(x))]: the int4 GEMV candidates at m rows whose label contains substring."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    q, s, z = qu.quantize_int4_groupwise(w, GROUP)
+    packed = (qu.pack_int4_rows(q), s.half(), z)
+    return [(c.label(), lambda x, c=c: gemv_int4.w4_gemv(x, *packed, GROUP, None, c))
+            for c in gemv_int4.candidate_w4_configs(m) if substring in c.label()]
+
+
+def profiled(label: str, call, x: torch.Tensor) -> None:
+    """call(x) once to compile / tune, then once between cudaProfilerStart and Stop."""
+    call(x)
+    torch.cuda.synchronize()
+    print(label, flush=True)
+    torch.cuda.cudart().cudaProfilerStart()
+    call(x)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
 
 
 def prepared(fmt: str, n: int, k: int):
@@ -41,21 +65,19 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,fp8,int4")
     ap.add_argument("--ms", default="1,4")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--int4-configs", default=None, help="int4: these candidates, not the choice")
     ns = ap.parse_args()
     for fmt in ns.formats.split(","):
         for name in ns.shapes.split(","):
             n, k = SHAPES[name]
-            call = prepared(fmt, n, k)
             for m in map(int, ns.ms.split(",")):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                call(x)  # measures the choice
-                torch.cuda.synchronize()
-                print(f"{fmt} {name} M={m}", flush=True)
-                torch.cuda.cudart().cudaProfilerStart()
-                call(x)
-                torch.cuda.synchronize()
-                torch.cuda.cudart().cudaProfilerStop()
-    if "int4" in ns.formats.split(","):
+                if fmt == "int4" and ns.int4_configs is not None:
+                    for label, call in int4_candidates(n, k, m, ns.int4_configs):
+                        profiled(f"{fmt} {name} M={m} {label}", call, x)
+                else:
+                    profiled(f"{fmt} {name} M={m}", prepared(fmt, n, k), x)
+    if "int4" in ns.formats.split(",") and ns.int4_configs is None:
         print(gemv_int4.w4_choices(), flush=True)
 
 

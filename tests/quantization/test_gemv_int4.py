@@ -82,6 +82,29 @@ def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (4, 2), (2, 4)])
+def test_w4_deeper_prefetch_has_the_bits_of_one_chunk_ahead(depth: int, m: int,
+                                                           split: int) -> None:
+    """prefetch 2 / 3 (chunks requested that far ahead; past a split's end the last chunk
+    again) only moves loads: the same bits as prefetch 1 for the one-row (chained and per-word)
+    and the few-row kernels, split ranges of one to five chunks included."""
+    n, k, group = 45, 640, 128
+    packed = quantized(n, k, group, seed=depth)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).bfloat16()
+    rows = dict(two_rows=m == 2, four_rows=m == 4)
+    for bits in (1, 2) if m == 1 else (2,):
+        base = W4Config(block_n=16, block_k=128, split_k=split, prefetch=True, bit_convert=bits,
+                        **rows)
+        want = gemv_int4.w4_gemv(x, *packed, group, None, base)
+        deep = dataclasses.replace(base, prefetch=depth)
+        assert deep.label() == base.label().replace("prefetch", f"prefetch{depth}")
+        torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, None, deep), want,
+                                   atol=0, rtol=0)
+    assert rel(want, gemv_int4.w4_linear_reference(x.double(), *packed, group)) < 8e-3
+
+
+@pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,split", [(128, 1), (64, 3)])
 @pytest.mark.parametrize("chained", [False, True])
 def test_w4_gemv_bf16x2_pairs(group: int, split: int, chained: bool) -> None:
