@@ -9,6 +9,11 @@ incl. scales / zeros, plus activations), TFLOP/s, the speed-up over bf16 (the be
 and the engine's linear) and the max error against the reference; `--output-json` keeps it all.
 
   python benchmarks/bench_w4.py --output-json $OUT/w4.json [--ms 1,16,256,2048] [--group 128]
+
+--sweep times a grid instead of the tuner's candidates, to choose them: at one row the chained
+kernel over tile (32-128 rows, 2-8 warps), chunks requested ahead (1-3) and split (auto, 2, 4);
+at 2-16 rows the mma kernel over tiles, prefetch and groups a step, and at 2-4 rows the few-row
+kernel over tiles, chunks ahead and split.
 """
 from __future__ import annotations
 
@@ -52,7 +57,22 @@ def row(impl: str, ms: float, nbytes: int, flops: int, err: float | None = None)
             "tflops": flops / ms / 1e9, "max_err": err}
 
 
-def bench_case(name: str, n: int, k: int, m: int, group: int) -> dict:
+def sweep_configs(m: int) -> list[gemv_int4.W4Config]:
+    """The --sweep grid (see the module docstring)."""
+    W4 = gemv_int4.W4Config
+    if m == 1:
+        return [W4(bn, 128, sk, w, 1, pf, bit_convert=2)
+                for bn, w in [(32, 2), (64, 2), (64, 4), (128, 4), (128, 8)]
+                for pf in (1, 2, 3) for sk in (0, 2, 4)]
+    few = [W4(bn, 128, sk, w, 1, pf, bit_convert=2, two_rows=m == 2, four_rows=m > 2)
+           for bn, w in [(64, 2), (64, 4), (128, 4), (128, 8)] for pf in (1, 2, 3)
+           for sk in (0, 4)] if m <= 4 else []
+    return few + [W4(16 * tiles * w, bk, 0, w, 1, pf, mma=True)
+                  for tiles in (1, 2) for w in (2, 4, 8)
+                  for pf, bk in [(False, 128), (True, 128), (False, 256), (False, 512)]]
+
+
+def bench_case(name: str, n: int, k: int, m: int, group: int, sweep: bool = False) -> dict:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     q, s, z = qu.quantize_int4_groupwise(w, group)
@@ -65,8 +85,9 @@ def bench_case(name: str, n: int, k: int, m: int, group: int) -> dict:
             row("bf16 engine linear", time_ms(triton_ops.linear, (x, w)), bf16_bytes, flops)]
     want = gemv_int4.w4_linear_reference(x, *packed, group)
     if m <= gemv_int4.MAX_M:
+        configs = sweep_configs(m) if sweep else gemv_int4.candidate_w4_configs(m, x.dtype)
         cands = [(c.label(), lambda *a, c=c: gemv_int4.w4_gemv(*a, group, None, c))
-                 for c in gemv_int4.candidate_w4_configs(m, x.dtype)]
+                 for c in configs]
     else:
         cands = [(c.label(), lambda *a, c=c: gemm_int4.w4_gemm(*a, group, None, c))
                  for c in gemm_int4.candidate_gemm_configs(m)]
@@ -91,6 +112,7 @@ def main() -> None:
     ap.add_argument("--ms", default="1,16,256,2048")
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="a grid of configs (M <= 16)")
     ap.add_argument("--output-json")
     ns = ap.parse_args()
     peak = copy_gbps()
@@ -99,7 +121,7 @@ def main() -> None:
     for m in [int(v) for v in ns.ms.split(",")]:
         for name in ns.shapes.split(","):
             n, k = SHAPES[name]
-            r = bench_case(name, n, k, m, ns.group)
+            r = bench_case(name, n, k, m, ns.group, ns.sweep)
             results.append(r)
             print(f"\nM={m} {name} N={n} K={k}: bf16 {r['bf16_us']:.1f} us, best w4 "
                   f"{r['w4_best']['us'] if r['w4_best'] else float('nan'):.1f} us "

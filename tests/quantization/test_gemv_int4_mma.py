@@ -161,19 +161,21 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("split,with_bias,prefetch", [(1, False, False), (3, True, True)])
+@pytest.mark.parametrize("split,with_bias,prefetch,block_k", [(1, False, False, 128),
+                                                              (3, True, True, 128),
+                                                              (2, False, False, 256)])
 def test_w4_mma_gate_out_equals_product_then_activation(split: int, with_bias: bool,
-                                                        prefetch: bool) -> None:
+                                                        prefetch: bool, block_k: int) -> None:
     """One row, a [gate | up] weight (I = 40: the last program's columns partly past I), 32 rows
     a warp: the mma kernel pairs a gate tile with its up tile and writes SiLU(gate)·up, equal to
     silu_and_mul of the same config's stored product (operands rounded to bf16 first)."""
 
-    n, k = 80, 384
+    n, k = 80, 512
     packed = quantized(n, k, 128, seed=5)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(1, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    cfg = W4Config(32, 128, split, 1, 1, prefetch, mma=True)
+    cfg = W4Config(32, block_k, split, 1, 1, prefetch, mma=True)
     assert gemv_int4._mma_gate_out(cfg, x, 128)
     assert not gemv_int4._mma_gate_out(W4Config(16, 128, split, 1, mma=True), x, 128)
     got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, cfg)
