@@ -7,10 +7,14 @@ tiles the start-up tuner should consider and how far each format is from streami
 copy speed.
 
   python benchmarks/bench_qgemv.py --output-json $OUT/qgemv.json
+
+--prefetch-depths 2,3 also times each one-row candidate that prefetches with its tiles requested
+that many ahead (three or four in flight instead of two).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -30,7 +34,14 @@ def copy_gbps() -> float:
     return measure_copy_bandwidth("cuda") / 1e9
 
 
-def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1) -> dict:
+def with_depths(configs: list, depths: list[int]) -> list:
+    """configs, then each prefetching one again with prefetch = d for d in depths."""
+    return configs + [dataclasses.replace(c, prefetch=d) for d in depths for c in configs
+                      if c.prefetch is True]
+
+
+def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1,
+                depths: list[int] | None = None) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if fmt == "bf16":
@@ -48,7 +59,7 @@ def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1) -> dict:
         run = lambda cfg: lambda a: gemv_int8.qgemv(*a, config=cfg)  # noqa: E731
         nbytes = q.numel()
         rows = []
-    for cfg in configs:
+    for cfg in with_depths(configs, depths or []):
         try:
             rows.append({"config": repr(cfg), "us": graph_time_us(run(cfg), sets)})
         except Exception as exc:  # a tile that does not fit: skip
@@ -63,8 +74,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,int8,fp8")
     ap.add_argument("--m", type=int, default=1, help="activation rows (1-16)")
+    ap.add_argument("--prefetch-depths", default="", help="e.g. 2,3: deeper one-row prefetch")
     ap.add_argument("--output-json")
     ns = ap.parse_args()
+    depths = [int(d) for d in ns.prefetch_depths.split(",") if d]
     peak = copy_gbps()
     results = []
     print(f"copy bandwidth {peak:.0f} GB/s")
@@ -72,7 +85,7 @@ def main() -> None:
     step = {}
     for fmt in ns.formats.split(","):
         for name, (k, n) in SHAPES.items():
-            r = bench_shape(name, k, n, fmt, ns.m)
+            r = bench_shape(name, k, n, fmt, ns.m, depths)
             results.append(r)
             mult = 32 if name != "lm_head" else 1
             step[fmt] = step.get(fmt, 0.0) + mult * r["best"]["us"]

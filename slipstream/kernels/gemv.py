@@ -140,7 +140,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
-    flight per program, in registers. STAGES > 1 instead asks Triton to pipeline the loop
+    flight per program, in registers (2 or 3: the tile that many ahead, three or four in flight). STAGES > 1 instead asks Triton to pipeline the loop
     (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
     without the registers. Under PDL the first tile's loads are issued before waiting for the
     previous kernel (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
@@ -157,13 +157,25 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if PREFETCH:
-        w_next = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+    if PREFETCH:  # PREFETCH tiles (1-3) requested ahead, the first ones before the PDL wait
+        n1 = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        n2, n3 = n1, n1
+        if PREFETCH >= 2:
+            n2 = _load_w_tile(w_ptrs, k_lo + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+        if PREFETCH >= 3:
+            n3 = _load_w_tile(w_ptrs, k_lo + 2 * BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
-            w = w_next
-            w_next = _load_w_tile(w_ptrs, k + BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
+            w = n1
+            ahead = _load_w_tile(w_ptrs, k + PREFETCH * BLOCK_K, k_lo, k_hi, offs_k, EVEN_K,
+                                 BLOCK_K)
+            if PREFETCH == 3:
+                n1, n2, n3 = n2, n3, ahead
+            elif PREFETCH == 2:
+                n1, n2 = n2, ahead
+            else:
+                n1 = ahead
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)

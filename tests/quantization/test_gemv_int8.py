@@ -337,3 +337,31 @@ def test_qgemv_gate_out(wdtype: torch.dtype, cfg: GemvConfig) -> None:
     with pytest.raises(ValueError, match="one row"):
         gemv_int8.qgemv_gate_out(torch.randn(2, 300), q, s, b, cfg)
     assert gemv_int8.qlinear_small_gate_out(x, q, s, b) is None  # off CUDA: two steps
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("k,split", [(512, 1), (300, 2), (1024, 3)])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_deeper_prefetch_has_the_bits_of_one_tile_ahead(depth: int, k: int, split: int,
+                                                        wdtype: torch.dtype) -> None:
+    """The one-row GEMV with prefetch 2 / 3 (tiles requested that far ahead; past a split's end
+    the last tile again, or masked where K is not a multiple of block_k) only moves loads: the
+    bits of prefetch 1 for bf16 and the INT8 / FP8 dequant forms, plain, gated and gate-out."""
+    from slipstream.kernels import gemv
+
+    n = 46
+    x = torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    base = GemvConfig(block_n=8, block_k=128, split_k=split, prefetch=True)
+    deep = GemvConfig(block_n=8, block_k=128, split_k=split, prefetch=depth)
+    if wdtype == torch.bfloat16:
+        w = torch.randn(n, k).bfloat16()
+        run = lambda cfg, xx, **kw: gemv.gemv(xx, w, None, cfg, **kw)  # noqa: E731
+        gate_out = lambda cfg: gemv.gemv(x[:, :k], w, None, cfg, gate_out=True)  # noqa: E731
+    else:
+        q, s = _qweight(n, k, wdtype)
+        run = lambda cfg, xx, **kw: gemv_int8.qgemv(xx, q, s, None, cfg, **kw)  # noqa: E731
+        gate_out = lambda cfg: gemv_int8.qgemv_gate_out(x[:, :k], q, s, None, cfg)  # noqa: E731
+    for got, want in [(run(deep, x[:, :k]), run(base, x[:, :k])),
+                      (run(deep, x, gated=True), run(base, x, gated=True)),
+                      (gate_out(deep), gate_out(base))]:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
