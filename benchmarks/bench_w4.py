@@ -11,7 +11,8 @@ and the engine's linear) and the max error against the reference; `--output-json
   python benchmarks/bench_w4.py --output-json $OUT/w4.json [--ms 1,16,256,2048] [--group 128]
 
 --sweep times a grid instead of the tuner's candidates, to choose them: at one row the chained
-kernel over tile (32-128 rows, 2-8 warps), chunks requested ahead (1-3) and split (auto, 2, 4);
+kernel over tile (32-128 rows, 2-8 warps), chunks requested ahead (1-3, or 2-3 through shared
+memory: num_stages 3-4) and split (auto, 2, 4);
 at 2-16 rows the mma kernel over tiles, prefetch and groups a step, and at 2-4 rows the few-row
 kernel over tiles, chunks ahead and split.
 """
@@ -61,9 +62,9 @@ def sweep_configs(m: int) -> list[gemv_int4.W4Config]:
     """The --sweep grid (see the module docstring)."""
     W4 = gemv_int4.W4Config
     if m == 1:
-        return [W4(bn, 128, sk, w, 1, pf, bit_convert=2)
+        return [W4(bn, 128, sk, w, st, pf, bit_convert=2)
                 for bn, w in [(32, 2), (64, 2), (64, 4), (128, 4), (128, 8)]
-                for pf in (1, 2, 3) for sk in (0, 2, 4)]
+                for pf, st in [(1, 1), (2, 1), (3, 1), (0, 3), (0, 4)] for sk in (0, 2, 4)]
     few = [W4(bn, 128, sk, w, 1, pf, bit_convert=2, two_rows=m == 2, four_rows=m > 2)
            for bn, w in [(64, 2), (64, 4), (128, 4), (128, 8)] for pf in (1, 2, 3)
            for sk in (0, 4)] if m <= 4 else []

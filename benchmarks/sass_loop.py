@@ -97,7 +97,8 @@ def w4_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
-                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert, CHAIN=ns.chain)
+                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert, CHAIN=ns.chain,
+                  STAGES=ns.stages)
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
@@ -124,7 +125,7 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
     ap.add_argument("--groups", type=int, default=1, help="w4mma: groups per loop step (1, 2, 4)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
-    ap.add_argument("--stages", type=int, default=1, help="qgemv STAGES (shared-memory pipeline)")
+    ap.add_argument("--stages", type=int, default=1, help="qgemv / w4 STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ns = ap.parse_args()

@@ -140,12 +140,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
-    flight per program, in registers (2 or 3: the tile that many ahead, three or four in flight). STAGES > 1 instead asks Triton to pipeline the loop
-    (tl.range): tiles stream through shared memory by asynchronous copies, STAGES - 1 ahead,
-    without the registers. Under PDL the first tile's loads are issued before waiting for the
-    previous kernel (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
-    kernels/gemv_int8.py): INT8 / FP8 weights converted per BIT_CONVERT (kernels/weight_convert.py),
-    the sums scaled per output column (s_ptr).
+    flight per program, in registers (2 or 3: the tile that many ahead, three or four in
+    flight). STAGES > 1 instead asks Triton to pipeline the loop (tl.range): tiles stream
+    through shared memory by asynchronous copies, STAGES - 1 ahead, without the registers.
+    Under PDL the first tile's loads are issued before waiting for the previous kernel
+    (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
+    kernels/gemv_int8.py): INT8 / FP8 weights converted per BIT_CONVERT
+    (kernels/weight_convert.py), the sums scaled per output column (s_ptr).
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)

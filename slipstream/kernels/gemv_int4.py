@@ -302,7 +302,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
-                    GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False):
+                    GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
+                    STAGES: tl.constexpr = 1):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -329,7 +330,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
     n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
     pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
-    for k in range(k_lo, k_hi, CHUNK):
+    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
         w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
@@ -677,7 +678,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch,
+        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
                                           BF16X2=_bf16x2_mode(cfg, x2),
                                           CHAIN=_chained(cfg, x2, chunk), **common)
     elif getattr(cfg, "two_rows", False):
@@ -787,7 +788,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=config.prefetch,
         BF16X2=_bf16x2_mode(config, x2), CHAIN=_chained(config, x2, chunk), GATE_OUT=True,
-        num_warps=config.num_warps,
+        STAGES=config.num_stages, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 

@@ -88,7 +88,8 @@ def test_w4_deeper_prefetch_has_the_bits_of_one_chunk_ahead(depth: int, m: int,
                                                            split: int) -> None:
     """prefetch 2 / 3 (chunks requested that far ahead; past a split's end the last chunk
     again) only moves loads: the same bits as prefetch 1 for the one-row (chained and per-word)
-    and the few-row kernels, split ranges of one to five chunks included."""
+    and the few-row kernels, split ranges of one to five chunks included; so does the one-row
+    kernel's pipeline through shared memory (num_stages 3 / 4, no register prefetch)."""
     n, k, group = 45, 640, 128
     packed = quantized(n, k, group, seed=depth)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(split)).bfloat16()
@@ -101,6 +102,10 @@ def test_w4_deeper_prefetch_has_the_bits_of_one_chunk_ahead(depth: int, m: int,
         assert deep.label() == base.label().replace("prefetch", f"prefetch{depth}")
         torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, None, deep), want,
                                    atol=0, rtol=0)
+        if m == 1:  # the one-row kernel's shared-memory pipeline instead (tl.range stages)
+            staged = dataclasses.replace(base, prefetch=False, num_stages=depth + 1)
+            torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, None, staged), want,
+                                       atol=0, rtol=0)
     assert rel(want, gemv_int4.w4_linear_reference(x.double(), *packed, group)) < 8e-3
 
 
