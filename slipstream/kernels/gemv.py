@@ -258,8 +258,8 @@ class GemvConfig:
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 1  # M == 1 without prefetch: > 1 pipelines tiles through shared memory
-    # M == 1 kernel only: keep two weight tiles in flight (the int4 one- and few-row kernels:
-    # 2 or 3 keeps that many chunks requested ahead).
+    # M == 1 kernel only: keep two weight tiles in flight (2 or 3: that many tiles requested
+    # ahead; the int4 few-row kernels take it too).
     prefetch: bool | int = False
     # Dequant-GEMV (kernels/gemv_int8.py) at M == 1 only: convert int8 / fp8 weights by bit
     # tricks instead of conversion instructions (1; 2: int8 by byte permutes in inline PTX);

@@ -266,9 +266,10 @@ def _words_at(w_ptrs, k, k_hi, CHUNK: tl.constexpr):
 
 @triton.jit
 def _first_words(w_ptrs, k_lo, k_hi, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
-    """PREFETCH (1-3): the first PREFETCH chunks' words, requested before the PDL wait (Triton
-    does not pipeline loads that feed no tl.dot: the kernels keep PREFETCH + 1 tiles in flight
-    themselves). Returns three tiles; the ones past PREFETCH are unused."""
+    """PREFETCH (1-3): the first PREFETCH chunks' words, requested before the PDL wait (in
+    registers: the kernels keep PREFETCH + 1 tiles in flight themselves; the one-row kernel's
+    STAGES instead lets Triton stream them through shared memory). Returns three tiles; the
+    ones past PREFETCH are unused."""
     if PREFETCH:
         n1 = _words_at(w_ptrs, k_lo, k_hi, CHUNK)
     else:

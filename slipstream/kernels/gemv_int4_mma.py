@@ -275,6 +275,8 @@ def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, blo
     groups = block_k // GROUP_SIZE
     if prefetch and groups > 1:
         raise ValueError("w4 mma: PREFETCH steps one group at a time (block_k 128)")
+    if prefetch > 1:
+        raise ValueError(f"w4 mma: prefetch is one group ahead, not {int(prefetch)}")
     if not tiles or (gate_out and (tiles != 2 or rows != 1)):
         raise ValueError(f"w4 mma: block_n {block_n} is not 16 or 32 rows per warp of "
                          f"{num_warps}{' (gate-out: 32, one row)' if gate_out else ''}")

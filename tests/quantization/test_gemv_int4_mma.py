@@ -80,6 +80,8 @@ def test_w4_mma_groups_per_step_match_the_reference(m: int, tiles: int, split: i
     with pytest.raises(ValueError, match="PREFETCH"):
         gemv_int4.w4_gemv(x, *packed, 128, None, W4Config(16 * nw, block_k, 1, nw, 1, True,
                                                           mma=True))
+    with pytest.raises(ValueError, match="one group ahead"):
+        gemv_int4.w4_gemv(x, *packed, 128, None, W4Config(16 * nw, 128, 1, nw, 1, 2, mma=True))
 
 
 @pytest.mark.usefixtures("poison_outputs")
