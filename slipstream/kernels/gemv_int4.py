@@ -293,7 +293,7 @@ def _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK: tl.constexpr, PREFETCH: tl.
     elif PREFETCH:
         return n1, _words_at(w_ptrs, k + CHUNK, k_hi, CHUNK), n2, n3
     else:
-        return _words_at(w_ptrs, k, k_hi, CHUNK), n1, n2, n3
+        return tl.load(w_ptrs + tl.multiple_of(k // 8, CHUNK // 8)), n1, n2, n3
 
 
 # M and the split count are runtime values (no recompile per batch size or shape).

@@ -195,7 +195,7 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
     b00, b01, b02, b03, b10, b11, b12, b13 = a00, a00, a00, a00, a00, a00, a00, a00
     unit = tl.full([32 * NW], 1, tl.uint32) * (K > 0).to(tl.uint32)  # 1, unknown to the compiler
     mask, one = unit * 0x000F000F, unit * 0x3F803F80
-    if PREFETCH:  # Triton does not pipeline loads that feed no tl.dot: keep two groups in flight
+    if PREFETCH:  # a plain range loop is not pipelined: keep two groups in flight
         p0, p1, p2, p3, p4, p5, p6, p7 = _tile_words(w_ptr, r0, r1, stride_wn, k_lo, t)
         if TILES == 2:
             q0, q1, q2, q3, q4, q5, q6, q7 = _tile_words(w_ptr, r2, r3, stride_wn, k_lo, t)
