@@ -16,6 +16,7 @@ import triton.language as tl
 
 from slipstream.kernels.int4_common import (
     dequant_tile,
+    large_m_bucket,
     measure_best,
     packed_words,
     row_major,
@@ -166,11 +167,6 @@ CUBLAS = "dequantize+cuBLAS"
 _LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = {}
 
 
-def _m_bucket(m: int) -> int:
-    """Powers of two from 32 to 4096: a large-M choice is shared within a bucket."""
-    return min(4096, max(32, 1 << (m - 1).bit_length()))
-
-
 def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor, group_size: int,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,7 +174,7 @@ def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     (M bucket, N, K, group, dtype); an unmeasured shape during CUDA-graph capture runs w4_gemm."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    bucket = _m_bucket(m)
+    bucket = large_m_bucket(m)
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
     choice = _LARGE_CHOICES.get(key)
     if choice is None:

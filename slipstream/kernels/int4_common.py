@@ -154,6 +154,12 @@ def w4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return out.to(x.dtype)
 
 
+def large_m_bucket(m: int) -> int:
+    """Powers of two from 32 to 4096: the large-M tuners (W4 and W8 GEMMs) share a measured
+    choice within a bucket."""
+    return min(4096, max(32, 1 << (m - 1).bit_length()))
+
+
 def measure_best(candidates: list[tuple[object, Callable[..., torch.Tensor]]],
                  args: tuple[torch.Tensor, ...], want: torch.Tensor, fallback: object,
                  label: str) -> object:

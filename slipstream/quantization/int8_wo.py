@@ -2,7 +2,8 @@
 
 Weights are quantized at load time (or loaded pre-quantized: `weight` int8 + `weight_scale`, or a
 compressed-tensors INT8 checkpoint: the same tensors with [N, 1] scales, or pack-quantized words).
-Decode-size batches run a Triton dequant-GEMV; larger ones convert the weight and use cuBLAS.
+Decode-size batches run a Triton dequant-GEMV, larger ones a Triton GEMM that converts the weight
+tiles in registers (or, where measured faster, convert the whole weight and use cuBLAS).
 """
 from __future__ import annotations
 
@@ -142,7 +143,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         small = _qlinear_small()
         if small is not None:
             return small(x, qweight, scale, bias)
-    # Large M (and the CPU reference): INT8 values are exact in x's dtype; scale the output.
+    if x.is_cuda and m > _SMALL_M:
+        large = _qlinear_large()
+        if large is not None:
+            return large(x, qweight, scale, bias)
+    return convert_linear(x, qweight, scale, bias)
+
+
+def convert_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """Convert the whole weight to x's dtype (INT8 values are exact there; a temporary [N, K]),
+    F.linear, then scale the output: the CPU path, and on CUDA the cuBLAS alternative the
+    large-M tuner measures (kernels/gemm_int8.py)."""
     out = F.linear(x, qweight.to(x.dtype))
     out = out * scale.to(out.dtype)
     return out if bias is None else out + bias
@@ -150,7 +162,18 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 _SMALL_M = 16
 _QLINEAR_SMALL: list = []
+_QLINEAR_LARGE: list = []
 
+
+def _qlinear_large():
+    """kernels.gemm_int8.int8_linear_large, or None when Triton cannot load."""
+    if not _QLINEAR_LARGE:
+        try:
+            from slipstream.kernels.gemm_int8 import int8_linear_large
+        except ImportError:
+            int8_linear_large = None
+        _QLINEAR_LARGE.append(int8_linear_large)
+    return _QLINEAR_LARGE[0]
 
 
 def _qlinear_small():

@@ -1,0 +1,161 @@
+"""Triton W8A16 GEMM for prefill and large batches: out = (x @ q^T) * scale (+ bias), q int8.
+
+Each [BLOCK_N, BLOCK_K] int8 weight tile is converted to x's dtype in registers (exact: every
+int8 value is a bf16 / fp16 number) and fed to tl.dot with x's tile, float32 accumulation; the
+per-output-channel scale multiplies the accumulator once, at the end. The alternative it replaces
+converts the whole weight first (reads one byte and writes two per weight: ~150 us for the
+28672 x 4096 gate_up on the H200, longer than a 256-token prefill's product) and needs that
+[N, K] temporary. int8_linear_large measures, once per (M bucket, N, K), these tiles against
+convert + cuBLAS and keeps the faster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels.gemv_int8 import qgemv_reference
+from slipstream.kernels.int4_common import large_m_bucket, measure_best
+from slipstream.quantization.int8_wo import convert_linear
+
+
+@triton.jit
+def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):
+    """One [BLOCK_M, BLOCK_N] output tile over all of K. The weight tile's conversion is
+    Triton's own (byte permutes and a subtraction written in PTX measured no faster on the
+    H200: M=32-64 slower, larger M the same)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # GROUP_M row blocks in a row walk the same weight tiles while they are in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the end re-read the last one
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k)
+            q = tl.load(w_ptrs + k)
+        else:
+            k_ok = (k + offs_k < K)[None, :]
+            x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
+            q = tl.load(w_ptrs + k, mask=k_ok, other=0)
+        w = q.to(x.dtype)
+        if SWAP_AB:  # out^T = w x^T: the converted tile is the product's register operand
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    acc = acc * tl.load(s_ptr + rows).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class W8GemmConfig:
+    """Output tile, K step and launch parameters."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    swap_ab: bool = False  # the product as w @ x^T (see _w8_gemm_kernel)
+
+    def label(self) -> str:
+        return (f"w8 gemm {self.block_m}x{self.block_n}x{self.block_k} warps {self.num_warps} "
+                f"stages {self.num_stages}{' swap' if self.swap_ab else ''}")
+
+
+def default_gemm_config(m: int) -> W8GemmConfig:
+    """The tile for a shape not yet measured (during CUDA-graph capture)."""
+    return W8GemmConfig(32, 64, 256, 4, 4) if m <= 64 else W8GemmConfig(128, 128, 64, 4, 4)
+
+
+def candidate_gemm_configs(m: int) -> list[W8GemmConfig]:
+    """The tiles int8_linear_large measures per (M bucket, N, K): the winners of
+    `bench_w8_gemm.py --sweep` on the H200 (Llama-3.1-8B shapes, M 32 / 64 / 256 / 2048)."""
+    if m <= 64:  # memory-bound: narrow tiles for more programs
+        tiles = [(16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (32, 256, 128, 8, 3),
+                 (64, 64, 256, 4, 3), (64, 128, 128, 4, 4, 8, True)]
+    else:
+        tiles = [(128, 128, 128, 8, 3, 8, True), (64, 128, 128, 4, 4), (128, 128, 64, 4, 4),
+                 (256, 128, 64, 8, 3)]
+    return [W8GemmConfig(*t) for t in tiles]
+
+
+def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+            bias: torch.Tensor | None = None, config: W8GemmConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ (qweight [N, K] int8 * scale [N])^T (+ bias), any number of rows; output in
+    x's dtype (16-bit or float32)."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    if qweight.shape[1] != k or scale.numel() != n:
+        raise ValueError(f"w8_gemm: x [..., {k}], weight {tuple(qweight.shape)}, "
+                         f"{scale.numel()} scales: shapes do not match")
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = qweight if qweight.stride(-1) == 1 else qweight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*x.shape[:-1], n)
+    cfg = config or default_gemm_config(m)
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8_gemm_kernel[grid](
+        x2, w, scale.reshape(-1), bias if bias is not None else out, out, m, n, k, x2.stride(0),
+        w.stride(0), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+        GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP_AB=cfg.swap_ab,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.view(*x.shape[:-1], n)
+
+
+CUBLAS = "convert+cuBLAS"
+_LARGE_CHOICES: dict[tuple, W8GemmConfig | str] = {}
+
+
+def int8_linear_large(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """M > 16 on CUDA: the faster of w8_gemm's tiles and convert + cuBLAS, measured once per
+    (M bucket, N, K, dtype, bias); an unmeasured shape during CUDA-graph capture runs w8_gemm."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    bucket = large_m_bucket(m)
+    key = (bucket, qweight.shape[0], k, x.dtype, bias is not None, x.device.index)
+    choice = _LARGE_CHOICES.get(key)
+    if choice is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return w8_gemm(x, qweight, scale, bias)
+        xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
+        cands = [(c, lambda x_, q_, s_, c=c: w8_gemm(x_, q_, s_, bias, c))
+                 for c in candidate_gemm_configs(bucket)]
+        cands.append((CUBLAS, lambda x_, q_, s_: convert_linear(x_, q_, s_, bias)))
+        want = qgemv_reference(xs, qweight, scale, bias)
+        choice = measure_best(cands, (xs, qweight, scale), want, CUBLAS,
+                              f"int8 M<={bucket} N={qweight.shape[0]} K={k}")
+        _LARGE_CHOICES[key] = choice
+    if choice == CUBLAS:
+        return convert_linear(x, qweight, scale, bias)
+    return w8_gemm(x, qweight, scale, bias, choice)
