@@ -8,7 +8,8 @@ the kernel), and int8_linear's measured choice. Graph-timed medians over L2-size
   python benchmarks/bench_w8_gemm.py --output-json $OUT/w8_gemm.json [--ms 32,64,256,2048] [--sweep]
 
 --sweep times a grid of tiles in both operand orders (x @ w^T, and w @ x^T with the converted
-weight tile as the register operand) instead of the tuner's candidates, to choose them.
+weight tile as the register operand) and, up to 64 rows, split-K, instead of the tuner's
+candidates, to choose them.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 
 
 def sweep_configs(m: int) -> list[gemm_int8.W8GemmConfig]:
-    """The --sweep grid: (block_m, block_n, block_k, warps, stages) tiles, both operand orders."""
+    """The --sweep grid: (block_m, block_n, block_k, warps, stages) tiles, both operand orders;
+    up to 64 rows also split-K 2 / 4 of the narrow tiles."""
     if m <= 64:
         tiles = [(32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (64, 64, 256, 4, 3),
                  (32, 64, 256, 4, 4), (16, 128, 256, 4, 4), (32, 256, 128, 8, 3),
@@ -39,7 +41,12 @@ def sweep_configs(m: int) -> list[gemm_int8.W8GemmConfig]:
         tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                  (64, 128, 128, 4, 4), (128, 128, 64, 4, 4), (64, 256, 64, 8, 3),
                  (128, 128, 128, 4, 3), (128, 256, 128, 8, 3)]
-    return [gemm_int8.W8GemmConfig(*t, swap_ab=sw) for sw in (False, True) for t in tiles]
+    grid = [gemm_int8.W8GemmConfig(*t, swap_ab=sw) for sw in (False, True) for t in tiles]
+    if m <= 64:  # split-K: more programs for the narrow shapes (o, qkv: 32-100 tiles of 64 rows)
+        grid += [gemm_int8.W8GemmConfig(*t, swap_ab=sw, split_k=sk) for sk in (2, 4)
+                 for t, sw in [((16, 64, 256, 4, 4), False), ((32, 64, 256, 4, 4), False),
+                               ((32, 64, 256, 4, 4), True), ((64, 128, 128, 4, 4), True)]]
+    return grid
 
 
 def bench_case(name: str, n: int, k: int, m: int, sweep: bool = False) -> dict:

@@ -16,20 +16,23 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels.gemv import _counters, _reduce_splits
 from slipstream.kernels.gemv_int8 import qgemv_reference
 from slipstream.kernels.int4_common import large_m_bucket, measure_best
 from slipstream.quantization.int8_wo import convert_linear
 
 
 @triton.jit
-def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    SWAP_AB: tl.constexpr = False):
-    """One [BLOCK_M, BLOCK_N] output tile over all of K. The weight tile's conversion is
-    Triton's own (byte permutes and a subtraction written in PTX measured no faster on the
-    H200: M=32-64 slower, larger M the same)."""
+def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
+                    stride_xm, stride_wn, stride_om, k_per_split, split_k,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    DOT_PREC: tl.constexpr, SWAP_AB: tl.constexpr = False,
+                    SPLIT: tl.constexpr = False):
+    """One [BLOCK_M, BLOCK_N] output tile over program_id(1)'s share of K (all of it without
+    SPLIT; with it the last split to finish adds the float32 partials, gemv._reduce_splits).
+    The weight tile's conversion is Triton's own (byte permutes and a subtraction written in
+    PTX measured no faster on the H200: M=32-64 slower, larger M the same)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -46,13 +49,15 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, 
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:  # K and k_per_split are multiples of BLOCK_K
             x = tl.load(x_ptrs + k)
             q = tl.load(w_ptrs + k)
         else:
-            k_ok = (k + offs_k < K)[None, :]
+            k_ok = (k + offs_k < k_hi)[None, :]
             x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
             q = tl.load(w_ptrs + k, mask=k_ok, other=0)
         w = q.to(x.dtype)
@@ -62,12 +67,16 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, 
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
     if SWAP_AB:
         acc = tl.trans(acc)
-    acc = acc * tl.load(s_ptr + rows).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    ws_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    acc, done = _reduce_splits(acc, ws_ptrs, mask, M * N, cnt_ptr + pid, tl.program_id(1),
+                               split_k, SPLIT)
+    if done:
+        acc = acc * tl.load(s_ptr + rows).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -81,10 +90,12 @@ class W8GemmConfig:
     num_stages: int = 3
     group_m: int = 8
     swap_ab: bool = False  # the product as w @ x^T (see _w8_gemm_kernel)
+    split_k: int = 1  # programs sharing one output tile's K (at most one per K step)
 
     def label(self) -> str:
         return (f"w8 gemm {self.block_m}x{self.block_n}x{self.block_k} warps {self.num_warps} "
-                f"stages {self.num_stages}{' swap' if self.swap_ab else ''}")
+                f"stages {self.num_stages}{' swap' if self.swap_ab else ''}"
+                f"{f' split {self.split_k}' if self.split_k > 1 else ''}")
 
 
 def default_gemm_config(m: int) -> W8GemmConfig:
@@ -122,13 +133,18 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         return out.view(*x.shape[:-1], n)
     cfg = config or default_gemm_config(m)
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _w8_gemm_kernel[grid](
-        x2, w, scale.reshape(-1), bias if bias is not None else out, out, m, n, k, x2.stride(0),
-        w.stride(0), out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SWAP_AB=cfg.swap_ab,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    k_steps = triton.cdiv(k, block_k)
+    k_per_split = triton.cdiv(k_steps, max(1, min(cfg.split_k, k_steps))) * block_k
+    split = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, tiles) if split > 1 else ws
+    _w8_gemm_kernel[(tiles, split)](
+        x2, w, scale.reshape(-1), bias if bias is not None else out, out, ws, cnt, m, n, k,
+        x2.stride(0), w.stride(0), out.stride(0), k_per_split, split, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        SWAP_AB=cfg.swap_ab, SPLIT=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], n)
 
 

@@ -10,6 +10,7 @@ import torch
 
 from slipstream.kernels import gemm_int8
 from slipstream.kernels.gemm_int8 import W8GemmConfig
+from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int8 import qgemv_reference
 from slipstream.quantization import utils
 from slipstream.quantization.int8_wo import convert_linear
@@ -30,6 +31,8 @@ def _qweight(n: int, k: int, device: str = "cpu", seed: int = 0):
     W8GemmConfig(16, 32, 64, 4, 1),
     W8GemmConfig(32, 16, 32, 2, 1, group_m=2),  # several row blocks walk the weight together
     W8GemmConfig(16, 32, 64, 4, 1, swap_ab=True),  # the product as w @ x^T
+    W8GemmConfig(16, 32, 32, 4, 1, split_k=3),  # K shared by three programs a tile
+    W8GemmConfig(32, 16, 64, 2, 1, swap_ab=True, split_k=16),  # capped at one per K step
 ])
 @pytest.mark.parametrize("k", [256, 200])  # 200: the last K step is masked
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -42,6 +45,8 @@ def test_w8_gemm_matches_reference(cfg, k: int, with_bias: bool) -> None:
     assert out.shape == (2, 25, n) and out.dtype == torch.float32
     want = qgemv_reference(x.reshape(50, k), q, s, b)
     torch.testing.assert_close(out.reshape(50, n), want, atol=1e-4, rtol=1e-4)
+    for buf in _COUNTERS.values():  # split-K arrival counters are left at zero
+        assert int(buf.abs().sum()) == 0
 
 
 def test_w8_gemm_rejects_mismatched_shapes() -> None:
@@ -82,9 +87,12 @@ def test_w8_gemm_gpu_every_candidate(m: int, k: int, n: int) -> None:
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = qgemv_reference(x.float(), q, s, b.float())
     bucket = gemm_int8.large_m_bucket(m)
-    for cfg in [None, *gemm_int8.candidate_gemm_configs(bucket)]:
-        got = gemm_int8.w8_gemm(x, q, s, b, cfg)
-        assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2, cfg
+    splits = [W8GemmConfig(32, 64, 256, 4, 4, split_k=4),  # --sweep's split-K tiles
+              W8GemmConfig(64, 128, 128, 4, 4, swap_ab=True, split_k=2)] if m <= 64 else []
+    for cfg in [None, *gemm_int8.candidate_gemm_configs(bucket), *splits]:
+        for _ in range(2):  # twice: the split-K counters are back at zero after a call
+            got = gemm_int8.w8_gemm(x, q, s, b, cfg)
+            assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2, cfg
     assert _rel(convert_linear(x, q, s, b), want) < 1e-2
     assert _rel(int8_linear(x, q, s, b), want) < 1e-2
     key = (bucket, n, k, torch.bfloat16, True, x.device.index)
