@@ -49,8 +49,12 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if SPLIT:
+        k_lo = tl.program_id(1) * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+    else:  # all of K (the unsplit kernel's code is the same as before split-K existed)
+        k_lo = 0
+        k_hi = K
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:  # K and k_per_split are multiples of BLOCK_K
