@@ -16,6 +16,7 @@ import triton.language as tl
 
 from slipstream.kernels.int4_common import (
     dequant_tile,
+    grouped_tile,
     large_m_bucket,
     measure_best,
     packed_words,
@@ -32,17 +33,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stri
                     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile; K steps of BLOCK_K (a divisor of GROUP, so each
     step has one scale and zero per row), the weight tile dequantized in x's dtype."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row blocks in a row walk the same weight tiles while they are in L2.
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the end re-read the last one
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from slipstream.kernels.gemv import _counters, _reduce_splits
 from slipstream.kernels.gemv_int8 import qgemv_reference
-from slipstream.kernels.int4_common import large_m_bucket, measure_best
+from slipstream.kernels.int4_common import grouped_tile, large_m_bucket, measure_best
 from slipstream.quantization.int8_wo import convert_linear
 
 
@@ -33,17 +33,7 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
     SPLIT; with it the last split to finish adds the float32 partials, gemv._reduce_splits).
     The weight tile's conversion is Triton's own (byte permutes and a subtraction written in
     PTX measured no faster on the H200: M=32-64 slower, larger M the same)."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # GROUP_M row blocks in a row walk the same weight tiles while they are in L2.
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the end re-read the last one
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -73,8 +63,8 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
         acc = tl.trans(acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ws_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    acc, done = _reduce_splits(acc, ws_ptrs, mask, M * N, cnt_ptr + pid, tl.program_id(1),
-                               split_k, SPLIT)
+    acc, done = _reduce_splits(acc, ws_ptrs, mask, M * N, cnt_ptr + tl.program_id(0),
+                               tl.program_id(1), split_k, SPLIT)
     if done:
         acc = acc * tl.load(s_ptr + rows).to(tl.float32)[None, :]
         if HAS_BIAS:

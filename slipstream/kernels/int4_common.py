@@ -154,6 +154,21 @@ def w4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     return out.to(x.dtype)
 
 
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row offsets, column offsets) of program_id(0)'s output tile in the large-M GEMMs:
+    GROUP_M row blocks in a row walk the same weight tiles while they are in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
 def large_m_bucket(m: int) -> int:
     """Powers of two from 32 to 4096: the large-M tuners (W4 and W8 GEMMs) share a measured
     choice within a bucket."""
