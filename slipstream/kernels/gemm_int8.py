@@ -130,6 +130,8 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     k_steps = triton.cdiv(k, block_k)
     k_per_split = triton.cdiv(k_steps, max(1, min(cfg.split_k, k_steps))) * block_k
     split = triton.cdiv(k, k_per_split)
+    if split > 1 and split * m * n >= 2**31:  # the partials' int32 offsets: no split
+        split, k_per_split = 1, k_steps * block_k
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
     cnt = _counters(x.device, tiles) if split > 1 else ws
