@@ -7,6 +7,9 @@ tiles in registers (or, where measured faster, convert the whole weight and use 
 """
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -161,30 +164,25 @@ def convert_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 _SMALL_M = 16
-_QLINEAR_SMALL: list = []
-_QLINEAR_LARGE: list = []
 
 
-def _qlinear_large():
-    """kernels.gemm_int8.int8_linear_large, or None when Triton cannot load."""
-    if not _QLINEAR_LARGE:
-        try:
-            from slipstream.kernels.gemm_int8 import int8_linear_large
-        except ImportError:
-            int8_linear_large = None
-        _QLINEAR_LARGE.append(int8_linear_large)
-    return _QLINEAR_LARGE[0]
+@functools.cache
+def _kernel(module: str, name: str):
+    """slipstream.kernels.<module>.<name>, or None when Triton cannot load (torch is used)."""
+    try:
+        return getattr(importlib.import_module(f"slipstream.kernels.{module}"), name)
+    except ImportError:
+        return None
 
 
 def _qlinear_small():
-    """kernels.gemv_int8.qlinear_small, or None when Triton cannot load (then torch is used)."""
-    if not _QLINEAR_SMALL:
-        try:
-            from slipstream.kernels.gemv_int8 import qlinear_small
-        except ImportError:
-            qlinear_small = None
-        _QLINEAR_SMALL.append(qlinear_small)
-    return _QLINEAR_SMALL[0]
+    """kernels.gemv_int8.qlinear_small (at most _SMALL_M rows), or None."""
+    return _kernel("gemv_int8", "qlinear_small")
+
+
+def _qlinear_large():
+    """kernels.gemm_int8.int8_linear_large (more rows), or None."""
+    return _kernel("gemm_int8", "int8_linear_large")
 
 
 @register_quant_method("int8_wo")
