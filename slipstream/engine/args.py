@@ -35,6 +35,7 @@ class EngineArgs:
     seed: int = 0
     load_format: str = "auto"
     enforce_eager: bool = False
+    max_prefill_graph_tokens: int = 512
     quantization: str | None = None
     # Also store the LM head in one byte per weight (fp8 with fp8, else int8 weight-only): faster
     # decode, logits slightly further from the float model (see the README's Quantization).
@@ -91,6 +92,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
+            max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             tokenizer_path=self.tokenizer or str(model_path),
         )
 
@@ -116,6 +118,10 @@ class EngineArgs:
         g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                        help="dummy: random weights of the checkpoint's shape")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+        g.add_argument("--max-prefill-graph-tokens", type=int, default=512,
+                       help="prefill steps of up to this many tokens (and 8 sequences) replay a "
+                            "CUDA graph captured at start-up: a short prompt's first token "
+                            "without the host's per-kernel launch cost (0: eager prefill)")
         g.add_argument("--quantization", default=None,
                        help="fp8, int8_wo, int4_awq or w8a8_sq (at load), or a pre-quantized "
                             "checkpoint's format (awq, gptq, modelopt, ...; default: the "
@@ -166,6 +172,9 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(args.max_prefill_graph_tokens, int) or args.max_prefill_graph_tokens < 0:
+        raise ValueError("max_prefill_graph_tokens must be a non-negative integer, got "
+                         f"{args.max_prefill_graph_tokens!r}")
     if max_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_len}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

@@ -120,3 +120,18 @@ def inputs_from_host_batch(hb: HostBatch, device: torch.device) -> ModelInputs:
         sample_seq_indices=hb.sample_seq_indices,
         query_start_loc_cpu=qsl_cpu,
     )
+
+
+def put_fed_tokens(input_ids: torch.Tensor, hb: HostBatch,
+                   feed: tuple[torch.Tensor, list[int]] | None) -> None:
+    """Input tokens still on the device (async scheduling): seq i's last input token (row
+    query_start_loc[i + 1] - 1 of input_ids) becomes tokens[rows[i]] where rows[i] >= 0."""
+    if feed is None:
+        return
+    tokens, rows = feed
+    fed = [i for i, r in enumerate(rows) if r >= 0]
+    if fed:
+        at = to_device(hb.query_start_loc[np.array(fed) + 1].astype(np.int64) - 1,
+                       input_ids.device)
+        src = to_device(np.array([rows[i] for i in fed], dtype=np.int64), input_ids.device)
+        input_ids.index_copy_(0, at, tokens.index_select(0, src))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -39,6 +38,7 @@ class ModelRunner:
         self.num_blocks = 0
         self._sampler = None
         self._graphs = None
+        self._prefill_graphs = None
         self._use_graph_replay = False
         self._kv_scales_ready = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
@@ -190,8 +190,25 @@ class ModelRunner:
         self._use_graph_replay = use_graphs
         if use_graphs:
             self._graphs.capture()
+            self._capture_prefill_graphs()
         if sched.decode_steps > 1:
             self._graphs.warm_up_greedy(self.block_size)
+
+    def _capture_prefill_graphs(self) -> None:
+        """Graphs for prefill steps of up to max_prefill_graph_tokens (capped by the step's
+        token budget and max_model_len: the padding sequence must fit a block table)."""
+        from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
+
+        sched = self.config.scheduler
+        limit = min(self.config.max_prefill_graph_tokens, sched.max_num_tokens,
+                    sched.max_model_len)
+        if not prefill_sizes(limit):
+            return
+        self._prefill_graphs = PrefillGraphs(
+            self.model, self.kv_caches, self.device, max_tokens=limit,
+            max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len,
+            pool=self._graphs.pool)
+        self._prefill_graphs.capture()
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -257,21 +274,30 @@ class ModelRunner:
             return None
         return graphs.run(hb, feed)
 
+    def _prefill_logits(self, sched: SchedulerOutput, feed: _Feed = None):
+        """(logits of the sampled seqs or None, their requests) from a replayed prefill graph,
+        or None when no captured graph takes the step (too many tokens or sequences, or a
+        request wants prompt logprobs: those need the eager path's hidden states)."""
+        graphs = self._prefill_graphs
+        if graphs is None or any(s.request.sampling_params.prompt_logprobs is not None
+                                 for s in sched.seqs):
+            return None
+        from slipstream.runner.input_batch import build_host_batch
+
+        hb = build_host_batch(sched.seqs, self.block_size)
+        if not graphs.accepts(hb):
+            return None
+        logits = graphs.run(hb, feed)
+        requests = [sched.seqs[i].request for i in hb.sample_seq_indices]
+        return (logits if requests else None), requests
+
     def _prepare(self, sched: SchedulerOutput, feed: _Feed = None) -> ModelInputs:
-        """prepare_inputs, with fed input tokens (see DecodeGraphs.run_steps) put in place:
-        each fed seq's last token."""
-        from slipstream.runner.input_batch import build_host_batch, inputs_from_host_batch, to_device
+        """prepare_inputs, with fed input tokens (see DecodeGraphs.run_steps) put in place."""
+        from slipstream.runner.input_batch import build_host_batch, inputs_from_host_batch, put_fed_tokens
 
         hb = build_host_batch(sched.seqs, self.block_size)
         inputs = inputs_from_host_batch(hb, self.device)
-        if feed is not None:
-            tokens, rows = feed
-            fed = [i for i, r in enumerate(rows) if r >= 0]
-            if fed:
-                at = to_device(hb.query_start_loc[np.array(fed) + 1].astype(np.int64) - 1,
-                               self.device)
-                src = to_device(np.array([rows[i] for i in fed], dtype=np.int64), self.device)
-                inputs.input_ids.index_copy_(0, at, tokens.index_select(0, src))
+        put_fed_tokens(inputs.input_ids, hb, feed)
         return inputs
 
     def _step_logits(self, sched: SchedulerOutput, feed: _Feed):
@@ -280,8 +306,11 @@ class ModelRunner:
         None after a replay)."""
         with self.timer.phase("graph"):
             logits = self._decode_logits(sched, feed)
-        if logits is not None:
-            return logits, [s.request for s in sched.seqs], None
+            if logits is not None:
+                return logits, [s.request for s in sched.seqs], None
+            prefill = self._prefill_logits(sched, feed)
+        if prefill is not None:
+            return (*prefill, None)
         with self.timer.phase("prepare"):
             inputs = self._prepare(sched, feed)
         with self.timer.phase("forward"):
