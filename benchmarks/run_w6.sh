@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # W6 (BENCHMARKS.md): the OpenAI server on the Llama-3.1-8B shape (dummy weights), Poisson
 # 2 req/s, 467 in / 256 out, 200 requests; TTFT and ITL median / p99. Results in ${1:-$OUT}.
-# Run from the repository root (device_env.sh installs the carried wheels: FastAPI, uvicorn).
+# SERVE_ARGS: extra server flags (A/B runs). Run from the repository root (device_env.sh
+# installs the carried wheels: FastAPI, uvicorn).
 set -u
 RESULTS=${1:-${OUT:-/tmp/w6}}; mkdir -p "$RESULTS"
 PORT=${PORT:-8000}
 source benchmarks/device_env.sh
 D=$("$PY" -c "from slipstream.bench.shapes import materialize_shape; print(materialize_shape('llama-3.1-8b'))")
 "$PY" -m slipstream serve --model "$D" --load-format dummy --max-model-len 1024 --port "$PORT" \
-  --log-level warning --no-access-log > "$RESULTS/w6_server.log" 2>&1 &
+  --log-level warning --no-access-log ${SERVE_ARGS:-} > "$RESULTS/w6_server.log" 2>&1 &
 SERVER=$!
 for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 2; done
 "$PY" -m slipstream bench serve --base-url "http://127.0.0.1:$PORT" --prompt-token-ids \

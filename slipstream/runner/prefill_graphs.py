@@ -160,10 +160,14 @@ class PrefillGraphs:
         lens[s] = t - n
         lens[s + 1 :] = 0
         o += rows
-        tables = host[o : o + rows * self.max_blocks_per_seq].reshape(rows, self.max_blocks_per_seq)
+        # Only the columns this batch uses are copied (max_blocks_per_seq follows max_model_len,
+        # up to thousands): columns past them keep earlier steps' block ids, which no real
+        # sequence reads and the padding sequence may (any cached block: finite values).
+        width = max(width, 1)
+        tables = host[o : o + rows * width].reshape(rows, width)
         tables[:] = 0
-        tables[:s, :width] = hb.block_tables
-        o += rows * self.max_blocks_per_seq
+        tables[:s] = hb.block_tables
+        o += rows * width
         k = len(hb.logits_indices)
         logits_idx = host[o : o + MAX_SEQS]
         logits_idx[:k] = hb.logits_indices
@@ -180,7 +184,7 @@ class PrefillGraphs:
         o += rows + 1
         self.seq_lens.copy_(staged[o : o + rows])
         o += rows
-        self.block_tables.copy_(staged[o : o + rows * self.max_blocks_per_seq].view(rows, -1))
-        o += rows * self.max_blocks_per_seq
+        self.block_tables[:, :width].copy_(staged[o : o + rows * width].view(rows, width))
+        o += rows * width
         self.logits_indices.copy_(staged[o : o + MAX_SEQS])
         return t
