@@ -138,7 +138,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
     enforce_eager: bool = False
     tokenizer_path: str | None = None
-    # Prefill steps of at most this many tokens (and 8 sequences) replay a CUDA graph (0: never).
+    # Prefill steps of at most this many tokens (up to 64 sequences) replay a CUDA graph (0: never).
     max_prefill_graph_tokens: int = 512
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -119,8 +119,8 @@ class EngineArgs:
                        help="dummy: random weights of the checkpoint's shape")
         g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
         g.add_argument("--max-prefill-graph-tokens", type=int, default=512,
-                       help="prefill steps of up to this many tokens (and 8 sequences) replay a "
-                            "CUDA graph captured at start-up: a short prompt's first token "
+                       help="prefill steps of up to this many tokens (and 64 sequences) replay "
+                            "a CUDA graph captured at start-up: a short prompt's first token "
                             "without the host's per-kernel launch cost (0: eager prefill)")
         g.add_argument("--quantization", default=None,
                        help="fp8, int8_wo, int4_awq or w8a8_sq (at load), or a pre-quantized "

@@ -207,7 +207,7 @@ class ModelRunner:
         self._prefill_graphs = PrefillGraphs(
             self.model, self.kv_caches, self.device, max_tokens=limit,
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len,
-            pool=self._graphs.pool)
+            max_seqs=sched.max_num_seqs, pool=self._graphs.pool)
         self._prefill_graphs.capture()
 
     @torch.inference_mode()

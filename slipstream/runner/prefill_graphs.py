@@ -2,8 +2,10 @@
 
 An eager forward of a short prompt launches ~20 kernels a layer from Python, and the host issues
 them slower than the GPU runs them: on the H200 a 128-token Llama-3.1-8B prefill took 25-50 ms
-of host time for ~5 ms of GPU work. A flat batch of at most MAX_SEQS sequences and
-`max_tokens` tokens is therefore replayed from a graph captured for the next token count up.
+of host time for ~5 ms of GPU work. A flat batch of at most `max_seqs` sequences and
+`max_tokens` tokens is therefore replayed from a graph captured for the next token count up:
+a new prompt alone, or beside the decodes of running requests (a step that would otherwise
+stall each of them for the eager forward).
 
 The padded batch keeps every row finite: the tokens past the real ones form one extra sequence
 (slots -1: it writes no KV; it reads block 0), and the unused sequence rows are empty (no query
@@ -23,7 +25,9 @@ from slipstream.runner.input_batch import HostBatch, put_fed_tokens
 
 logger = logging.getLogger(__name__)
 
-MAX_SEQS = 8  # real sequences per captured prefill step (one more row holds the padding)
+# Sequences a captured step takes at most (one more row holds the padding): each costs a row of
+# logits ([rows, vocab] float32, 0.5 MiB at a 128k vocabulary) and of block table.
+MAX_SEQS = 64
 _MIN_TOKENS = 16
 
 
@@ -43,13 +47,14 @@ class PrefillGraphs:
     """
 
     def __init__(self, model, kv_caches, device: torch.device, max_tokens: int,
-                 max_blocks_per_seq: int, max_seq_len: int, pool=None):
+                 max_blocks_per_seq: int, max_seq_len: int, max_seqs: int = MAX_SEQS, pool=None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.max_seqs = min(max_seqs, MAX_SEQS)
         self.sizes = prefill_sizes(max_tokens)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
         self.pool = pool
-        t, s = self.sizes[-1], MAX_SEQS + 1
+        t, s = self.sizes[-1], self.max_seqs + 1
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(t, **i64)
@@ -58,8 +63,8 @@ class PrefillGraphs:
         self.query_start_loc = torch.zeros(s + 1, **i32)
         self.seq_lens = torch.zeros(s, **i32)
         self.block_tables = torch.zeros((s, max_blocks_per_seq), **i32)
-        self.logits_indices = torch.zeros(MAX_SEQS, **i64)
-        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + MAX_SEQS,
+        self.logits_indices = torch.zeros(self.max_seqs, **i64)
+        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + self.max_seqs,
                                  dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -68,7 +73,7 @@ class PrefillGraphs:
 
     def _meta(self, t: int) -> AttentionMetadata:
         return AttentionMetadata(
-            num_seqs=MAX_SEQS + 1, num_tokens=t, query_start_loc=self.query_start_loc,
+            num_seqs=self.max_seqs + 1, num_tokens=t, query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens, block_tables=self.block_tables,
             slot_mapping=self.slot_mapping[:t], max_query_len=t, max_seq_len=self.max_seq_len)
 
@@ -98,7 +103,8 @@ class PrefillGraphs:
             self.graphs[t] = graph
         torch.cuda.synchronize(self.device)
         logger.info("captured %d prefill CUDA graphs (%s..%s tokens, up to %d sequences) in "
-                    "%.1f s, %.0f MiB", len(self.graphs), self.sizes[0], self.sizes[-1], MAX_SEQS,
+                    "%.1f s, %.0f MiB", len(self.graphs), self.sizes[0], self.sizes[-1],
+                    self.max_seqs,
                     time.perf_counter() - start,
                     (torch.cuda.memory_allocated(self.device) - mem_before) / 2**20)
 
@@ -110,7 +116,7 @@ class PrefillGraphs:
 
     def accepts(self, hb: HostBatch) -> bool:
         """Whether a captured graph can run this host batch."""
-        return (len(hb.seq_lens) <= MAX_SEQS and self.padded_size(len(hb.input_ids)) is not None
+        return (len(hb.seq_lens) <= self.max_seqs and self.padded_size(len(hb.input_ids)) is not None
                 and hb.block_tables.shape[1] <= self.max_blocks_per_seq
                 and int(hb.seq_lens.max()) <= self.max_seq_len)
 
@@ -142,7 +148,7 @@ class PrefillGraphs:
         captured size); returns t. One pinned staging buffer, one copy."""
         n, s = len(hb.input_ids), len(hb.seq_lens)
         t = t or self.padded_size(n)
-        rows, width = MAX_SEQS + 1, hb.block_tables.shape[1]
+        rows, width = self.max_seqs + 1, hb.block_tables.shape[1]
         if self._host_copied is not None:
             self._host_copied.synchronize()  # the previous step's copy has left the buffer
         host = self._host.numpy()
@@ -169,10 +175,10 @@ class PrefillGraphs:
         tables[:s] = hb.block_tables
         o += rows * width
         k = len(hb.logits_indices)
-        logits_idx = host[o : o + MAX_SEQS]
+        logits_idx = host[o : o + self.max_seqs]
         logits_idx[:k] = hb.logits_indices
         logits_idx[k:] = 0
-        staged = self._host[: o + MAX_SEQS].to(self.device, non_blocking=True)
+        staged = self._host[: o + self.max_seqs].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._host_copied = torch.cuda.Event()
             self._host_copied.record()
@@ -186,5 +192,5 @@ class PrefillGraphs:
         o += rows
         self.block_tables[:, :width].copy_(staged[o : o + rows * width].view(rows, width))
         o += rows * width
-        self.logits_indices.copy_(staged[o : o + MAX_SEQS])
+        self.logits_indices.copy_(staged[o : o + self.max_seqs])
         return t

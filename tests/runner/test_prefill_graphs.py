@@ -13,7 +13,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.request import Request
-from slipstream.runner.prefill_graphs import MAX_SEQS, PrefillGraphs, prefill_sizes
+from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 from tests.helpers import load_hf_model, make_tiny_checkpoint
 from tests.runner.test_model_runner import (
@@ -25,6 +25,8 @@ from tests.runner.test_model_runner import (
     rel_err,
     shuffled_blocks,
 )
+
+MAX_SEQS = 8  # the test graphs' sequence limit
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def runner(ckpt):
     sched = r.config.scheduler
     r._prefill_graphs = PrefillGraphs(r.model, r.kv_caches, r.device, max_tokens=64,
                                       max_blocks_per_seq=r._max_blocks_per_seq(),
-                                      max_seq_len=sched.max_model_len)
+                                      max_seq_len=sched.max_model_len, max_seqs=MAX_SEQS)
     return r
 
 
