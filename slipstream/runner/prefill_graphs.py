@@ -51,6 +51,10 @@ class PrefillGraphs:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_seqs = min(max_seqs, MAX_SEQS)
         self.sizes = prefill_sizes(max_tokens)
+        if not self.sizes or self.sizes[-1] > max_seq_len:
+            # The padding sequence spans up to the largest size: its block-table row must too.
+            raise ValueError(f"prefill graphs for {self.sizes or 'no'} tokens need "
+                             f"max_tokens >= {_MIN_TOKENS} and at most max_seq_len={max_seq_len}")
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_seq_len = max_seq_len
         self.pool = pool

@@ -50,10 +50,14 @@ def runner(ckpt):
     return r
 
 
-def test_prefill_sizes():
+def test_prefill_sizes(runner):
     assert prefill_sizes(512) == [16, 32, 64, 128, 256, 512]
     assert prefill_sizes(100) == [16, 32, 64]
     assert prefill_sizes(8) == []
+    for max_tokens, max_seq_len in ((8, 100), (64, 40)):
+        with pytest.raises(ValueError, match="prefill graphs"):
+            PrefillGraphs(runner.model, runner.kv_caches, runner.device, max_tokens, 16,
+                          max_seq_len)
 
 
 def test_padded_prefill_steps_match_transformers(runner, hf):
