@@ -9,7 +9,9 @@ copy speed.
   python benchmarks/bench_qgemv.py --output-json $OUT/qgemv.json
 
 --prefetch-depths 2,3 also times each one-row candidate that prefetches with its tiles requested
-that many ahead (three or four in flight instead of two).
+that many ahead (three or four in flight instead of two). --idle-us T times each call after a
+kernel that spins T us (as after decode attention; tuning.graph_time_us): the cost a GEMV adds
+there, where tiles requested before the PDL wait (one-row prefetch, whole-K tiles) overlap it.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def with_depths(configs: list, depths: list[int]) -> list:
 
 
 def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1,
-                depths: list[int] | None = None) -> dict:
+                depths: list[int] | None = None, idle_us: float = 0.0) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if fmt == "bf16":
@@ -50,18 +52,20 @@ def bench_shape(name: str, k: int, n: int, fmt: str, m: int = 1,
         run = lambda cfg: lambda a: gemv.gemv(*a, config=cfg)  # noqa: E731
         nbytes = w.numel() * 2
         rows = [{"config": "cuBLAS",
-                 "us": graph_time_us(lambda a: torch.nn.functional.linear(*a), sets)}]
+                 "us": graph_time_us(lambda a: torch.nn.functional.linear(*a), sets,
+                                     idle_before_us=idle_us)}]
     else:
         q, s = (utils.quantize_int8_per_channel(w) if fmt == "int8"
                 else utils.quantize_fp8_per_channel(w))
-        configs = gemv_int8.candidate_qconfigs(m, q.dtype)
+        configs = gemv_int8.candidate_qconfigs(m, q.dtype, k)
         sets = weight_copies((x, q, s))
         run = lambda cfg: lambda a: gemv_int8.qgemv(*a, config=cfg)  # noqa: E731
         nbytes = q.numel()
         rows = []
     for cfg in with_depths(configs, depths or []):
         try:
-            rows.append({"config": repr(cfg), "us": graph_time_us(run(cfg), sets)})
+            rows.append({"config": repr(cfg),
+                         "us": graph_time_us(run(cfg), sets, idle_before_us=idle_us)})
         except Exception as exc:  # a tile that does not fit: skip
             rows.append({"config": repr(cfg), "error": str(exc)[:200]})
     ok = [r for r in rows if "us" in r]
@@ -75,6 +79,8 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,fp8")
     ap.add_argument("--m", type=int, default=1, help="activation rows (1-16)")
     ap.add_argument("--prefetch-depths", default="", help="e.g. 2,3: deeper one-row prefetch")
+    ap.add_argument("--idle-us", type=float, default=0.0,
+                    help="time each call after a kernel spinning this long (see the docstring)")
     ap.add_argument("--output-json")
     ns = ap.parse_args()
     depths = [int(d) for d in ns.prefetch_depths.split(",") if d]
@@ -85,7 +91,7 @@ def main() -> None:
     step = {}
     for fmt in ns.formats.split(","):
         for name, (k, n) in SHAPES.items():
-            r = bench_shape(name, k, n, fmt, ns.m, depths)
+            r = bench_shape(name, k, n, fmt, ns.m, depths, ns.idle_us)
             results.append(r)
             mult = 32 if name != "lm_head" else 1
             step[fmt] = step.get(fmt, 0.0) + mult * r["best"]["us"]

@@ -136,7 +136,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
                  USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
                  GATE_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-                 BIT_CONVERT: tl.constexpr = 0):
+                 BIT_CONVERT: tl.constexpr = 0, WHOLE_K: tl.constexpr = False):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -146,7 +146,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     Under PDL the first tile's loads are issued before waiting for the previous kernel
     (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
     kernels/gemv_int8.py): INT8 / FP8 weights converted per BIT_CONVERT
-    (kernels/weight_convert.py), the sums scaled per output column (s_ptr).
+    (kernels/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
+    PREFETCH, one tile spanning K, no split): the program's whole weight slice is requested
+    before the wait, so a GEMV after a latency-bound kernel (attention) has its weights in
+    registers when its input is ready; no loop, no tile requested ahead.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -158,6 +161,34 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if WHOLE_K:
+        w = _load_w_tile(w_ptrs, 0, 0, K, offs_k, EVEN_K, BLOCK_K)
+        pdl_wait(USE_PDL)
+        x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
+        acc = _tile_product(w, x, BIT_CONVERT)
+    else:
+        acc = _k_loop(acc, w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_K, PREFETCH, STAGES, GATED,
+                      EVEN_K, BIT_CONVERT, USE_PDL)
+    sums = tl.sum(acc, 1)
+    if HAS_SCALE:
+        scale = tl.load(s_ptr + rows)
+        if BIT_CONVERT == 2:
+            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
+        sums = sums * scale
+    if GATE_OUT:
+        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
+                         SPLIT, HAS_BIAS, BLOCK_N)
+    else:
+        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1),
+                offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _k_loop(acc, w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_K: tl.constexpr,
+            PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+            EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr):
+    """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES); the PDL wait
+    comes after the first prefetched tiles are requested."""
     if PREFETCH:  # PREFETCH tiles (1-3) requested ahead, the first ones before the PDL wait
         n1 = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         n2, n3 = n1, n1
@@ -180,22 +211,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
-        xf = x.to(tl.float32)
-        if BIT_CONVERT == 2:
-            xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
-        acc += weight_to_float(w, BIT_CONVERT) * xf[None, :]
-    sums = tl.sum(acc, 1)
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows)
-        if BIT_CONVERT == 2:
-            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-        sums = sums * scale
-    if GATE_OUT:
-        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
-                         SPLIT, HAS_BIAS, BLOCK_N)
-    else:
-        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1),
-                offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
+        acc += _tile_product(w, x, BIT_CONVERT)
+    return acc
+
+
+@triton.jit
+def _tile_product(w, x, BIT_CONVERT: tl.constexpr):
+    """Elementwise products of a weight tile [BLOCK_N, BLOCK_K] and an x slice [BLOCK_K], float32."""
+    xf = x.to(tl.float32)
+    if BIT_CONVERT == 2:
+        xf = xf * 1.2676506002282294e30  # 2^100: products of 2^-120-scaled weights stay normal
+    return weight_to_float(w, BIT_CONVERT) * xf[None, :]
 
 
 @triton.jit
@@ -363,13 +389,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             out.stride(0), per_split, split)
     if m == 1:
         _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                       **common, **pdl.launch_kwargs(x.device))
+                                       WHOLE_K=whole_k(cfg, k, split), **common,
+                                       **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
                                          ANCHOR_GATED=gated and x.is_cuda and TUNE_GATED,
                                          **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
+
+
+def whole_k(cfg: GemvConfig, k: int, split: int) -> bool:
+    """Whether the one-row kernel takes its WHOLE_K path: a register-prefetching tile that spans
+    K in a single program (the weight slice requested before the PDL wait)."""
+    return bool(cfg.prefetch) and split == 1 and cfg.block_k >= k
 
 
 def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import triton
 
 from slipstream.kernels import gemv as _gemv
 from slipstream.kernels import pdl
@@ -23,7 +24,7 @@ from slipstream.kernels.gemv import (
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.tuning import IDLE_BEFORE_US, graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ def default_qconfig(m: int) -> GemvConfig:
     return GemvConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
 
 
-def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[GemvConfig]:
-    """The few configs qlinear_small measures per shape (each one a compile at start-up)."""
+def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8,
+                       k: int | None = None) -> list[GemvConfig]:
+    """The few configs qlinear_small measures per shape (each one a compile at start-up); k:
+    the shape's K, for the one-row tiles that span it (up to 4,096)."""
     if m == 1:  # (block_n, block_k, split_k, num_warps, prefetch); split_k 0: from the shape
         tiles = [(8, 1024, 0, 4, True), (16, 1024, 0, 4, False), (8, 2048, 0, 8, False),
                  (32, 512, 0, 4, True), (4, 2048, 0, 4, False), (16, 512, 0, 4, True),
@@ -66,9 +69,19 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8) -> list[G
         staged = [GemvConfig(bn, bk, 0, w, st, bit_convert=bits) for bn, bk, w, st in
                   [(8, 1024, 4, 4), (16, 512, 4, 4), (4, 1024, 2, 4), (8, 512, 4, 4),
                    (4, 2048, 4, 3)]]
-        return cfgs + tricks + staged + dots + _fp8_act_configs(weight_dtype)
+        return cfgs + tricks + staged + _whole_k_configs(k, bits) + dots + _fp8_act_configs(weight_dtype)
     tiles = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 256, 4, 3), (32, 256, 4, 3)]
     return [GemvConfig(bn, bk, 0, w, st) for bn, bk, w, st in tiles] + _fp8_act_configs(weight_dtype)
+
+
+def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
+    """One-row tiles holding a program's whole weight slice in registers, requested before the
+    PDL wait (gemv.whole_k): K up to 4,096 one-byte weights, 4-8 rows a program (16-32 KB)."""
+    if k is None or k > 4096:
+        return []
+    block_k = max(triton.next_power_of_2(k), 16)
+    return [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert)
+            for bn, w in [(4, 2), (4, 4), (8, 4)]]
 
 
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
@@ -147,7 +160,7 @@ def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
                              else (gate_up, qweight, scale, bias))
     best = _UNFUSED
     best_us = graph_time_us(lambda a: qgemv(act(a[0]), *a[1:], config=plain), arg_sets)
-    for cfg in candidate_qconfigs(m, qweight.dtype):
+    for cfg in candidate_qconfigs(m, qweight.dtype, qweight.shape[1]):
         want = expect
         if cfg.fp8_act:
             want = fp8_dot_gemv_reference(gate_up, qweight, scale, bias, cfg.block_k,
@@ -188,7 +201,7 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
     expect = qgemv_reference(x, qweight, scale, bias).float()
     arg_sets = weight_copies((x, qweight, scale) if bias is None else (x, qweight, scale, bias))
     best, best_us = default_qconfig(m), float("inf")
-    for cfg in candidate_qconfigs(m, qweight.dtype):
+    for cfg in candidate_qconfigs(m, qweight.dtype, qweight.shape[1]):
         want = expect
         if cfg.fp8_act:  # its own oracle: the activations it quantizes are part of its result
             want = fp8_dot_gemv_reference(x, qweight, scale, bias, cfg.block_k).float()
@@ -197,7 +210,8 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
             got = qgemv(x, qweight, scale, bias, cfg).float()
             if not torch.allclose(got, want, rtol=2e-2, atol=tol):
                 continue  # a miscompiled config must never be chosen
-            us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg), arg_sets)
+            us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg), arg_sets,
+                               idle_before_us=IDLE_BEFORE_US if m == 1 else 0.0)
         except Exception:  # e.g. out of shared memory for this tile
             continue
         if us < best_us:
@@ -244,7 +258,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
         _gemv._gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                             HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
+                                             HAS_SCALE=True, BIT_CONVERT=bit_convert,
+                                             WHOLE_K=_gemv.whole_k(cfg, k, split), **common,
                                              **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"

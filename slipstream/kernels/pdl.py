@@ -51,6 +51,30 @@ def pdl_release(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def _globaltimer(dummy):
+    """The GPU's nanosecond timer (PTX %globaltimer; dummy only gives the asm an operand)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dummy],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin_kernel(ns, USE_PDL: tl.constexpr = False):
+    pdl_release(USE_PDL)
+    pdl_wait(USE_PDL)
+    t0 = _globaltimer(ns)
+    t = t0
+    while t - t0 < ns:
+        t = _globaltimer(ns)
+
+
+def spin(device: torch.device, us: float) -> None:
+    """One program that waits for the kernel before it, then spins for `us` microseconds while
+    letting the next kernel launch: a stand-in for a latency-bound kernel such as decode
+    attention, under which a GEMV may already request its weights (kernels/tuning.py)."""
+    _spin_kernel[(1,)](int(us * 1000), num_warps=1, **launch_kwargs(device))
+
+
 def _triton_has_launch_pdl() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.tuning import IDLE_BEFORE_US, graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
     x = torch.randn((m, k), device=weight.device, dtype=dtype)
     expect = F.linear(x, weight, bias).float()
     arg_sets = weight_copies((x, weight) if bias is None else (x, weight, bias))
-    best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets)
+    idle = IDLE_BEFORE_US if m == 1 else 0.0
+    best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets, idle_before_us=idle)
     for cfg in _gemv.candidate_configs(m, n, k):
         try:
             got = _gemv.gemv(x, weight, bias, cfg).float()
@@ -67,7 +68,8 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
             if not torch.allclose(got, expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()):
                 logger.warning("gemv config %s gave a wrong result for %s; skipped", cfg, (m, n, k))
                 continue
-            us = graph_time_us(lambda a, cfg=cfg: _gemv.gemv(*a, config=cfg), arg_sets)
+            us = graph_time_us(lambda a, cfg=cfg: _gemv.gemv(*a, config=cfg), arg_sets,
+                               idle_before_us=idle)
         except Exception as exc:  # e.g. out of shared memory for this tile
             logger.debug("gemv config %s failed for %s: %s", cfg, (m, n, k), exc)
             continue

@@ -8,6 +8,7 @@ picked different configs from run to run.
 """
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,10 @@ from typing import Any
 import torch
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the H100/H200 L2 (50 MB)
+# One-row GEMVs timed after a latency-bound kernel of this many microseconds (0: back to back).
+# In a decode step most GEMVs follow attention or a norm, during which DRAM is idle and a
+# GEMV launched under PDL may already request its weights; back-to-back timing cannot see that.
+IDLE_BEFORE_US = float(os.environ.get("SLIPSTREAM_TUNE_IDLE_US", "0"))
 _SPUN_UP: set[int | None] = set()
 
 
@@ -45,8 +50,24 @@ def spin_up(device: torch.device, ms: float = 200.0) -> None:
 
 def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
                   arg_sets: list[tuple[torch.Tensor, ...]], min_calls: int = 24,
-                  repeats: int = 7) -> float:
-    """Median microseconds per call of `call(args)` replayed in a CUDA graph over arg_sets."""
+                  repeats: int = 7, idle_before_us: float = 0.0) -> float:
+    """Median microseconds per call of `call(args)` replayed in a CUDA graph over arg_sets.
+
+    idle_before_us > 0: each call follows a kernel that spins that long (pdl.spin), and the
+    result is the time the call adds beyond it (what a GEMV costs after attention)."""
+    if idle_before_us <= 0:
+        return _replay_us(call, arg_sets, min_calls, repeats)
+    from slipstream.kernels import pdl
+
+    device = arg_sets[0][0].device
+    both = _replay_us(lambda a: (pdl.spin(device, idle_before_us), call(a)), arg_sets, min_calls,
+                      repeats)
+    alone = _replay_us(lambda a: pdl.spin(device, idle_before_us), arg_sets, min_calls, repeats)
+    return both - alone
+
+
+def _replay_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
+               arg_sets: list[tuple[torch.Tensor, ...]], min_calls: int, repeats: int) -> float:
     device = arg_sets[0][0].device
     spin_up(device)
     calls = max(min_calls, len(arg_sets))

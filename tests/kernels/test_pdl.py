@@ -54,3 +54,36 @@ def test_graph_chain_matches_without_pdl(monkeypatch):
         torch.cuda.synchronize()
         assert torch.equal(out, expect)
 
+
+
+def test_idle_before_timing_subtracts_the_spin(monkeypatch):
+    """graph_time_us(idle_before_us=...) times spin+call and spin alone; the call's share is the
+    difference (the spin itself is never counted)."""
+    from slipstream.kernels import tuning
+
+    spins, timed = [], iter([30.0, 20.0])  # spin + call, then spin alone
+    monkeypatch.setattr(pdl, "spin", lambda device, us: spins.append(us))
+
+    def fake_replay(call, arg_sets, min_calls, repeats):
+        call(arg_sets[0])
+        return next(timed)
+
+    monkeypatch.setattr(tuning, "_replay_us", fake_replay)
+    calls = []
+    us = tuning.graph_time_us(lambda a: calls.append(a), [(torch.zeros(1),)], idle_before_us=8.0)
+    assert us == 10.0 and spins == [8.0, 8.0] and len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_spin_lasts_about_as_asked():
+    from slipstream.kernels import tuning
+
+    device = torch.device("cuda")
+    args = [(torch.zeros(1, device=device),)]
+    us = tuning.graph_time_us(lambda a: pdl.spin(device, 20.0), args)
+    assert 19.0 < us < 30.0
+    w = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1, 4096, device=device, dtype=torch.bfloat16)
+    after_idle = tuning.graph_time_us(lambda a: gemv.gemv(*a), [(x, w)], idle_before_us=10.0)
+    assert 0.0 < after_idle < 60.0

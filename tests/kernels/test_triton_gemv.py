@@ -35,6 +35,7 @@ def test_gemv_default_config(m: int, n: int, k: int, with_bias: bool) -> None:
     gemv.GemvConfig(block_n=8, block_k=128, split_k=3),
     gemv.GemvConfig(block_n=32, block_k=32, split_k=1),
     gemv.GemvConfig(block_n=8, block_k=64, split_k=2, num_stages=4),  # pipelined loop (M == 1)
+    gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),  # one tile spans K
 ])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
@@ -51,7 +52,8 @@ def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
 
 @pytest.mark.parametrize("cfg", [gemv.GemvConfig(block_n=16, block_k=64, split_k=3),
                                  gemv.GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
-                                 gemv.GemvConfig(block_n=8, block_k=64, split_k=1, num_stages=3)])
+                                 gemv.GemvConfig(block_n=8, block_k=64, split_k=1, num_stages=3),
+                                 gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gemv_gated_input(cfg: gemv.GemvConfig, m: int) -> None:
     """gated=True computes silu(gate) * up while loading x: same as silu_and_mul, then gemv."""
@@ -90,7 +92,7 @@ def test_measured_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
     cands = gemv.candidate_configs(1, 40, 64)[:3]
     monkeypatch.setattr(gemv, "candidate_configs", lambda m, n, k: cands)
     times = iter([5.0, 3.0, 1.0, 2.0])  # cuBLAS, then each candidate timed, in order
-    monkeypatch.setattr(triton_ops, "graph_time_us", lambda call, sets: (call(sets[0]), next(times))[1])
+    monkeypatch.setattr(triton_ops, "graph_time_us", lambda call, sets, **kw: (call(sets[0]), next(times))[1])
     real_gemv = gemv.gemv
 
     def broken_second(x, w_, b_=None, config=None):  # candidate 1 computes a wrong answer
@@ -197,7 +199,8 @@ def test_gpu_gemv_graph_replay() -> None:
 @pytest.mark.parametrize("cfg", [gemv.GemvConfig(block_n=8, block_k=64, split_k=3),
                                  gemv.GemvConfig(block_n=4, block_k=128, split_k=1, prefetch=True),
                                  gemv.GemvConfig(block_n=16, block_k=64, num_stages=2),
-                                 gemv.GemvConfig(block_n=2, block_k=64, split_k=2)])
+                                 gemv.GemvConfig(block_n=2, block_k=64, split_k=2),
+                                 gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True)])
 @pytest.mark.parametrize("half,k,with_bias", [(45, 300, True), (64, 256, False)])
 def test_gemv_gate_out(cfg: gemv.GemvConfig, half: int, k: int, with_bias: bool) -> None:
     """One row, a [gate | up] weight: silu_and_mul of the product in one launch, equal to the

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.kernels import gemv as _gemv
 from slipstream.kernels import gemv_fp8, gemv_int8
 from slipstream.kernels.gemv import GemvConfig
 from slipstream.quantization import utils
@@ -39,7 +40,11 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
                                  GemvConfig(block_n=8, block_k=128, split_k=1, prefetch=True),
                                  GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
                                  GemvConfig(block_n=8, block_k=64, split_k=2, num_stages=4),
-                                 GemvConfig(block_n=32, block_k=64, dot=True)])
+                                 GemvConfig(block_n=32, block_k=64, dot=True),
+                                 # one tile spanning K (masked past 300): gemv.whole_k
+                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),
+                                 GemvConfig(block_n=8, block_k=512, split_k=1, prefetch=True,
+                                            bit_convert=1)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     x = torch.randn(m, 300)
@@ -50,7 +55,8 @@ def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
 
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
-                                 GemvConfig(block_n=16, block_k=64, split_k=2)])
+                                 GemvConfig(block_n=16, block_k=64, split_k=2),
+                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True)])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 def test_qgemv_gated_input(cfg: GemvConfig, m: int, wdtype: torch.dtype) -> None:
@@ -176,7 +182,9 @@ def test_qgemv_gpu(wdtype: torch.dtype, m: int, k: int, n: int) -> None:
     else:
         assert _rel(got, want) < 1e-2, chosen
     if m == 1:  # every candidate, including the shared-memory pipelined ones
-        for cfg in gemv_int8.candidate_qconfigs(1, wdtype):
+        cands = gemv_int8.candidate_qconfigs(1, wdtype, k)
+        assert any(_gemv.whole_k(c, k, 1) for c in cands) == (k <= 4096)
+        for cfg in cands:
             got = gemv_int8.qgemv(x, q, s, b, cfg)
             if cfg.fp8_act:  # FP8 activations: ~2.5% from the float product, exact to its oracle
                 oracle = gemv_fp8.fp8_dot_gemv_reference(x.float(), q, s, b.float(), cfg.block_k)
@@ -236,7 +244,7 @@ def test_gated_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
     q, s = _qweight(40, 64, torch.int8)
     cands = gemv_int8.candidate_qconfigs(1, torch.int8)[:3]
     plain = cands[0]
-    monkeypatch.setattr(gemv_int8, "candidate_qconfigs", lambda m, dt: cands)
+    monkeypatch.setattr(gemv_int8, "candidate_qconfigs", lambda m, dt, k=None: cands)
     monkeypatch.setattr(gemv_int8, "measured_qconfig", lambda *a: plain)
     times = iter([1.0, 2.0, 3.0, 4.0])  # unfused first, then each candidate in order
     monkeypatch.setattr(gemv_int8, "graph_time_us",
