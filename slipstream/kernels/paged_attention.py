@@ -10,6 +10,7 @@ the output, so the inner loop only adds a widening cast.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 64  # one K/V tile: a decode program's latency is a chain of tiles
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
+_PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
 
 
 @triton.jit
@@ -83,9 +85,21 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
                F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
                ASM_CVT: tl.constexpr):
     """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
+    kt, v = _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
+                     stride_ks, stride_vb, stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM,
+                     PAGE_SIZE)
+    return _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_N,
+                        MASKED, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+
+
+@triton.jit
+def _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb, stride_ks,
+             stride_vb, stride_vs, kv_end, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """K ([D, N], transposed) and V ([N, D]) of one tile as stored; positions >= kv_end read 0."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_ok = offs_n < seq_len
+    kv_ok = offs_n < kv_end
     d_ok = offs_d < HEAD_DIM  # constant over runs of 16 (head_dim % 16 == 0): loads stay wide
     blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
     row = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -98,6 +112,17 @@ def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_h
     # V is requested with K, before the score math: one memory round trip per tile, not two.
     v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :],
                 mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+    return kt, v
+
+
+@triton.jit
+def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+                 F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
+                 ASM_CVT: tl.constexpr):
+    """Scores of q against one loaded tile, the online-softmax update, acc += P @ V."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kv_ok = offs_n < seq_len
     if F16_KV:
         s = tl.dot(q, _quantized_to_f16(kt, KV_QUANT, ASM_CVT)) * qk_scale
     else:
@@ -133,10 +158,16 @@ def _paged_attn_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
-    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False,
+    DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):
+    # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
+    # of this program's range are read before the PDL wait, while the QKV projection still
+    # runs. Both were written before the graph started (metadata by the host's copies, cached
+    # positions by earlier steps); only q and the new token's k / v come from the kernel before,
+    # and the new token's row of the early tile is filled in from registers after the wait.
     pdl_release(USE_PDL)
-    pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
+    if not PRELOAD:
+        pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,6 +182,7 @@ def _paged_attn_kernel(
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     q0 = 0 if DECODE else (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q
     if q0 >= q_len:
+        _wait_if(PRELOAD, USE_PDL)
         return
     seq_len = tl.load(seq_lens_ptr + s)
     ctx_len = seq_len - q_len
@@ -165,6 +197,7 @@ def _paged_attn_kernel(
     # trailing splits without tiles. They leave now, and the merge covers only the used ones.
     used_splits = tl.cdiv(n_tiles, per_split)
     if split >= used_splits:
+        _wait_if(PRELOAD, USE_PDL)
         return
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -175,6 +208,14 @@ def _paged_attn_kernel(
     head = kv_head * GROUP + row_h
     q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
+    off_k = kv_head.to(tl.int64) * stride_kh
+    off_v = kv_head.to(tl.int64) * stride_vh
+    if PRELOAD:  # every cached position of the first tile; the new token's row reads 0 here
+        kt0, v0 = _tile_kv(t_lo, bt_row, k_ptr, v_ptr, off_k, off_v, stride_kb, stride_ks,
+                           stride_vb, stride_vs, seq_len - 1, BLOCK_N, BLOCK_D, HEAD_DIM,
+                           PAGE_SIZE)
+        pdl_wait(USE_PDL)
     if FUSE_ROPE:  # decode: q arrives unrotated (see paged_attention's rope argument)
         pos = tl.load(pos_ptr + token, mask=row_ok, other=0)[:, None]
         q = load_rotated(q_rows, offs_d[None, :], pos, cs_ptr, stride_cs, q_mask, HEAD_DIM // 2)
@@ -194,23 +235,29 @@ def _paged_attn_kernel(
     # Tiles before t_full are visible to every row of the q tile: no causal mask needed there.
     t_full = (ctx_len + q0 + 1) // BLOCK_N
 
-    bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    off_k = kv_head.to(tl.int64) * stride_kh
-    off_v = kv_head.to(tl.int64) * stride_vh
     if FUSE_ROPE:
-        _write_own_kv(k_ptr + off_k, v_ptr + off_v, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr,
-                      ks_ptr, vs_ptr, q_start, kv_head, n_tiles, t_lo, t_hi, stride_ks, stride_vs,
-                      stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs, HEAD_DIM,
-                      BLOCK_D, KV_QUANT)
+        k_new, v_new = _write_own_kv(k_ptr + off_k, v_ptr + off_v, kn_ptr, vn_ptr, pos_ptr,
+                                     cs_ptr, slot_ptr, ks_ptr, vs_ptr, q_start, kv_head, n_tiles,
+                                     t_lo, t_hi, stride_ks, stride_vs, stride_knt, stride_knh,
+                                     stride_vnt, stride_vnh, stride_cs, HEAD_DIM, BLOCK_D,
+                                     KV_QUANT)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for tile in range(t_lo, tl.minimum(t_hi, t_full)):
+    first = t_lo
+    if PRELOAD:
+        own = tl.arange(0, BLOCK_N) + t_lo * BLOCK_N == seq_len - 1
+        kt0 = tl.where(own[None, :], tl.trans(k_new), kt0)
+        v0 = tl.where(own[:, None], v_new, v0)
+        acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt0, v0, t_lo, q_pos, seq_len, qk_scale,
+                                     BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+        first = t_lo + 1
+    for tile in range(first, tl.minimum(t_hi, t_full)):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
                                    stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
                                    qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
                                    DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
-    for tile in range(tl.maximum(t_lo, t_full), t_hi):
+    for tile in range(tl.maximum(first, t_full), t_hi):
         acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
                                    stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
                                    qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
@@ -250,16 +297,28 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
     """Decode with fused RoPE: the program whose KV range holds the new token (the last tile)
     rotates its k, stores k and v into the cache, then reads them back with the tile like
     any other position (the barrier makes every thread's stores visible to the whole program).
-    Only that program reads the new slot, so no other program waits for it."""
+    Only that program reads the new slot, so no other program waits for it. Returns the stored
+    rows ([1, BLOCK_D], the cache dtype; zeros in every other program and for slot -1)."""
+    k_new = tl.zeros([1, BLOCK_D], kc_head.dtype.element_ty)
+    v_new = tl.zeros([1, BLOCK_D], vc_head.dtype.element_ty)
     if (t_lo <= n_tiles - 1) & (n_tiles - 1 < t_hi):
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             pos = tl.load(pos_ptr + token)
-            store_new_kv(kn_ptr + token * stride_knt + kv_head * stride_knh,
-                         vn_ptr + token * stride_vnt + kv_head * stride_vnh,
-                         kc_head + slot * stride_ks, vc_head + slot * stride_vs, pos, cs_ptr,
-                         stride_cs, ks_ptr, vs_ptr, HEAD_DIM, HEAD_DIM // 2, BLOCK_D, KV_QUANT)
+            k_new, v_new = store_new_kv(kn_ptr + token * stride_knt + kv_head * stride_knh,
+                                        vn_ptr + token * stride_vnt + kv_head * stride_vnh,
+                                        kc_head + slot * stride_ks, vc_head + slot * stride_vs,
+                                        pos, cs_ptr, stride_cs, ks_ptr, vs_ptr, HEAD_DIM,
+                                        HEAD_DIM // 2, BLOCK_D, KV_QUANT)
         tl.debug_barrier()
+    return k_new, v_new
+
+
+@triton.jit
+def _wait_if(PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """The PDL wait on an early return of a PRELOAD program (the others waited at the top)."""
+    if PRELOAD:
+        pdl_wait(USE_PDL)
 
 
 @triton.jit
@@ -294,6 +353,9 @@ class AttnConfig:
     num_splits: int
     num_warps: int
     num_stages: int
+    # Decode with fused RoPE only: the first K/V tile read before the PDL wait (the kernel's
+    # PRELOAD). SLIPSTREAM_ATTN_PRELOAD=1 turns it on for the chosen configs (not yet measured).
+    preload: bool = False
 
 
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
@@ -337,7 +399,7 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages)
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode)
 
 
 @dataclass(frozen=True)
@@ -407,6 +469,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
+        PRELOAD=cfg.preload and rope is not None,
     )
     return out
 

@@ -125,15 +125,17 @@ def store_new_kv(k_row, v_row, kc_row, vc_row, pos, cs_ptr, stride_cs, ks_ptr, v
                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
                  KV_QUANT: tl.constexpr):
     """One token's k (rotated at pos) and v rows of one KV head into their cache rows, quantized
-    for an fp8 / int8 cache exactly as _rope_cache_kernel does."""
+    for an fp8 / int8 cache exactly as _rope_cache_kernel does. Returns the stored rows
+    ([1, BLOCK_D] each, in the cache dtype)."""
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = d < HEAD_DIM
     k = load_rotated(k_row, d, pos, cs_ptr, stride_cs, mask, HALF)
-    k = _quantize(k, _load_scale(ks_ptr, KV_QUANT), KV_QUANT)
-    tl.store(kc_row + d, k.to(kc_row.dtype.element_ty), mask=mask)
+    k = _quantize(k, _load_scale(ks_ptr, KV_QUANT), KV_QUANT).to(kc_row.dtype.element_ty)
+    tl.store(kc_row + d, k, mask=mask)
     v = _quantize(tl.load(v_row + d, mask=mask, other=0.0), _load_scale(vs_ptr, KV_QUANT),
-                  KV_QUANT)
-    tl.store(vc_row + d, v.to(vc_row.dtype.element_ty), mask=mask)
+                  KV_QUANT).to(vc_row.dtype.element_ty)
+    tl.store(vc_row + d, v, mask=mask)
+    return k, v
 
 
 @triton.jit

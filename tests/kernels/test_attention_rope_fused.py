@@ -50,7 +50,11 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
 
 
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 64), (2, 80)])
-@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 1, 4, 1), AttnConfig(16, 32, 3, 4, 1)])
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 1, 4, 1), AttnConfig(16, 32, 3, 4, 1),
+                                 # the first tile read before the new token's row is known
+                                 AttnConfig(16, 32, 1, 4, 1, preload=True),
+                                 AttnConfig(16, 32, 3, 4, 1, preload=True),
+                                 AttnConfig(16, 16, 4, 4, 1, preload=True)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
     case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
@@ -64,12 +68,14 @@ def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfi
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
-def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 2, 4, 1, preload=True)])
+def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype,
+                                                       cfg: AttnConfig | None) -> None:
     case = _decode_case([5, 70], 2, 64, torch.float32, cache_dtype)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = _two_step(reference, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales)
-    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales)
+    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, config=cfg)
     assert torch.equal(kc.float(), kc_ref.float()) and torch.equal(vc.float(), vc_ref.float())
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
