@@ -106,3 +106,46 @@ def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int]) -> None:
     assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))
     assert torch.equal(got[:rows], want[:rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[200], [64, 129, 1000]])
+def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
+    """PRELOAD under programmatic dependent launch: in a CUDA graph the attention kernel starts
+    while the GEMV writing q / k / v still runs, so its early reads must touch none of them.
+    The replayed output and cache bytes equal an eager run without it."""
+    import dataclasses
+
+    from slipstream.kernels import gemv, pdl
+    from slipstream.kernels.paged_attention import choose_config
+
+    device = torch.device("cuda")
+    if not pdl.enabled(device):
+        pytest.skip("needs programmatic dependent launch (compute capability 9.0+)")
+    q0, k0, _, positions, cos_sin, kc, vc, meta, scales = _decode_case(
+        lens, 4, 128, torch.bfloat16, device="cuda")
+    tokens, hq, d = q0.shape
+    hkv = k0.shape[1]
+    x = torch.randn(tokens, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn((hq + 2 * hkv) * d, 256, device=device, dtype=torch.bfloat16) / 16
+
+    def step(preload: bool) -> torch.Tensor:
+        qkv = gemv.gemv(x, w)
+        q = qkv[:, : hq * d].view(tokens, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+        cfg = dataclasses.replace(choose_config(meta, hkv, hq // hkv, d, device), preload=preload)
+        return paged_attention(q, kc, vc, meta, 0.1, rope=RopeInput(k, v, positions, cos_sin),
+                               config=cfg, **scales)
+
+    want = step(False).clone()
+    kc_want, vc_want = kc.clone(), vc.clone()
+    step(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(True)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
