@@ -66,15 +66,17 @@ def main() -> int:
         ratio = tok_s / base if tok_s and base else None
         rows.append({"method": r["method"], "decode_tok_s": tok_s, "ratio_vs_bf16": ratio,
                      "bar": BARS.get(r["method"].partition("+")[0]), "sol_pct": r.get("sol_pct"),
+                     "ttft_ms": (r.get("ttft_ms") or {}).get("median"),
                      "peak_mem_gib": (r.get("engine") or {}).get("peak_memory_gib")})
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"rows": rows, "runs": results}, indent=2))
-    print(f"\n{'method':<13} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6}")
+    print(f"\n{'method':<13} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6} {'TTFT ms':>8}")
     for row in rows:
         tok = f"{row['decode_tok_s']:.1f}" if row["decode_tok_s"] else "error"
         ratio = f"{row['ratio_vs_bf16']:.2f}" if row["ratio_vs_bf16"] else "-"
         bar = f"{row['bar']:.1f}" if row["bar"] else "-"
-        print(f"{row['method']:<13} {tok:>13} {ratio:>8} {bar:>6}")
+        ttft = f"{row['ttft_ms']:.1f}" if row["ttft_ms"] else "-"
+        print(f"{row['method']:<13} {tok:>13} {ratio:>8} {bar:>6} {ttft:>8}")
     return 0
 
 
