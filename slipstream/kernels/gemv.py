@@ -160,15 +160,14 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if WHOLE_K:
         w = _load_w_tile(w_ptrs, 0, 0, K, offs_k, EVEN_K, BLOCK_K)
         pdl_wait(USE_PDL)
         x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
         acc = _tile_product(w, x, BIT_CONVERT)
     else:
-        acc = _k_loop(acc, w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_K, PREFETCH, STAGES, GATED,
-                      EVEN_K, BIT_CONVERT, USE_PDL)
+        acc = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K, PREFETCH, STAGES,
+                      GATED, EVEN_K, BIT_CONVERT, USE_PDL)
     sums = tl.sum(acc, 1)
     if HAS_SCALE:
         scale = tl.load(s_ptr + rows)
@@ -184,11 +183,12 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
 
 
 @triton.jit
-def _k_loop(acc, w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_K: tl.constexpr,
+def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr):
-    """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES); the PDL wait
-    comes after the first prefetched tiles are requested."""
+    """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES): the float32
+    products [BLOCK_N, BLOCK_K]; the PDL wait comes after the first prefetched tiles are requested."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH:  # PREFETCH tiles (1-3) requested ahead, the first ones before the PDL wait
         n1 = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         n2, n3 = n1, n1

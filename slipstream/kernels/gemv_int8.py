@@ -24,7 +24,7 @@ from slipstream.kernels.gemv import (
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
-from slipstream.kernels.tuning import IDLE_BEFORE_US, graph_time_us, weight_copies
+from slipstream.kernels.tuning import graph_time_us, idle_before_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
             if not torch.allclose(got, want, rtol=2e-2, atol=tol):
                 continue  # a miscompiled config must never be chosen
             us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg), arg_sets,
-                               idle_before_us=IDLE_BEFORE_US if m == 1 else 0.0)
+                               idle_before_us=idle_before_us(m))
         except Exception:  # e.g. out of shared memory for this tile
             continue
         if us < best_us:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
 from slipstream.kernels import gemv as _gemv
-from slipstream.kernels.tuning import IDLE_BEFORE_US, graph_time_us, weight_copies
+from slipstream.kernels.tuning import graph_time_us, idle_before_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
     x = torch.randn((m, k), device=weight.device, dtype=dtype)
     expect = F.linear(x, weight, bias).float()
     arg_sets = weight_copies((x, weight) if bias is None else (x, weight, bias))
-    idle = IDLE_BEFORE_US if m == 1 else 0.0
+    idle = idle_before_us(m)
     best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets, idle_before_us=idle)
     for cfg in _gemv.candidate_configs(m, n, k):
         try:

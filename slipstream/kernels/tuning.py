@@ -23,6 +23,11 @@ IDLE_BEFORE_US = float(os.environ.get("SLIPSTREAM_TUNE_IDLE_US", "0"))
 _SPUN_UP: set[int | None] = set()
 
 
+def idle_before_us(m: int) -> float:
+    """The idle time a candidate for m activation rows is timed after (one row only)."""
+    return IDLE_BEFORE_US if m == 1 else 0.0
+
+
 def weight_copies(tensors: Sequence[torch.Tensor], min_bytes: int = L2_FLUSH_BYTES,
                   max_copies: int = 64) -> list[tuple[torch.Tensor, ...]]:
     """The tensors plus clones, so that cycling through them touches at least min_bytes."""
