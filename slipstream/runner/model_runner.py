@@ -14,7 +14,14 @@ from torch import nn
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
-from slipstream.runner.input_batch import ModelInputs, prepare_inputs
+from slipstream.runner.input_batch import (
+    HostBatch,
+    ModelInputs,
+    build_host_batch,
+    inputs_from_host_batch,
+    prepare_inputs,
+    put_fed_tokens,
+)
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -242,8 +249,6 @@ class ModelRunner:
         collect_decode_steps. The scheduler has reserved blocks for every step
         (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
         DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
-        from slipstream.runner.input_batch import build_host_batch
-
         hb = build_host_batch(sched.seqs, self.block_size)
         with self.timer.phase("graph"):
             return self._graphs.run_steps(hb, num_steps, self.block_size, feed)
@@ -267,38 +272,23 @@ class ModelRunner:
             return None
         if any(s.num_tokens != 1 or not s.needs_sample for s in sched.seqs):
             return None
-        from slipstream.runner.input_batch import build_host_batch
-
         hb = build_host_batch(sched.seqs, self.block_size)
         if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
             return None
         return graphs.run(hb, feed)
 
-    def _prefill_logits(self, sched: SchedulerOutput, feed: _Feed = None):
+    def _prefill_logits(self, sched: SchedulerOutput, hb: HostBatch, feed: _Feed = None):
         """(logits of the sampled seqs or None, their requests) from a replayed prefill graph,
         or None when no captured graph takes the step (too many tokens or sequences, or a
         request wants prompt logprobs: those need the eager path's hidden states)."""
         graphs = self._prefill_graphs
-        if graphs is None or any(s.request.sampling_params.prompt_logprobs is not None
-                                 for s in sched.seqs):
+        if graphs is None or not graphs.accepts(hb) or any(
+                s.request.sampling_params.prompt_logprobs is not None for s in sched.seqs):
             return None
-        from slipstream.runner.input_batch import build_host_batch
-
-        hb = build_host_batch(sched.seqs, self.block_size)
-        if not graphs.accepts(hb):
-            return None
-        logits = graphs.run(hb, feed)
+        with self.timer.phase("graph"):
+            logits = graphs.run(hb, feed)
         requests = [sched.seqs[i].request for i in hb.sample_seq_indices]
         return (logits if requests else None), requests
-
-    def _prepare(self, sched: SchedulerOutput, feed: _Feed = None) -> ModelInputs:
-        """prepare_inputs, with fed input tokens (see DecodeGraphs.run_steps) put in place."""
-        from slipstream.runner.input_batch import build_host_batch, inputs_from_host_batch, put_fed_tokens
-
-        hb = build_host_batch(sched.seqs, self.block_size)
-        inputs = inputs_from_host_batch(hb, self.device)
-        put_fed_tokens(inputs.input_ids, hb, feed)
-        return inputs
 
     def _step_logits(self, sched: SchedulerOutput, feed: _Feed):
         """The step's forward, a graph replay for a pure decode: (logits of the needs_sample
@@ -306,13 +296,17 @@ class ModelRunner:
         None after a replay)."""
         with self.timer.phase("graph"):
             logits = self._decode_logits(sched, feed)
-            if logits is not None:
-                return logits, [s.request for s in sched.seqs], None
-            prefill = self._prefill_logits(sched, feed)
+        if logits is not None:
+            return logits, [s.request for s in sched.seqs], None
+        with self.timer.phase("prepare"):
+            hb = build_host_batch(sched.seqs, self.block_size)
+        prefill = self._prefill_logits(sched, hb, feed)
         if prefill is not None:
             return (*prefill, None)
         with self.timer.phase("prepare"):
-            inputs = self._prepare(sched, feed)
+            # Fed tokens (see DecodeGraphs.run_steps) go in place of each fed seq's last input.
+            inputs = inputs_from_host_batch(hb, self.device)
+            put_fed_tokens(inputs.input_ids, hb, feed)
         with self.timer.phase("forward"):
             hidden = self._forward_inputs(inputs)
         if not inputs.sample_seq_indices:
