@@ -388,8 +388,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        _gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                       WHOLE_K=whole_k(cfg, k, split), **common,
+        _gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split), **common,
                                        **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -403,6 +402,15 @@ def whole_k(cfg: GemvConfig, k: int, split: int) -> bool:
     """Whether the one-row kernel takes its WHOLE_K path: a register-prefetching tile that spans
     K in a single program (the weight slice requested before the PDL wait)."""
     return bool(cfg.prefetch) and split == 1 and cfg.block_k >= k
+
+
+def one_row_path(cfg: GemvConfig, k: int, split: int) -> dict:
+    """_gemv_kernel's loop constexprs for a config. Every launch of a config (the plain product
+    the tuner times, and gate_out, which reuses the plain product's choice) takes them from here,
+    so they run the code that was timed: a whole-K tile sent down the loop path instead keeps a
+    [BLOCK_N, K] float32 accumulator and two weight tiles live (register spills; the H200's
+    int8 W1 decode fell from ~360 to 10 tok/s)."""
+    return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, WHOLE_K=whole_k(cfg, k, split))
 
 
 def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):
@@ -436,7 +444,7 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x2, weight, weight if scale is None else scale, bias if bias is not None else out, out,
         ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=bias is not None, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, GATE_OUT=True,
+        HAS_BIAS=bias is not None, **one_row_path(cfg, k, split), GATE_OUT=True,
         HAS_SCALE=scale is not None, BIT_CONVERT=bit_convert, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)

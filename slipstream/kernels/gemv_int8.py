@@ -32,6 +32,7 @@ QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
 # rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
 _FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
+_WHOLE_K_GEMV = os.environ.get("SLIPSTREAM_WHOLE_K_GEMV", "1") != "0"  # 0: no whole-K candidates
 # gemv.TUNE_GATED (SLIPSTREAM_TUNE_GATED=0 turns it off): the down projection's gated calls get
 # their own measured choice, fused (SiLU·up computed as the kernel loads x) or unfused (the
 # activation kernel, then the plain GEMV); sm_90 SASS shows the fused loop at 2.2x the plain
@@ -77,7 +78,7 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8,
 def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
     """One-row tiles holding a program's whole weight slice in registers, requested before the
     PDL wait (gemv.whole_k): K up to 4,096 one-byte weights, 4-8 rows a program (16-32 KB)."""
-    if k is None or k > 4096:
+    if k is None or k > 4096 or not _WHOLE_K_GEMV:
         return []
     block_k = max(triton.next_power_of_2(k), 16)
     return [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert)
@@ -257,9 +258,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _gemv._gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                             HAS_SCALE=True, BIT_CONVERT=bit_convert,
-                                             WHOLE_K=_gemv.whole_k(cfg, k, split), **common,
+        _gemv._gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split),
+                                             HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
                                              **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"

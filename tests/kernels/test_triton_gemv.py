@@ -215,6 +215,28 @@ def test_gemv_gate_out(cfg: gemv.GemvConfig, half: int, k: int, with_bias: bool)
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-5
 
 
+def test_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
+    """gate_out reuses the plain product's measured config, so it must launch the same loop
+    constexprs: a whole-K tile sent down the loop path instead spilled registers on the H200
+    (int8 W1 decode ~360 -> 10 tok/s) while every result stayed correct."""
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder())
+    x, w = torch.randn(1, 256), torch.randn(64, 256)
+    for cfg in [gemv.GemvConfig(block_n=4, block_k=256, split_k=1, prefetch=True),
+                gemv.GemvConfig(block_n=8, block_k=64, split_k=2, prefetch=True)]:
+        launches.clear()
+        gemv.gemv(x, w, None, cfg)
+        gemv.gemv(x, w, None, cfg, gate_out=True)
+        keys = ("PREFETCH", "STAGES", "WHOLE_K")
+        plain, gated = ({k: call[k] for k in keys} for call in launches)
+        assert plain == gated and plain["WHOLE_K"] == (cfg.block_k >= 256), cfg
+
+
 def test_gate_out_limits() -> None:
     one_row = gemv.GemvConfig(block_n=8, block_k=64)
     assert gemv.gate_out_ok(1, 64, one_row)
