@@ -136,7 +136,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
                  USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
                  GATE_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-                 BIT_CONVERT: tl.constexpr = 0, WHOLE_K: tl.constexpr = False):
+                 BIT_CONVERT: tl.constexpr = 0, WHOLE_K: tl.constexpr = False,
+                 RMS_EPS: tl.constexpr = 0.0):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -149,7 +150,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     (kernels/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
     PREFETCH, one tile spanning K, no split): the program's whole weight slice is requested
     before the wait, so a GEMV after a latency-bound kernel (attention) has its weights in
-    registers when its input is ready; no loop, no tile requested ahead.
+    registers when its input is ready; no loop, no tile requested ahead. RMS_EPS > 0 (no
+    split, not GATED): x is the residual stream h and the product is taken with h / rms(h), the
+    RMSNorm whose weight was folded into this weight at load (models/norm_fold.py): the sum of
+    squares of the x tiles it loads anyway, 1 / rms applied to the row sums at the end.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -165,10 +169,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         pdl_wait(USE_PDL)
         x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
         acc = _tile_product(w, x, BIT_CONVERT)
+        squares = x.to(tl.float32) * x.to(tl.float32)
     else:
-        acc = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K, PREFETCH, STAGES,
-                      GATED, EVEN_K, BIT_CONVERT, USE_PDL)
+        acc, squares = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K, PREFETCH,
+                               STAGES, GATED, EVEN_K, BIT_CONVERT, USE_PDL, RMS_EPS > 0)
     sums = tl.sum(acc, 1)
+    if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
+        sums = sums * tl.math.rsqrt(tl.sum(squares) / K + RMS_EPS)
     if HAS_SCALE:
         scale = tl.load(s_ptr + rows)
         if BIT_CONVERT == 2:
@@ -185,10 +192,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
 @triton.jit
 def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
-            EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr):
+            EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr,
+            SQUARES: tl.constexpr):
     """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES): the float32
-    products [BLOCK_N, BLOCK_K]; the PDL wait comes after the first prefetched tiles are requested."""
+    products [BLOCK_N, BLOCK_K] and (SQUARES) x's squares summed per column [BLOCK_K]; the PDL
+    wait comes after the first prefetched tiles are requested."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     if PREFETCH:  # PREFETCH tiles (1-3) requested ahead, the first ones before the PDL wait
         n1 = _load_w_tile(w_ptrs, k_lo, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         n2, n3 = n1, n1
@@ -212,7 +222,9 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += _tile_product(w, x, BIT_CONVERT)
-    return acc
+        if SQUARES:
+            squares += x.to(tl.float32) * x.to(tl.float32)
+    return acc, squares
 
 
 @triton.jit
@@ -365,16 +377,21 @@ def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, gated: bool = False,
-         gate_out: bool = False) -> torch.Tensor:
+         gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
     gate_out (one row, a [gate | up] weight, config gate_out_ok): the output is
     silu_and_mul of the product, [..., N / 2], in the same launch.
+    rms_eps > 0 (one row, config rms_ok): the product is taken with x / rms(x) (an RMSNorm with
+    this eps whose weight was folded into `weight`), bias added after.
     """
     if gate_out:
-        return _gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape))
+        return _gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape),
+                              rms_eps=rms_eps)
     x2, weight, m, n, k = _gemv_operands(x, weight, gated)
+    if rms_eps and (m != 1 or gated):
+        raise ValueError(f"rms_eps needs one row of a plain input; got M={m}, gated={gated}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
@@ -388,7 +405,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        _gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split), **common,
+        _gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split, rms_eps), **common,
                                        **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -404,13 +421,24 @@ def whole_k(cfg: GemvConfig, k: int, split: int) -> bool:
     return bool(cfg.prefetch) and split == 1 and cfg.block_k >= k
 
 
-def one_row_path(cfg: GemvConfig, k: int, split: int) -> dict:
+def one_row_path(cfg: GemvConfig, k: int, split: int, rms_eps: float = 0.0) -> dict:
     """_gemv_kernel's loop constexprs for a config. Every launch of a config (the plain product
     the tuner times, and gate_out, which reuses the plain product's choice) takes them from here,
     so they run the code that was timed: a whole-K tile sent down the loop path instead keeps a
     [BLOCK_N, K] float32 accumulator and two weight tiles live (register spills; the H200's
-    int8 W1 decode fell from ~360 to 10 tok/s)."""
-    return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, WHOLE_K=whole_k(cfg, k, split))
+    int8 W1 decode fell from ~360 to 10 tok/s). rms_eps: see gemv; the statistic needs all of
+    K in every program, so no split."""
+    if rms_eps and split != 1:
+        raise ValueError(f"rms_eps needs the whole K in one program; {cfg} splits K {split} ways")
+    return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, WHOLE_K=whole_k(cfg, k, split),
+                RMS_EPS=float(rms_eps))
+
+
+def rms_ok(m: int, n: int, k: int, cfg: GemvConfig | None, device: torch.device) -> bool:
+    """Whether a one-row launch of cfg over an [n, k] weight can normalise x itself (rms_eps):
+    the M == 1 kernel without a K split (gate_out launches split as the plain product does)."""
+    return (m == 1 and cfg is not None and not cfg.dot and not cfg.fp8_act
+            and not getattr(cfg, "mma", False) and _split_k(cfg, n, k, device)[0] == 1)
 
 
 def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):
@@ -432,7 +460,7 @@ def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
 
 def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cfg: GemvConfig, scale: torch.Tensor | None = None,
-                   bit_convert: int = 0) -> torch.Tensor:
+                   bit_convert: int = 0, rms_eps: float = 0.0) -> torch.Tensor:
     """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv_int8.py)."""
     x2, weight, m, n, k = _gemv_operands(x, weight, False)
     if not gate_out_ok(m, n, cfg):
@@ -444,7 +472,7 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         x2, weight, weight if scale is None else scale, bias if bias is not None else out, out,
         ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
-        HAS_BIAS=bias is not None, **one_row_path(cfg, k, split), GATE_OUT=True,
+        HAS_BIAS=bias is not None, **one_row_path(cfg, k, split, rms_eps), GATE_OUT=True,
         HAS_SCALE=scale is not None, BIT_CONVERT=bit_convert, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)

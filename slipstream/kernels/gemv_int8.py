@@ -116,16 +116,36 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                           bias: torch.Tensor | None = None, rms_eps: float = 0.0
+                           ) -> torch.Tensor | None:
     """silu_and_mul of qlinear_small's product in one launch, for one row of x and a
-    [gate | up] weight whose measured config is a one-row dequant GEMV; else None."""
+    [gate | up] weight whose measured config is a one-row dequant GEMV; else None. rms_eps > 0:
+    of x / rms(x) (see qlinear_small_rms)."""
+    cfg = _one_row_qconfig(x, qweight, scale, bias)
+    if not gate_out_ok(1, qweight.shape[0], cfg) or (
+            rms_eps and not _gemv.rms_ok(1, qweight.shape[0], qweight.shape[1], cfg, x.device)):
+        return None
+    return qgemv_gate_out(x, qweight, scale, bias, cfg, rms_eps)
+
+
+def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """qlinear_small of x / rms(x) in one launch for one row of x (an RMSNorm whose weight is
+    folded into the weight, models/norm_fold.py), when the measured config is a one-row
+    dequant GEMV that keeps K whole; else None (the caller runs the norm kernel)."""
+    cfg = _one_row_qconfig(x, qweight, scale, bias)
+    if not _gemv.rms_ok(1, qweight.shape[0], qweight.shape[1], cfg, x.device):
+        return None
+    return qgemv(x, qweight, scale, bias, cfg, rms_eps=eps)
+
+
+def _one_row_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> GemvConfig | None:
+    """The measured config for one CUDA row of x (None off CUDA or for more rows)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not x.is_cuda or m != 1:
         return None
-    cfg = measured_qconfig(x, qweight, scale, bias)
-    if not gate_out_ok(m, qweight.shape[0], cfg):
-        return None
-    return qgemv_gate_out(x, qweight, scale, bias, cfg)
+    return measured_qconfig(x, qweight, scale, bias)
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
@@ -223,27 +243,32 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
 
 
 def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+                   bias: torch.Tensor | None, cfg: GemvConfig, rms_eps: float = 0.0
+                   ) -> torch.Tensor:
     """silu_and_mul(x @ (q * scale)^T (+ bias)) for one row of x and a [gate | up] weight, in
-    one launch of the M == 1 kernel (gemv.gate_out_ok configs)."""
+    one launch of the M == 1 kernel (gemv.gate_out_ok configs); rms_eps: see qgemv."""
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise ValueError(f"qgemv_gate_out needs an int8 / fp8 weight; got {qweight.dtype}")
     return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
-                                _bit_convert_mode(cfg, qweight.dtype, x.is_cuda))
+                                _bit_convert_mode(cfg, qweight.dtype, x.is_cuda), rms_eps)
 
 
 def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
           bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-          gated: bool = False) -> torch.Tensor:
+          gated: bool = False, rms_eps: float = 0.0) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] * scale [N, 1])^T (+ bias), at most MAX_M rows of x.
 
     gated: x is [..., 2K] = [gate | up] and the product is silu(gate) * up @ weight^T.
+    rms_eps > 0 (one row, gemv.rms_ok config): the product is taken with x / rms(x), as gemv's.
     """
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
-    if config is not None and config.fp8_act:
+    if config is not None and config.fp8_act and not rms_eps:
         return fp8_dot_gemv(x, qweight, scale, bias, config, gated=gated)
     x2, qweight, m, n, k = _gemv_operands(x, qweight, gated)
+    if rms_eps and (m != 1 or gated or (config is not None and (config.dot or config.fp8_act))):
+        raise ValueError(f"rms_eps needs one row of a plain input and a one-row config; got "
+                         f"M={m}, gated={gated}, {config}")
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -258,7 +283,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _gemv._gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split),
+        _gemv._gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split, rms_eps),
                                              HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
                                              **pdl.launch_kwargs(x.device))
     else:

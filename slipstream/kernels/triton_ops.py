@@ -113,18 +113,37 @@ def linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return linear(act(gate_up), weight, bias)
 
 
-def linear_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-                    ) -> torch.Tensor | None:
+def linear_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    rms_eps: float = 0.0) -> torch.Tensor | None:
     """silu_and_mul(linear(x, weight, bias)) in one launch for one row of x and a [gate | up]
-    weight, when the measured choice for the product is a one-row Triton GEMV; else None."""
+    weight, when the measured choice for the product is a one-row Triton GEMV; else None.
+    rms_eps > 0: of x / rms(x) (see linear_rms)."""
+    cfg = _one_row_choice(x, weight, bias)
+    if not _gemv.gate_out_ok(1, weight.shape[0], cfg) or (
+            rms_eps and not _gemv.rms_ok(1, weight.shape[0], x.shape[-1], cfg, x.device)):
+        return None
+    return _gemv.gemv(x, weight, bias, cfg, gate_out=True, rms_eps=rms_eps)
+
+
+def linear_rms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor | None:
+    """linear(x / rms(x), weight, bias) in one launch for one row of x (an RMSNorm whose weight
+    is folded into `weight`, models/norm_fold.py), when the measured choice for the product is
+    a one-row Triton GEMV that keeps K whole; else None (the caller runs the norm kernel)."""
+    cfg = _one_row_choice(x, weight, bias)
+    if not _gemv.rms_ok(1, weight.shape[0], x.shape[-1], cfg, x.device):
+        return None
+    return _gemv.gemv(x, weight, bias, cfg, rms_eps=eps)
+
+
+def _one_row_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> _gemv.GemvConfig | None:
+    """The measured config for one CUDA row of x (None: cuBLAS, or not one row)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (not x.is_cuda or m != 1 or os.environ.get("SLIPSTREAM_LINEAR", "auto") != "auto"
             or not _kernel_fits(x, weight, bias)):
         return None
-    cfg = _choice(m, weight, bias, x)
-    if not _gemv.gate_out_ok(m, weight.shape[0], cfg):
-        return None
-    return _gemv.gemv(x, weight, bias, cfg, gate_out=True)
+    return _choice(m, weight, bias, x)
 
 
 def _choice(m: int, weight: torch.Tensor, bias: torch.Tensor | None,

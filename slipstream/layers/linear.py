@@ -46,6 +46,11 @@ class LinearBase(nn.Module):
         so tensor-parallel column layers take it as is."""
         return self.quant_method.apply_normed(self, x, residual, norm, self.bias)
 
+    def forward_rms(self, x: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """forward(x / rms(x)) in one kernel for a layer whose input norm's weight is folded into
+        its own (models/norm_fold.py), where the quant method has one for x; else None."""
+        return self.quant_method.apply_rms(self, x, eps, self.bias)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
         custom = getattr(param, "weight_loader", None)
@@ -98,11 +103,12 @@ class MergedColumnParallelLinear(LinearBase):
                          quant_method, tp_size, tp_rank)
 
 
-    def forward_gate_out(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward_gate_out(self, x: torch.Tensor, rms_eps: float = 0.0) -> torch.Tensor | None:
         """A [gate | up] layer: silu_and_mul(forward(x)) in one kernel where the quant method
         has one for x (QuantMethod.apply_gate_out), else None. Each rank holds [gate | up] of its
-        own shard, so the activation stays rank-local as in the unfused path."""
-        return self.quant_method.apply_gate_out(self, x, self.bias)
+        own shard, so the activation stays rank-local as in the unfused path. rms_eps > 0: of
+        x / rms(x), as forward_rms."""
+        return self.quant_method.apply_gate_out(self, x, self.bias, rms_eps)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -131,6 +137,15 @@ class RowParallelLinear(LinearBase):
         y = self.quant_method.apply(self, x, None)
         torch.distributed.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """forward(x) + residual, the add inside the product's kernel where the quant method
+        can (QuantMethod.apply_residual: one row, no bias), after the all-reduce otherwise."""
+        if self.tp_size == 1:
+            y = self.quant_method.apply_residual(self, x, residual, self.bias)
+            if y is not None:
+                return y
+        return self.forward(x) + residual
 
     def forward_gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         """forward(act(gate_up)), letting the quant method fuse the activation into its kernel."""

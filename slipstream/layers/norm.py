@@ -15,6 +15,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(size, dtype=params_dtype), requires_grad=False)
+        self.folded = False  # weight folded into the next projection (models/norm_fold.py): all 1
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

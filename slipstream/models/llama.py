@@ -73,15 +73,17 @@ class LlamaAttention(nn.Module):
         return self.attend(self.qkv_proj(hidden), positions, cos_sin_cache, kv_cache, meta)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-               kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """The layer after its q/k/v projection: attention, then o_proj."""
+               kv_cache: KVCache, meta: AttentionMetadata,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer after its q/k/v projection: attention, then o_proj (+ residual, added in
+        o_proj's kernel where it can)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             t, d = q.shape[0], self.attn.head_dim
             q = self.q_norm.forward_heads(q.reshape(t, -1, d)).reshape(t, -1)
             k = self.k_norm.forward_heads(k.reshape(t, -1, d)).reshape(t, -1)
         out = self.attn(q, k, v, positions, cos_sin_cache, kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(out) if residual is None else self.o_proj.forward_residual(out, residual)
 
 
 class LlamaMLP(nn.Module):
@@ -113,6 +115,17 @@ class LlamaMLP(nn.Module):
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj.forward_gated(gate_up, self.act_fn), residual
 
+    def forward_folded_row(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """stream + forward(norm(stream)) for one row, norm folded into gate_up (norm_fold.py):
+        the gate/up GEMV normalises and writes SiLU(gate)·up, the down GEMV adds the stream."""
+        act = self.gate_up_proj.forward_gate_out(stream, norm.eps) if GATE_UP_ACT else None
+        if act is None:  # the method's kernel cannot normalise: the norm kernel first
+            h = norm(stream)
+            act = self.gate_up_proj.forward_gate_out(h) if GATE_UP_ACT else None
+            if act is None:
+                return self.down_proj.forward_gated(self.gate_up_proj(h), self.act_fn) + stream
+        return self.down_proj.forward_residual(act, stream)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str):
@@ -127,12 +140,32 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden.shape[0] == 1 and self.input_layernorm.folded and \
+                self.post_attention_layernorm.folded:
+            return self._forward_folded_row(hidden, residual, positions, cos_sin_cache,
+                                            kv_cache, meta)
         # The residual stream is carried separately so each norm can fuse the add (and, for
         # methods that quantize activations, the quantization of the next layer's input).
         attn = self.self_attn
         qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
         hidden = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta)
         return self.mlp.forward_normed(hidden, residual, self.post_attention_layernorm)
+
+    def _forward_folded_row(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                            positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                            kv_cache: KVCache, meta: AttentionMetadata
+                            ) -> tuple[torch.Tensor, None]:
+        """One row (a batch-1 decode step) with both norms folded into the projections they
+        feed (models/norm_fold.py): the QKV and gate/up GEMVs normalise their input themselves
+        and the o and down GEMVs add the residual as they write, so a layer launches no norm
+        kernel. Returns (the residual stream, None), the convention for "no add pending"."""
+        stream = hidden if residual is None else hidden + residual
+        attn, norm = self.self_attn, self.input_layernorm
+        qkv = attn.qkv_proj.forward_rms(stream, norm.eps)
+        if qkv is None:  # the method's kernel cannot normalise: the norm kernel first
+            qkv = attn.qkv_proj(norm(stream))
+        stream = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta, residual=stream)
+        return self.mlp.forward_folded_row(stream, self.post_attention_layernorm), None
 
 
 class LlamaModel(nn.Module):
@@ -153,7 +186,7 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary_emb.cos_sin_cache
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache, meta)
-        if residual is None:  # no layers at all
+        if residual is None:  # no layers, or the last one added its residual (folded norms)
             return self.norm(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -179,6 +212,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def norm_fold_pairs(self) -> dict[str, str]:
+        """{projection: the RMSNorm feeding it} of every decoder layer (models/norm_fold.py)."""
+        pairs = {}
+        for i in range(len(self.model.layers)):
+            layer = f"model.layers.{i}"
+            pairs[f"{layer}.self_attn.qkv_proj"] = f"{layer}.input_layernorm"
+            pairs[f"{layer}.mlp.gate_up_proj"] = f"{layer}.post_attention_layernorm"
+        return pairs
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab], float32 (else the model's dtype)."""

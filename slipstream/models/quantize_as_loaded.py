@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from slipstream.models.norm_fold import can_fold, fold_norm, fold_pairs
+
 LayerHook = Callable[[nn.Module, int, nn.Module], None]
+_FOLD_KEY = "<the folded norm's weight>"
 _LAYER_HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "slipstream_before_each_layer", default=None)
 _DECODER_LAYER = re.compile(r"^(.*\.layers\.(\d+))\.")
@@ -61,6 +64,10 @@ class QuantizeAsLoaded:
         self._pending: dict[str, set[str]] = {}
         self._hook = _LAYER_HOOK.get()
         self._held: dict[str, list[str]] = {}  # decoder layer -> its complete, unprocessed modules
+        # Projection -> the norm folded into it before it is processed (norm_fold.py); a whole-
+        # layer calibration reads and rescales the norms itself, so it gets none.
+        self._fold = fold_pairs(model) if self._hook is None else {}
+        self._fold_waiters: dict[str, list[str]] = {}  # norm -> projections waiting for it
 
     def expect(self, keys: Iterable[tuple[str, str]]) -> None:
         """(module path, key) pairs that must arrive before that module is processed; only
@@ -71,6 +78,10 @@ class QuantizeAsLoaded:
             if (path in self._pending or _has_deferred_param(self.model.get_submodule(path))
                     or (self._hook is not None and decoder_layer_of(path) is not None)):
                 self._pending.setdefault(path, set()).add(key)
+        for path, norm in self._fold.items():  # a folded projection also waits for its norm
+            if path in self._pending and path not in self._fold_waiters.get(norm, []):
+                self._pending[path].add(_FOLD_KEY)
+                self._fold_waiters.setdefault(norm, []).append(path)
 
     def param(self, pname: str) -> nn.Parameter:
         """Parameter `pname`, given device storage first if it had none."""
@@ -86,6 +97,8 @@ class QuantizeAsLoaded:
 
     def arrived(self, path: str, key: str) -> None:
         """`key` of module `path` is filled: process the module if it was the last one."""
+        for waiting in self._fold_waiters.pop(path, []):  # a norm (one tensor): now foldable
+            self.arrived(waiting, _FOLD_KEY)
         keys = self._pending.get(path)
         if keys is None:
             return
@@ -125,6 +138,11 @@ class QuantizeAsLoaded:
 
     def _process(self, path: str) -> None:
         module = self.model.get_submodule(path)
+        norm_path = self._fold.get(path)
+        if norm_path is not None:
+            norm = self.model.get_submodule(norm_path)
+            if can_fold(module, norm):
+                fold_norm(module, norm)
         with torch.no_grad():
             module.quant_method.process_after_loading(module)
         self.processed.add(path)

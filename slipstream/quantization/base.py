@@ -18,11 +18,16 @@ from torch import nn
 class QuantMethod(ABC):
     """Strategy object owned by one linear layer.
 
+    folds_norm: whether the input RMSNorm's weight may be folded into this layer's 16-bit
+    weight before process_after_loading (models/norm_fold.py).
+
     Parameters that create_weights registers may carry attributes the loader reads:
     `output_dim` / `input_dim` (which tensor dim is the output / input one, None if neither:
     such a param is not sliced for fused shards or tensor parallelism), and `weight_loader`
     (a callable (param, loaded_tensor, shard_index) that replaces the default copy).
     """
+
+    folds_norm = False
 
     @abstractmethod
     def create_weights(
@@ -44,11 +49,28 @@ class QuantMethod(ABC):
         Methods whose decode kernel can compute the activation while loading x override it."""
         return self.apply(layer, act(gate_up), bias)
 
-    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-                       ) -> torch.Tensor | None:
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rms_eps: float = 0.0) -> torch.Tensor | None:
         """silu_and_mul(apply(x)) of a [gate | up] layer in one kernel, where the method has one
-        for this input (decode GEMVs at one row); None: the caller runs apply, then the act."""
+        for this input (decode GEMVs at one row); None: the caller runs apply, then the act.
+        rms_eps > 0: of x / rms(x), as apply_rms."""
         return None
+
+    def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+        """apply(x / rms(x)) in one kernel for a layer whose input RMSNorm weight was folded
+        into its weight (models/norm_fold.py), where the method has one for this input (decode
+        GEMVs at one row); None: the caller runs the norm, then apply."""
+        return None
+
+    def apply_residual(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor | None:
+        """apply(x) + residual with the add in the product's epilogue: at one row of x the
+        residual is that row's bias, so every method's kernel adds it as it writes (rounded
+        once). None (a real bias, or more rows): the caller adds."""
+        if bias is not None or x.numel() != x.shape[-1] or residual.numel() != layer.output_size:
+            return None
+        return self.apply(layer, x, residual.reshape(-1))
 
     def apply_normed(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                      norm: nn.Module, bias: torch.Tensor | None
@@ -65,6 +87,8 @@ class QuantMethod(ABC):
 
 class UnquantizedLinearMethod(QuantMethod):
     """Plain weight [out, in] in the model dtype; apply is F.linear."""
+
+    folds_norm = True
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
@@ -87,10 +111,15 @@ class UnquantizedLinearMethod(QuantMethod):
             return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
         return F.linear(act(gate_up), layer.weight, bias)
 
-    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-                       ) -> torch.Tensor | None:
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rms_eps: float = 0.0) -> torch.Tensor | None:
         gate_out = getattr(_triton_ops(), "linear_gate_out", None) if x.is_cuda else None
-        return gate_out(x, layer.weight, bias) if gate_out is not None else None
+        return gate_out(x, layer.weight, bias, rms_eps) if gate_out is not None else None
+
+    def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+        linear_rms = getattr(_triton_ops(), "linear_rms", None) if x.is_cuda else None
+        return linear_rms(x, layer.weight, bias, eps) if linear_rms is not None else None
 
 
 def _triton_ops():

@@ -199,11 +199,12 @@ class Int4LinearMethod(QuantMethod):
         group = x.shape[-1] // layer.scales.shape[1]  # also right for one group per row
         return fn(x, layer.qweight, layer.scales, layer.zeros, group, bias)
 
-    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-                       ) -> torch.Tensor | None:
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rms_eps: float = 0.0) -> torch.Tensor | None:
         """One decode row on CUDA (W4_GATE_OUT): the W4 GEMV writes silu_and_mul of the
-        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None."""
-        if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
+        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None. The W4
+        kernels take no rms_eps (AWQ folds its scales into the norms: they are never folded)."""
+        if rms_eps or not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
             return None
         from slipstream.kernels.gemv_int4 import w4_linear_small_gate_out
 

@@ -34,6 +34,8 @@ CHECKPOINT_CONFIG = {"quant_method": "int8_wo", "bits": 8, "weight_scale": "per_
 class PerChannelMethod(QuantMethod):
     """Shared by int8_wo and fp8: weight [N, K] in one byte, weight_scale float32 [N]."""
 
+    folds_norm = True  # quantized from the 16-bit weight at load: the fold goes in first
+
     def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
                     act) -> torch.Tensor:
         """Decode-size batches on CUDA: the dequant-GEMV computes act(gate_up) as it loads x
@@ -44,15 +46,23 @@ class PerChannelMethod(QuantMethod):
                                     act=act)
         return self.apply(layer, act(gate_up), bias)
 
-    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-                       ) -> torch.Tensor | None:
-        if not x.is_cuda or _qlinear_small() is None or not self._gate_out_applies(x):
+    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                       rms_eps: float = 0.0) -> torch.Tensor | None:
+        if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
             return None
         from slipstream.kernels.gemv_int8 import qlinear_small_gate_out
 
-        return qlinear_small_gate_out(x, layer.weight, layer.weight_scale, bias)
+        return qlinear_small_gate_out(x, layer.weight, layer.weight_scale, bias, rms_eps)
 
-    def _gate_out_applies(self, x: torch.Tensor) -> bool:
+    def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+        if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
+            return None
+        from slipstream.kernels.gemv_int8 import qlinear_small_rms
+
+        return qlinear_small_rms(x, layer.weight, layer.weight_scale, bias, eps)
+
+    def _one_row_gemv_applies(self, x: torch.Tensor) -> bool:
         """Whether apply(x) would run the one-row GEMV (subclasses with another path: False)."""
         return x.numel() == x.shape[-1]
 

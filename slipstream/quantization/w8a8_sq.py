@@ -31,10 +31,12 @@ class W8A8SmoothQuantMethod(Int8WeightOnlyMethod):
     """Same stored layout as int8_wo (weight int8 [N, K], weight_scale float32 [N]); the input is
     quantized per token too, so the matmul runs on INT8 operands."""
 
+    folds_norm = False  # SmoothQuant's migration scales live in the norms
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return w8a8_linear(x, layer.weight, layer.weight_scale, bias)
 
-    def _gate_out_applies(self, x: torch.Tensor) -> bool:
+    def _one_row_gemv_applies(self, x: torch.Tensor) -> bool:
         return False  # its products take INT8 activations; the one-row GEMV takes bf16
 
 

@@ -373,3 +373,55 @@ def test_deeper_prefetch_has_the_bits_of_one_tile_ahead(depth: int, k: int, spli
                       (run(deep, x, gated=True), run(base, x, gated=True)),
                       (gate_out(deep), gate_out(base))]:
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
+                                            bit_convert=1),
+                                 GemvConfig(block_n=8, block_k=128, split_k=1, num_stages=2)])
+def test_qgemv_rms_eps(wdtype: torch.dtype, cfg: GemvConfig) -> None:
+    """The dequant GEMV normalising its one input row itself (rms_eps): equal to the product
+    with x / rms(x); plain and gate_out launches; refused for several rows and FP8-activation
+    configs, and by the measured path off CUDA."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    x = 5.0 * torch.randn(1, 300)
+    q, s = _qweight(90, 300, wdtype)
+    b = torch.randn(90)
+    xd = x.double()
+    normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = gemv_int8.qgemv_reference(normed, q, s, b.double())
+    assert _rel(gemv_int8.qgemv(x, q, s, b, cfg, rms_eps=1e-6), want) < 1e-5
+    assert _rel(gemv_int8.qgemv_gate_out(x, q, s, b, cfg, rms_eps=1e-6), silu_and_mul(want)) < 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        gemv_int8.qgemv(torch.randn(2, 300), q, s, b, cfg, rms_eps=1e-6)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_int8.qgemv(x, q, s, b, GemvConfig(64, 128, 0, 4, 4, fp8_act=True), rms_eps=1e-6)
+    assert gemv_int8.qlinear_small_rms(x, q, s, b, 1e-6) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672)])
+def test_gpu_qgemv_rms_every_candidate(wdtype, k: int, n: int) -> None:
+    """int8 / fp8, one row: every candidate that keeps K whole normalises x itself (plain and
+    gate_out), as the dequantized float math of x / rms(x)."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    x = 6.0 * torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    q, s = _qweight(n, k, wdtype, "cuda")
+    xd = x.double()
+    want = gemv_int8.qgemv_reference(xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5),
+                                     q, s)
+    tried = 0
+    for cfg in gemv_int8.candidate_qconfigs(1, wdtype, k):
+        if not _gemv.rms_ok(1, n, k, cfg, x.device):
+            continue
+        tried += 1
+        assert _rel(gemv_int8.qgemv(x, q, s, None, cfg, rms_eps=1e-5), want) < 1e-2, cfg
+        if _gemv.gate_out_ok(1, n, cfg):
+            got = gemv_int8.qgemv_gate_out(x, q, s, None, cfg, rms_eps=1e-5)
+            assert _rel(got, silu_and_mul(want)) < 1e-2, cfg
+    assert tried
