@@ -304,7 +304,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                    STAGES: tl.constexpr = 1):
+                    STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -312,7 +312,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
     (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
     pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
-    SiLU(gate)·up (gemv._tile_rows)."""
+    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K, a power of two; with CHAIN, no split): the
+    program's whole weight slice, scales and zeros are requested before the PDL wait, then one
+    chained product over all of K (_w4_whole_k): no loop, every byte in flight at once."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -324,59 +326,87 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK: no K mask either
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     x_ptrs = x_ptr + 8 * offs_w
-    if CHAIN:
-        acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
+    if WHOLE_K:
+        sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
+                           GROUP, BLOCK_N, WHOLE_K, BF16X2, USE_PDL)
     else:
-        acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
-    one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
-    n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
-    pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
-    for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
-        w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
-        g = k // GROUP
-        s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
         if CHAIN:
-            z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
-            if BF16X2 == 2:
-                p0, p1, p2, p3 = x_pairs_prmt(x_ptr, k, offs_w)
-            else:
-                p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
-            acc += _chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WORDS, BF16X2 == 2) * s
-        elif BF16X2:
-            z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
-            p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
-            t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
-                                 BF16X2 == 2)
-            acc += t * s
+            acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
         else:
-            z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
-            # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word, with
-            # x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all rows.
-            x0 = tl.load(x_ptrs + k).to(tl.float32)
-            x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
-            x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
-            x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
-            x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
-            x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
-            x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
-            x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
-            sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-            t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
-            t += _tail(w, one, 7) * x7[None, :]
-            t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
-            t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
-            t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
-            t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
-            t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
-            t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
-            t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
-            acc += t * (16.0 * s)
+            acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+        one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
+        n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
+        pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
+        for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
+            w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
+            g = k // GROUP
+            s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+            if CHAIN:
+                z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+                if BF16X2 == 2:
+                    p0, p1, p2, p3 = x_pairs_prmt(x_ptr, k, offs_w)
+                else:
+                    p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
+                acc += _chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WORDS, BF16X2 == 2) * s
+            elif BF16X2:
+                z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+                p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
+                t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
+                                     BF16X2 == 2)
+                acc += t * s
+            else:
+                z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
+                # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word,
+                # with x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all
+                # rows.
+                x0 = tl.load(x_ptrs + k).to(tl.float32)
+                x1 = tl.load(x_ptrs + k + 1).to(tl.float32)
+                x2 = tl.load(x_ptrs + k + 2).to(tl.float32)
+                x3 = tl.load(x_ptrs + k + 3).to(tl.float32)
+                x4 = tl.load(x_ptrs + k + 4).to(tl.float32)
+                x5 = tl.load(x_ptrs + k + 5).to(tl.float32)
+                x6 = tl.load(x_ptrs + k + 6).to(tl.float32)
+                x7 = tl.load(x_ptrs + k + 7).to(tl.float32)
+                sx = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+                t = -(15.0 + z) * (0.0625 * sx)[None, :] - (0.0625 * x0)[None, :]
+                t += _tail(w, one, 7) * x7[None, :]
+                t += _tail(w, one, 6) * (x6 - 0.0625 * x7)[None, :]
+                t += _tail(w, one, 5) * (x5 - 0.0625 * x6)[None, :]
+                t += _tail(w, one, 4) * (x4 - 0.0625 * x5)[None, :]
+                t += _tail(w, one, 3) * (x3 - 0.0625 * x4)[None, :]
+                t += _tail(w, one, 2) * (x2 - 0.0625 * x3)[None, :]
+                t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
+                t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
+                acc += t * (16.0 * s)
+        sums = tl.sum(acc, 1)
     if GATE_OUT:
-        _finish_gate_out(tl.sum(acc, 1), rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                          N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
     else:
-        _finish(tl.sum(acc, 1)[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                 tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
+                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
+                BF16X2: tl.constexpr, USE_PDL: tl.constexpr):
+    """_w4_gemv_kernel's WHOLE_K path: the row sums [BLOCK_N] of the program's rows over all of
+    K. Words, scales and zeros (never written by a kernel) are loaded before the PDL wait, x
+    after it; each run of four words lies in one group (GROUP % 32 == 0), whose scale and zero
+    are gathered per run."""
+    WW: tl.constexpr = K // 8
+    offs = tl.arange(0, WW)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + offs[None, :])
+    g = (tl.arange(0, WW // 4) * 32 // GROUP)[None, :]
+    z8 = tl.load(z_ptr + rows[:, None] * stride_zn + g)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + g).to(tl.float32)
+    pdl_wait(USE_PDL)
+    if BF16X2 == 2:
+        p0, p1, p2, p3 = x_pairs_prmt(x_ptr, 0, offs)
+    else:
+        p0, p1, p2, p3 = x_pairs(x_ptr, 0, offs)
+    return tl.sum(_chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WW, BF16X2 == 2) * s, 1)
 
 
 def _two_rows_dot_asm() -> str:
@@ -556,6 +586,7 @@ class W4Config(GemvConfig):
     dot: bool = False
     two_rows: bool = False
     four_rows: bool = False
+    whole_k: bool = False  # M == 1 chained, split 1, K a power of two: _w4_whole_k
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -564,7 +595,7 @@ class W4Config(GemvConfig):
             " bf16x2" if self.bit_convert or rows else "") + (
             " chained" if self.bit_convert == 2 else "")
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
-                 if self.prefetch and not self.dot else "")
+                 if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -609,7 +640,12 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # gate_up 27.0 -> 25.7 us (n64, three ahead), down 15.1 -> 14.7 (n128, two ahead).
     chained += [W4Config(bn, 128, sk, w, 1, pf, bit_convert=2) for bn, w, sk, pf in
                 [(128, 8, 0, 2), (128, 8, 2, 2), (64, 4, 0, 2), (64, 4, 0, 3)]]
-    return fma + splits + chained + _mma_configs(m, dtype) + dot[:2]
+    # A program's whole weight slice requested at once, before the PDL wait (_w4_whole_k; K a
+    # power of two, else these run as the chained loop without a split): the int8 / fp8 whole-K
+    # tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as load-latency bound.
+    whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
+             [(8, 4), (16, 4), (16, 8), (32, 8)]]
+    return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -679,9 +715,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, PREFETCH=cfg.prefetch, STAGES=cfg.num_stages,
-                                          BF16X2=_bf16x2_mode(cfg, x2),
-                                          CHAIN=_chained(cfg, x2, chunk), **common)
+        _w4_gemv_kernel[(n_tiles, split)](*args, **_one_row_path(cfg, x2, chunk, k, split),
+                                          **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -696,6 +731,16 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
+
+
+def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int) -> dict:
+    """_w4_gemv_kernel's path constexprs for a config. The plain product (which the tuner times)
+    and the gate-out launch (which reuses its choice) both take them from here, so they run the
+    same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
+    chain = _chained(cfg, x2, chunk)
+    whole = (getattr(cfg, "whole_k", False) and chain and split == 1 and k & (k - 1) == 0)
+    return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
+                CHAIN=chain, WHOLE_K=k if whole else 0)
 
 
 def _bf16x2_mode(cfg: GemvConfig, x2: torch.Tensor) -> int:
@@ -787,10 +832,9 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         return out.view(*x.shape[:-1], n // 2)
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=config.prefetch,
-        BF16X2=_bf16x2_mode(config, x2), CHAIN=_chained(config, x2, chunk), GATE_OUT=True,
-        STAGES=config.num_stages, num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
+        SPLIT=split > 1, HAS_BIAS=bias is not None,
+        **_one_row_path(config, x2, chunk, k, split), GATE_OUT=True,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 
 

@@ -433,3 +433,51 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
     ref = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(packed[0]), *packed[1:], torch.float32)
     # One rounding of (q - z) * s (bf16: up to one ulp apart where splitting 16 s breaks a tie).
     torch.testing.assert_close(deq.float(), ref.to(dtype).float(), atol=0, rtol=8e-3)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("gate_out", [False, True])
+def test_w4_whole_k_equals_the_chained_loop(group: int, gate_out: bool) -> None:
+    """whole_k (K a power of two): the program's whole slice in one chained product, equal to
+    the chained loop's result within float32 summation order, plain and gate-out; K not a power
+    of two runs the loop."""
+    n, k = 42, 512
+    packed = quantized(n, k, group, seed=5)
+    g = torch.Generator().manual_seed(11)
+    x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    whole = W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True,
+                     bit_convert=2, whole_k=True)
+    assert gemv_int4._one_row_path(whole, x, group, k, 1)["WHOLE_K"] == k
+    assert gemv_int4._one_row_path(whole, x, group, 640, 1)["WHOLE_K"] == 0
+    loop = dataclasses.replace(whole, whole_k=False)
+    if gate_out:
+        got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, whole)
+        want = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, loop)
+    else:
+        got = gemv_int4.w4_gemv(x, *packed, group, b, whole)
+        want = gemv_int4.w4_gemv(x, *packed, group, b, loop)
+        ref = gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())
+        assert rel(got, ref) < 8e-3  # bf16 output rounding (see test_w4_gemv_bf16x2_pairs)
+    assert rel(got, want) < 8e-3 and not torch.equal(got, torch.zeros_like(got))
+
+
+def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
+    """Gate-out reuses the plain product's measured config: both launches take the same path
+    constexprs (_one_row_path), whole-K included."""
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(gemv_int4, "_w4_gemv_kernel", Recorder())
+    packed = quantized(64, 512, 128, seed=2)
+    x = torch.randn(1, 512).bfloat16()
+    cfg = W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True,
+                   bit_convert=2, whole_k=True)
+    gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
+    gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
+    keys = ("PREFETCH", "STAGES", "BF16X2", "CHAIN", "WHOLE_K")
+    plain, gated = ({k: call[k] for k in keys} for call in launches)
+    assert plain == gated and plain["WHOLE_K"] == 512
