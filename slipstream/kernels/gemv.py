@@ -168,14 +168,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
         w = _load_w_tile(w_ptrs, 0, 0, K, offs_k, EVEN_K, BLOCK_K)
         pdl_wait(USE_PDL)
         x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
+        if RMS_EPS > 0:  # reduced before the products: x's float32 copy is not kept alive
+            square_sum = tl.sum(x.to(tl.float32) * x.to(tl.float32))
         acc = _tile_product(w, x, BIT_CONVERT)
-        squares = x.to(tl.float32) * x.to(tl.float32)
     else:
         acc, squares = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K, PREFETCH,
                                STAGES, GATED, EVEN_K, BIT_CONVERT, USE_PDL, RMS_EPS > 0)
+        if RMS_EPS > 0:
+            square_sum = tl.sum(squares)
     sums = tl.sum(acc, 1)
     if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
-        sums = sums * tl.math.rsqrt(tl.sum(squares) / K + RMS_EPS)
+        sums = sums * tl.math.rsqrt(square_sum / K + RMS_EPS)
     if HAS_SCALE:
         scale = tl.load(s_ptr + rows)
         if BIT_CONVERT == 2:
