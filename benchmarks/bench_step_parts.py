@@ -1,0 +1,153 @@
+"""Where a batch-1 decode step's GPU time goes, measured in context, without a profiler.
+
+The model's forward (every layer and the LM head) for one sequence at a given context is
+captured in a CUDA graph as the engine replays it (PDL on), timed over many replays, then
+captured and timed again with one kind of kernel taken out: attention (the layer returns q), the
+RMSNorms (the layer passes its input through), or both. The difference is that part's cost on
+the critical path, each kernel's overlap with its neighbours included, which the profiler's
+per-kernel spans cannot show. The outputs of the reduced graphs are meaningless; only time counts.
+
+    python benchmarks/bench_step_parts.py --quantization fp8 --quantize-lm-head --ctx 256 \
+        [--output-json F]
+    SLIPSTREAM_FOLD_NORMS=1 python benchmarks/bench_step_parts.py ...   # norms inside the GEMVs
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from slipstream.attention.backend import AttentionMetadata  # noqa: E402
+from slipstream.bench.shapes import is_shape_name, resolve_model  # noqa: E402
+from slipstream.engine.args import EngineArgs  # noqa: E402
+from slipstream.layers.attention import Attention  # noqa: E402
+from slipstream.layers.norm import RMSNorm  # noqa: E402
+from slipstream.runner.model_runner import ModelRunner  # noqa: E402
+
+PARTS = ("full", "no_attention", "no_norms", "no_attention_norms")
+
+
+def _skip_attention(self, q, k, v, positions, cos_sin_cache, kv_cache, meta):
+    return q
+
+
+def _skip_norm(self, x, residual=None):
+    return x if residual is None else (x, residual)
+
+
+@contextlib.contextmanager
+def without(part: str):
+    """The model with `part`'s kernels taken out (class-level patches, restored after)."""
+    saved = Attention.forward, RMSNorm.forward
+    if "attention" in part:
+        Attention.forward = _skip_attention
+    if "norms" in part:
+        RMSNorm.forward = _skip_norm
+    try:
+        yield
+    finally:
+        Attention.forward, RMSNorm.forward = saved
+
+
+def decode_inputs(runner: ModelRunner, ctx: int, max_seq_len: int):
+    """One sequence decoding its token at position ctx - 1 over blocks 0, 1, ..."""
+    dev, bs = runner.device, runner.block_size
+    blocks = torch.arange((ctx + bs - 1) // bs, dtype=torch.int32, device=dev)[None, :]
+    pos = ctx - 1
+    meta = AttentionMetadata(
+        num_seqs=1, num_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([ctx], dtype=torch.int32, device=dev), block_tables=blocks,
+        slot_mapping=torch.tensor([pos], dtype=torch.int64, device=dev),
+        max_query_len=1, max_seq_len=max_seq_len)
+    ids = torch.tensor([11], dtype=torch.int64, device=dev)
+    return ids, torch.tensor([pos], dtype=torch.int64, device=dev), meta
+
+
+def time_part(runner: ModelRunner, inputs, graph: bool, replays: int) -> float:
+    """Median us per forward (+ logits) over `replays`, from a captured graph (or eager)."""
+    model = runner.model
+
+    def forward():
+        ids, positions, meta = inputs
+        return model.compute_logits(model(ids, positions, runner.kv_caches, meta), False)
+
+    with torch.inference_mode():
+        for _ in range(2):  # tuning and compilation happen here, outside the capture
+            forward()
+        run = forward
+        if graph:
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                forward()
+            run = g.replay
+        times = []
+        for _ in range(5):
+            if runner.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(replays):
+                    run()
+                end.record()
+                end.synchronize()
+                times.append(1e3 * start.elapsed_time(end) / replays)
+            else:
+                import time
+                t0 = time.perf_counter()
+                for _ in range(replays):
+                    run()
+                times.append(1e6 * (time.perf_counter() - t0) / replays)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--quantize-lm-head", action="store_true", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--ctx", type=int, default=256, help="context of the decoded token")
+    p.add_argument("--max-model-len", type=int, default=384, help="the graphs' split choice")
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--replays", type=int, default=100)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--load-format", default=None, help="default: dummy for a shape name")
+    p.add_argument("--output-json", default=None)
+    ns = p.parse_args()
+    model_dir, _ = resolve_model(ns.model)
+    load_format = ns.load_format or ("dummy" if is_shape_name(ns.model) else "auto")
+    config = EngineArgs(model=model_dir, load_format=load_format, dtype="bfloat16",
+                        device=ns.device, quantization=ns.quantization,
+                        quantize_lm_head=ns.quantize_lm_head, kv_cache_dtype=ns.kv_cache_dtype,
+                        max_num_seqs=1, max_model_len=ns.max_model_len).create_engine_config()
+    runner = ModelRunner(config)
+    runner.load_model()
+    runner.initialize_kv_cache(ns.max_model_len // runner.block_size + 2)
+    inputs = decode_inputs(runner, ns.ctx, ns.max_model_len)
+    rows = []
+    for part in ns.parts.split(","):
+        if part not in PARTS:
+            raise SystemExit(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+        with without(part):
+            us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
+        rows.append({"part": part, "us_per_step": us})
+    full = next((r["us_per_step"] for r in rows if r["part"] == "full"), None)
+    print(f"{'part':<22} {'us/step':>9} {'saved':>9}")
+    for r in rows:
+        saved = "" if full is None else f"{full - r['us_per_step']:9.1f}"
+        print(f"{r['part']:<22} {r['us_per_step']:9.1f} {saved}")
+    if ns.output_json:
+        Path(ns.output_json).write_text(json.dumps(
+            {"model": ns.model, "quantization": ns.quantization, "ctx": ns.ctx,
+             "quantize_lm_head": bool(ns.quantize_lm_head), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
