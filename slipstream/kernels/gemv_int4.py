@@ -304,7 +304,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
-                    STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0):
+                    STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
+                    WHOLE_KP: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -312,9 +313,10 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
     (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
     pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
-    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K, a power of two; with CHAIN, no split): the
-    program's whole weight slice, scales and zeros are requested before the PDL wait, then one
-    chained product over all of K (_w4_whole_k): no loop, every byte in flight at once."""
+    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
+    up to a power of two): the program's whole weight slice, scales and zeros are requested
+    before the PDL wait, then one chained product over all of K (_w4_whole_k): no loop, every
+    byte in flight at once."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -328,7 +330,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     x_ptrs = x_ptr + 8 * offs_w
     if WHOLE_K:
         sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
-                           GROUP, BLOCK_N, WHOLE_K, BF16X2, USE_PDL)
+                           GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
     else:
         if CHAIN:
             acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
@@ -390,23 +392,27 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
 @triton.jit
 def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
-                BF16X2: tl.constexpr, USE_PDL: tl.constexpr):
+                KP: tl.constexpr, BF16X2: tl.constexpr, USE_PDL: tl.constexpr):
     """_w4_gemv_kernel's WHOLE_K path: the row sums [BLOCK_N] of the program's rows over all of
     K. Words, scales and zeros (never written by a kernel) are loaded before the PDL wait, x
     after it; each run of four words lies in one group (GROUP % 32 == 0), whose scale and zero
-    are gathered per run."""
-    WW: tl.constexpr = K // 8
-    offs = tl.arange(0, WW)
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + offs[None, :])
-    g = (tl.arange(0, WW // 4) * 32 // GROUP)[None, :]
-    z8 = tl.load(z_ptr + rows[:, None] * stride_zn + g)
-    s = tl.load(s_ptr + rows[:, None] * stride_sn + g).to(tl.float32)
+    are gathered per run. The tile is KP // 8 words wide (a power of two); the words past K read
+    as 0 with scale 0, so they add nothing."""
+    WP: tl.constexpr = KP // 8
+    offs = tl.arange(0, WP)
+    ok = offs < K // 8
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + offs[None, :], mask=ok[None, :], other=0)
+    quad = tl.arange(0, WP // 4)
+    g = (quad * 32 // GROUP)[None, :]
+    quad_ok = (quad < K // 32)[None, :]
+    z8 = tl.load(z_ptr + rows[:, None] * stride_zn + g, mask=quad_ok, other=0)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + g, mask=quad_ok, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     if BF16X2 == 2:
-        p0, p1, p2, p3 = x_pairs_prmt(x_ptr, 0, offs)
+        p0, p1, p2, p3 = x_pairs_prmt(x_ptr, 0, offs, ok)
     else:
-        p0, p1, p2, p3 = x_pairs(x_ptr, 0, offs)
-    return tl.sum(_chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WW, BF16X2 == 2) * s, 1)
+        p0, p1, p2, p3 = x_pairs(x_ptr, 0, offs, ok)
+    return tl.sum(_chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WP, BF16X2 == 2) * s, 1)
 
 
 def _two_rows_dot_asm() -> str:
@@ -586,7 +592,7 @@ class W4Config(GemvConfig):
     dot: bool = False
     two_rows: bool = False
     four_rows: bool = False
-    whole_k: bool = False  # M == 1 chained, split 1, K a power of two: _w4_whole_k
+    whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -640,11 +646,13 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # gate_up 27.0 -> 25.7 us (n64, three ahead), down 15.1 -> 14.7 (n128, two ahead).
     chained += [W4Config(bn, 128, sk, w, 1, pf, bit_convert=2) for bn, w, sk, pf in
                 [(128, 8, 0, 2), (128, 8, 2, 2), (64, 4, 0, 2), (64, 4, 0, 3)]]
-    # A program's whole weight slice requested at once, before the PDL wait (_w4_whole_k; K a
-    # power of two, else these run as the chained loop without a split): the int8 / fp8 whole-K
-    # tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as load-latency bound.
+    # A program's whole weight slice requested at once, before the PDL wait (_w4_whole_k; where
+    # it does not fit, _whole_k_fits, these run the chained loop without a split): the int8 /
+    # fp8 whole-K tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as
+    # load-latency bound. sm_90a ptxas at K = 4096: 80-217 registers; at 14,336 (2 rows, 4
+    # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
-             [(8, 4), (16, 4), (16, 8), (32, 8)]]
+             [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
@@ -738,9 +746,17 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: 
     and the gate-out launch (which reuses its choice) both take them from here, so they run the
     same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
     chain = _chained(cfg, x2, chunk)
-    whole = (getattr(cfg, "whole_k", False) and chain and split == 1 and k & (k - 1) == 0)
+    whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, k)
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
-                CHAIN=chain, WHOLE_K=k if whole else 0)
+                CHAIN=chain, WHOLE_K=k if whole else 0,
+                WHOLE_KP=triton.next_power_of_2(k) if whole else 0)
+
+
+def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
+    """Whether a whole-K tile holds at most 64 words (512 nibbles) a thread, K rounded up to a
+    power of two: sm_90a ptxas, 80-217 registers and no spills for every such candidate at
+    Llama-3.1-8B's K = 4,096 and 14,336."""
+    return cfg.block_n * triton.next_power_of_2(k) // 8 <= 64 * 32 * cfg.num_warps
 
 
 def _bf16x2_mode(cfg: GemvConfig, x2: torch.Tensor) -> int:

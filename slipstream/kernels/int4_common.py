@@ -49,19 +49,29 @@ def magic_pair(w, A: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def x_pairs(x_ptr, k, offs_w):
+def _load_or_zero(ptrs, mask):
+    """tl.load, with the masked-off elements 0 (mask None: every element)."""
+    if mask is None:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def x_pairs(x_ptr, k, offs_w, mask=None):
     """The chunk's bf16 x (from k) as packed pairs per word column j: p_a = (x_8j+a low,
     x_8j+a+4 high), a = 0..3, the order of a word's nibbles a and a+4 (16 bits apart).
-    x_ptr may be one pointer or a tensor of them (a row per element)."""
+    x_ptr may be one pointer or a tensor of them (a row per element). mask: word columns to
+    read (the others are 0)."""
     xi = x_ptr.to(tl.pointer_type(tl.uint32)) + k // 2 + 4 * offs_w
-    xa, xb = tl.load(xi), tl.load(xi + 1)
-    xc, xd = tl.load(xi + 2), tl.load(xi + 3)
+    xa, xb = _load_or_zero(xi, mask), _load_or_zero(xi + 1, mask)
+    xc, xd = _load_or_zero(xi + 2, mask), _load_or_zero(xi + 3, mask)
     return ((xa & 0xFFFF) | (xc << 16), (xa >> 16) | (xc & 0xFFFF0000),
             (xb & 0xFFFF) | (xd << 16), (xb >> 16) | (xd & 0xFFFF0000))
 
 
 @triton.jit
-def x_pairs_prmt(x_ptr, k, offs_w):
+def x_pairs_prmt(x_ptr, k, offs_w, mask=None):
     """x_pairs from two 64-bit loads per word column and one PRMT per pair (sm_90 PTX): half
     the loads and instructions of the 32-bit loads and masks."""
     xi = x_ptr.to(tl.pointer_type(tl.uint64)) + k // 4 + 2 * offs_w
@@ -75,7 +85,8 @@ def x_pairs_prmt(x_ptr, k, offs_w):
         prmt.b32 $2, b, d, 0x5410;
         prmt.b32 $3, b, d, 0x7632;
         }""",
-        constraints="=r,=r,=r,=r,l,l", args=[tl.load(xi), tl.load(xi + 1)],
+        constraints="=r,=r,=r,=r,l,l",
+        args=[_load_or_zero(xi, mask), _load_or_zero(xi + 1, mask)],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
 
 

@@ -436,20 +436,21 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("group,k", [(128, 512), (64, 512), (128, 384)])
 @pytest.mark.parametrize("gate_out", [False, True])
-def test_w4_whole_k_equals_the_chained_loop(group: int, gate_out: bool) -> None:
-    """whole_k (K a power of two): the program's whole slice in one chained product, equal to
-    the chained loop's result within float32 summation order, plain and gate-out; K not a power
-    of two runs the loop."""
-    n, k = 42, 512
+def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool) -> None:
+    """whole_k: the program's whole slice in one chained product, equal to the chained loop's
+    result within float32 summation order, plain and gate-out; K = 384 pads the tile to 512
+    (the padding's words read 0 with scale 0); a slice too wide for the tile runs the loop."""
+    n = 42
     packed = quantized(n, k, group, seed=5)
     g = torch.Generator().manual_seed(11)
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     whole = W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True,
                      bit_convert=2, whole_k=True)
-    assert gemv_int4._one_row_path(whole, x, group, k, 1)["WHOLE_K"] == k
-    assert gemv_int4._one_row_path(whole, x, group, 640, 1)["WHOLE_K"] == 0
+    path = gemv_int4._one_row_path(whole, x, group, k, 1)
+    assert (path["WHOLE_K"], path["WHOLE_KP"]) == (k, 512)
+    assert gemv_int4._one_row_path(whole, x, group, 64 * 1024, 1)["WHOLE_K"] == 0
     loop = dataclasses.replace(whole, whole_k=False)
     if gate_out:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, whole)
