@@ -61,6 +61,21 @@ def test_decode_only_auto_splits() -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
+def test_longer_splits_knob(monkeypatch) -> None:
+    """SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (the module constant): fewer, longer splits for a short
+    decode, none once one covers the context; the result unchanged."""
+    from slipstream.kernels import paged_attention as pa
+
+    q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=5)
+    splits = {}
+    for tokens in (64, 128, 512):
+        monkeypatch.setattr(pa, "_MIN_TOKENS_PER_SPLIT", tokens)
+        splits[tokens] = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).num_splits
+        _check(q, kc, vc, meta)
+    assert splits[64] >= splits[128] > splits[512] == 1  # (64: also capped by the SM count)
+
+
 def test_causal_boundary_sweep() -> None:
     """Prefix lengths around a tile edge: the unmasked/masked tile split must be exact."""
     ctx = list(range(11, 20))
