@@ -482,3 +482,25 @@ def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
     keys = ("PREFETCH", "STAGES", "BF16X2", "CHAIN", "WHOLE_K")
     plain, gated = ({k: call[k] for k in keys} for call in launches)
     assert plain == gated and plain["WHOLE_K"] == 512
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096)])
+def test_gpu_w4_whole_k_tiles(n: int, k: int) -> None:
+    """Every whole-K candidate that fits (down's K padded to 16,384 words; gate_up as gate-out
+    too) against the reference on the GPU, run twice."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    packed = quantized(n, k, 128, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = gemv_int4.w4_linear_reference(x, *packed, 128)
+    tried = 0
+    for cfg in gemv_int4.candidate_w4_configs(1, torch.bfloat16):
+        if not (cfg.whole_k and gemv_int4._one_row_path(cfg, x, 128, k, 1)["WHOLE_K"]):
+            continue
+        tried += 1
+        for _ in range(2):
+            _gpu_check(gemv_int4.w4_gemv(x, *packed, 128, None, cfg), want, cfg.label())
+        got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
+        _gpu_check(got, silu_and_mul(want.float()), cfg.label() + " gate-out")
+    assert tried >= 2
