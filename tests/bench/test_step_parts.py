@@ -1,0 +1,54 @@
+"""benchmarks/bench_step_parts.py on the CPU (eager, no graph): every part is timed on a tiny
+model, a part's patch replaces the layer's forward while active, and the class patches are
+restored afterwards (the full forward runs the real attention and norms again)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from slipstream.layers.attention import Attention
+from slipstream.layers.norm import RMSNorm
+from tests.helpers import make_tiny_checkpoint
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step_parts.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_step_parts", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parts_take_their_kernels_out_and_restore(tmp_path, monkeypatch):
+    bench = _script()
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    calls = {"attention": 0, "norm": 0}
+    attention, norm = Attention.forward, RMSNorm.forward
+
+    def counting_attention(self, *args, **kwargs):
+        calls["attention"] += 1
+        return attention(self, *args, **kwargs)
+
+    def counting_norm(self, *args, **kwargs):
+        calls["norm"] += 1
+        return norm(self, *args, **kwargs)
+
+    monkeypatch.setattr(Attention, "forward", counting_attention)
+    monkeypatch.setattr(RMSNorm, "forward", counting_norm)
+    with bench.without("no_attention_norms"):
+        assert Attention.forward is bench._skip_attention and RMSNorm.forward is bench._skip_norm
+    assert Attention.forward is counting_attention and RMSNorm.forward is counting_norm
+    out = tmp_path / "parts.json"
+    monkeypatch.setattr("sys.argv", ["bench_step_parts.py", "--model", str(path), "--device",
+                                     "cpu", "--ctx", "20", "--max-model-len", "32",
+                                     "--replays", "1", "--output-json", str(out)])
+    with torch.inference_mode():
+        bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["part"] for r in rows] == list(bench.PARTS)
+    assert all(r["us_per_step"] > 0 for r in rows)
+    assert calls["attention"] > 0 and calls["norm"] > 0  # the full forward ran them
