@@ -2,8 +2,8 @@
 # One device call: W1 (bench_quant.py) of one source tree under several environment settings,
 # in order on one machine, each row's ratio read against bf16 in its own run. Arguments are
 # NAME:VAR=VALUE[,VAR=VALUE...] (NAME: alone = the defaults); the first run also compiles the
-# kernels (a fresh machine: ~2.5 min, then ~1 min each). GPU_TESTS: pytest paths (or "-k EXPR"
-# arguments) run first with -m gpu; W1_METHODS (default none,fp8+head,int8_wo+head);
+# kernels (a fresh machine: ~2.5 min, then ~1 min each). GPU_TESTS: pytest paths run first
+# with -m gpu (GPU_K: a -k expression for them); W1_METHODS (default none,fp8+head,int8_wo+head);
 # BUDGET_S (default 540) skips the variants that would start after it.
 #
 #   GPU_TESTS="tests/engine/test_gpu_e2e.py" bash benchmarks/run_w1_variants.sh \
@@ -16,7 +16,7 @@ start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 if [[ -n ${GPU_TESTS:-} ]]; then
   timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 $GPU_TESTS \
-    > "$RESULTS/gpu_tests.log" 2>&1
+    ${GPU_K:+-k "$GPU_K"} > "$RESULTS/gpu_tests.log" 2>&1
   echo "gpu tests ($(elapsed) s): $(tail -1 "$RESULTS/gpu_tests.log")"
   grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head
 fi
