@@ -36,8 +36,6 @@ _MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
 _PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
-# An A/B knob (0: the decode rule below): pipeline stages for decode splits of one K/V tile.
-_ONE_TILE_SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_ONE_TILE_STAGES", "0"))
 
 
 @triton.jit
@@ -404,10 +402,6 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
-    if decode and splits > 1 and _ONE_TILE_SPLIT_STAGES and splits * block_n >= meta.max_seq_len:
-        # One tile a split: a pipeline has nothing to overlap, but its buffers (3 x 32 KB at
-        # head_dim 128) would hold shared memory while the program waits for the QKV GEMV.
-        stages = _ONE_TILE_SPLIT_STAGES
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode)
 
 
