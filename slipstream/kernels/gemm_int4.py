@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from slipstream.kernels.int4_common import (
+    GemmTileConfig,
     dequant_tile,
     grouped_tile,
     large_m_bucket,
@@ -89,19 +90,10 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 
 @dataclass(frozen=True)
-class W4GemmConfig:
+class W4GemmConfig(GemmTileConfig):
     """Output tile, K step (gcd with the group size) and launch parameters."""
 
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-
-    def label(self) -> str:
-        return (f"w4 gemm {self.block_m}x{self.block_n}x{self.block_k} warps {self.num_warps} "
-                f"stages {self.num_stages}")
+    KIND = "w4 gemm"
 
 
 def default_gemm_config(m: int) -> W4GemmConfig:

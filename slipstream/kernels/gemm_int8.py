@@ -18,7 +18,12 @@ import triton.language as tl
 
 from slipstream.kernels.gemv import _counters, _reduce_splits
 from slipstream.kernels.gemv_int8 import qgemv_reference
-from slipstream.kernels.int4_common import grouped_tile, large_m_bucket, measure_best
+from slipstream.kernels.int4_common import (
+    GemmTileConfig,
+    grouped_tile,
+    large_m_bucket,
+    measure_best,
+)
 from slipstream.quantization.int8_wo import convert_linear
 
 
@@ -74,22 +79,17 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
 
 
 @dataclass(frozen=True)
-class W8GemmConfig:
+class W8GemmConfig(GemmTileConfig):
     """Output tile, K step and launch parameters."""
 
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
     swap_ab: bool = False  # the product as w @ x^T (see _w8_gemm_kernel)
     split_k: int = 1  # programs sharing one output tile's K (at most one per K step)
 
+    KIND = "w8 gemm"
+
     def label(self) -> str:
-        return (f"w8 gemm {self.block_m}x{self.block_n}x{self.block_k} warps {self.num_warps} "
-                f"stages {self.num_stages}{' swap' if self.swap_ab else ''}"
-                f"{f' split {self.split_k}' if self.split_k > 1 else ''}")
+        return (super().label() + (" swap" if self.swap_ab else "")
+                + (f" split {self.split_k}" if self.split_k > 1 else ""))
 
 
 def default_gemm_config(m: int) -> W8GemmConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +179,26 @@ def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     pid_m = first_m + (pid % width) % size_m
     pid_n = (pid % width) // size_m
     return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@dataclass(frozen=True)
+class GemmTileConfig:
+    """A dequantizing GEMM's output tile, K step and launch parameters (the int4 and int8
+    GEMMs' configs extend it)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+    KIND = "gemm"  # the label's first words (a class attribute, not a field)
+
+    def label(self) -> str:
+        """A short name for logs and benchmark tables."""
+        return (f"{self.KIND} {self.block_m}x{self.block_n}x{self.block_k} "
+                f"warps {self.num_warps} stages {self.num_stages}")
 
 
 def large_m_bucket(m: int) -> int:
