@@ -191,7 +191,13 @@ def _chained_row_dot(w, z, p0, p1, p2, p3, ROWS: tl.constexpr, WORDS: tl.constex
     """[ROWS, WORDS] words -> [ROWS, WORDS // 4]: sum_i (q_i - z) x_i over each run of four
     words of a row (ASM: _CHAINED_ASM; else its float32 twin, the interpreter)."""
     w0, w1, w2, w3 = _quarters(tl.reshape(w, [ROWS, WORDS // 4, 2, 2]))
-    x = _pair_quarters(p0, p1, p2, p3, WORDS)
+    return _quartet_dot(w0, w1, w2, w3, z, _pair_quarters(p0, p1, p2, p3, WORDS), ASM)
+
+
+@triton.jit
+def _quartet_dot(w0, w1, w2, w3, z, x, ASM: tl.constexpr):
+    """sum_i (q_i - z) x_i over words w0..w3 (a run of four, the same shape each) with x their
+    16 pair tensors (_pair_quarters' order): _CHAINED_ASM, or its float32 twin."""
     if ASM:
         zc = ((z.to(tl.uint32) + 0x4300) * 0x10001).to(tl.int32, bitcast=True)
         return tl.inline_asm_elementwise(
@@ -408,11 +414,26 @@ def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_z
     z8 = tl.load(z_ptr + rows[:, None] * stride_zn + g, mask=quad_ok, other=0)
     s = tl.load(s_ptr + rows[:, None] * stride_sn + g, mask=quad_ok, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, WP // 4, 2, 2]))
+    x0 = _x_quarter(x_ptr, quad, 0, K, BF16X2)
+    x1 = _x_quarter(x_ptr, quad, 1, K, BF16X2)
+    x2 = _x_quarter(x_ptr, quad, 2, K, BF16X2)
+    x3 = _x_quarter(x_ptr, quad, 3, K, BF16X2)
+    x = (x0[0], x0[1], x0[2], x0[3], x1[0], x1[1], x1[2], x1[3],
+         x2[0], x2[1], x2[2], x2[3], x3[0], x3[1], x3[2], x3[3])
+    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1)
+
+
+@triton.jit
+def _x_quarter(x_ptr, quad, AT: tl.constexpr, K: tl.constexpr, BF16X2: tl.constexpr):
+    """The x pairs of words 4 quad + AT as [1, quads] rows, read in the layout of the words they
+    meet (no shared-memory layout change after the PDL wait: sm_90a, 11 -> 3 barriers)."""
+    word = (4 * quad + AT)[None, :]
+    ok = word < K // 8
     if BF16X2 == 2:
-        p0, p1, p2, p3 = x_pairs_prmt(x_ptr, 0, offs, ok)
+        return x_pairs_prmt(x_ptr, 0, word, ok)
     else:
-        p0, p1, p2, p3 = x_pairs(x_ptr, 0, offs, ok)
-    return tl.sum(_chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WP, BF16X2 == 2) * s, 1)
+        return x_pairs(x_ptr, 0, word, ok)
 
 
 def _two_rows_dot_asm() -> str:
