@@ -28,6 +28,7 @@ from slipstream.kernels.gemv import (
     _tile_rows,
     gate_out_launch,
     gate_out_ok,
+    rms_ok,
 )
 from slipstream.kernels.int4_common import (
     measure_best,
@@ -43,7 +44,7 @@ from slipstream.kernels.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
-           "w4_linear_small_gate_out"]
+           "w4_linear_small_gate_out", "w4_linear_small_rms"]
 
 
 @triton.jit
@@ -311,7 +312,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
-                    WHOLE_KP: tl.constexpr = 0):
+                    WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -322,7 +323,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
     before the PDL wait, then one chained product over all of K (_w4_whole_k): no loop, every
-    byte in flight at once."""
+    byte in flight at once. RMS_EPS > 0 (no split): the product is taken with x / rms(x), the
+    RMSNorm whose weight was folded into this weight at load (models/norm_fold.py): x's sum of
+    squares read alongside the products, 1 / rms applied to the row sums (as gemv's)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -337,16 +340,24 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     if WHOLE_K:
         sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                            GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
+        if RMS_EPS > 0:
+            offs_x = tl.arange(0, WHOLE_KP)
+            xs = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+            squares = xs * xs
     else:
         if CHAIN:
             acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
         one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
+        squares = tl.zeros([CHUNK], tl.float32)
         n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
         pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
         for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
             w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
+            if RMS_EPS > 0:  # one float32 load per thread: x is in L1 for the products
+                xs = tl.load(x_ptr + k + tl.arange(0, CHUNK)).to(tl.float32)
+                squares += xs * xs
             g = k // GROUP
             s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
             if CHAIN:
@@ -387,6 +398,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
                 acc += t * (16.0 * s)
         sums = tl.sum(acc, 1)
+    if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
+        sums = sums * tl.math.rsqrt(tl.sum(squares) / K + RMS_EPS)
     if GATE_OUT:
         _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                          N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
@@ -710,11 +723,13 @@ def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
 
 def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             group_size: int, bias: torch.Tensor | None = None,
-            config: GemvConfig | None = None) -> torch.Tensor:
+            config: GemvConfig | None = None, rms_eps: float = 0.0) -> torch.Tensor:
     """x [..., K] @ dequant(qweight)^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
 
     Constraints: group_size a multiple of 16 dividing K (K itself: one group per row); any N.
     The K chunk is gcd(config.block_k, group_size); block_k is also the split-K granularity.
+    rms_eps > 0 (one row, a one-row config without a K split: gemv.rms_ok): the product is
+    taken with x / rms(x), as gemv's.
     """
     k = x.shape[-1]
     n = qweight.shape[0]
@@ -727,6 +742,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_w4_config(m)
+    if rms_eps and not rms_ok(m, n, k, cfg, x.device):
+        raise ValueError(f"rms_eps needs one row and a one-row config without a K split; got "
+                         f"M={m}, {cfg.label() if hasattr(cfg, 'label') else cfg}")
     chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
     split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
@@ -744,8 +762,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        _w4_gemv_kernel[(n_tiles, split)](*args, **_one_row_path(cfg, x2, chunk, k, split),
-                                          **common)
+        _w4_gemv_kernel[(n_tiles, split)](*args, **_one_row_path(cfg, x2, chunk, k, split,
+                                                                 rms_eps), **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -762,7 +780,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     return out.view(*x.shape[:-1], n)
 
 
-def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int) -> dict:
+def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int,
+                  rms_eps: float = 0.0) -> dict:
     """_w4_gemv_kernel's path constexprs for a config. The plain product (which the tuner times)
     and the gate-out launch (which reuses its choice) both take them from here, so they run the
     same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
@@ -770,7 +789,7 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: 
     whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, k)
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
-                WHOLE_KP=triton.next_power_of_2(k) if whole else 0)
+                WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps))
 
 
 def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
@@ -845,16 +864,18 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                      zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-                     config: W4Config) -> torch.Tensor:
+                     config: W4Config, rms_eps: float = 0.0) -> torch.Tensor:
     """silu_and_mul(w4_gemv(x)) for one row of x and a [gate | up] weight of 2I rows, in one
-    launch of the M == 1 kernel (each program pairs its gate rows with the matching up rows)."""
+    launch of the M == 1 kernel (each program pairs its gate rows with the matching up rows).
+    rms_eps > 0: of x / rms(x) (see w4_gemv; not with an mma config)."""
     k = x.shape[-1]
     n = qweight.shape[0]
     words = packed_words(qweight, scales, zeros, group_size, k)
     x2 = row_major(x.reshape(-1, k))
-    if not gate_out_ok(x2.shape[0], n, config):
-        raise ValueError(f"w4_gemv_gate_out needs one row, an even N and a one-row config; got "
-                         f"M={x2.shape[0]}, N={n}, {config}")
+    if not gate_out_ok(x2.shape[0], n, config) or (
+            rms_eps and not rms_ok(x2.shape[0], n, k, config, x.device)):
+        raise ValueError(f"w4_gemv_gate_out needs one row, an even N and a one-row config "
+                         f"(rms_eps: without a K split); got M={x2.shape[0]}, N={n}, {config}")
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     chunk = math.gcd(config.block_k, group_size)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(config, n, k, x.device)
@@ -870,24 +891,40 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None,
-        **_one_row_path(config, x2, chunk, k, split), GATE_OUT=True,
+        **_one_row_path(config, x2, chunk, k, split, rms_eps), GATE_OUT=True,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 
 
 def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                              zeros: torch.Tensor, group_size: int,
-                             bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                             bias: torch.Tensor | None = None,
+                             rms_eps: float = 0.0) -> torch.Tensor | None:
     """w4_gemv_gate_out with the measured config of the plain product, for one row of x on CUDA
-    when that config is a one-row kernel; else None (the caller runs the product, then the
-    activation)."""
+    when that config is a one-row kernel (rms_eps > 0: one that keeps K whole); else None (the
+    caller runs the norm, the product, then the activation)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
-    if not gate_out_ok(1, qweight.shape[0], cfg) or (
+    n, k = qweight.shape[0], x.shape[-1]
+    if not gate_out_ok(1, n, cfg) or (rms_eps and not rms_ok(1, n, k, cfg, x.device)) or (
             getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)):
         return None  # (an mma tile of 16 rows a warp: its product, then the activation)
-    return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg)
+    return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps)
+
+
+def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                        eps: float) -> torch.Tensor | None:
+    """w4_linear_small of x / rms(x) in one launch, for one row of x on CUDA whose measured
+    config keeps K whole in the one-row kernel (an RMSNorm whose weight was folded into this
+    weight, models/norm_fold.py); else None (the caller runs the norm first)."""
+    if not x.is_cuda or x.numel() != x.shape[-1]:
+        return None
+    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
+    if not rms_ok(1, qweight.shape[0], x.shape[-1], cfg, x.device):
+        return None
+    return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps=eps)
 
 
 def w4_choices() -> dict[str, str]:

@@ -9,9 +9,9 @@ critical path (64 a token, ~0.1 ms); computing the norm with its weight inside t
 than that (session 9: the weight's load and product in every tile), which the fold removes.
 
 Off by default until measured on a GPU: SLIPSTREAM_FOLD_NORMS=1. Only projections that still hold
-16-bit weights when they are processed are folded (unquantized, int8_wo / fp8 quantized at load);
-pre-quantized checkpoints, and calibrations that read or rescale the norms (AWQ, SmoothQuant),
-keep their norms.
+16-bit weights when they are processed are folded (unquantized; int8_wo, fp8 and int4_awq's
+round-to-nearest quantized at load); pre-quantized checkpoints, and calibrations that read or
+rescale the norms (AWQ's layer hook, SmoothQuant), keep their norms.
 """
 from __future__ import annotations
 

@@ -65,6 +65,13 @@ class Int4LinearMethod(QuantMethod):
         self.gptq_zero_offset = gptq_zero_offset  # GPTQ v1 stores zero - 1
         self.act_order, self.symmetric = act_order, symmetric
 
+    @property
+    def folds_norm(self) -> bool:
+        """A float checkpoint is rounded to nearest at load: the norm's weight can be folded into
+        the 16-bit weight first (models/norm_fold.py). AWQ (`slipstream quantize`, a layer hook
+        that keeps every norm) and pre-quantized checkpoints keep their norms."""
+        return self.layout is None
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         if self.group_size is None:  # per-channel scales: one group spans the whole row
@@ -202,9 +209,9 @@ class Int4LinearMethod(QuantMethod):
     def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        rms_eps: float = 0.0) -> torch.Tensor | None:
         """One decode row on CUDA (W4_GATE_OUT): the W4 GEMV writes silu_and_mul of the
-        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None. The W4
-        kernels take no rms_eps (AWQ folds its scales into the norms: they are never folded)."""
-        if rms_eps or not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
+        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None. rms_eps:
+        of x / rms(x), where the measured config keeps K whole."""
+        if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
             return None
         from slipstream.kernels.gemv_int4 import w4_linear_small_gate_out
 
@@ -212,7 +219,19 @@ class Int4LinearMethod(QuantMethod):
         if perm is not None:
             x = x.index_select(-1, perm)
         group = x.shape[-1] // layer.scales.shape[1]
-        return w4_linear_small_gate_out(x, layer.qweight, layer.scales, layer.zeros, group, bias)
+        return w4_linear_small_gate_out(x, layer.qweight, layer.scales, layer.zeros, group, bias,
+                                        rms_eps)
+
+    def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+        """apply(x / rms(x)) in one W4 GEMV launch for one decode row on CUDA, where the
+        measured config keeps K whole (kernels/gemv_int4.w4_linear_small_rms); else None."""
+        if not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers:
+            return None
+        from slipstream.kernels.gemv_int4 import w4_linear_small_rms
+
+        group = x.shape[-1] // layer.scales.shape[1]
+        return w4_linear_small_rms(x, layer.qweight, layer.scales, layer.zeros, group, bias, eps)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""

@@ -504,3 +504,68 @@ def test_gpu_w4_whole_k_tiles(n: int, k: int) -> None:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
         _gpu_check(got, silu_and_mul(want.float()), cfg.label() + " gate-out")
     assert tried >= 2
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("cfg", [
+    W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True, bit_convert=2,
+             whole_k=True),
+    W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=3, bit_convert=2),
+    W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=True),
+], ids=["whole-k", "chained", "fma"])
+@pytest.mark.parametrize("k", [512, 384])
+def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
+    """The one-row W4 GEMV normalising its input row itself (rms_eps, a norm folded into the
+    weight): equal to the product with x / rms(x), plain and gate-out (K = 384: a whole-K tile
+    padded to 512, whose padding adds no squares); refused for two rows and a K split, and by
+    the measured path off CUDA."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    packed = quantized(42, k, 128, seed=7)
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.bfloat16 if cfg.bit_convert else torch.float32
+    x, b = (5.0 * torch.randn(1, k, generator=g)).to(dtype), torch.randn(42, generator=g)
+    want = gemv_int4.w4_linear_reference(_normed(x, 1e-6), *packed, 128, b.double())
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding
+    got = gemv_int4.w4_gemv(x, *packed, 128, b.to(dtype), cfg, rms_eps=1e-6)
+    assert rel(got, want) < tol
+    got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b.to(dtype), cfg, rms_eps=1e-6)
+    # gate and up are each the product's value (bf16: packed-bf16 sums, ~4e-3 apart), rounded
+    # to the output dtype before SiLU(gate)·up: twice the product's tolerance
+    assert rel(got, silu_and_mul(want.to(dtype).double())) < 2 * tol
+    with pytest.raises(ValueError, match="one row"):
+        gemv_int4.w4_gemv(x.expand(2, k), *packed, 128, None, cfg, rms_eps=1e-6)
+    with pytest.raises(ValueError, match="K split"):
+        gemv_int4.w4_gemv(x, *packed, 128, None, dataclasses.replace(cfg, split_k=2),
+                          rms_eps=1e-6)
+    assert gemv_int4.w4_linear_small_rms(x, *packed, 128, None, 1e-6) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096)])
+def test_gpu_w4_rms_every_candidate(n: int, k: int) -> None:
+    """Every one-row candidate without a K split normalises x itself (plain and gate-out) on
+    the GPU, as the reference of x / rms(x); the measured entry points agree with them."""
+    from slipstream.kernels.reference import silu_and_mul
+
+    packed = quantized(n, k, 128, "cuda")
+    x = 6.0 * torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = gemv_int4.w4_linear_reference(_normed(x, 1e-5).float(), *packed, 128)
+    tried = 0
+    for cfg in gemv_int4.candidate_w4_configs(1, torch.bfloat16):
+        if not gemv_int4.rms_ok(1, n, k, cfg, x.device):
+            continue
+        tried += 1
+        _gpu_check(gemv_int4.w4_gemv(x, *packed, 128, None, cfg, rms_eps=1e-5), want,
+                   cfg.label())
+        got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg, rms_eps=1e-5)
+        _gpu_check(got, silu_and_mul(want.float()), cfg.label() + " gate-out")
+    assert tried >= 4
+    got = gemv_int4.w4_linear_small_rms(x, *packed, 128, None, 1e-5)
+    if got is not None:  # the measured config keeps K whole
+        _gpu_check(got, want, "w4_linear_small_rms")
