@@ -137,7 +137,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
                  USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
                  GATE_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
                  BIT_CONVERT: tl.constexpr = 0, WHOLE_K: tl.constexpr = False,
-                 RMS_EPS: tl.constexpr = 0.0):
+                 RMS_EPS: tl.constexpr = 0.0, RMS_KP: tl.constexpr = 0):
     """M == 1: elementwise products into a 2-D float32 accumulator, one reduction at the end.
 
     PREFETCH issues the next weight tile's loads before this tile's arithmetic: two tiles in
@@ -150,10 +150,13 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     (kernels/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
     PREFETCH, one tile spanning K, no split): the program's whole weight slice is requested
     before the wait, so a GEMV after a latency-bound kernel (attention) has its weights in
-    registers when its input is ready; no loop, no tile requested ahead. RMS_EPS > 0 (no
-    split, not GATED): x is the residual stream h and the product is taken with h / rms(h), the
+    registers when its input is ready; no loop, no tile requested ahead. RMS_EPS > 0 (not
+    GATED): x is the residual stream h and the product is taken with h / rms(h), the
     RMSNorm whose weight was folded into this weight at load (models/norm_fold.py): the sum of
-    squares of the x tiles it loads anyway, 1 / rms applied to the row sums at the end.
+    squares of the x tiles it loads anyway, 1 / rms applied to the row sums at the end. With a K
+    split (RMS_KP: K rounded up to a power of two) each program reads all of x for the statistic
+    (8 KB at K = 4096, from L2), requested with its first tile and reduced after its loop; 1 / rms
+    is a common factor of the splits' partial sums, so their reduction is unchanged.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -172,10 +175,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
             square_sum = tl.sum(x.to(tl.float32) * x.to(tl.float32))
         acc = _tile_product(w, x, BIT_CONVERT)
     else:
-        acc, squares = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K, PREFETCH,
-                               STAGES, GATED, EVEN_K, BIT_CONVERT, USE_PDL, RMS_EPS > 0)
-        if RMS_EPS > 0:
-            square_sum = tl.sum(squares)
+        acc, square_sum = _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N, BLOCK_K,
+                                  PREFETCH, STAGES, GATED, EVEN_K, BIT_CONVERT, USE_PDL,
+                                  RMS_EPS > 0, RMS_KP)
     sums = tl.sum(acc, 1)
     if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
         sums = sums * tl.math.rsqrt(square_sum / K + RMS_EPS)
@@ -196,10 +198,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
 def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr,
-            SQUARES: tl.constexpr):
+            SQUARES: tl.constexpr, FULL_KP: tl.constexpr = 0):
     """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES): the float32
-    products [BLOCK_N, BLOCK_K] and (SQUARES) x's squares summed per column [BLOCK_K]; the PDL
-    wait comes after the first prefetched tiles are requested."""
+    products [BLOCK_N, BLOCK_K] and (SQUARES) the sum of x's squares, over the range or
+    (FULL_KP > 0: K rounded up to a power of two) over all of x, read after the PDL wait and
+    reduced after the loop. The PDL wait comes after the first prefetched tiles are requested."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     squares = tl.zeros([BLOCK_K], tl.float32)
     if PREFETCH:  # PREFETCH tiles (1-3) requested ahead, the first ones before the PDL wait
@@ -210,6 +213,9 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
         if PREFETCH >= 3:
             n3 = _load_w_tile(w_ptrs, k_lo + 2 * BLOCK_K, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
     pdl_wait(USE_PDL)
+    if FULL_KP:
+        offs_all = tl.arange(0, FULL_KP)
+        x_all = tl.load(x_ptr + offs_all, mask=offs_all < K, other=0.0)
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             w = n1
@@ -225,9 +231,11 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
         x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += _tile_product(w, x, BIT_CONVERT)
-        if SQUARES:
+        if SQUARES and not FULL_KP:
             squares += x.to(tl.float32) * x.to(tl.float32)
-    return acc, squares
+    if FULL_KP:
+        return acc, tl.sum(x_all.to(tl.float32) * x_all.to(tl.float32))
+    return acc, tl.sum(squares)
 
 
 @triton.jit
@@ -429,19 +437,35 @@ def one_row_path(cfg: GemvConfig, k: int, split: int, rms_eps: float = 0.0) -> d
     the tuner times, and gate_out, which reuses the plain product's choice) takes them from here,
     so they run the code that was timed: a whole-K tile sent down the loop path instead keeps a
     [BLOCK_N, K] float32 accumulator and two weight tiles live (register spills; the H200's
-    int8 W1 decode fell from ~360 to 10 tok/s). rms_eps: see gemv; the statistic needs all of
-    K in every program, so no split."""
-    if rms_eps and split != 1:
-        raise ValueError(f"rms_eps needs the whole K in one program; {cfg} splits K {split} ways")
+    int8 W1 decode fell from ~360 to 10 tok/s). rms_eps: see gemv; with a K split every program
+    reads all of x for the statistic (RMS_KP), which must fit beside the loop (rms_ok)."""
+    if rms_eps and split > 1 and not split_rms_fits(cfg, k):
+        raise ValueError(f"rms_eps with a K split holds all of x in every program: K={k} is too "
+                         f"long for {cfg.num_warps} warps; use a config without a split")
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, WHOLE_K=whole_k(cfg, k, split),
-                RMS_EPS=float(rms_eps))
+                RMS_EPS=float(rms_eps),
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
+
+
+# With a K split, a program holds all of x for the statistic until its loop ends: at most this
+# many elements a thread (64 bf16: 32 registers; K = 4,096 with two warps). sm_90a ptxas, K =
+# 4,096: +8 to +40 registers (int8 4 x 1024 / 2 warps: 134 -> 168), no spills; not yet timed
+# against the norm kernel it saves. SLIPSTREAM_RMS_SPLIT=0: split configs run the norm kernel.
+_RMS_X_PER_THREAD = 64 if os.environ.get("SLIPSTREAM_RMS_SPLIT", "1") != "0" else 0
 
 
 def rms_ok(m: int, n: int, k: int, cfg: GemvConfig | None, device: torch.device) -> bool:
     """Whether a one-row launch of cfg over an [n, k] weight can normalise x itself (rms_eps):
-    the M == 1 kernel without a K split (gate_out launches split as the plain product does)."""
-    return (m == 1 and cfg is not None and not cfg.dot and not cfg.fp8_act
-            and not getattr(cfg, "mma", False) and _split_k(cfg, n, k, device)[0] == 1)
+    the M == 1 kernel, and with a K split (gate_out launches split as the plain product does)
+    an x that fits in registers beside the loop."""
+    if m != 1 or cfg is None or cfg.dot or cfg.fp8_act or getattr(cfg, "mma", False):
+        return False
+    return _split_k(cfg, n, k, device)[0] == 1 or split_rms_fits(cfg, k)
+
+
+def split_rms_fits(cfg: GemvConfig, k: int) -> bool:
+    """Whether every program of a K-split launch can hold all of x for rms_eps's statistic."""
+    return triton.next_power_of_2(k) <= _RMS_X_PER_THREAD * 32 * cfg.num_warps
 
 
 def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):

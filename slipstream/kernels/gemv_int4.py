@@ -312,7 +312,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     USE_PDL: tl.constexpr = False, BF16X2: tl.constexpr = 0,
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
-                    WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0):
+                    WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
+                    RMS_KP: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -323,9 +324,10 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
     before the PDL wait, then one chained product over all of K (_w4_whole_k): no loop, every
-    byte in flight at once. RMS_EPS > 0 (no split): the product is taken with x / rms(x), the
-    RMSNorm whose weight was folded into this weight at load (models/norm_fold.py): x's sum of
-    squares read alongside the products, 1 / rms applied to the row sums (as gemv's)."""
+    byte in flight at once. RMS_EPS > 0: the product is taken with x / rms(x), the RMSNorm whose
+    weight was folded into this weight at load (models/norm_fold.py): x's sum of squares read
+    alongside the products, or with a K split (RMS_KP: K rounded up to a power of two) all of x
+    read by every program, 1 / rms applied to the row sums (as gemv's)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -353,9 +355,12 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         squares = tl.zeros([CHUNK], tl.float32)
         n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
         pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
+        if RMS_KP:  # a K split: all of x for the statistic, reduced after the loop
+            offs_all = tl.arange(0, RMS_KP)
+            x_all = tl.load(x_ptr + offs_all, mask=offs_all < K, other=0.0)
         for k in tl.range(k_lo, k_hi, CHUNK, num_stages=STAGES):
             w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
-            if RMS_EPS > 0:  # one float32 load per thread: x is in L1 for the products
+            if RMS_EPS > 0 and not RMS_KP:  # one load a thread: x is in L1 for the products
                 xs = tl.load(x_ptr + k + tl.arange(0, CHUNK)).to(tl.float32)
                 squares += xs * xs
             g = k // GROUP
@@ -398,6 +403,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
                 acc += t * (16.0 * s)
         sums = tl.sum(acc, 1)
+        if RMS_KP:
+            squares = x_all.to(tl.float32) * x_all.to(tl.float32)
     if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
         sums = sums * tl.math.rsqrt(tl.sum(squares) / K + RMS_EPS)
     if GATE_OUT:
@@ -728,8 +735,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
     Constraints: group_size a multiple of 16 dividing K (K itself: one group per row); any N.
     The K chunk is gcd(config.block_k, group_size); block_k is also the split-K granularity.
-    rms_eps > 0 (one row, a one-row config without a K split: gemv.rms_ok): the product is
-    taken with x / rms(x), as gemv's.
+    rms_eps > 0 (one row, a one-row config: gemv.rms_ok): the product is taken with
+    x / rms(x), as gemv's.
     """
     k = x.shape[-1]
     n = qweight.shape[0]
@@ -743,8 +750,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_w4_config(m)
     if rms_eps and not rms_ok(m, n, k, cfg, x.device):
-        raise ValueError(f"rms_eps needs one row and a one-row config without a K split; got "
-                         f"M={m}, {cfg.label() if hasattr(cfg, 'label') else cfg}")
+        raise ValueError(f"rms_eps needs one row and a one-row config (with a K split, an x "
+                         f"that fits: gemv.split_rms_fits); got M={m}, {cfg}")
     chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
     split, per_split = _split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
@@ -789,7 +796,8 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: 
     whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, k)
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
-                WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps))
+                WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
 
 
 def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
@@ -875,7 +883,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if not gate_out_ok(x2.shape[0], n, config) or (
             rms_eps and not rms_ok(x2.shape[0], n, k, config, x.device)):
         raise ValueError(f"w4_gemv_gate_out needs one row, an even N and a one-row config "
-                         f"(rms_eps: without a K split); got M={x2.shape[0]}, N={n}, {config}")
+                         f"(rms_eps: gemv.rms_ok); got M={x2.shape[0]}, N={n}, {config}")
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     chunk = math.gcd(config.block_k, group_size)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(config, n, k, x.device)
@@ -901,8 +909,8 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
                              bias: torch.Tensor | None = None,
                              rms_eps: float = 0.0) -> torch.Tensor | None:
     """w4_gemv_gate_out with the measured config of the plain product, for one row of x on CUDA
-    when that config is a one-row kernel (rms_eps > 0: one that keeps K whole); else None (the
-    caller runs the norm, the product, then the activation)."""
+    when that config is a one-row kernel (rms_eps > 0: gemv.rms_ok); else None (the caller runs
+    the norm, the product, then the activation)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
@@ -917,7 +925,7 @@ def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                         zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                         eps: float) -> torch.Tensor | None:
     """w4_linear_small of x / rms(x) in one launch, for one row of x on CUDA whose measured
-    config keeps K whole in the one-row kernel (an RMSNorm whose weight was folded into this
+    config is the one-row kernel (gemv.rms_ok; an RMSNorm whose weight was folded into this
     weight, models/norm_fold.py); else None (the caller runs the norm first)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None

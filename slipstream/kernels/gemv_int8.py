@@ -132,7 +132,7 @@ def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
                       bias: torch.Tensor | None, eps: float) -> torch.Tensor | None:
     """qlinear_small of x / rms(x) in one launch for one row of x (an RMSNorm whose weight is
     folded into the weight, models/norm_fold.py), when the measured config is a one-row
-    dequant GEMV that keeps K whole; else None (the caller runs the norm kernel)."""
+    dequant GEMV (gemv.rms_ok); else None (the caller runs the norm kernel)."""
     cfg = _one_row_qconfig(x, qweight, scale, bias)
     if not _gemv.rms_ok(1, qweight.shape[0], qweight.shape[1], cfg, x.device):
         return None

@@ -129,7 +129,7 @@ def linear_rms(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                eps: float) -> torch.Tensor | None:
     """linear(x / rms(x), weight, bias) in one launch for one row of x (an RMSNorm whose weight
     is folded into `weight`, models/norm_fold.py), when the measured choice for the product is
-    a one-row Triton GEMV that keeps K whole; else None (the caller runs the norm kernel)."""
+    a one-row Triton GEMV (gemv.rms_ok); else None (the caller runs the norm kernel)."""
     cfg = _one_row_choice(x, weight, bias)
     if not _gemv.rms_ok(1, weight.shape[0], x.shape[-1], cfg, x.device):
         return None

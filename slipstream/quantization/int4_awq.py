@@ -210,7 +210,7 @@ class Int4LinearMethod(QuantMethod):
                        rms_eps: float = 0.0) -> torch.Tensor | None:
         """One decode row on CUDA (W4_GATE_OUT): the W4 GEMV writes silu_and_mul of the
         [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None. rms_eps:
-        of x / rms(x), where the measured config keeps K whole."""
+        of x / rms(x), where the measured config is the one-row kernel (gemv.rms_ok)."""
         if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
             return None
         from slipstream.kernels.gemv_int4 import w4_linear_small_gate_out
@@ -225,7 +225,8 @@ class Int4LinearMethod(QuantMethod):
     def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
         """apply(x / rms(x)) in one W4 GEMV launch for one decode row on CUDA, where the
-        measured config keeps K whole (kernels/gemv_int4.w4_linear_small_rms); else None."""
+        measured config is the one-row kernel (kernels/gemv_int4.w4_linear_small_rms); else
+        None."""
         if not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers:
             return None
         from slipstream.kernels.gemv_int4 import w4_linear_small_rms

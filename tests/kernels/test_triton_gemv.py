@@ -271,7 +271,9 @@ def _rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 RMS_CONFIGS = [gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),  # whole K
                gemv.GemvConfig(block_n=8, block_k=64, split_k=1, prefetch=2),
-               gemv.GemvConfig(block_n=16, block_k=128, split_k=1, num_stages=2)]
+               gemv.GemvConfig(block_n=16, block_k=128, split_k=1, num_stages=2),
+               gemv.GemvConfig(block_n=8, block_k=64, split_k=3, prefetch=True),  # K split
+               gemv.GemvConfig(block_n=16, block_k=128, split_k=2, num_stages=2)]
 
 
 @pytest.mark.parametrize("cfg", RMS_CONFIGS)
@@ -292,16 +294,19 @@ def test_gemv_rms_eps_normalises_x(cfg: gemv.GemvConfig, k: int, with_bias: bool
 
 
 def test_gemv_rms_eps_limits() -> None:
-    """rms_eps needs one row, a plain input and all of K in one program."""
+    """rms_eps needs one row, a plain input and, with a K split, an x short enough for every
+    program to hold it (64 elements a thread)."""
     w = torch.randn(64, 256)
     whole = RMS_CONFIGS[0]
-    assert gemv.rms_ok(1, 64, 256, whole, torch.device("cpu"))
-    assert not gemv.rms_ok(2, 64, 256, whole, torch.device("cpu"))
-    split = gemv.GemvConfig(block_n=8, block_k=64, split_k=2)
-    assert not gemv.rms_ok(1, 64, 256, split, torch.device("cpu"))
-    assert not gemv.rms_ok(1, 64, 256, None, torch.device("cpu"))  # cuBLAS chosen
-    with pytest.raises(ValueError, match="whole K"):
-        gemv.gemv(torch.randn(1, 256), w, None, split, rms_eps=1e-5)
+    cpu = torch.device("cpu")
+    assert gemv.rms_ok(1, 64, 256, whole, cpu)
+    assert not gemv.rms_ok(2, 64, 256, whole, cpu)
+    split = gemv.GemvConfig(block_n=8, block_k=64, split_k=2, num_warps=1)
+    assert gemv.rms_ok(1, 64, 256, split, cpu) and gemv.rms_ok(1, 64, 2048, split, cpu)
+    assert not gemv.rms_ok(1, 64, 2049, split, cpu)
+    assert not gemv.rms_ok(1, 64, 256, None, cpu)  # cuBLAS chosen
+    with pytest.raises(ValueError, match="too long"):
+        gemv.gemv(torch.randn(1, 4096), torch.randn(64, 4096), None, split, rms_eps=1e-5)
     with pytest.raises(ValueError, match="one row"):
         gemv.gemv(torch.randn(2, 256), w, None, whole, rms_eps=1e-5)
     # off CUDA the measured paths decline: the caller runs the norm kernel
@@ -311,8 +316,8 @@ def test_gemv_rms_eps_limits() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672), (1000, 334)])
 def test_gpu_gemv_rms_every_candidate(k: int, n: int) -> None:
-    """bf16, one row: every candidate that keeps K whole (rms_ok) normalises x itself, plain
-    and gate_out, within bf16 rounding of x / rms(x) in float64; x far from rms 1."""
+    """bf16, one row: every candidate that can (rms_ok, K splits included) normalises x itself,
+    plain and gate_out, within bf16 rounding of x / rms(x) in float64; x far from rms 1."""
     from slipstream.kernels.reference import silu_and_mul
 
     x = 6.0 * torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

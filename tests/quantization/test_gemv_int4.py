@@ -517,13 +517,15 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
              whole_k=True),
     W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=3, bit_convert=2),
     W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=True),
-], ids=["whole-k", "chained", "fma"])
+    W4Config(block_n=16, block_k=128, split_k=2, num_warps=4, prefetch=2, bit_convert=2),
+    W4Config(block_n=16, block_k=128, split_k=3, num_warps=2, prefetch=True),
+], ids=["whole-k", "chained", "fma", "chained-split", "fma-split"])
 @pytest.mark.parametrize("k", [512, 384])
 def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
     """The one-row W4 GEMV normalising its input row itself (rms_eps, a norm folded into the
     weight): equal to the product with x / rms(x), plain and gate-out (K = 384: a whole-K tile
-    padded to 512, whose padding adds no squares); refused for two rows and a K split, and by
-    the measured path off CUDA."""
+    padded to 512 and a split's x read to 512, whose padding adds no squares); refused for two
+    rows and, with a K split, an x too long to hold, and by the measured path off CUDA."""
     from slipstream.kernels.reference import silu_and_mul
 
     packed = quantized(42, k, 128, seed=7)
@@ -540,17 +542,19 @@ def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
     assert rel(got, silu_and_mul(want.to(dtype).double())) < 2 * tol
     with pytest.raises(ValueError, match="one row"):
         gemv_int4.w4_gemv(x.expand(2, k), *packed, 128, None, cfg, rms_eps=1e-6)
-    with pytest.raises(ValueError, match="K split"):
-        gemv_int4.w4_gemv(x, *packed, 128, None, dataclasses.replace(cfg, split_k=2),
-                          rms_eps=1e-6)
+    long_k = 64 * 32 * cfg.num_warps + 128  # over gemv.split_rms_fits' 64 elements a thread
+    x_long = torch.ones(1, long_k, dtype=dtype)
+    with pytest.raises(ValueError, match="split_rms_fits"):
+        gemv_int4.w4_gemv(x_long, *quantized(8, long_k, 128), 128, None,
+                          dataclasses.replace(cfg, split_k=2, whole_k=False), rms_eps=1e-6)
     assert gemv_int4.w4_linear_small_rms(x, *packed, 128, None, 1e-6) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (28672, 4096)])
 def test_gpu_w4_rms_every_candidate(n: int, k: int) -> None:
-    """Every one-row candidate without a K split normalises x itself (plain and gate-out) on
-    the GPU, as the reference of x / rms(x); the measured entry points agree with them."""
+    """Every one-row candidate (K splits included: gemv.rms_ok) normalises x itself (plain and
+    gate-out) on the GPU, as the reference of x / rms(x); the measured entry point agrees."""
     from slipstream.kernels.reference import silu_and_mul
 
     packed = quantized(n, k, 128, "cuda")

@@ -378,7 +378,9 @@ def test_deeper_prefetch_has_the_bits_of_one_tile_ahead(depth: int, k: int, spli
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
                                             bit_convert=1),
-                                 GemvConfig(block_n=8, block_k=128, split_k=1, num_stages=2)])
+                                 GemvConfig(block_n=8, block_k=128, split_k=1, num_stages=2),
+                                 GemvConfig(block_n=8, block_k=64, split_k=3, prefetch=True,
+                                            bit_convert=1)])  # a K split
 def test_qgemv_rms_eps(wdtype: torch.dtype, cfg: GemvConfig) -> None:
     """The dequant GEMV normalising its one input row itself (rms_eps): equal to the product
     with x / rms(x); plain and gate_out launches; refused for several rows and FP8-activation
@@ -404,8 +406,8 @@ def test_qgemv_rms_eps(wdtype: torch.dtype, cfg: GemvConfig) -> None:
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672)])
 def test_gpu_qgemv_rms_every_candidate(wdtype, k: int, n: int) -> None:
-    """int8 / fp8, one row: every candidate that keeps K whole normalises x itself (plain and
-    gate_out), as the dequantized float math of x / rms(x)."""
+    """int8 / fp8, one row: every candidate that can (rms_ok, K splits included) normalises x
+    itself (plain and gate_out), as the dequantized float math of x / rms(x)."""
     from slipstream.kernels.reference import silu_and_mul
 
     if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
