@@ -155,8 +155,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     RMSNorm whose weight was folded into this weight at load (models/norm_fold.py): the sum of
     squares of the x tiles it loads anyway, 1 / rms applied to the row sums at the end. With a K
     split (RMS_KP: K rounded up to a power of two) each program reads all of x for the statistic
-    (8 KB at K = 4096, from L2), requested with its first tile and reduced after its loop; 1 / rms
-    is a common factor of the splits' partial sums, so their reduction is unchanged.
+    (8 KB at K = 4096, from L2), requested right after the PDL wait and reduced after its loop;
+    1 / rms is a common factor of the splits' partial sums, so their reduction is unchanged.
     """
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
