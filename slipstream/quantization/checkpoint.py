@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from slipstream.models.norm_fold import kept_norms
 from slipstream.quantization.base import METHOD_NAMES
 from slipstream.quantization.calibration import (
     calibration_prompts,
@@ -88,10 +89,12 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                        kv_cache_memory=64 << 20, max_num_seqs=8, enable_prefix_caching=False,
                        kv_cache_dtype=dtype,
                        quantization=method if at_load or streamed else None)
-    if streamed:
-        llm = streamed_calibration(model_dir, method, texts, max_calib_len, engine_args, options)
-    else:
-        llm = LLM(**engine_args)
+    with kept_norms():  # the written checkpoint keeps the source's norms
+        if streamed:
+            llm = streamed_calibration(model_dir, method, texts, max_calib_len, engine_args,
+                                       options)
+        else:
+            llm = LLM(**engine_args)
     model: nn.Module = llm.engine.runner.model
     if module is not None and not at_load and not streamed:
         if getattr(module, "NEEDS_CALIBRATION", False):

@@ -24,8 +24,9 @@ def checkpoint(tmp_path_factory):
                                 num_hidden_layers=2, hidden_size=128, intermediate_size=256)
 
 
-def _load(path, fold: bool, monkeypatch, **kw):
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", fold)
+def _load(path, fold: bool | str, monkeypatch, **kw):
+    mode = {True: "all", False: "off"}.get(fold, fold)
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", mode)
     kw.setdefault("dtype", "float32")
     return load_model(EngineArgs(model=str(path), device="cpu", **kw).create_engine_config())
 
@@ -51,10 +52,33 @@ def test_fold_moves_each_norm_weight_into_its_projection(checkpoint, monkeypatch
     assert not folded.model.norm.folded  # the final norm feeds the LM head: kept
 
 
+def test_auto_folds_only_weights_that_are_rounded_at_load(checkpoint, monkeypatch):
+    """The default (`auto`): an unquantized model keeps its checkpoint weights bit for bit;
+    a method that quantizes at load gets the fold."""
+    plain = _load(checkpoint, False, monkeypatch)
+    auto = _load(checkpoint, "auto", monkeypatch)
+    assert not any(n.folded for n in _norms(auto))
+    for (name, a), (_, p) in zip(auto.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a, p), name
+    quant = _load(checkpoint, "auto", monkeypatch, quantization="fp8", load_format="dummy")
+    assert all(n.folded for n in _norms(quant))
+
+
+@pytest.mark.parametrize("value,mode", [("auto", "auto"), ("1", "all"), ("ALL", "all"),
+                                        ("0", "off"), ("off", "off")])
+def test_fold_setting_values(value, mode):
+    assert norm_fold._mode(value) == mode
+
+
+def test_fold_setting_rejects_unknown_values():
+    with pytest.raises(ValueError, match="SLIPSTREAM_FOLD_NORMS='yes'"):
+        norm_fold._mode("yes")
+
+
 def test_batch1_decode_with_folded_norms_matches_transformers(checkpoint, monkeypatch):
     """Greedy tokens equal HF's, one prompt at a time (each decode step is one row: the folded
     path, with the reference ops' fallbacks on the CPU); the path is checked to have run."""
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", True)
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "all")
     calls = []
     folded_row = llama.LlamaDecoderLayer._forward_folded_row
 
@@ -113,7 +137,7 @@ def test_gpu_int4_folded_row_normalises_in_the_gemv(checkpoint, monkeypatch):
     the norm kernels (the W4 entry points refusing rms_eps)."""
     from slipstream.kernels import gemv_int4
 
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", True)
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "all")
     rms, gate_out = gemv_int4.w4_linear_small_rms, gemv_int4.w4_linear_small_gate_out
     normalised = []
 

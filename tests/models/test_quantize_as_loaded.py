@@ -8,7 +8,7 @@ import torch
 
 from slipstream.engine.args import EngineArgs
 from slipstream.layers.linear import LinearBase
-from slipstream.models import quantize_as_loaded
+from slipstream.models import norm_fold, quantize_as_loaded
 from slipstream.models.loader import build_model, load_model
 from slipstream.quantization.utils import (
     FP8_DTYPE,
@@ -73,8 +73,11 @@ def test_build_gives_load_time_weights_no_storage(llama_dir):
 
 @pytest.mark.parametrize("method,quantize", [("fp8", quantize_fp8_per_channel),
                                              ("int8_wo", quantize_int8_per_channel)])
-def test_dummy_weights_are_the_quantized_16_bit_dummy_weights(llama_dir, method, quantize):
-    """Same seed, same values as before the change: the 16-bit dummy model, quantized."""
+def test_dummy_weights_are_the_quantized_16_bit_dummy_weights(llama_dir, method, quantize,
+                                                              monkeypatch):
+    """Same seed, same values as before the change: the 16-bit dummy model, quantized (norms
+    unfolded: test_norm_fold.py checks the folded weights)."""
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
     plain = load_model(engine_config(llama_dir, load_format="dummy"))
     quant = load_model(engine_config(llama_dir, load_format="dummy", quantization=method))
     for (name, a), (_, b) in zip(plain.named_modules(), quant.named_modules(), strict=True):

@@ -111,18 +111,23 @@ def test_prequantized_layouts_load_like_load_time_rtn(tiny, tmp_path, layout,
     path = _write_layout(tiny, tmp_path / layout, layout)
     got = _greedy(path, qu.detect_quant_method(json.loads((path / "config.json").read_text())),
                   prompts)
-    # The same integers dequantized in the model: compare with weights RTN-quantized in memory.
+    # The same integers dequantized in the model: compare with weights RTN-quantized in memory
+    # (unfolded, as the files were written).
+    from slipstream.models import norm_fold
     from slipstream.quantization import int4_awq
 
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", GROUP)
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
     assert got == _greedy(tiny, "int4_awq", prompts)
 
 
 def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> None:
     """group_size -1 (with desc_act, as such checkpoints often are): one scale and zero per
     output row; the same tokens as per-channel RTN of the float model at load time."""
+    from slipstream.models import norm_fold
     from slipstream.quantization import int4_awq
 
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")  # the files hold the unfolded weights
     prompts = [[5, 17, 99, 300], [7, 8, 9, 10, 11]]
     path = _write_layout(tiny, tmp_path / "gptq_per_channel", "gptq", group=-1)
     llm = LLM(str(path), kv_cache_memory=16 << 20)
