@@ -9,7 +9,12 @@ per-kernel spans cannot show. The outputs of the reduced graphs are meaningless;
 
     python benchmarks/bench_step_parts.py --quantization fp8 --quantize-lm-head --ctx 256 \
         [--output-json F]
-    SLIPSTREAM_FOLD_NORMS=1 python benchmarks/bench_step_parts.py ...   # norms inside the GEMVs
+    SLIPSTREAM_FOLD_NORMS=0 python benchmarks/bench_step_parts.py ...   # norm kernels kept
+    python benchmarks/bench_step_parts.py --attn-variants _PRELOAD=1,_PRELOAD=1+_MIN_TOKENS_PER_SPLIT=128
+
+--attn-variants times the whole step again under each setting of kernels/paged_attention.py's
+module knobs (`+` joins several; integers, 0 / 1 for flags), in the same process and graphs'
+shapes: an A/B of the attention choices without reloading or retuning the model.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch  # noqa: E402
 from slipstream.attention.backend import AttentionMetadata  # noqa: E402
 from slipstream.bench.shapes import is_shape_name, resolve_model  # noqa: E402
 from slipstream.engine.args import EngineArgs  # noqa: E402
+from slipstream.kernels import paged_attention  # noqa: E402
 from slipstream.layers.attention import Attention  # noqa: E402
 from slipstream.layers.norm import RMSNorm  # noqa: E402
 from slipstream.runner.model_runner import ModelRunner  # noqa: E402
@@ -54,6 +60,26 @@ def without(part: str):
         yield
     finally:
         Attention.forward, RMSNorm.forward = saved
+
+
+@contextlib.contextmanager
+def attention_knobs(variant: str):
+    """paged_attention's module knobs set as `variant` says (NAME=INT[+NAME=INT...])."""
+    settings = {}
+    for item in variant.split("+"):
+        name, _, value = item.partition("=")
+        if not hasattr(paged_attention, name) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--attn-variants: {item!r} is not NAME=INT of a paged_attention knob")
+        kind = type(getattr(paged_attention, name))
+        settings[name] = kind(int(value))
+    saved = {name: getattr(paged_attention, name) for name in settings}
+    for name, value in settings.items():
+        setattr(paged_attention, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(paged_attention, name, value)
 
 
 def decode_inputs(runner: ModelRunner, ctx: int, max_seq_len: int):
@@ -116,6 +142,8 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=256, help="context of the decoded token")
     p.add_argument("--max-model-len", type=int, default=384, help="the graphs' split choice")
     p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--attn-variants", default="",
+                   help="comma list of NAME=INT[+NAME=INT] paged_attention knob settings")
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--device", default="cuda")
     p.add_argument("--load-format", default=None, help="default: dummy for a shape name")
@@ -138,11 +166,20 @@ def main() -> None:
         with without(part):
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
         rows.append({"part": part, "us_per_step": us})
+    for variant in filter(None, ns.attn_variants.split(",")):
+        with attention_knobs(variant):
+            us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
+        rows.append({"part": f"full {variant}", "us_per_step": us})
+        print(f"measured {variant}: {us:.1f} us/step", flush=True)  # survives a timeout
+    if ns.attn_variants and "full" in ns.parts.split(","):  # the first row again: any drift
+        rows.append({"part": "full (again)",
+                     "us_per_step": time_part(runner, inputs, runner.device.type == "cuda",
+                                              ns.replays)})
     full = next((r["us_per_step"] for r in rows if r["part"] == "full"), None)
-    print(f"{'part':<22} {'us/step':>9} {'saved':>9}")
+    print(f"{'part':<44} {'us/step':>9} {'saved':>9}")
     for r in rows:
         saved = "" if full is None else f"{full - r['us_per_step']:9.1f}"
-        print(f"{r['part']:<22} {r['us_per_step']:9.1f} {saved}")
+        print(f"{r['part']:<44} {r['us_per_step']:9.1f} {saved}")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(
             {"model": ns.model, "quantization": ns.quantization, "ctx": ns.ctx,
