@@ -37,6 +37,10 @@ _MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
 _PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
+# Tile length of split decode launches (0: the default below); with a shorter tile a short
+# context spreads over more programs (an A/B knob, SLIPSTREAM_ATTN_SPLIT_BLOCK_N=32 with
+# SLIPSTREAM_ATTN_TOKENS_PER_SPLIT=32: 8 splits at context 256 instead of 4).
+_SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
 
 
 @triton.jit
@@ -391,6 +395,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         while splits > 1 and scratch > _MAX_SCRATCH_BYTES:
             splits //= 2
             scratch //= 2
+    if decode and splits > 1 and _SPLIT_BLOCK_N:
+        block_n = _SPLIT_BLOCK_N
     num_warps = 4 if block_m <= 64 else 8
     if decode and splits == 1 and dtype != torch.float32:
         # Many short programs (one per sequence and KV head): two warps each let more of them
