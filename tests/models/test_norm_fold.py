@@ -161,3 +161,40 @@ def test_gpu_int4_folded_row_normalises_in_the_gemv(checkpoint, monkeypatch):
                      for o in llm.generate(prompts, greedy(12), use_tqdm=False)])
         del llm
     assert any(normalised) and runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["int8_wo", "fp8"])
+def test_gpu_int8_fp8_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch, method):
+    """int8_wo / fp8 quantized at load with folded norms (the default, `auto`), batch 1, float32
+    on the GPU: the dequant GEMVs that normalise their own input (QKV, and gate/up writing
+    SiLU(gate)·up) give the tokens the same folded model gives through the norm kernels."""
+    from slipstream.kernels import gemv_int8
+
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "auto")
+    rms, gate_out = gemv_int8.qlinear_small_rms, gemv_int8.qlinear_small_gate_out
+    normalised = []
+
+    def spy_rms(*args):
+        y = rms(*args)
+        normalised.append(y is not None)
+        return y
+
+    prompts = random_prompts(2, 500, seed=7, lengths=(5, 20))
+    runs = []
+    for in_gemv in (True, False):
+        if in_gemv:
+            monkeypatch.setattr(gemv_int8, "qlinear_small_rms", spy_rms)
+        else:
+            monkeypatch.setattr(gemv_int8, "qlinear_small_rms", lambda *a: None)
+            monkeypatch.setattr(gemv_int8, "qlinear_small_gate_out",
+                                lambda *a: None if a[-1] else gate_out(*a))
+        llm = LLM(str(checkpoint), dtype="float32", device="cuda", quantization=method,
+                  max_num_seqs=1, max_model_len=256, kv_cache_memory=64 << 20)
+        assert all(n.folded for n in _norms(llm.engine.runner.model))
+        runs.append([o.outputs[0].token_ids
+                     for o in llm.generate(prompts, greedy(12), use_tqdm=False)])
+        del llm
+    assert any(normalised) and runs[0] == runs[1]
