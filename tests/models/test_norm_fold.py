@@ -130,15 +130,28 @@ def test_calibrations_that_rescale_the_norms_keep_them(checkpoint, monkeypatch):
     assert seen == [0, 1] and not any(n.folded for n in _norms(model))
 
 
-@pytest.mark.gpu
-def test_gpu_int4_folded_row_normalises_in_the_gemv(checkpoint, monkeypatch):
-    """int4_awq (round-to-nearest at load) with folded norms, batch 1, float32 on the GPU: the
-    W4 GEMVs that normalise their own input give the tokens the same folded model gives through
-    the norm kernels (the W4 entry points refusing rms_eps)."""
-    from slipstream.kernels import gemv_int4
+_IN_GEMV_NORM = {  # method -> (kernel module, its one-row RMS entry point, its gate-out one)
+    "int4_awq": ("gemv_int4", "w4_linear_small_rms", "w4_linear_small_gate_out"),
+    "int8_wo": ("gemv_int8", "qlinear_small_rms", "qlinear_small_gate_out"),
+    "fp8": ("gemv_int8", "qlinear_small_rms", "qlinear_small_gate_out"),
+}
 
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "all")
-    rms, gate_out = gemv_int4.w4_linear_small_rms, gemv_int4.w4_linear_small_gate_out
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(_IN_GEMV_NORM))
+def test_gpu_quantized_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch, method):
+    """Load-time quantization with folded norms (the default, `auto`; int4_awq: round-to-
+    nearest), batch 1, float32 on the GPU: the GEMVs that normalise their own input (QKV, and
+    gate/up writing SiLU(gate)·up) give the tokens the same folded model gives through the norm
+    kernels (the entry points refusing rms_eps)."""
+    import importlib
+
+    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
+    module_name, rms_name, gate_out_name = _IN_GEMV_NORM[method]
+    kernels = importlib.import_module(f"slipstream.kernels.{module_name}")
+    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "auto")
+    rms, gate_out = getattr(kernels, rms_name), getattr(kernels, gate_out_name)
     normalised = []
 
     def spy_rms(*args):
@@ -150,46 +163,10 @@ def test_gpu_int4_folded_row_normalises_in_the_gemv(checkpoint, monkeypatch):
     runs = []
     for in_gemv in (True, False):
         if in_gemv:
-            monkeypatch.setattr(gemv_int4, "w4_linear_small_rms", spy_rms)
+            monkeypatch.setattr(kernels, rms_name, spy_rms)
         else:
-            monkeypatch.setattr(gemv_int4, "w4_linear_small_rms", lambda *a: None)
-            monkeypatch.setattr(gemv_int4, "w4_linear_small_gate_out",
-                                lambda *a: None if a[-1] else gate_out(*a))
-        llm = LLM(str(checkpoint), dtype="float32", device="cuda", quantization="int4_awq",
-                  max_num_seqs=1, max_model_len=256, kv_cache_memory=64 << 20)
-        runs.append([o.outputs[0].token_ids
-                     for o in llm.generate(prompts, greedy(12), use_tqdm=False)])
-        del llm
-    assert any(normalised) and runs[0] == runs[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("method", ["int8_wo", "fp8"])
-def test_gpu_int8_fp8_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch, method):
-    """int8_wo / fp8 quantized at load with folded norms (the default, `auto`), batch 1, float32
-    on the GPU: the dequant GEMVs that normalise their own input (QKV, and gate/up writing
-    SiLU(gate)·up) give the tokens the same folded model gives through the norm kernels."""
-    from slipstream.kernels import gemv_int8
-
-    if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "auto")
-    rms, gate_out = gemv_int8.qlinear_small_rms, gemv_int8.qlinear_small_gate_out
-    normalised = []
-
-    def spy_rms(*args):
-        y = rms(*args)
-        normalised.append(y is not None)
-        return y
-
-    prompts = random_prompts(2, 500, seed=7, lengths=(5, 20))
-    runs = []
-    for in_gemv in (True, False):
-        if in_gemv:
-            monkeypatch.setattr(gemv_int8, "qlinear_small_rms", spy_rms)
-        else:
-            monkeypatch.setattr(gemv_int8, "qlinear_small_rms", lambda *a: None)
-            monkeypatch.setattr(gemv_int8, "qlinear_small_gate_out",
+            monkeypatch.setattr(kernels, rms_name, lambda *a: None)
+            monkeypatch.setattr(kernels, gate_out_name,
                                 lambda *a: None if a[-1] else gate_out(*a))
         llm = LLM(str(checkpoint), dtype="float32", device="cuda", quantization=method,
                   max_num_seqs=1, max_model_len=256, kv_cache_memory=64 << 20)
