@@ -3,7 +3,9 @@
 The model's forward (every layer and the LM head) for one sequence at a given context is
 captured in a CUDA graph as the engine replays it (PDL on), timed over many replays, then
 captured and timed again with one kind of kernel taken out: attention (the layer returns q), the
-RMSNorms (the layer passes its input through), or both. The difference is that part's cost on
+RMSNorms (the layer passes its input through), both, or one projection of every layer (no_qkv,
+no_o, no_gate_up, no_down: its output is left unwritten, a norm fused with it still runs) or the
+LM head (no_head). The difference is that part's cost on
 the critical path, each kernel's overlap with its neighbours included, which the profiler's
 per-kernel spans cannot show. The outputs of the reduced graphs are meaningless; only time counts.
 
@@ -37,7 +39,10 @@ from slipstream.layers.attention import Attention  # noqa: E402
 from slipstream.layers.norm import RMSNorm  # noqa: E402
 from slipstream.runner.model_runner import ModelRunner  # noqa: E402
 
-PARTS = ("full", "no_attention", "no_norms", "no_attention_norms")
+PARTS = ("full", "no_attention", "no_norms", "no_attention_norms", "no_qkv", "no_o", "no_gate_up",
+         "no_down", "no_head")
+_PROJECTIONS = {"no_qkv": "qkv_proj", "no_o": "o_proj", "no_gate_up": "gate_up_proj",
+                "no_down": "down_proj"}
 
 
 def _skip_attention(self, q, k, v, positions, cos_sin_cache, kv_cache, meta):
@@ -48,18 +53,50 @@ def _skip_norm(self, x, residual=None):
     return x if residual is None else (x, residual)
 
 
+def _skipped_linear(layer) -> dict:
+    """Instance methods that launch nothing: outputs of the right shape, left unwritten
+    (torch.empty: no kernel, from the graph's pool), residual adds dropped."""
+    n = layer.output_size
+
+    def out(x, width=n):
+        return torch.empty((*x.shape[:-1], width), dtype=x.dtype, device=x.device)
+
+    def normed(x, residual, norm):
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return out(h), residual
+
+    return {"forward": out, "forward_rms": lambda x, eps: out(x),
+            "forward_normed": normed, "forward_gate_out": lambda x, rms_eps=0.0: out(x, n // 2),
+            "forward_residual": lambda x, residual: residual,
+            "forward_gated": lambda gate_up, act: out(gate_up)}
+
+
 @contextlib.contextmanager
-def without(part: str):
-    """The model with `part`'s kernels taken out (class-level patches, restored after)."""
+def without(part: str, model: torch.nn.Module):
+    """The model with `part`'s kernels taken out (patches restored after)."""
     saved = Attention.forward, RMSNorm.forward
     if "attention" in part:
         Attention.forward = _skip_attention
     if "norms" in part:
         RMSNorm.forward = _skip_norm
+    patched = []
+    suffix = _PROJECTIONS.get(part)
+    for name, module in model.named_modules():
+        if suffix is not None and name.endswith(suffix):
+            patched.append(module)
+            for attr, fn in _skipped_linear(module).items():
+                setattr(module, attr, fn)
+    if part == "no_head":
+        patched.append(model)
+        model.compute_logits = lambda hidden, float32=True: torch.empty(
+            (hidden.shape[0], model.config.vocab_size), dtype=hidden.dtype, device=hidden.device)
     try:
         yield
     finally:
         Attention.forward, RMSNorm.forward = saved
+        for module in patched:  # instance attributes shadow the class's methods: drop them
+            for attr in [a for a in vars(module) if a.startswith(("forward", "compute_logits"))]:
+                delattr(module, attr)
 
 
 @contextlib.contextmanager
@@ -163,7 +200,7 @@ def main() -> None:
     for part in ns.parts.split(","):
         if part not in PARTS:
             raise SystemExit(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
-        with without(part):
+        with without(part, runner.model):
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
         rows.append({"part": part, "us_per_step": us})
     for variant in filter(None, ns.attn_variants.split(",")):
