@@ -10,7 +10,7 @@ RESULTS=${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$RESULTS"
 source benchmarks/device_env.sh
 PARTS=full,no_attention,no_qkv,no_o,no_gate_up,no_down,no_head
-VARIANTS=${ATTN_VARIANTS-_SPLIT_BLOCK_N=32+_MIN_TOKENS_PER_SPLIT=32,_PRELOAD=1}
+VARIANTS=${ATTN_VARIANTS-_SPLIT_BLOCK_N=32+_MIN_TOKENS_PER_SPLIT=32,_SPLIT_BLOCK_N=32+_MIN_TOKENS_PER_SPLIT=32+_SPLIT_WARPS=2,_SPLIT_WARPS=2,_SPLIT_WARPS=8}
 IFS=, read -ra methods <<< "${QUANTS:-none,fp8}"
 for quant in "${methods[@]}"; do
   args=(--ctx "${STEP_CTX:-256}" --parts "$PARTS" --attn-variants "$VARIANTS"

@@ -41,6 +41,8 @@ _PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
 # context spreads over more programs (an A/B knob, SLIPSTREAM_ATTN_SPLIT_BLOCK_N=32 with
 # SLIPSTREAM_ATTN_TOKENS_PER_SPLIT=32: 8 splits at context 256 instead of 4).
 _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
+# Warps of split decode launches (0: the default below; an A/B knob like the one above).
+_SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "0"))
 
 
 @triton.jit
@@ -399,6 +401,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     if decode and splits > 1 and _SPLIT_BLOCK_N:
         block_n = _SPLIT_BLOCK_N
     num_warps = 4 if block_m <= 64 else 8
+    if decode and splits > 1 and _SPLIT_WARPS:
+        num_warps = _SPLIT_WARPS
     if decode and splits == 1 and dtype != torch.float32:
         # Many short programs (one per sequence and KV head): two warps each let more of them
         # share an SM. Measured on the H200 at batch 64-512, contexts 192-1000: 3-10% faster

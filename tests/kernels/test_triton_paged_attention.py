@@ -77,20 +77,23 @@ def test_longer_splits_knob(monkeypatch) -> None:
 
 
 def test_split_tile_knob(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_SPLIT_BLOCK_N (the module constant): split decode launches take the
-    shorter tile, so a short context covers more splits; the result unchanged."""
+    """SLIPSTREAM_ATTN_SPLIT_BLOCK_N / _SPLIT_WARPS (the module constants): split decode
+    launches take the shorter tile (a short context covers more splits) and the warp count; the
+    result unchanged."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     monkeypatch.setattr(pa, "_MIN_TOKENS_PER_SPLIT", 16)
     monkeypatch.setattr(pa, "_SPLIT_BLOCK_N", 16)
+    monkeypatch.setattr(pa, "_SPLIT_WARPS", 2)
     cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert cfg.block_n == 16 and cfg.num_splits > 1
+    assert cfg.block_n == 16 and cfg.num_splits > 1 and cfg.num_warps == 2
     _check(q, kc, vc, meta)
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
-    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).block_n != 16  # decode only
+    cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
+    assert cfg.block_n != 16 and cfg.num_warps != 2  # decode only
 
 
 def test_causal_boundary_sweep() -> None:
