@@ -119,6 +119,17 @@ def attention_knobs(variant: str):
             setattr(paged_attention, name, value)
 
 
+def part_bytes(model: torch.nn.Module, part: str) -> int:
+    """Bytes of the weights (and their scales) a projection part or the head reads a step:
+    its saved time against them is its in-context read rate."""
+    suffix = _PROJECTIONS.get(part, "lm_head" if part == "no_head" else None)
+    if suffix is None:
+        return 0
+    return sum(t.numel() * t.element_size()
+               for name, module in model.named_modules() if name.endswith(suffix)
+               for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
+
+
 def decode_inputs(runner: ModelRunner, ctx: int, max_seq_len: int):
     """One sequence decoding its token at position ctx - 1 over blocks 0, 1, ..."""
     dev, bs = runner.device, runner.block_size
@@ -202,7 +213,7 @@ def main() -> None:
             raise SystemExit(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
         with without(part, runner.model):
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
-        rows.append({"part": part, "us_per_step": us})
+        rows.append({"part": part, "us_per_step": us, "bytes": part_bytes(runner.model, part)})
     for variant in filter(None, ns.attn_variants.split(",")):
         with attention_knobs(variant):
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
@@ -213,10 +224,13 @@ def main() -> None:
                      "us_per_step": time_part(runner, inputs, runner.device.type == "cuda",
                                               ns.replays)})
     full = next((r["us_per_step"] for r in rows if r["part"] == "full"), None)
-    print(f"{'part':<44} {'us/step':>9} {'saved':>9}")
+    print(f"{'part':<44} {'us/step':>9} {'saved':>9} {'MB':>8} {'GB/s':>7}")
     for r in rows:
-        saved = "" if full is None else f"{full - r['us_per_step']:9.1f}"
-        print(f"{r['part']:<44} {r['us_per_step']:9.1f} {saved}")
+        saved = None if full is None else full - r["us_per_step"]
+        mb = r.get("bytes", 0) / 1e6
+        rate = f"{r['bytes'] / saved / 1e3:7.0f}" if mb and saved and saved > 0 else ""
+        print(f"{r['part']:<44} {r['us_per_step']:9.1f} "
+              f"{'' if saved is None else f'{saved:9.1f}'} {f'{mb:8.1f}' if mb else '':>8} {rate}")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(
             {"model": ns.model, "quantization": ns.quantization, "ctx": ns.ctx,
