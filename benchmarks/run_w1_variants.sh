@@ -3,8 +3,9 @@
 # in order on one machine, each row's ratio read against bf16 in its own run. Arguments are
 # NAME:VAR=VALUE[,VAR=VALUE...] (NAME: alone = the defaults); the first run also compiles the
 # kernels (a fresh machine: ~2.5 min, then ~1 min each). GPU_TESTS: pytest paths run first
-# with -m gpu (GPU_K: a -k expression for them); W1_METHODS (default none,fp8+head,int8_wo+head);
-# BUDGET_S (default 540) skips the variants that would start after it.
+# with -m gpu (GPU_K: a -k expression for them; GPU_TESTS_TIMEOUT_S, default 200); W1_METHODS
+# (default none,fp8+head,int8_wo+head); BUDGET_S (default 540) skips the variants that would
+# start after it.
 #
 #   GPU_TESTS="tests/engine/test_gpu_e2e.py" bash benchmarks/run_w1_variants.sh \
 #     base: fold:SLIPSTREAM_FOLD_NORMS=1 base2:
@@ -15,10 +16,11 @@ source benchmarks/device_env.sh
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
 if [[ -n ${GPU_TESTS:-} ]]; then
-  timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 $GPU_TESTS \
-    ${GPU_K:+-k "$GPU_K"} > "$RESULTS/gpu_tests.log" 2>&1
+  # -v: each result's name as it comes (a run the cap cuts short prints no summary).
+  timeout "${GPU_TESTS_TIMEOUT_S:-200}" "$PY" -m pytest -v -m gpu -p no:cacheprovider -n 16 \
+    $GPU_TESTS ${GPU_K:+-k "$GPU_K"} > "$RESULTS/gpu_tests.log" 2>&1
   echo "gpu tests ($(elapsed) s): $(tail -1 "$RESULTS/gpu_tests.log")"
-  grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head
+  grep -E "(FAILED|ERROR) " "$RESULTS/gpu_tests.log" | head
 fi
 for variant in "$@"; do
   name=${variant%%:*}
