@@ -72,8 +72,11 @@ def _skipped_linear(layer) -> dict:
 
 
 @contextlib.contextmanager
-def without(part: str, model: torch.nn.Module):
-    """The model with `part`'s kernels taken out (patches restored after)."""
+def without(part: str, model: torch.nn.Module | None = None):
+    """The model with `part`'s kernels taken out (patches restored after); the projection and
+    head parts patch `model`'s modules."""
+    if model is None and (part in _PROJECTIONS or part == "no_head"):
+        raise ValueError(f"part {part!r} needs the model")
     saved = Attention.forward, RMSNorm.forward
     if "attention" in part:
         Attention.forward = _skip_attention
@@ -81,8 +84,8 @@ def without(part: str, model: torch.nn.Module):
         RMSNorm.forward = _skip_norm
     patched = []
     suffix = _PROJECTIONS.get(part)
-    for name, module in model.named_modules():
-        if suffix is not None and name.endswith(suffix):
+    for name, module in model.named_modules() if suffix is not None else ():
+        if name.endswith(suffix):
             patched.append(module)
             for attr, fn in _skipped_linear(module).items():
                 setattr(module, attr, fn)

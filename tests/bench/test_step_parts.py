@@ -52,3 +52,28 @@ def test_parts_take_their_kernels_out_and_restore(tmp_path, monkeypatch):
     assert [r["part"] for r in rows] == list(bench.PARTS)
     assert all(r["us_per_step"] > 0 for r in rows)
     assert calls["attention"] > 0 and calls["norm"] > 0  # the full forward ran them
+
+
+def test_projection_parts_skip_the_product_and_restore(tmp_path):
+    """no_o: every o_proj launches nothing (outputs of the right shape, the residual add
+    dropped) while active; afterwards the layer computes again."""
+    from slipstream.engine.args import EngineArgs
+    from slipstream.models.loader import load_model
+
+    bench = _script()
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    model = load_model(EngineArgs(model=str(path), device="cpu",
+                                  dtype="float32").create_engine_config())
+    o = model.model.layers[0].self_attn.o_proj
+    x, residual = torch.ones(1, o.input_size), torch.full((1, o.output_size), 3.0)
+    want = o(x) + residual
+    with bench.without("no_o", model):
+        assert torch.equal(o.forward_residual(x, residual), residual)
+        assert o(x).shape == (1, o.output_size)
+        assert bench.part_bytes(model, "no_o") == sum(
+            layer.self_attn.o_proj.weight.numel() * 4 for layer in model.model.layers)
+    assert torch.equal(o.forward_residual(x, residual), want)
+    assert not any(a.startswith("forward") for a in vars(o))
+    with bench.without("no_head", model):
+        assert model.compute_logits(torch.ones(2, o.output_size)).shape[0] == 2
+    assert "compute_logits" not in vars(model)
