@@ -10,6 +10,7 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,10 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
+
+# The persistent whole-K walk among the one-row candidates (W4Config.persist);
+# SLIPSTREAM_W4_PERSIST=0 leaves it out, an A/B of the tuner's choice in a whole step.
+PERSIST_CANDIDATES = os.environ.get("SLIPSTREAM_W4_PERSIST", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -817,7 +822,8 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # pairs held through the walk: n8 / 4 warps and n16 / 8 warps 128 at K = 4,096, n4 / 4
     # warps 80; at 14,336 n2 / 4 warps 136, n4 / 8 warps 128). Not yet timed on a GPU.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
-              for bn, w, p in [(8, 4, 4), (16, 8, 2), (4, 4, 4), (4, 4, 6), (2, 4, 3), (4, 8, 2)]]
+              for bn, w, p in [(8, 4, 4), (16, 8, 2), (4, 4, 4), (4, 4, 6), (2, 4, 3), (4, 8, 2)]
+              if PERSIST_CANDIDATES]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 

@@ -489,12 +489,14 @@ def test_w4_persistent_walk_equals_one_program_a_tile(persist: int, block_n: int
     assert torch.equal(got, want) and not torch.equal(got, torch.zeros_like(got))
 
 
-def test_persistent_candidates_are_whole_k_bf16_one_row() -> None:
+def test_persistent_candidates_are_whole_k_bf16_one_row(monkeypatch) -> None:
     """The persistent tiles are tuner candidates for one bf16 row only, each a whole-K tile."""
     walks = [c for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16) if c.persist]
     assert walks and all(c.whole_k and c.split_k == 1 for c in walks)
     for m, dtype in [(1, torch.float16), (2, torch.bfloat16), (16, torch.bfloat16)]:
         assert not any(c.persist for c in gemv_int4.candidate_w4_configs(m, dtype))
+    monkeypatch.setattr(gemv_int4, "PERSIST_CANDIDATES", False)  # SLIPSTREAM_W4_PERSIST=0
+    assert not any(c.persist for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
 
 
 def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
