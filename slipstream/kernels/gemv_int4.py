@@ -816,11 +816,11 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
     # Whole-K tiles walked by a few resident programs an SM, the next tile prefetched into L2
     # while one is computed: a whole-K program alone loads, then computes with nothing in
-    # flight (gate_up's
-    # choice, 16 rows / 4 warps at 139 registers: 3 an SM, measured 22.9 us against 13.3 us of
-    # bytes at the copy rate). Programs an SM within what their registers allow (sm_90a, x's
-    # pairs held through the walk: n8 / 4 warps and n16 / 8 warps 128 at K = 4,096, n4 / 4
-    # warps 80; at 14,336 n2 / 4 warps 136, n4 / 8 warps 128). Not yet timed on a GPU.
+    # flight (gate_up's choice, 16 rows / 4 warps at 139 registers: 3 an SM, measured 22.9 us
+    # against 13.3 us of bytes at the copy rate). Programs an SM within what their registers
+    # allow (sm_90a, x's pairs held through the walk: n8 / 4 warps and n16 / 8 warps 128 at
+    # K = 4,096, n4 / 4 warps 80; at 14,336 n2 / 4 warps 136, n4 / 8 warps 128). Not yet timed
+    # on a GPU.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 4), (16, 8, 2), (4, 4, 4), (4, 4, 6), (2, 4, 3), (4, 8, 2)]
               if PERSIST_CANDIDATES]

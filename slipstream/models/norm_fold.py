@@ -9,12 +9,13 @@ critical path (64 a token, ~0.1 ms); computing the norm with its weight inside t
 than that (session 9: the weight's load and product in every tile), which the fold removes.
 
 SLIPSTREAM_FOLD_NORMS: `auto` (the default) folds where the method rounds the weights at load
-anyway (int8_wo, fp8, int4_awq's round-to-nearest; the folded weight's 16-bit rounding is far below
-their quantization step). `all` folds unquantized weights too (one more rounding of the checkpoint's bf16
-weights: greedy tokens may then differ from transformers'); `0` never folds. H200 W1 (session
-19): int4_awq+head 425 -> 450 tok/s, int8_wo+head ~370 -> 374, fp8+head ~382 -> 385, bf16 231 ->
-235 with `all`. Pre-quantized checkpoints, and calibrations that read or rescale the norms
-(AWQ's layer hook, SmoothQuant), keep their norms.
+anyway (int8_wo, fp8, int4_awq's round-to-nearest; the folded weight's 16-bit rounding is far
+below their quantization step). `all` folds unquantized weights too (one more rounding of the
+checkpoint's bf16 weights: greedy tokens may then differ from transformers'); `0` never folds.
+H200 W1 (session 19): int4_awq+head 425 -> 450 tok/s, int8_wo+head ~370 -> 374, fp8+head ~382
+-> 385, bf16 231 -> 235 with `all`. Pre-quantized checkpoints, and calibrations that read or
+rescale the norms (AWQ's layer hook, SmoothQuant), keep their norms; so do checkpoints written
+by `slipstream quantize` (kept_norms).
 """
 from __future__ import annotations
 
