@@ -356,9 +356,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                            GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
         if RMS_EPS > 0:
-            offs_x = tl.arange(0, WHOLE_KP)
-            xs = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-            squares = xs * xs
+            squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
         if CHAIN:
             acc = tl.zeros([BLOCK_N, WORDS // 4], tl.float32)
@@ -418,8 +416,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         sums = tl.sum(acc, 1)
         if RMS_KP:
             squares = x_all.to(tl.float32) * x_all.to(tl.float32)
-    if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
-        sums = sums * tl.math.rsqrt(tl.sum(squares) / K + RMS_EPS)
+    if RMS_EPS > 0:
+        sums = sums * _inv_rms(squares, K, RMS_EPS)
     if GATE_OUT:
         _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                          N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
@@ -491,31 +489,24 @@ def _w4_whole_k_walk(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, stride
     each walking tiles pid, pid + programs, ... While it computes one tile, the next one's
     bytes are on their way into L2 (_prefetch_tile_l2: no registers held, so the compiler
     cannot sink it below the product as it does a register prefetch), and the tile's own loads
-    then hit L2. A lone whole-K program loads, then computes with nothing in flight. x's pairs
-    (and its statistic, RMS_EPS) are read once per program."""
+    then hit L2; the first tile's prefetch goes before the PDL wait. A lone whole-K program
+    loads, then computes with nothing in flight. x's pairs (and its statistic, RMS_EPS) are
+    read once per program."""
     if GATE_OUT:
         n_tiles = tl.cdiv(N // 2, BLOCK_N // 2)
     else:
         n_tiles = tl.cdiv(N, BLOCK_N)
     first = tl.program_id(0)
     step = tl.num_programs(0)
-    # Weights are never written by a kernel: the first tile and the next one's prefetch go
-    # before the PDL wait.
-    _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, tl.minimum(first + step, n_tiles - 1), N,
-                      stride_wn, stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT,
-                      BF16X2 == 2)
-    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, _tile_rows(first, N, BLOCK_N, GATE_OUT),
-                             stride_wn, stride_sn, stride_zn, GROUP, K, KP)
+    # Weights are never written by a kernel: safe to request before the wait.
+    _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, first, N, stride_wn, stride_sn, stride_zn, GROUP,
+                      BLOCK_N, K, KP, GATE_OUT, BF16X2 == 2)
     pdl_wait(USE_PDL)
     x = _whole_k_x(x_ptr, K, KP, BF16X2)
     inv_rms = 1.0
     if RMS_EPS > 0:
-        offs_x = tl.arange(0, KP)
-        xs = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(xs * xs) / K + RMS_EPS)
-    _walk_finish(_whole_k_sums(w, z8, s, x, BLOCK_N, KP, BF16X2) * inv_rms, first, bias_ptr,
-                 out_ptr, M, N, stride_om, BLOCK_N, GATE_OUT, HAS_BIAS)
-    for t in range(first + step, n_tiles, step):
+        inv_rms = _inv_rms(_x_squares(x_ptr, K, KP), K, RMS_EPS)
+    for t in range(first, n_tiles, step):
         _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, tl.minimum(t + step, n_tiles - 1), N,
                           stride_wn, stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT,
                           BF16X2 == 2)
@@ -523,6 +514,20 @@ def _w4_whole_k_walk(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, stride
                                  stride_wn, stride_sn, stride_zn, GROUP, K, KP)
         _walk_finish(_whole_k_sums(w, z8, s, x, BLOCK_N, KP, BF16X2) * inv_rms, t, bias_ptr,
                      out_ptr, M, N, stride_om, BLOCK_N, GATE_OUT, HAS_BIAS)
+
+
+@triton.jit
+def _x_squares(x_ptr, K, KP: tl.constexpr):
+    """x's float32 squares [KP] (0 past K): the in-GEMV norm's statistic from all of x."""
+    offs_x = tl.arange(0, KP)
+    xs = tl.load(x_ptr + offs_x, mask=offs_x < K, other=0.0).to(tl.float32)
+    return xs * xs
+
+
+@triton.jit
+def _inv_rms(squares, K, EPS: tl.constexpr):
+    """1 / rms(x) as the RMSNorm kernel computes it: mean of the squares + eps, float32."""
+    return tl.math.rsqrt(tl.sum(squares) / K + EPS)
 
 
 @triton.jit
@@ -818,8 +823,8 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # while one is computed: a whole-K program alone loads, then computes with nothing in
     # flight (gate_up's choice, 16 rows / 4 warps at 139 registers: 3 an SM, measured 22.9 us
     # against 13.3 us of bytes at the copy rate). Programs an SM within what their registers
-    # allow (sm_90a, x's pairs held through the walk: n8 / 4 warps and n16 / 8 warps 128 at
-    # K = 4,096, n4 / 4 warps 80; at 14,336 n2 / 4 warps 136, n4 / 8 warps 128). Not yet timed
+    # allow (sm_90a, x's pairs held through the walk: at K = 4,096 n8 / 4 warps 64-72, n16 / 8
+    # warps 76-80, n4 / 4 warps 56; at 14,336 n2 / 4 warps 128, n4 / 8 warps 99). Not yet timed
     # on a GPU.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 4), (16, 8, 2), (4, 4, 4), (4, 4, 6), (2, 4, 3), (4, 8, 2)]
