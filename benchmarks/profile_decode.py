@@ -5,7 +5,10 @@
         --max-num-tokens 8192 --quantization fp8      # W2-like mixed prefill/decode steps
 Prints the top CUDA kernels by total time over the profiled run, each kernel's share of the
 critical path, the GPU-busy share of the wall time, and the per-phase host breakdown from the
-engine's step timer.
+engine's step timer. Then the idle gaps of the decode's kernel timeline by the kernels on
+either side (a gap between graph replays or around the greedy argmax shows as such), the
+unprofiled decode time per token and, in the same process, one decode step's CUDA graph
+replayed back to back: the difference is what the engine adds around the graph.
 
 Under PDL a kernel starts while the one before it runs and waits on the device, so its duration
 counts the wait: the critical-path table charges each kernel only the time from the previous
@@ -44,6 +47,47 @@ def critical_path(events) -> dict[str, tuple[float, int]]:
     return {name: (us, n) for name, (us, n) in cost.items()}
 
 
+def idle_gaps(events, steps: int, top: int) -> None:
+    """Idle time per step by (kernel before, kernel after), below _STEP_GAP_US."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    gaps: dict[str, list[float]] = {}
+    prev_end, prev = None, ""
+    for start, end, name in spans:
+        if prev_end is not None and prev_end < start <= prev_end + _STEP_GAP_US:
+            gaps.setdefault(f"{prev[:34]} -> {name[:34]}", []).append(start - prev_end)
+        if prev_end is None or end > prev_end:
+            prev_end, prev = end, name
+    print("\nidle gaps per step (profiler on), by the kernels on either side")
+    print(f"{'between':<72} {'gaps/step':>9} {'us/step':>8}")
+    for key, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"{key:<72} {len(v) / steps:>9.1f} {sum(v) / steps:>8.1f}")
+
+
+def decode_us_per_token(outputs) -> float:
+    """Unprofiled: (last finish - first token) / decode tokens, as `bench latency` counts."""
+    m = [o.metrics for o in outputs]
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    return 1e6 * (max(x.finished_time for x in m) - min(x.first_token_time for x in m)) / tokens
+
+
+def graph_step_us(llm, replays: int = 200) -> float | None:
+    """One decode step's captured graph (the smallest batch size) replayed back to back."""
+    graphs = getattr(llm.engine.runner, "_graphs", None)
+    if graphs is None or not graphs.graphs:
+        return None
+    g = graphs.graphs[min(graphs.graphs)]
+    for _ in range(10):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / replays
+
+
 def print_critical_path(events, steps: int, top: int) -> None:
     """The critical path per engine step (prefill included in the average)."""
     cost = critical_path(events)
@@ -78,12 +122,14 @@ def main() -> None:
     prompts = [[(7 * i + j) % 1000 + 10 for j in range(ns.input_len)] for i in range(num_requests)]
     params = SamplingParams(max_tokens=ns.steps, ignore_eos=True, temperature=0)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    unprofiled = decode_us_per_token(llm.generate([[t + 3 for t in p] for p in prompts], params,
+                                                  use_tqdm=False))
     prompts = [[t + 1 for t in p] for p in prompts]
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
@@ -100,6 +146,10 @@ def main() -> None:
           f"({wall / tokens * 1e6:.1f} us/token, profiler on); GPU busy {busy * 1e3:.1f} ms = "
           f"{100 * busy / wall:.0f}% of wall")
     print_critical_path(prof.events(), ns.steps, ns.top)
+    idle_gaps(prof.events(), ns.steps, ns.top)
+    graph = graph_step_us(llm)
+    print(f"\nunprofiled: decode {unprofiled:.1f} us/token; the step's graph alone "
+          f"{graph or float('nan'):.1f} us (back to back)")
     llm.engine.timer.enabled = True
     llm.generate([[t + 2 for t in p] for p in prompts], params, use_tqdm=False)
     print("\nhost phases (synchronised; slows the run):\n" + llm.engine.timer.table())

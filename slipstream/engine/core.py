@@ -190,7 +190,7 @@ class EngineCore:
                                      num_lookahead=steps - 1))
         sched_out = SchedulerOutput(seqs=seqs)
         return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps,
-                                                                 (tokens[-1], rows))
+                                                                 (tokens.on_device[-1], rows))
 
     def _plan_next_decode(self, seqs: list[ScheduledSeq]):
         """(rows of `seqs` that go on, their next start positions, steps), or None."""
@@ -284,7 +284,7 @@ def _feed_from(inflight, sched_out: SchedulerOutput):
     row_of = {s.request_id: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
     rows = [row_of.get(s.request_id, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
             for s in sched_out.seqs]
-    return (tokens, rows) if any(r >= 0 for r in rows) else None
+    return (tokens.on_device, rows) if any(r >= 0 for r in rows) else None
 
 
 def _holds_first_tokens(inflight) -> bool:

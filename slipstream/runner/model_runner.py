@@ -22,6 +22,7 @@ from slipstream.runner.input_batch import (
     prepare_inputs,
     put_fed_tokens,
 )
+from slipstream.runner.launched import LaunchedTokens
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -243,20 +244,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int, feed: _Feed = None
-                            ) -> torch.Tensor:
+                            ) -> LaunchedTokens:
         """Greedy pure-decode batch, num_steps tokens per request without the host: queues the
-        steps and returns their token ids [num_steps, num_seqs] on the device, for
-        collect_decode_steps. The scheduler has reserved blocks for every step
+        steps and returns their token ids [num_steps, num_seqs] (on the device, their host copy
+        queued behind them) for collect_decode_steps. The scheduler has reserved blocks for every step
         (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
         DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
         hb = build_host_batch(sched.seqs, self.block_size)
         with self.timer.phase("graph"):
-            return self._graphs.run_steps(hb, num_steps, self.block_size, feed)
+            return LaunchedTokens(self._graphs.run_steps(hb, num_steps, self.block_size, feed))
 
-    def collect_decode_steps(self, sched: SchedulerOutput, tokens: torch.Tensor) -> RunnerOutput:
+    def collect_decode_steps(self, sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for launched decode steps and return their tokens, per request."""
         with self.timer.phase("graph"):
-            rows = tokens.T.tolist()
+            rows = tokens.rows()
         out = RunnerOutput()
         for seq, row in zip(sched.seqs, rows, strict=True):
             out.sampled_token_ids[seq.request_id] = row
@@ -315,17 +316,17 @@ class ModelRunner:
         return logits, [sched.seqs[i].request for i in inputs.sample_seq_indices], (inputs, hidden)
 
     @torch.inference_mode()
-    def launch_sampled(self, sched: SchedulerOutput, feed: _Feed = None) -> torch.Tensor:
+    def launch_sampled(self, sched: SchedulerOutput, feed: _Feed = None) -> LaunchedTokens:
         """execute_model's GPU work with the sampled token ids left on the device, one per
         needs_sample seq in order (async_scheduling: no request of the step wants logprobs or
         prompt logprobs). collect_sampled reads them."""
         logits, requests, _ = self._step_logits(sched, feed)
         if logits is None:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        return self._get_sampler().sample_on_device(logits, requests)
+            return LaunchedTokens(torch.empty(0, dtype=torch.int64, device=self.device))
+        return LaunchedTokens(self._get_sampler().sample_on_device(logits, requests))
 
     @staticmethod
-    def collect_sampled(sched: SchedulerOutput, tokens: torch.Tensor) -> RunnerOutput:
+    def collect_sampled(sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for a launch_sampled step and return its tokens, per request."""
         out = RunnerOutput()
         seqs = [s for s in sched.seqs if s.needs_sample]
