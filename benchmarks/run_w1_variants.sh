@@ -5,7 +5,7 @@
 # kernels (a fresh machine: ~2.5 min, then ~1 min each). GPU_TESTS: pytest paths run first
 # with -m gpu (GPU_K: a -k expression for them; GPU_TESTS_TIMEOUT_S, default 200); W1_METHODS
 # (default none,fp8+head,int8_wo+head); BUDGET_S (default 540) skips the variants that would
-# start after it.
+# start after it; W1_TIMEOUT_S (default 300) caps each variant (a cold 4-method run needs ~400).
 #
 #   GPU_TESTS="tests/engine/test_gpu_e2e.py" bash benchmarks/run_w1_variants.sh \
 #     base: fold:SLIPSTREAM_FOLD_NORMS=1 base2:
@@ -29,7 +29,7 @@ for variant in "$@"; do
     echo "$name: skipped (budget)"
     continue
   fi
-  env ${settings//,/ } timeout 300 "$PY" benchmarks/bench_quant.py \
+  env ${settings//,/ } timeout "${W1_TIMEOUT_S:-300}" "$PY" benchmarks/bench_quant.py \
     --methods "${W1_METHODS:-none,fp8+head,int8_wo+head}" --num-iters 2 --show-tuning \
     --output-json "$RESULTS/w1_$name.json" > "$RESULTS/w1_$name.log" 2>&1
   echo "== $name (${settings:-defaults}), rc $?, $(elapsed) s"

@@ -41,8 +41,10 @@ _PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
 # context spreads over more programs (an A/B knob, SLIPSTREAM_ATTN_SPLIT_BLOCK_N=32 with
 # SLIPSTREAM_ATTN_TOKENS_PER_SPLIT=32: 8 splits at context 256 instead of 4).
 _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
-# Warps of split decode launches (0: the default below; an A/B knob like the one above).
-_SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "0"))
+# Warps of split decode launches (few sequences, the KV range across programs): 8. The H200
+# batch-1 fp8 step at context 256 (A/B in one process): 4 warps 2438 us, 8 warps 2412, 2 warps
+# 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
+_SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 
 
 @triton.jit

@@ -77,13 +77,15 @@ def test_longer_splits_knob(monkeypatch) -> None:
 
 
 def test_split_tile_knob(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_SPLIT_BLOCK_N / _SPLIT_WARPS (the module constants): split decode
-    launches take the shorter tile (a short context covers more splits) and the warp count; the
-    result unchanged."""
+    """SLIPSTREAM_ATTN_SPLIT_BLOCK_N / _SPLIT_WARPS (the module constants; 8 warps by default):
+    split decode launches take the shorter tile (a short context covers more splits) and the
+    warp count; the result unchanged."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
+    default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
+    assert default.num_splits > 1 and default.num_warps == 8  # split decode: 8 warps (H200)
     monkeypatch.setattr(pa, "_MIN_TOKENS_PER_SPLIT", 16)
     monkeypatch.setattr(pa, "_SPLIT_BLOCK_N", 16)
     monkeypatch.setattr(pa, "_SPLIT_WARPS", 2)
