@@ -21,6 +21,14 @@ from slipstream.assets import default_model_path
 from slipstream.scheduler.output import RunnerOutput
 
 
+class _Launched:
+    """Stands in for runner.launched.LaunchedTokens (the engine core reads only on_device, to
+    feed the next launch, which the stub ignores)."""
+
+    def __init__(self, values: list):
+        self.on_device = self.values = values
+
+
 class StubRunner:
     """Answers every step at once with random token ids (the multi-step path included)."""
 
@@ -35,22 +43,22 @@ class StubRunner:
         start = self._rng.randrange(len(self._pool) - n)
         return self._pool[start:start + n]
 
-    def launch_decode_steps(self, sched, num_steps: int, feed=None) -> list[list[int]]:
+    def launch_decode_steps(self, sched, num_steps: int, feed=None) -> _Launched:
         self.queued += feed is not None
-        return [self._tokens(num_steps) for _ in sched.seqs]
+        return _Launched([self._tokens(num_steps) for _ in sched.seqs])
 
-    def collect_decode_steps(self, sched, tokens: list[list[int]]) -> RunnerOutput:
-        return RunnerOutput({s.request_id: row for s, row in zip(sched.seqs, tokens)})
+    def collect_decode_steps(self, sched, tokens: _Launched) -> RunnerOutput:
+        return RunnerOutput({s.request_id: row for s, row in zip(sched.seqs, tokens.values)})
 
     def execute_model(self, sched, while_gpu_runs=None, feed=None) -> RunnerOutput:
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
 
-    def launch_sampled(self, sched, feed=None) -> list[int]:
-        return self._tokens(sum(s.needs_sample for s in sched.seqs))
+    def launch_sampled(self, sched, feed=None) -> _Launched:
+        return _Launched(self._tokens(sum(s.needs_sample for s in sched.seqs)))
 
-    def collect_sampled(self, sched, tokens: list[int]) -> RunnerOutput:
+    def collect_sampled(self, sched, tokens: _Launched) -> RunnerOutput:
         seqs = [s for s in sched.seqs if s.needs_sample]
-        return RunnerOutput({s.request_id: [t] for s, t in zip(seqs, tokens)})
+        return RunnerOutput({s.request_id: [t] for s, t in zip(seqs, tokens.values)})
 
 
 def _time_phases(llm) -> dict[str, float]:
