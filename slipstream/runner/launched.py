@@ -3,9 +3,10 @@
 Reading a CUDA tensor (`.tolist()`) synchronises its whole stream. The engine launches the next
 step before it reads the one in flight (async scheduling, pipelined multi-step decode), so a
 plain read would also wait for that next step, and the GPU would then idle while the host
-applied the tokens and launched the step after it: one host turnaround per read (W1, fp8,
-H200: ~70 us a token). Here the copy to pinned host memory is queued right behind the kernels
-that wrote the tokens, with an event after it; reading waits for that event only.
+applied the tokens and launched the step after it: one host turnaround per read (H200 W1 fp8
++ head: ~392 tok/s with plain reads, 407.5 with these). Here the copy to pinned host memory
+is queued right behind the kernels that wrote the tokens, with an event after it; reading waits
+for that event only.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class LaunchedTokens:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream
         else:
             self._host = tokens
 
