@@ -10,7 +10,6 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +28,6 @@ from slipstream.kernels.gemv import (
     _tile_rows,
     gate_out_launch,
     gate_out_ok,
-    num_sms,
     rms_ok,
 )
 from slipstream.kernels.int4_common import (
@@ -43,10 +41,6 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-
-# The persistent whole-K walk among the one-row candidates (W4Config.persist);
-# SLIPSTREAM_W4_PERSIST=0 leaves it out, an A/B of the tuner's choice in a whole step.
-PERSIST_CANDIDATES = os.environ.get("SLIPSTREAM_W4_PERSIST", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -319,7 +313,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
                     WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
-                    RMS_KP: tl.constexpr = 0, PERSIST: tl.constexpr = False):
+                    RMS_KP: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -333,16 +327,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     byte in flight at once. RMS_EPS > 0: the product is taken with x / rms(x), the RMSNorm whose
     weight was folded into this weight at load (models/norm_fold.py): x's sum of squares read
     alongside the products, or with a K split (RMS_KP: K rounded up to a power of two) all of x
-    read by every program, 1 / rms applied to the row sums (as gemv's). PERSIST (with WHOLE_K,
-    no split): fewer programs than tiles, each walking its tiles with the next one on its way
-    into L2 (_w4_whole_k_walk)."""
+    read by every program, 1 / rms applied to the row sums (as gemv's)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
-    if PERSIST:
-        _w4_whole_k_walk(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, stride_wn,
-                         stride_sn, stride_zn, stride_om, GROUP, BLOCK_N, WHOLE_K, WHOLE_KP,
-                         BF16X2, USE_PDL, GATE_OUT, HAS_BIAS, RMS_EPS)
-        return
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -473,50 +460,6 @@ def _whole_k_x(x_ptr, K: tl.constexpr, KP: tl.constexpr, BF16X2: tl.constexpr):
 
 
 @triton.jit
-def _whole_k_sums(w, z8, s, x, BLOCK_N: tl.constexpr, KP: tl.constexpr, BF16X2: tl.constexpr):
-    """The row sums [BLOCK_N] of a loaded whole-K tile (_whole_k_tile) against x's pairs."""
-    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
-    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1)
-
-
-@triton.jit
-def _w4_whole_k_walk(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, stride_wn,
-                     stride_sn, stride_zn, stride_om, GROUP: tl.constexpr,
-                     BLOCK_N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                     BF16X2: tl.constexpr, USE_PDL: tl.constexpr, GATE_OUT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, RMS_EPS: tl.constexpr):
-    """_w4_gemv_kernel's PERSIST path (whole-K tiles, no split): a grid of resident programs,
-    each walking tiles pid, pid + programs, ... While it computes one tile, the next one's
-    bytes are on their way into L2 (_prefetch_tile_l2: no registers held, so the compiler
-    cannot sink it below the product as it does a register prefetch), and the tile's own loads
-    then hit L2; the first tile's prefetch goes before the PDL wait. A lone whole-K program
-    loads, then computes with nothing in flight. x's pairs (and its statistic, RMS_EPS) are
-    read once per program."""
-    if GATE_OUT:
-        n_tiles = tl.cdiv(N // 2, BLOCK_N // 2)
-    else:
-        n_tiles = tl.cdiv(N, BLOCK_N)
-    first = tl.program_id(0)
-    step = tl.num_programs(0)
-    # Weights are never written by a kernel: safe to request before the wait.
-    _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, first, N, stride_wn, stride_sn, stride_zn, GROUP,
-                      BLOCK_N, K, KP, GATE_OUT, BF16X2 == 2)
-    pdl_wait(USE_PDL)
-    x = _whole_k_x(x_ptr, K, KP, BF16X2)
-    inv_rms = 1.0
-    if RMS_EPS > 0:
-        inv_rms = _inv_rms(_x_squares(x_ptr, K, KP), K, RMS_EPS)
-    for t in range(first, n_tiles, step):
-        _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, tl.minimum(t + step, n_tiles - 1), N,
-                          stride_wn, stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT,
-                          BF16X2 == 2)
-        w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, _tile_rows(t, N, BLOCK_N, GATE_OUT),
-                                 stride_wn, stride_sn, stride_zn, GROUP, K, KP)
-        _walk_finish(_whole_k_sums(w, z8, s, x, BLOCK_N, KP, BF16X2) * inv_rms, t, bias_ptr,
-                     out_ptr, M, N, stride_om, BLOCK_N, GATE_OUT, HAS_BIAS)
-
-
-@triton.jit
 def _x_squares(x_ptr, K, KP: tl.constexpr):
     """x's float32 squares [KP] (0 past K): the in-GEMV norm's statistic from all of x."""
     offs_x = tl.arange(0, KP)
@@ -528,43 +471,6 @@ def _x_squares(x_ptr, K, KP: tl.constexpr):
 def _inv_rms(squares, K, EPS: tl.constexpr):
     """1 / rms(x) as the RMSNorm kernel computes it: mean of the squares + eps, float32."""
     return tl.math.rsqrt(tl.sum(squares) / K + EPS)
-
-
-@triton.jit
-def _walk_finish(sums, t, bias_ptr, out_ptr, M, N, stride_om, BLOCK_N: tl.constexpr,
-                 GATE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Tile t's outputs from its row sums (no split: the workspace is never touched)."""
-    if GATE_OUT:
-        _finish_gate_out(sums, _tile_rows(t, N, BLOCK_N, GATE_OUT), out_ptr, out_ptr, bias_ptr,
-                         out_ptr, t, 0, N, 1, False, HAS_BIAS, BLOCK_N)
-    else:
-        _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, t, 0, tl.arange(0, 1),
-                t * BLOCK_N + tl.arange(0, BLOCK_N), M, N, stride_om, 1, False, HAS_BIAS)
-
-
-@triton.jit
-def _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, tile, N, stride_wn, stride_sn, stride_zn,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
-                      KP: tl.constexpr, GATE_OUT: tl.constexpr, ASM: tl.constexpr):
-    """Ask L2 for a whole-K tile's words (a prefetch per 128-byte line of every row) and the
-    first and last byte of each row's scales and zeros; nothing returns to registers. Every
-    address lies inside the tensors (lines clamped to the row). ASM off (the interpreter): a
-    no-op, as a prefetch has no effect on results."""
-    if ASM:
-        rows = _tile_rows(tile, N, BLOCK_N, GATE_OUT)
-        line = tl.minimum(tl.arange(0, (KP + 255) // 256) * 32, K // 8 - 1)  # 32 words: 128 B
-        _prefetch_l2(w_ptr + rows[:, None] * stride_wn + line[None, :])
-        ends = tl.arange(0, 2) * (K // GROUP - 1)
-        _prefetch_l2(s_ptr + rows[:, None] * stride_sn + ends[None, :])
-        _prefetch_l2(z_ptr + rows[:, None] * stride_zn + ends[None, :])
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 of every address in ptrs (its result is a dummy)."""
-    tl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\nmov.u32 $0, 0;",
-                              constraints="=r,l", args=[ptrs], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 @triton.jit
@@ -757,7 +663,6 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
-    persist: int = 0  # with whole_k: this many programs an SM walk the tiles (_w4_whole_k_walk)
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -767,7 +672,6 @@ class W4Config(GemvConfig):
             " chained" if self.bit_convert == 2 else "")
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
-        kind += f" persistent x{self.persist}" if self.persist else ""
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -819,16 +723,6 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
-    # Whole-K tiles walked by a few resident programs an SM, the next tile prefetched into L2
-    # while one is computed: a whole-K program alone loads, then computes with nothing in
-    # flight (gate_up's choice, 16 rows / 4 warps at 139 registers: 3 an SM, measured 22.9 us
-    # against 13.3 us of bytes at the copy rate). Programs an SM within what their registers
-    # allow (sm_90a, x's pairs held through the walk: at K = 4,096 n8 / 4 warps 64-72, n16 / 8
-    # warps 76-80, n4 / 4 warps 56; at 14,336 n2 / 4 warps 128, n4 / 8 warps 99). Not yet timed
-    # on a GPU.
-    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
-              for bn, w, p in [(8, 4, 4), (16, 8, 2), (4, 4, 4), (4, 4, 6), (2, 4, 3), (4, 8, 2)]
-              if PERSIST_CANDIDATES]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
@@ -905,8 +799,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
         path = _one_row_path(cfg, x2, chunk, k, split, rms_eps)
-        _w4_gemv_kernel[_one_row_grid(cfg, path, n_tiles, split, x.device)](*args, **path,
-                                                                             **common)
+        _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -933,17 +826,7 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: 
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
                 WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
-                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0,
-                PERSIST=bool(whole and getattr(cfg, "persist", 0)))
-
-
-def _one_row_grid(cfg: GemvConfig, path: dict, n_tiles: int, split: int,
-                  device: torch.device) -> tuple[int, int]:
-    """The one-row launch's grid: a program per tile and split, or for a persistent config
-    (path PERSIST) cfg.persist programs an SM, at most one per tile."""
-    if path["PERSIST"]:
-        return min(n_tiles, cfg.persist * num_sms(device)), 1
-    return n_tiles, split
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
 
 
 def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
@@ -1008,8 +891,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
         cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
-                 for c in candidate_w4_configs(bucket, x.dtype)
-                 if not c.persist or _whole_k_fits(c, k)]  # else a chained loop timed twice
+                 for c in candidate_w4_configs(bucket, x.dtype)]
         want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
         label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
@@ -1044,7 +926,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                              gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
         return out.view(*x.shape[:-1], n // 2)
     path = _one_row_path(config, x2, chunk, k, split, rms_eps)
-    _w4_gemv_kernel[_one_row_grid(config, path, n_tiles, split, x.device)](
+    _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, **path, GATE_OUT=True,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))

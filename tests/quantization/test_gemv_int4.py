@@ -463,42 +463,6 @@ def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool) 
     assert rel(got, want) < 8e-3 and not torch.equal(got, torch.zeros_like(got))
 
 
-@pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("persist,block_n,n", [(2, 8, 200), (1, 4, 42), (8, 8, 200)])
-@pytest.mark.parametrize("rms_eps", [0.0, 1e-5])
-def test_w4_persistent_walk_equals_one_program_a_tile(persist: int, block_n: int, n: int,
-                                                      rms_eps: float) -> None:
-    """persist: persist x SMs programs (4 SMs off CUDA) walk the whole-K tiles, each loading
-    the next tile before computing this one; the same bits as a program per tile, plain and
-    gate-out, with and without the in-GEMV norm; a grid larger than the tiles is capped."""
-    k = 512
-    packed = quantized(n, k, 128, seed=9)
-    g = torch.Generator().manual_seed(4)
-    x, b = (0.05 * torch.randn(1, k, generator=g)).bfloat16(), torch.randn(n, generator=g).bfloat16()
-    one = W4Config(block_n=block_n, block_k=128, split_k=1, num_warps=4, prefetch=True,
-                   bit_convert=2, whole_k=True)
-    walk = dataclasses.replace(one, persist=persist)
-    path = gemv_int4._one_row_path(walk, x, 128, k, 1)
-    assert path["PERSIST"] and not gemv_int4._one_row_path(one, x, 128, k, 1)["PERSIST"]
-    tiles = -(-n // block_n)
-    assert gemv_int4._one_row_grid(walk, path, tiles, 1, x.device) == (min(tiles, 4 * persist), 1)
-    got = gemv_int4.w4_gemv(x, *packed, 128, b, walk, rms_eps=rms_eps)
-    assert torch.equal(got, gemv_int4.w4_gemv(x, *packed, 128, b, one, rms_eps=rms_eps))
-    got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, walk, rms_eps=rms_eps)
-    want = gemv_int4.w4_gemv_gate_out(x, *packed, 128, b, one, rms_eps=rms_eps)
-    assert torch.equal(got, want) and not torch.equal(got, torch.zeros_like(got))
-
-
-def test_persistent_candidates_are_whole_k_bf16_one_row(monkeypatch) -> None:
-    """The persistent tiles are tuner candidates for one bf16 row only, each a whole-K tile."""
-    walks = [c for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16) if c.persist]
-    assert walks and all(c.whole_k and c.split_k == 1 for c in walks)
-    for m, dtype in [(1, torch.float16), (2, torch.bfloat16), (16, torch.bfloat16)]:
-        assert not any(c.persist for c in gemv_int4.candidate_w4_configs(m, dtype))
-    monkeypatch.setattr(gemv_int4, "PERSIST_CANDIDATES", False)  # SLIPSTREAM_W4_PERSIST=0
-    assert not any(c.persist for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
-
-
 def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
     """Gate-out reuses the plain product's measured config: both launches take the same path
     constexprs (_one_row_path), whole-K included."""
