@@ -29,10 +29,15 @@ from slipstream.bench.shapes import resolve_model
 _STEP_GAP_US = 200.0  # a longer idle gap is the host between steps (slowed by the profiler)
 
 
+def device_spans(events) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device event, in time order."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+
+
 def critical_path(events) -> dict[str, tuple[float, int]]:
     """{name: (us on the critical path, calls)} over the device events in time order."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    spans = device_spans(events)
     cost: dict[str, list] = {}
     prev_end = None
     for start, end, name in spans:
@@ -49,8 +54,7 @@ def critical_path(events) -> dict[str, tuple[float, int]]:
 
 def idle_gaps(events, steps: int, top: int) -> None:
     """Idle time per step by (kernel before, kernel after), below _STEP_GAP_US."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    spans = device_spans(events)
     gaps: dict[str, list[float]] = {}
     prev_end, prev = None, ""
     for start, end, name in spans:

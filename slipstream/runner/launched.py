@@ -15,7 +15,7 @@ import torch
 
 class LaunchedTokens:
     """Token ids on the device (`on_device`, e.g. to feed the next step) and their queued host
-    copy (`tolist()` waits for it). Create it right after the kernels that write the tokens,
+    copy (`host()` waits for it). Create it right after the kernels that write the tokens,
     before anything else is queued on the stream."""
 
     def __init__(self, tokens: torch.Tensor):
@@ -29,14 +29,8 @@ class LaunchedTokens:
         else:
             self._host = tokens
 
-    def tolist(self) -> list:
-        """The token ids as nested lists (waits for the copy, not for later GPU work)."""
+    def host(self) -> torch.Tensor:
+        """The token ids on the host (waits for the copy, not for later GPU work)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
-
-    def rows(self) -> list:
-        """For [steps, seqs] tokens: one list of step tokens per sequence."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return self._host.T.tolist()
+        return self._host

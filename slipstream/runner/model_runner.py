@@ -247,8 +247,8 @@ class ModelRunner:
                             ) -> LaunchedTokens:
         """Greedy pure-decode batch, num_steps tokens per request without the host: queues the
         steps and returns their token ids [num_steps, num_seqs] (on the device, their host copy
-        queued behind them) for collect_decode_steps. The scheduler has reserved blocks for every step
-        (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
+        queued behind them) for collect_decode_steps. The scheduler has reserved blocks for
+        every step (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
         DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
         hb = build_host_batch(sched.seqs, self.block_size)
         with self.timer.phase("graph"):
@@ -257,7 +257,7 @@ class ModelRunner:
     def collect_decode_steps(self, sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for launched decode steps and return their tokens, per request."""
         with self.timer.phase("graph"):
-            rows = tokens.rows()
+            rows = tokens.host().T.tolist()
         out = RunnerOutput()
         for seq, row in zip(sched.seqs, rows, strict=True):
             out.sampled_token_ids[seq.request_id] = row
@@ -330,7 +330,7 @@ class ModelRunner:
         """Wait for a launch_sampled step and return its tokens, per request."""
         out = RunnerOutput()
         seqs = [s for s in sched.seqs if s.needs_sample]
-        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+        for seq, token in zip(seqs, tokens.host().tolist(), strict=True):
             out.sampled_token_ids[seq.request_id] = [token]
         return out
 

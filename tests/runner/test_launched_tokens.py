@@ -13,8 +13,8 @@ def test_cpu_tokens_read_as_lists() -> None:
     tokens = torch.tensor([[1, 2], [3, 4], [5, 6]])  # [steps, seqs]
     launched = LaunchedTokens(tokens)
     assert launched.on_device is tokens
-    assert launched.tolist() == [[1, 2], [3, 4], [5, 6]]
-    assert launched.rows() == [[1, 3, 5], [2, 4, 6]]
+    assert launched.host().tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert launched.host().T.tolist() == [[1, 3, 5], [2, 4, 6]]  # per sequence, as collected
 
 
 @pytest.mark.gpu
@@ -24,9 +24,9 @@ def test_gpu_read_does_not_wait_for_work_queued_after() -> None:
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued behind the copy
     tokens.zero_()  # later work that overwrites the device tensor: the copy came before it
     start = time.perf_counter()
-    rows = launched.rows()
+    values = launched.host().tolist()
     waited = time.perf_counter() - start
-    assert rows == [[0, 2, 4], [1, 3, 5]]
+    assert values == [[0, 1], [2, 3], [4, 5]]
     assert waited < 0.3, f"the read waited {waited:.2f} s: it synchronised the whole stream"
     plain_start = time.perf_counter()
     torch.cuda._sleep(2_000_000_000)
