@@ -69,12 +69,7 @@ def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
     GATE_OUT (a [gate | up] weight of N = 2I rows): the tile's first half is gate rows
     j0 .. j0 + BLOCK_N/2 - 1 and its second half the matching up rows I + j0 .., so that the
     program can write SiLU(gate)·up for its BLOCK_N/2 columns (_finish_gate_out)."""
-    return tile_row(pid_n, tl.arange(0, BLOCK_N), N, BLOCK_N, GATE_OUT)
-
-
-@triton.jit
-def tile_row(pid_n, r, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
-    """Row r (0 <= r < BLOCK_N, a tensor) of program pid_n's tile, as _tile_rows lays them."""
+    r = tl.arange(0, BLOCK_N)
     if GATE_OUT:
         half = N // 2
         j = tl.minimum(pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2), half - 1)

@@ -10,7 +10,6 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +28,7 @@ from slipstream.kernels.gemv import (
     _tile_rows,
     gate_out_launch,
     gate_out_ok,
-    num_sms,
     rms_ok,
-    tile_row,
 )
 from slipstream.kernels.int4_common import (
     measure_best,
@@ -44,10 +41,6 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-
-# The whole-K tiles with the next wave's prefetched into L2 among the one-row candidates
-# (W4Config.l2_ahead); SLIPSTREAM_W4_L2=0 leaves them out (an A/B of the tuner's choice).
-L2_CANDIDATES = os.environ.get("SLIPSTREAM_W4_L2", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -320,8 +313,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
                     WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
-                    RMS_KP: tl.constexpr = 0, L2_AHEAD: tl.constexpr = 0,
-                    THREADS: tl.constexpr = 0):
+                    RMS_KP: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -335,10 +327,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     byte in flight at once. RMS_EPS > 0: the product is taken with x / rms(x), the RMSNorm whose
     weight was folded into this weight at load (models/norm_fold.py): x's sum of squares read
     alongside the products, or with a K split (RMS_KP: K rounded up to a power of two) all of x
-    read by every program, 1 / rms applied to the row sums (as gemv's). L2_AHEAD (with
-    WHOLE_K; THREADS: the program's thread count): the program also asks L2 for the tile
-    L2_AHEAD programs on (_prefetch_tile_l2), so that the next wave's bytes stream in while this
-    one computes."""
+    read by every program, 1 / rms applied to the row sums (as gemv's)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -352,8 +341,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     x_ptrs = x_ptr + 8 * offs_w
     if WHOLE_K:
         sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
-                           GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL, pid_n, N,
-                           GATE_OUT, L2_AHEAD, THREADS)
+                           GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
         if RMS_EPS > 0:
             squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
@@ -428,8 +416,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
 @triton.jit
 def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BF16X2: tl.constexpr, USE_PDL: tl.constexpr, pid_n, N,
-                GATE_OUT: tl.constexpr, L2_AHEAD: tl.constexpr, THREADS: tl.constexpr):
+                KP: tl.constexpr, BF16X2: tl.constexpr, USE_PDL: tl.constexpr):
     """_w4_gemv_kernel's WHOLE_K path: the row sums [BLOCK_N] of the program's rows over all of
     K. Words, scales and zeros (never written by a kernel) are loaded before the PDL wait, x
     after it; each run of four words lies in one group (GROUP % 32 == 0), whose scale and zero
@@ -437,44 +424,10 @@ def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_z
     as 0 with scale 0, so they add nothing."""
     w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
                              K, KP)
-    if L2_AHEAD * (BF16X2 == 2):  # (a prefetch changes no result: none in the interpreter)
-        _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, pid_n + L2_AHEAD, N, stride_wn, stride_sn,
-                          stride_zn, GROUP, BLOCK_N, K, GATE_OUT, THREADS)
     pdl_wait(USE_PDL)
     w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
     x = _whole_k_x(x_ptr, K, KP, BF16X2)
     return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1)
-
-
-@triton.jit
-def _prefetch_tile_l2(w_ptr, s_ptr, z_ptr, tile, N, stride_wn, stride_sn, stride_zn,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
-                      GATE_OUT: tl.constexpr, THREADS: tl.constexpr):
-    """Ask L2 for whole-K tile `tile`'s words, scales and zeros (if the grid has it): one bulk
-    prefetch per row and tensor, from the first BLOCK_N threads (a tensor of THREADS elements
-    puts one in each thread). Nothing returns to registers. Rows are whole and 16-byte aligned
-    (w4_gemv checks: _l2_ahead_ok)."""
-    lane = tl.arange(0, THREADS)
-    row = tile_row(tile, lane % BLOCK_N, N, BLOCK_N, GATE_OUT)
-    on = ((lane < BLOCK_N) & (tile < tl.num_programs(0))).to(tl.int32)
-    _bulk_prefetch_l2(w_ptr + row * stride_wn, on, K // 2)
-    _bulk_prefetch_l2(s_ptr + row * stride_sn, on, 2 * (K // GROUP))
-    _bulk_prefetch_l2(z_ptr + row * stride_zn, on, K // GROUP)
-
-
-@triton.jit
-def _bulk_prefetch_l2(ptrs, on, NBYTES: tl.constexpr):
-    """cp.async.bulk.prefetch.L2 of NBYTES (a multiple of 16) at each address where `on` (sm_90
-    PTX; the result is a dummy)."""
-    size = tl.full(on.shape, NBYTES, tl.int32)
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.s32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $3;
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,r,r", args=[ptrs, on, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -710,9 +663,6 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
-    # with whole_k: each program also prefetches into L2 the tile this many programs an SM on
-    # (the next wave's, at that many resident programs an SM; 0: off)
-    l2_ahead: int = 0
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -722,7 +672,6 @@ class W4Config(GemvConfig):
             " chained" if self.bit_convert == 2 else "")
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
-        kind += f" L2 +{self.l2_ahead}/SM" if self.l2_ahead else ""
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -772,12 +721,8 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # fp8 whole-K tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as
     # load-latency bound. sm_90a ptxas at K = 4096: 80-217 registers; at 14,336 (2 rows, 4
     # warps) 168, (4, 8) 128; no spills.
-    # l2_ahead: a whole-K program computes with nothing of its own in flight, and all of a
-    # wave's programs load, then compute, together; the next wave's tiles prefetched into L2
-    # keep the memory busy meanwhile (2-4: about the programs an SM that fit).
-    whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, l2_ahead=ahead)
-             for bn, w in [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]
-             for ahead in ((0, 2, 3, 4) if L2_CANDIDATES else (0,))]
+    whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
+             [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
@@ -853,8 +798,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        path = _one_row_path(cfg, x2, chunk, k, split, rms_eps,
-                             _l2_ahead(cfg, words, scales, zeros, group_size))
+        path = _one_row_path(cfg, x2, chunk, k, split, rms_eps)
         _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
@@ -873,36 +817,16 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
 
 def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int,
-                  rms_eps: float = 0.0, l2_ahead: int = 0) -> dict:
+                  rms_eps: float = 0.0) -> dict:
     """_w4_gemv_kernel's path constexprs for a config. The plain product (which the tuner times)
     and the gate-out launch (which reuses its choice) both take them from here, so they run the
-    same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200).
-    l2_ahead: _l2_ahead's tile count (whole-K tiles only)."""
+    same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
     chain = _chained(cfg, x2, chunk)
     whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, k)
-    ahead = l2_ahead if whole and cfg.block_n <= 32 * cfg.num_warps else 0
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
                 WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
-                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0,
-                L2_AHEAD=ahead, THREADS=32 * cfg.num_warps if ahead else 0)
-
-
-def _l2_ahead(cfg: GemvConfig, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              group_size: int) -> int:
-    """The tiles ahead a whole-K program prefetches into L2 (cfg.l2_ahead programs per SM),
-    or 0 where the config asks for none or a row of words, scales or zeros is not whole
-    16-byte units at 16-byte aligned addresses (what the bulk prefetch needs)."""
-    if (not getattr(cfg, "l2_ahead", 0) or not words.is_cuda
-            or not all(map(_bulk_prefetchable, (words, scales, zeros)))):
-        return 0
-    return cfg.l2_ahead * num_sms(words.device)
-
-
-def _bulk_prefetchable(t: torch.Tensor) -> bool:
-    """Whether every row of the 2-D t is whole 16-byte units at a 16-byte aligned address."""
-    size = t.element_size()
-    return not (t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.shape[1] * size) % 16)
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
 
 
 def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
@@ -1001,8 +925,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
         return out.view(*x.shape[:-1], n // 2)
-    path = _one_row_path(config, x2, chunk, k, split, rms_eps,
-                         _l2_ahead(config, words, scales, zeros, group_size))
+    path = _one_row_path(config, x2, chunk, k, split, rms_eps)
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, **path, GATE_OUT=True,

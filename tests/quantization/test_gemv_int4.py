@@ -479,34 +479,9 @@ def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
                    bit_convert=2, whole_k=True)
     gemv_int4.w4_gemv(x, *packed, 128, None, cfg)
     gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
-    keys = ("PREFETCH", "STAGES", "BF16X2", "CHAIN", "WHOLE_K", "L2_AHEAD")
+    keys = ("PREFETCH", "STAGES", "BF16X2", "CHAIN", "WHOLE_K")
     plain, gated = ({k: call[k] for k in keys} for call in launches)
     assert plain == gated and plain["WHOLE_K"] == 512
-
-
-def test_w4_l2_ahead_only_where_the_bulk_prefetch_can_read_whole_rows(monkeypatch) -> None:
-    """A whole-K config with l2_ahead prefetches that many programs an SM ahead on CUDA, and
-    nothing off CUDA, without the config asking, or where a row of words, scales or zeros is
-    not whole 16-byte units at 16-byte aligned addresses (cp.async.bulk.prefetch's rule)."""
-    q, s, z = quantized(64, 4096, 128, seed=3)
-    words = q.view(torch.int32)
-    cfg = W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=True,
-                   bit_convert=2, whole_k=True, l2_ahead=3)
-    assert gemv_int4._l2_ahead(cfg, words, s, z, 128) == 0  # CPU tensors
-    assert all(map(gemv_int4._bulk_prefetchable, (words, s, z)))
-    assert not gemv_int4._bulk_prefetchable(z[:, :8])  # 8-byte rows
-    assert not gemv_int4._bulk_prefetchable(torch.zeros(4, 40, dtype=torch.uint8)[:, 8:24])
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-    monkeypatch.setattr(gemv_int4, "num_sms", lambda device: 132)
-    assert gemv_int4._l2_ahead(cfg, words, s, z, 128) == 3 * 132
-    assert gemv_int4._l2_ahead(dataclasses.replace(cfg, l2_ahead=0), words, s, z, 128) == 0
-    assert gemv_int4._l2_ahead(cfg, words, s, z[:, :16].clone()[:, :8], 128) == 0
-    path = gemv_int4._one_row_path(cfg, torch.zeros(1, 4096).bfloat16(), 128, 4096, 1,
-                                   l2_ahead=396)
-    assert (path["L2_AHEAD"], path["THREADS"]) == (396, 128)
-    loop = dataclasses.replace(cfg, whole_k=False)
-    assert gemv_int4._one_row_path(loop, torch.zeros(1, 4096).bfloat16(), 128, 4096, 1,
-                                   l2_ahead=396)["L2_AHEAD"] == 0
 
 
 @pytest.mark.gpu
