@@ -10,14 +10,13 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4_mma, gemv_int4_warpk, pdl
+from slipstream.kernels import gemv_int4_mma, pdl
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import (
     MAX_M,
@@ -42,10 +41,6 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-
-# The warp-K tensor-core kernel among the one-row candidates; SLIPSTREAM_W4_WARPK=0 leaves it
-# out (an A/B of the tuner's choice in a whole step).
-WARPK_CANDIDATES = os.environ.get("SLIPSTREAM_W4_WARPK", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -668,9 +663,6 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
-    # 1-8 rows of bf16 x: the tensor-core kernel whose warps split K (gemv_int4_warpk);
-    # block_n = 16 rows a tile x 1 or 2 tiles, split_k explicit
-    warp_k: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -680,7 +672,6 @@ class W4Config(GemvConfig):
             " chained" if self.bit_convert == 2 else "")
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
-        kind = "mma warp-K" if self.warp_k else kind
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -732,21 +723,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
-    return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2] + _warpk_configs(m, dtype)
-
-
-# (tiles, warps, split) of the warp-K tensor-core kernel: K = 4,096 (32 groups) takes the
-# splits of 1 and 2, K = 14,336 (112 groups) those of 7 and 14; others do not apply to a K.
-_WARPK_TILES = [(1, 4, 1), (1, 8, 1), (2, 8, 1), (1, 16, 1), (2, 16, 1), (2, 4, 1), (1, 8, 2),
-                (1, 4, 2), (1, 4, 7), (1, 8, 7), (1, 2, 7), (1, 16, 7), (2, 8, 7), (1, 8, 14)]
-
-
-def _warpk_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
-    """The warp-K tensor-core kernel's tiles (gemv_int4_warpk) for one row of bf16 x; the
-    ones whose split does not fit a K fail and are skipped by the tuner."""
-    if dtype != torch.bfloat16 or m != 1 or not WARPK_CANDIDATES:
-        return []
-    return [W4Config(16 * tiles, 128, split, nw, warp_k=True) for tiles, nw, split in _WARPK_TILES]
+    return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -816,12 +793,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if getattr(cfg, "warp_k", False):
-        _check_warpk(cfg, x2, group_size, k, split)
-        gemv_int4_warpk.launch(args, m, k, n_tiles, split, cfg.num_warps, cfg.block_n // 16,
-                               bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                               rms_eps=rms_eps)
-    elif getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
+    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
@@ -842,17 +814,6 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _w4_skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common)
     return out.view(*x.shape[:-1], n)
-
-
-def _check_warpk(cfg: GemvConfig, x2: torch.Tensor, group_size: int, k: int,
-                 split: int) -> None:
-    """A clear error where a warp-K config does not apply (the tuner skips such candidates)."""
-    if cfg.block_n not in (16, 32) or not gemv_int4_warpk.warpk_ok(x2, group_size, k, split,
-                                                                   cfg.num_warps):
-        raise ValueError(f"w4 warp-K: {cfg.label()} takes 1-{gemv_int4_warpk.MAX_ROWS} rows of "
-                         f"8-byte aligned bf16 x, groups of 128 and K / 128 in {split} x "
-                         f"{cfg.num_warps} ranges of 1, 2, 4 or 8 groups; got {x2.shape[0]} rows "
-                         f"of {x2.dtype}, group {group_size}, K={k}")
 
 
 def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int,
@@ -959,14 +920,6 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
-    if getattr(config, "warp_k", False):
-        if config.block_n != 32:
-            raise ValueError(f"w4 warp-K gate-out needs two tiles (block_n 32), got {config}")
-        _check_warpk(config, x2, group_size, k, split)
-        gemv_int4_warpk.launch(args, 1, k, n_tiles, split, config.num_warps, 2,
-                               bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                               gate_out=True, rms_eps=rms_eps)
-        return out.view(*x.shape[:-1], n // 2)
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
@@ -992,9 +945,8 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
     n, k = qweight.shape[0], x.shape[-1]
     if not gate_out_ok(1, n, cfg) or (rms_eps and not rms_ok(1, n, k, cfg, x.device)) or (
-            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)
-    ) or (getattr(cfg, "warp_k", False) and cfg.block_n != 32):
-        return None  # (a tile of 16 rows: its product, then the activation)
+            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)):
+        return None  # (an mma tile of 16 rows a warp: its product, then the activation)
     return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps)
 
 
