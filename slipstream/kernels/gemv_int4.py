@@ -10,6 +10,7 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,10 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
+
+# Whole-K tiles over the slices of a K split among the one-row candidates; SLIPSTREAM_W4_
+# WHOLE_SPLIT=0 leaves them out (an A/B of the tuner's choice in a whole step).
+WHOLE_SPLIT_CANDIDATES = os.environ.get("SLIPSTREAM_W4_WHOLE_SPLIT", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -731,7 +736,8 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # Whole-K slices of a K split (each program's K / split requested at once, the splits summed
     # as the loop's are): down's K = 14,336 does not fit one tile, 7 slices of 2,048 do.
     whole += [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, whole_k=True) for bn, w, sk in
-              [(16, 4, 7), (32, 4, 7), (32, 8, 7), (8, 4, 7), (16, 4, 4), (16, 4, 2), (32, 4, 2)]]
+              [(16, 4, 7), (32, 4, 7), (32, 8, 7), (8, 4, 7), (16, 4, 4), (16, 4, 2), (32, 4, 2)]
+              if WHOLE_SPLIT_CANDIDATES]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 

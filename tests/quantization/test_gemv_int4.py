@@ -496,6 +496,18 @@ def test_w4_whole_k_slices_of_a_split(split: int, group: int) -> None:
         assert int(buf.abs().sum()) == 0
 
 
+def test_w4_whole_k_split_candidates_can_be_left_out(monkeypatch) -> None:
+    """The tuner offers whole-K slices of a K split at one bf16 row, not when
+    SLIPSTREAM_W4_WHOLE_SPLIT=0 has left them out (the one-tile whole-K candidates stay)."""
+    def whole(split: bool) -> list[W4Config]:
+        return [c for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16)
+                if c.whole_k and (c.split_k > 1) == split]
+
+    assert whole(True) and whole(False)
+    monkeypatch.setattr(gemv_int4, "WHOLE_SPLIT_CANDIDATES", False)
+    assert not whole(True) and whole(False)
+
+
 def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
     """Gate-out reuses the plain product's measured config: both launches take the same path
     constexprs (_one_row_path), whole-K included."""
