@@ -345,7 +345,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     x_ptrs = x_ptr + 8 * offs_w
     if WHOLE_K:
-        # a split's slice starts WHOLE_K k on per split (a constexpr: 16-byte loads stay known)
+        # split pid_k's slice starts at pid_k * WHOLE_K: a constexpr multiple, so the 16-byte
+        # word loads stay provably aligned
         k0 = pid_k * WHOLE_K
         sums = _w4_whole_k(x_ptr + k0, w_ptr + k0 // 8, s_ptr + k0 // GROUP,
                            z_ptr + k0 // GROUP, rows, stride_wn, stride_sn, stride_zn,
