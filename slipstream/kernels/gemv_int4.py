@@ -847,9 +847,10 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: 
 
 def _whole_slice(cfg: GemvConfig, k: int, split: int, group_size: int) -> int:
     """The K slice a whole-K program takes (K / split), or 0 where the config is not whole-K,
-    a slice is not whole groups and runs of 128, or its tile does not fit (_whole_k_fits)."""
+    a slice is not whole groups and whole block_k runs (the split's own granularity,
+    gemv._split_k), or its tile does not fit (_whole_k_fits)."""
     if not getattr(cfg, "whole_k", False) or (
-            split > 1 and k % (split * math.lcm(128, group_size))):
+            split > 1 and k % (split * math.lcm(cfg.block_k, group_size))):
         return 0
     return k // split if _whole_k_fits(cfg, k // split) else 0
 
