@@ -10,7 +10,6 @@ of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +41,6 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
-
-# Whole-K tiles over the slices of a K split among the one-row candidates; SLIPSTREAM_W4_
-# WHOLE_SPLIT=0 leaves them out (an A/B of the tuner's choice in a whole step).
-WHOLE_SPLIT_CANDIDATES = os.environ.get("SLIPSTREAM_W4_WHOLE_SPLIT", "1") != "0"
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -326,7 +321,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
     (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
     pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
-    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K / split; with CHAIN; WHOLE_KP: that rounded
+    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
     before the PDL wait, then one chained product over all of K (_w4_whole_k): no loop, every
     byte in flight at once. RMS_EPS > 0: the product is taken with x / rms(x), the RMSNorm whose
@@ -345,15 +340,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     x_ptrs = x_ptr + 8 * offs_w
     if WHOLE_K:
-        # split pid_k's slice starts at pid_k * WHOLE_K: a constexpr multiple, so the 16-byte
-        # word loads stay provably aligned
-        k0 = pid_k * WHOLE_K
-        sums = _w4_whole_k(x_ptr + k0, w_ptr + k0 // 8, s_ptr + k0 // GROUP,
-                           z_ptr + k0 // GROUP, rows, stride_wn, stride_sn, stride_zn,
+        sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                            GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
-        if RMS_KP:  # a K split: the statistic from all of x
-            squares = _x_squares(x_ptr, K, RMS_KP)
-        elif RMS_EPS > 0:
+        if RMS_EPS > 0:
             squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
         if CHAIN:
@@ -734,11 +723,6 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
-    # Whole-K slices of a K split (each program's K / split requested at once, the splits summed
-    # as the loop's are): down's K = 14,336 does not fit one tile, 7 slices of 2,048 do.
-    whole += [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, whole_k=True) for bn, w, sk in
-              [(16, 4, 7), (32, 4, 7), (32, 8, 7), (8, 4, 7), (16, 4, 4), (16, 4, 2), (32, 4, 2)]
-              if WHOLE_SPLIT_CANDIDATES]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
@@ -814,7 +798,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        path = _one_row_path(cfg, x2, chunk, k, split, rms_eps, group_size)
+        path = _one_row_path(cfg, x2, chunk, k, split, rms_eps)
         _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
@@ -833,26 +817,16 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 
 
 def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, k: int, split: int,
-                  rms_eps: float = 0.0, group_size: int = 128) -> dict:
+                  rms_eps: float = 0.0) -> dict:
     """_w4_gemv_kernel's path constexprs for a config. The plain product (which the tuner times)
     and the gate-out launch (which reuses its choice) both take them from here, so they run the
     same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
     chain = _chained(cfg, x2, chunk)
-    whole = _whole_slice(cfg, k, split, group_size) if chain else 0
+    whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, k)
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
-                CHAIN=chain, WHOLE_K=whole,
-                WHOLE_KP=triton.next_power_of_2(whole) if whole else 0, RMS_EPS=float(rms_eps),
+                CHAIN=chain, WHOLE_K=k if whole else 0,
+                WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
                 RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
-
-
-def _whole_slice(cfg: GemvConfig, k: int, split: int, group_size: int) -> int:
-    """The K slice a whole-K program takes (K / split), or 0 where the config is not whole-K,
-    a slice is not whole groups and whole block_k runs (the split's own granularity,
-    gemv._split_k), or its tile does not fit (_whole_k_fits)."""
-    if not getattr(cfg, "whole_k", False) or (
-            split > 1 and k % (split * math.lcm(cfg.block_k, group_size))):
-        return 0
-    return k // split if _whole_k_fits(cfg, k // split) else 0
 
 
 def _whole_k_fits(cfg: GemvConfig, k: int) -> bool:
@@ -917,9 +891,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
         cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
-                 for c in candidate_w4_configs(bucket, x.dtype)
-                 if not (c.whole_k and c.split_k > 1
-                         and not _whole_slice(c, k, c.split_k, group_size))]
+                 for c in candidate_w4_configs(bucket, x.dtype)]
         want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
         label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
@@ -953,7 +925,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
         return out.view(*x.shape[:-1], n // 2)
-    path = _one_row_path(config, x2, chunk, k, split, rms_eps, group_size)
+    path = _one_row_path(config, x2, chunk, k, split, rms_eps)
     _w4_gemv_kernel[(n_tiles, split)](
         *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
         SPLIT=split > 1, HAS_BIAS=bias is not None, **path, GATE_OUT=True,
