@@ -45,6 +45,15 @@ _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
 # batch-1 fp8 step at context 256 (A/B in one process): 4 warps 2438 us, 8 warps 2412, 2 warps
 # 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
 _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
+# Split decode (few sequences, a short chain of tiles a program) is latency-bound: at batch 1
+# on the H200 the int4 W1 step spent 10.8 us a layer in it. A/B knobs of its launch:
+# SLIPSTREAM_ATTN_MERGE_AT_ONCE=N merges the partials of N splits per load (1: one split per
+# round trip), SLIPSTREAM_ATTN_MIN_TILES=N gives every split at least N tiles (fewer splits to
+# merge at short contexts; one split writes its output itself), SLIPSTREAM_ATTN_PIPELINE=1
+# requests the next tile's K / V before this tile's math.
+_MERGE_AT_ONCE = int(os.environ.get("SLIPSTREAM_ATTN_MERGE_AT_ONCE", "1"))
+_MIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_MIN_TILES", "1"))
+_PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "0") == "1"
 
 
 @triton.jit
@@ -171,6 +180,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
+    MIN_TILES: tl.constexpr = 1, PIPELINE: tl.constexpr = False, MERGE_AT_ONCE: tl.constexpr = 1,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -202,7 +212,7 @@ def _paged_attn_kernel(
     # KV tiles this program covers: its share of [0, last visible position of the q tile].
     kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
+    per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     # Splits are sized for the longest context a CUDA graph will see; a shorter one leaves the
@@ -264,23 +274,30 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt0, v0, t_lo, q_pos, seq_len, qk_scale,
                                      BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
         first = t_lo + 1
-    for tile in range(first, tl.minimum(t_hi, t_full)):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
-                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
-                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
-                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
-    for tile in range(tl.maximum(first, t_full), t_hi):
-        acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k, off_v,
-                                   stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len,
-                                   qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
-                                   DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+    if PIPELINE and not PRELOAD:  # one masked loop, the next tile in flight during this one
+        acc, m_i, l_i = _pipelined_tiles(acc, m_i, l_i, q, first, t_hi, bt_row, k_ptr, v_ptr,
+                                         off_k, off_v, stride_kb, stride_ks, stride_vb,
+                                         stride_vs, q_pos, seq_len, qk_scale, BLOCK_N, BLOCK_D,
+                                         HEAD_DIM, PAGE_SIZE, DOT_PREC, F16_KV, P_DTYPE,
+                                         KV_QUANT, ASM_CVT)
+    else:
+        for tile in range(first, tl.minimum(t_hi, t_full)):
+            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
+                                       off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
+                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
+                                       False, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+        for tile in range(tl.maximum(first, t_full), t_hi):
+            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
+                                       off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
+                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
+                                       True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
     if KV_QUANT:  # P @ (stored V) * v_scale; linear, so split partials merge unchanged
         o = o * tl.load(vs_ptr)
-    if not SPLIT_KV:
-        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    if not SPLIT_KV or used_splits == 1:  # the only split: its result is the output (bit-equal)
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         p_row = token * stride_pt + head * stride_ph + split * stride_ps
@@ -295,10 +312,30 @@ def _paged_attn_kernel(
         cnt = cnt_ptr + pid * tl.num_programs(1) + kv_head
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == used_splits - 1:
             o = _merge_splits(part_out_ptr, part_lse_ptr, token * stride_pt + head * stride_ph,
-                              row_ok, offs_d, used_splits, BLOCK_M, BLOCK_D)
-            o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+                              row_ok, offs_d, used_splits, BLOCK_M, BLOCK_D, MERGE_AT_ONCE)
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _pipelined_tiles(acc, m_i, l_i, q, first, t_hi, bt_row, k_ptr, v_ptr, off_k, off_v,
+                     stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, F16_KV: tl.constexpr,
+                     P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
+    """Tiles first .. t_hi - 1 (at least one), each tile's K / V requested before the previous
+    tile's math, so a program's chain costs one memory round trip plus the math of each tile.
+    The last iteration requests its own tile again (no branch; an L1 hit)."""
+    kt, v = _tile_kv(first, bt_row, k_ptr, v_ptr, off_k, off_v, stride_kb, stride_ks, stride_vb,
+                     stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE)
+    for tile in range(first, t_hi):
+        kt_next, v_next = _tile_kv(tl.minimum(tile + 1, t_hi - 1), bt_row, k_ptr, v_ptr, off_k,
+                                   off_v, stride_kb, stride_ks, stride_vb, stride_vs, seq_len,
+                                   BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE)
+        acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
+                                     BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+        kt, v = kt_next, v_next
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -335,12 +372,15 @@ def _wait_if(PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, AT_ONCE: tl.constexpr = 1):
     """Log-sum-exp merge over the splits of BLOCK_M rows (partials of row r at base[r] + split),
-    read past L1 (other programs wrote them)."""
+    read past L1 (other programs wrote them); AT_ONCE > 1 reads that many splits per load."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if AT_ONCE > 1:
+        return _merge_splits_at_once(part_out_ptr, part_lse_ptr, base, row_ok, offs_d,
+                                     num_splits, m, denom, o, BLOCK_D, AT_ONCE)
     for sp in range(0, num_splits):
         lse = tl.load(part_lse_ptr + base + sp, mask=row_ok, other=float("-inf"),
                       cache_modifier=".cg")
@@ -352,6 +392,28 @@ def _merge_splits(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits,
         w = tl.math.exp2(lse - m_ref)
         o = o * alpha[:, None] + part * w[:, None]
         denom = denom * alpha + w
+        m = m_new
+    return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+
+
+@triton.jit
+def _merge_splits_at_once(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits, m,
+                          denom, o, BLOCK_D: tl.constexpr, AT_ONCE: tl.constexpr):
+    """_merge_splits AT_ONCE splits a step: their log-sum-exps [rows, AT_ONCE] and partials
+    [rows, AT_ONCE, D] in one load each, so a merge of up to AT_ONCE splits is one round trip."""
+    offs_s = tl.arange(0, AT_ONCE)
+    for s0 in range(0, num_splits, AT_ONCE):
+        at = base[:, None] + s0 + offs_s[None, :]
+        ok = row_ok[:, None] & (s0 + offs_s[None, :] < num_splits)
+        lse = tl.load(part_lse_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(part_out_ptr + at[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_ref)
+        w = tl.math.exp2(lse - m_ref[:, None])
+        o = o * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+        denom = denom * alpha + tl.sum(w, 1)
         m = m_new
     return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
 
@@ -369,6 +431,11 @@ class AttnConfig:
     # PRELOAD). SLIPSTREAM_ATTN_PRELOAD=1 turns it on for the chosen configs (H200 W1 step, bf16,
     # context 256: 4223.8 -> 4222.8 us, no gain; off).
     preload: bool = False
+    # Split launches (module knobs above): splits merged per load, tiles a split at least, and
+    # the next tile requested before this one's math (without preload).
+    merge_at_once: int = 1
+    min_tiles: int = 1
+    pipeline: bool = False
 
 
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
@@ -416,7 +483,11 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode)
+    split_decode = decode and splits > 1
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
+                      merge_at_once=_MERGE_AT_ONCE if split_decode else 1,
+                      min_tiles=_MIN_TILES if split_decode else 1,
+                      pipeline=_PIPELINE and split_decode)
 
 
 @dataclass(frozen=True)
@@ -486,7 +557,8 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
-        PRELOAD=cfg.preload and rope is not None,
+        PRELOAD=cfg.preload and rope is not None, MIN_TILES=cfg.min_tiles,
+        PIPELINE=cfg.pipeline, MERGE_AT_ONCE=cfg.merge_at_once,
     )
     return out
 

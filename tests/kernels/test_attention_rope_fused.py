@@ -54,7 +54,10 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
                                  # the first tile read before the new token's row is known
                                  AttnConfig(16, 32, 1, 4, 1, preload=True),
                                  AttnConfig(16, 32, 3, 4, 1, preload=True),
-                                 AttnConfig(16, 16, 4, 4, 1, preload=True)])
+                                 AttnConfig(16, 16, 4, 4, 1, preload=True),
+                                 # split launch options: the new token's tile read in flight
+                                 AttnConfig(16, 16, 4, 4, 1, pipeline=True, merge_at_once=4),
+                                 AttnConfig(16, 16, 5, 4, 1, pipeline=True, min_tiles=2)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
     case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
@@ -68,7 +71,8 @@ def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfi
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
-@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 2, 4, 1, preload=True)])
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 2, 4, 1, preload=True),
+                                 AttnConfig(16, 16, 3, 4, 1, pipeline=True, merge_at_once=2)])
 def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype,
                                                        cfg: AttnConfig | None) -> None:
     case = _decode_case([5, 70], 2, 64, torch.float32, cache_dtype)
@@ -91,17 +95,19 @@ def test_fused_rope_rejects_prefill() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("lens", [[1], [200], [64, 129, 1000, 4097], [300] * 33])
-def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int]) -> None:
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 64, 33, 8, 3, pipeline=True,
+                                                  merge_at_once=4)], ids=["auto", "pipeline"])
+def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int], cfg) -> None:
     """bf16 on the H200: the fused kernel stores the same cache bytes and returns the same
-    output bits as the separate rotary + attention kernels."""
+    output bits as the separate rotary + attention kernels (both with cfg)."""
     from slipstream.kernels import triton_ops
 
     ops = triton_ops.ops()
     case = _decode_case(lens, 4, 128, torch.bfloat16, cache_dtype, device="cuda", pad=3)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    want = _two_step(ops, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales)
-    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales)
+    want = _two_step(ops, q, k, v, positions, cos_sin, kc_ref, vc_ref, meta, scales, config=cfg)
+    got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, config=cfg)
     rows = meta.num_tokens - 3
     assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8))

@@ -49,6 +49,49 @@ def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
     _check(q, kc, vc, meta, cfg)
 
 
+@pytest.mark.parametrize("cfg", [
+    AttnConfig(16, 16, 11, 4, 1, merge_at_once=4),  # 3 merge steps, the last one ragged
+    AttnConfig(16, 16, 5, 4, 1, merge_at_once=8, min_tiles=2),
+    AttnConfig(16, 16, 6, 4, 1, pipeline=True),
+    AttnConfig(16, 16, 6, 4, 1, pipeline=True, min_tiles=3, merge_at_once=2),
+    AttnConfig(16, 16, 4, 4, 1, min_tiles=64),  # one split covers every context: no merge
+], ids=["merge4", "merge8-min2", "pipeline", "pipeline-min3-merge2", "one-split"])
+def test_split_launch_options(cfg: AttnConfig) -> None:
+    """Split launches that merge several splits per load, give each split at least min_tiles
+    tiles, or request the next tile before this one's math: the same attention on mixed and
+    decode-only batches, and every arrival counter back at zero."""
+    from slipstream.kernels import paged_attention as pa
+
+    q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=32,
+                                 dtype=torch.float32, seed=8)
+    _check(q, kc, vc, meta, cfg)
+    q, kc, vc, meta = make_batch([1, 1, 1], [300, 5, 140], num_kv_heads=2, group=4,
+                                 head_dim=64, block_size=16, dtype=torch.float32, seed=9)
+    _check(q, kc, vc, meta, cfg)
+    assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
+
+
+def test_split_launch_knobs(monkeypatch) -> None:
+    """SLIPSTREAM_ATTN_MERGE_AT_ONCE / _MIN_TILES / _PIPELINE (the module constants) reach the
+    split decode launches only."""
+    from slipstream.kernels import paged_attention as pa
+
+    q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=6)
+    default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
+    assert (default.merge_at_once, default.min_tiles, default.pipeline) == (1, 1, False)
+    monkeypatch.setattr(pa, "_MERGE_AT_ONCE", 4)
+    monkeypatch.setattr(pa, "_MIN_TILES", 2)
+    monkeypatch.setattr(pa, "_PIPELINE", True)
+    cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
+    assert cfg.num_splits > 1 and (cfg.merge_at_once, cfg.min_tiles, cfg.pipeline) == (4, 2, True)
+    _check(q, kc, vc, meta)
+    prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                         dtype=torch.float32, seed=6)[3]
+    cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
+    assert (cfg.merge_at_once, cfg.min_tiles, cfg.pipeline) == (1, 1, False)  # decode only
+
+
 def test_decode_only_auto_splits() -> None:
     """Pure decode with long-ish contexts: the automatic choice splits the KV range."""
     q, kc, vc, meta = make_batch([1, 1, 1], [300, 5, 140], num_kv_heads=1, group=4,
@@ -194,13 +237,14 @@ def test_quantized_cache_scales_are_applied(dtype: torch.dtype) -> None:
 
 
 # ---------------------------------------------------------------------------- GPU (bf16)
-def _gpu_case(query_lens, seq_lens, group, head_dim, block_size, num_kv_heads=8) -> None:
+def _gpu_case(query_lens, seq_lens, group, head_dim, block_size, num_kv_heads=8,
+              cfg=None) -> None:
     q, kc, vc, meta = make_batch(query_lens, seq_lens, num_kv_heads=num_kv_heads, group=group,
                                  head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16,
                                  device="cuda", seed=len(seq_lens))
     scale = head_dim ** -0.5
     want = reference.paged_attention(q, kc, vc, meta, scale).float()
-    got = paged_attention(q, kc, vc, meta, scale).float()
+    got = paged_attention(q, kc, vc, meta, scale, config=cfg).float()
     assert torch.isfinite(got).all()
     # bf16 P @ V (probabilities rounded to bf16) vs a float32 softmax: ~3 significant digits.
     rel = (got - want).norm() / want.norm()
@@ -225,6 +269,20 @@ def test_gpu_decode_bf16(context: int, batch: int) -> None:
     """Pure decode (the flash-decoding split path at small batch)."""
     lens = [max(1, context - 13 * i) for i in range(batch)]
     _gpu_case([1] * batch, lens, 4, 128, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    AttnConfig(16, 64, 33, 8, 3, merge_at_once=8),
+    AttnConfig(16, 64, 33, 8, 3, pipeline=True, min_tiles=2, merge_at_once=4),
+    AttnConfig(16, 64, 33, 8, 3, pipeline=True, min_tiles=4),
+], ids=["merge8", "pipeline-min2-merge4", "pipeline-min4"])
+@pytest.mark.parametrize("context", [100, 256, 1024, 4097])
+@pytest.mark.parametrize("batch", [1, 7])
+def test_gpu_split_launch_options(cfg: AttnConfig, context: int, batch: int) -> None:
+    """The split decode launch options (batch-1 W1's shape: 8 KV heads x 33 splits) on bf16."""
+    lens = [max(1, context - 13 * i) for i in range(batch)]
+    _gpu_case([1] * batch, lens, 4, 128, 16, cfg=cfg)
 
 
 @pytest.mark.gpu
