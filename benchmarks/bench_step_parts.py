@@ -200,6 +200,8 @@ def main() -> None:
     p.add_argument("--load-format", default=None, help="default: dummy for a shape name")
     p.add_argument("--output-json", default=None)
     ns = p.parse_args()
+    if not 0 < ns.ctx <= ns.max_model_len:  # the KV cache holds max_model_len tokens
+        raise SystemExit(f"--ctx {ns.ctx} must be in 1..--max-model-len ({ns.max_model_len})")
     model_dir, _ = resolve_model(ns.model)
     load_format = ns.load_format or ("dummy" if is_shape_name(ns.model) else "auto")
     config = EngineArgs(model=model_dir, load_format=load_format, dtype="bfloat16",

@@ -46,14 +46,12 @@ _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
 # 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
 _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # Split decode (few sequences, a short chain of tiles a program) is latency-bound: at batch 1
-# on the H200 the int4 W1 step spent 10.8 us a layer in it. A/B knobs of its launch:
-# SLIPSTREAM_ATTN_MERGE_AT_ONCE=N merges the partials of N splits per load (1: one split per
-# round trip), SLIPSTREAM_ATTN_MIN_TILES=N gives every split at least N tiles (fewer splits to
-# merge at short contexts; one split writes its output itself), SLIPSTREAM_ATTN_PIPELINE=1
-# requests the next tile's K / V before this tile's math.
-_MERGE_AT_ONCE = int(os.environ.get("SLIPSTREAM_ATTN_MERGE_AT_ONCE", "1"))
-_MIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_MIN_TILES", "1"))
-_PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "0") == "1"
+# on the H200 the int4 W1 step spent 10.8 us a layer in it. Its pipelined tile loop requests
+# each tile's K / V before the previous tile's math and the first one before q's RoPE chain
+# (a loop's loads cannot rise above it): int4 W1 step at context 256 2101.5 -> 2020.4 us.
+# SLIPSTREAM_ATTN_PIPELINE=0 runs the plain loops. (Merging several splits per load and
+# giving each split at least 2 or 4 tiles were measured too: no gain or slower; not kept.)
+_PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "1") != "0"
 
 
 @triton.jit
@@ -180,7 +178,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    MIN_TILES: tl.constexpr = 1, PIPELINE: tl.constexpr = False, MERGE_AT_ONCE: tl.constexpr = 1,
+    PIPELINE: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -212,7 +210,7 @@ def _paged_attn_kernel(
     # KV tiles this program covers: its share of [0, last visible position of the q tile].
     kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(n_tiles, num_splits), MIN_TILES)
+    per_split = tl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     # Splits are sized for the longest context a CUDA graph will see; a shorter one leaves the
@@ -312,7 +310,7 @@ def _paged_attn_kernel(
         cnt = cnt_ptr + pid * tl.num_programs(1) + kv_head
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == used_splits - 1:
             o = _merge_splits(part_out_ptr, part_lse_ptr, token * stride_pt + head * stride_ph,
-                              row_ok, offs_d, used_splits, BLOCK_M, BLOCK_D, MERGE_AT_ONCE)
+                              row_ok, offs_d, used_splits, BLOCK_M, BLOCK_D)
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             tl.atomic_xchg(cnt, 0)
 
@@ -372,15 +370,12 @@ def _wait_if(PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
 
 @triton.jit
 def _merge_splits(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, AT_ONCE: tl.constexpr = 1):
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Log-sum-exp merge over the splits of BLOCK_M rows (partials of row r at base[r] + split),
-    read past L1 (other programs wrote them); AT_ONCE > 1 reads that many splits per load."""
+    read past L1 (other programs wrote them)."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if AT_ONCE > 1:
-        return _merge_splits_at_once(part_out_ptr, part_lse_ptr, base, row_ok, offs_d,
-                                     num_splits, m, denom, o, BLOCK_D, AT_ONCE)
     for sp in range(0, num_splits):
         lse = tl.load(part_lse_ptr + base + sp, mask=row_ok, other=float("-inf"),
                       cache_modifier=".cg")
@@ -392,28 +387,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits,
         w = tl.math.exp2(lse - m_ref)
         o = o * alpha[:, None] + part * w[:, None]
         denom = denom * alpha + w
-        m = m_new
-    return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
-
-
-@triton.jit
-def _merge_splits_at_once(part_out_ptr, part_lse_ptr, base, row_ok, offs_d, num_splits, m,
-                          denom, o, BLOCK_D: tl.constexpr, AT_ONCE: tl.constexpr):
-    """_merge_splits AT_ONCE splits a step: their log-sum-exps [rows, AT_ONCE] and partials
-    [rows, AT_ONCE, D] in one load each, so a merge of up to AT_ONCE splits is one round trip."""
-    offs_s = tl.arange(0, AT_ONCE)
-    for s0 in range(0, num_splits, AT_ONCE):
-        at = base[:, None] + s0 + offs_s[None, :]
-        ok = row_ok[:, None] & (s0 + offs_s[None, :] < num_splits)
-        lse = tl.load(part_lse_ptr + at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_out_ptr + at[:, :, None] * BLOCK_D + offs_d[None, None, :],
-                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_ref)
-        w = tl.math.exp2(lse - m_ref[:, None])
-        o = o * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
-        denom = denom * alpha + tl.sum(w, 1)
         m = m_new
     return o / tl.where(denom == 0.0, 1.0, denom)[:, None]
 
@@ -431,10 +404,8 @@ class AttnConfig:
     # PRELOAD). SLIPSTREAM_ATTN_PRELOAD=1 turns it on for the chosen configs (H200 W1 step, bf16,
     # context 256: 4223.8 -> 4222.8 us, no gain; off).
     preload: bool = False
-    # Split launches (module knobs above): splits merged per load, tiles a split at least, and
-    # the next tile requested before this one's math (without preload).
-    merge_at_once: int = 1
-    min_tiles: int = 1
+    # Split launches: each tile's K / V requested before the previous tile's math (_PIPELINE;
+    # not with preload, which reads the first tile before the PDL wait instead).
     pipeline: bool = False
 
 
@@ -485,8 +456,6 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         block_n, stages = 32, 1
     split_decode = decode and splits > 1
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
-                      merge_at_once=_MERGE_AT_ONCE if split_decode else 1,
-                      min_tiles=_MIN_TILES if split_decode else 1,
                       pipeline=_PIPELINE and split_decode)
 
 
@@ -557,8 +526,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
-        PRELOAD=cfg.preload and rope is not None, MIN_TILES=cfg.min_tiles,
-        PIPELINE=cfg.pipeline, MERGE_AT_ONCE=cfg.merge_at_once,
+        PRELOAD=cfg.preload and rope is not None, PIPELINE=cfg.pipeline,
     )
     return out
 

@@ -56,8 +56,8 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
                                  AttnConfig(16, 32, 3, 4, 1, preload=True),
                                  AttnConfig(16, 16, 4, 4, 1, preload=True),
                                  # split launch options: the new token's tile read in flight
-                                 AttnConfig(16, 16, 4, 4, 1, pipeline=True, merge_at_once=4),
-                                 AttnConfig(16, 16, 5, 4, 1, pipeline=True, min_tiles=2)])
+                                 AttnConfig(16, 16, 4, 4, 1, pipeline=True),
+                                 AttnConfig(16, 16, 2, 4, 1, pipeline=True)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
     case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
@@ -72,7 +72,7 @@ def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfi
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 2, 4, 1, preload=True),
-                                 AttnConfig(16, 16, 3, 4, 1, pipeline=True, merge_at_once=2)])
+                                 AttnConfig(16, 16, 3, 4, 1, pipeline=True)])
 def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype,
                                                        cfg: AttnConfig | None) -> None:
     case = _decode_case([5, 70], 2, 64, torch.float32, cache_dtype)
@@ -95,11 +95,11 @@ def test_fused_rope_rejects_prefill() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("lens", [[1], [200], [64, 129, 1000, 4097], [300] * 33])
-@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 64, 33, 8, 3, pipeline=True,
-                                                  merge_at_once=4)], ids=["auto", "pipeline"])
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 64, 33, 8, 3)], ids=["auto", "plain"])
 def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int], cfg) -> None:
     """bf16 on the H200: the fused kernel stores the same cache bytes and returns the same
-    output bits as the separate rotary + attention kernels (both with cfg)."""
+    output bits as the separate rotary + attention kernels (both with cfg; auto: the pipelined
+    tile loop at the split counts)."""
     from slipstream.kernels import triton_ops
 
     ops = triton_ops.ops()

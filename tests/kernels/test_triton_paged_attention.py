@@ -50,16 +50,15 @@ def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
 
 
 @pytest.mark.parametrize("cfg", [
-    AttnConfig(16, 16, 11, 4, 1, merge_at_once=4),  # 3 merge steps, the last one ragged
-    AttnConfig(16, 16, 5, 4, 1, merge_at_once=8, min_tiles=2),
-    AttnConfig(16, 16, 6, 4, 1, pipeline=True),
-    AttnConfig(16, 16, 6, 4, 1, pipeline=True, min_tiles=3, merge_at_once=2),
-    AttnConfig(16, 16, 4, 4, 1, min_tiles=64),  # one split covers every context: no merge
-], ids=["merge4", "merge8-min2", "pipeline", "pipeline-min3-merge2", "one-split"])
-def test_split_launch_options(cfg: AttnConfig) -> None:
-    """Split launches that merge several splits per load, give each split at least min_tiles
-    tiles, or request the next tile before this one's math: the same attention on mixed and
-    decode-only batches, and every arrival counter back at zero."""
+    AttnConfig(16, 16, 6, 4, 1, pipeline=True),  # splits of several tiles
+    AttnConfig(16, 16, 64, 4, 1, pipeline=True),  # a tile a split, many splits empty
+    AttnConfig(16, 16, 1, 4, 1, pipeline=True),  # inert without splits (the plain loops)
+    AttnConfig(16, 16, 6, 4, 1, pipeline=False),
+], ids=["pipeline", "pipeline-one-tile", "pipeline-no-split", "plain"])
+def test_split_pipelined_tiles(cfg: AttnConfig) -> None:
+    """The pipelined tile loop (each tile requested before the previous one's math, one masked
+    loop) and the plain two loops: the same attention on mixed and decode-only batches, every
+    arrival counter back at zero."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=32,
@@ -71,25 +70,26 @@ def test_split_launch_options(cfg: AttnConfig) -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
-def test_split_launch_knobs(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_MERGE_AT_ONCE / _MIN_TILES / _PIPELINE (the module constants) reach the
-    split decode launches only."""
+def test_pipeline_knob(monkeypatch) -> None:
+    """Split decode launches take the pipelined tile loop (SLIPSTREAM_ATTN_PIPELINE=0, the
+    module constant, turns it off); prefill chunks and unsplit decode never do."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert (default.merge_at_once, default.min_tiles, default.pipeline) == (1, 1, False)
-    monkeypatch.setattr(pa, "_MERGE_AT_ONCE", 4)
-    monkeypatch.setattr(pa, "_MIN_TILES", 2)
-    monkeypatch.setattr(pa, "_PIPELINE", True)
-    cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert cfg.num_splits > 1 and (cfg.merge_at_once, cfg.min_tiles, cfg.pipeline) == (4, 2, True)
+    assert default.num_splits > 1 and default.pipeline
+    monkeypatch.setattr(pa, "_PIPELINE", False)
+    assert not pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).pipeline
     _check(q, kc, vc, meta)
+    monkeypatch.setattr(pa, "_PIPELINE", True)
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
-    cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
-    assert (cfg.merge_at_once, cfg.min_tiles, cfg.pipeline) == (1, 1, False)  # decode only
+    assert not pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).pipeline
+    wide = make_batch([1] * 64, [40] * 64, num_kv_heads=8, group=4, head_dim=64, block_size=16,
+                      dtype=torch.float32, seed=6)[3]
+    cfg = pa.choose_config(wide, 8, 4, 64, q.device, q.dtype)
+    assert cfg.num_splits == 1 and not cfg.pipeline
 
 
 def test_decode_only_auto_splits() -> None:
@@ -272,17 +272,14 @@ def test_gpu_decode_bf16(context: int, batch: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [
-    AttnConfig(16, 64, 33, 8, 3, merge_at_once=8),
-    AttnConfig(16, 64, 33, 8, 3, pipeline=True, min_tiles=2, merge_at_once=4),
-    AttnConfig(16, 64, 33, 8, 3, pipeline=True, min_tiles=4),
-], ids=["merge8", "pipeline-min2-merge4", "pipeline-min4"])
+@pytest.mark.parametrize("pipeline", [True, False])
 @pytest.mark.parametrize("context", [100, 256, 1024, 4097])
 @pytest.mark.parametrize("batch", [1, 7])
-def test_gpu_split_launch_options(cfg: AttnConfig, context: int, batch: int) -> None:
-    """The split decode launch options (batch-1 W1's shape: 8 KV heads x 33 splits) on bf16."""
+def test_gpu_split_decode_tile_loops(pipeline: bool, context: int, batch: int) -> None:
+    """Both tile loops of split decode at batch-1 W1's launch shape (8 KV heads x 33 splits:
+    a tile a split up to ~2k tokens, several beyond), bf16."""
     lens = [max(1, context - 13 * i) for i in range(batch)]
-    _gpu_case([1] * batch, lens, 4, 128, 16, cfg=cfg)
+    _gpu_case([1] * batch, lens, 4, 128, 16, cfg=AttnConfig(16, 64, 33, 8, 3, pipeline=pipeline))
 
 
 @pytest.mark.gpu
