@@ -3,12 +3,14 @@
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
         [--kv bf16,fp8,int8]
 For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
-(choose_config) and, with --sweep, a grid of tile configs; prints GB/s against a device copy
-measured in the same run.
+(choose_config), for split launches also the plain tile loops (pipeline off), and, with --sweep,
+a grid of tile configs; prints GB/s against a device copy measured in the same run. Each call is
+timed as a CUDA-graph replay (a batch-1 launch from Python costs more than the kernel).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -30,7 +32,7 @@ CASES = [(512, 192), (512, 1000), (256, 512), (64, 1024), (8, 4096), (1, 1024), 
 
 
 def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
 
 
 def copy_gbps() -> float:
@@ -50,9 +52,11 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
     base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype, kc.dtype)
     configs = [("default", base)]
+    if base.pipeline:
+        configs.append(("plain", dataclasses.replace(base, pipeline=False)))
     if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
-        configs.append(("graph", pa.AttnConfig(base.block_m, base.block_n, 33, base.num_warps,
-                                               base.num_stages)))
+        configs.append(("graph", dataclasses.replace(base, num_splits=33)))
+        configs.append(("graph plain", dataclasses.replace(base, num_splits=33, pipeline=False)))
     if sweep:
         for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (2, 4, 8)):
             configs.append(("sweep", pa.AttnConfig(base.block_m, bn, base.num_splits, w, st)))
@@ -96,8 +100,8 @@ def main() -> None:
               f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
               f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
         for r in case:
-            if r["tag"] == "graph":
-                print(f"    as in a decode graph (33 splits): {r['us']:7.1f} us", flush=True)
+            if r["tag"] in ("plain", "graph", "graph plain"):
+                print(f"    {r['tag']:<12} {r['us']:7.1f} us  {r['config']}", flush=True)
     result = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows,
                   wall_s=time.time() - t0)
     if args.output_json:
