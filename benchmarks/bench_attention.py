@@ -52,11 +52,14 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
     base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype, kc.dtype)
     configs = [("default", base)]
-    if base.pipeline:
+    if base.pipeline:  # split decode: the plain loops, with Triton's cp.async stages or none
         configs.append(("plain", dataclasses.replace(base, pipeline=False)))
+        configs.append(("plain s1", dataclasses.replace(base, pipeline=False, num_stages=1)))
     if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
         configs.append(("graph", dataclasses.replace(base, num_splits=33)))
         configs.append(("graph plain", dataclasses.replace(base, num_splits=33, pipeline=False)))
+        configs.append(("graph plain s1", dataclasses.replace(base, num_splits=33, pipeline=False,
+                                                              num_stages=1)))
     if sweep:
         for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (2, 4, 8)):
             configs.append(("sweep", pa.AttnConfig(base.block_m, bn, base.num_splits, w, st)))
@@ -100,8 +103,8 @@ def main() -> None:
               f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
               f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
         for r in case:
-            if r["tag"] in ("plain", "graph", "graph plain"):
-                print(f"    {r['tag']:<12} {r['us']:7.1f} us  {r['config']}", flush=True)
+            if r["tag"] != "default" and r["tag"] != "sweep":
+                print(f"    {r['tag']:<15} {r['us']:7.1f} us  {r['config']}", flush=True)
     result = dict(device=torch.cuda.get_device_name(), copy_gbps=bw, rows=rows,
                   wall_s=time.time() - t0)
     if args.output_json:

@@ -46,12 +46,18 @@ _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
 # 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
 _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # Split decode (few sequences, a short chain of tiles a program) is latency-bound: at batch 1
-# on the H200 the int4 W1 step spent 10.8 us a layer in it. Its pipelined tile loop requests
-# each tile's K / V before the previous tile's math and the first one before q's RoPE chain
-# (a loop's loads cannot rise above it): int4 W1 step at context 256 2101.5 -> 2020.4 us.
-# SLIPSTREAM_ATTN_PIPELINE=0 runs the plain loops. (Merging several splits per load and
-# giving each split at least 2 or 4 tiles were measured too: no gain or slower; not kept.)
+# on the H200 the int4 W1 step spent 10.8 us a layer in it. Its pipelined tile loop loads each
+# tile straight into registers, the next one requested before this one's math, instead of the
+# plain loops' cp.async pipeline through shared memory (whose prologue and epilogue a one-tile
+# split pays in full; offline sm_90a SASS 1,688 instructions instead of 2,288, but 158
+# registers instead of 94): int4 W1 step at context 256 2101.5 -> 2020.4 us. Not yet measured
+# at long per-split chains (batch-1 contexts past ~2k, batches 2-32 at long contexts), where
+# the registers halve the resident programs. SLIPSTREAM_ATTN_PIPELINE=0 runs the plain loops;
+# SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets their stages for split decode launches (1:
+# plain loads, 111 registers). Merging several splits per load and giving each split at least
+# 2 or 4 tiles were measured too: no gain or slower; not kept.
 _PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "1") != "0"
+_SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
 
 @triton.jit
@@ -455,6 +461,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
         block_n, stages = 32, 1
     split_decode = decode and splits > 1
+    if split_decode and _SPLIT_STAGES:
+        stages = _SPLIT_STAGES
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
                       pipeline=_PIPELINE and split_decode)
 

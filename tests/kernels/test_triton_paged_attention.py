@@ -92,6 +92,26 @@ def test_pipeline_knob(monkeypatch) -> None:
     assert cfg.num_splits == 1 and not cfg.pipeline
 
 
+def test_split_stages_knob(monkeypatch) -> None:
+    """SLIPSTREAM_ATTN_SPLIT_STAGES (the module constant) sets the stages of split decode
+    launches only; the plain loops' result unchanged."""
+    from slipstream.kernels import paged_attention as pa
+
+    q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
+                                 block_size=16, dtype=torch.bfloat16, seed=6)
+    prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
+                         dtype=torch.bfloat16, seed=6)[3]
+    before = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages
+    monkeypatch.setattr(pa, "_SPLIT_STAGES", 1)
+    monkeypatch.setattr(pa, "_PIPELINE", False)
+    cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
+    assert cfg.num_splits > 1 and cfg.num_stages == 1 and not cfg.pipeline
+    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages == before == 2
+    q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=6)
+    _check(q, kc, vc, meta, pa.choose_config(meta, 2, 4, 64, q.device, q.dtype))
+
+
 def test_decode_only_auto_splits() -> None:
     """Pure decode with long-ish contexts: the automatic choice splits the KV range."""
     q, kc, vc, meta = make_batch([1, 1, 1], [300, 5, 140], num_kv_heads=1, group=4,
