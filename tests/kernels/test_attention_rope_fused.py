@@ -55,7 +55,7 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
                                  AttnConfig(16, 32, 1, 4, 1, preload=True),
                                  AttnConfig(16, 32, 3, 4, 1, preload=True),
                                  AttnConfig(16, 16, 4, 4, 1, preload=True),
-                                 # split launch options: the new token's tile read in flight
+                                 # the pipelined tile loop (splits of one tile and of two)
                                  AttnConfig(16, 16, 4, 4, 1, pipeline=True),
                                  AttnConfig(16, 16, 2, 4, 1, pipeline=True)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
