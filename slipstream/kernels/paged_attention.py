@@ -58,6 +58,10 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # 2 or 4 tiles were measured too: no gain or slower; not kept.
 _PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "1") != "0"
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
+# SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N (an A/B knob, with the pipelined loop off): a split of at
+# most N tiles runs one plain-load loop (no cp.async stages), a longer one the staged loops;
+# decided per program at run time, so one captured graph serves short and long contexts.
+_SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "0"))
 
 
 @triton.jit
@@ -184,7 +188,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    PIPELINE: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False, SHORT_CHAIN: tl.constexpr = 0,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -278,12 +282,21 @@ def _paged_attn_kernel(
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt0, v0, t_lo, q_pos, seq_len, qk_scale,
                                      BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
         first = t_lo + 1
+    short = False  # a split of at most SHORT_CHAIN tiles (a runtime test when SHORT_CHAIN > 0)
+    if SHORT_CHAIN:
+        short = t_hi - first <= SHORT_CHAIN
     if PIPELINE and not PRELOAD:  # one masked loop, the next tile in flight during this one
         acc, m_i, l_i = _pipelined_tiles(acc, m_i, l_i, q, first, t_hi, bt_row, k_ptr, v_ptr,
                                          off_k, off_v, stride_kb, stride_ks, stride_vb,
                                          stride_vs, q_pos, seq_len, qk_scale, BLOCK_N, BLOCK_D,
                                          HEAD_DIM, PAGE_SIZE, DOT_PREC, F16_KV, P_DTYPE,
                                          KV_QUANT, ASM_CVT)
+    elif short:  # plain loads: no cp.async prologue and epilogue for one or two tiles
+        for tile in tl.range(first, t_hi, num_stages=1):
+            acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
+                                       off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
+                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
+                                       True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
     else:
         for tile in range(first, tl.minimum(t_hi, t_full)):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
@@ -411,8 +424,10 @@ class AttnConfig:
     # context 256: 4223.8 -> 4222.8 us, no gain; off).
     preload: bool = False
     # Split launches: each tile's K / V requested before the previous tile's math (_PIPELINE;
-    # not with preload, which reads the first tile before the PDL wait instead).
+    # not with preload, which reads the first tile before the PDL wait instead); without it,
+    # splits of at most short_chain tiles load plainly, longer ones through the staged loops.
     pipeline: bool = False
+    short_chain: int = 0
 
 
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
@@ -464,7 +479,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     if split_decode and _SPLIT_STAGES:
         stages = _SPLIT_STAGES
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
-                      pipeline=_PIPELINE and split_decode)
+                      pipeline=_PIPELINE and split_decode,
+                      short_chain=_SHORT_CHAIN_TILES if split_decode else 0)
 
 
 @dataclass(frozen=True)
@@ -535,6 +551,7 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, PIPELINE=cfg.pipeline,
+        SHORT_CHAIN=cfg.short_chain,
     )
     return out
 

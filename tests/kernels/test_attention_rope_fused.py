@@ -57,7 +57,8 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
                                  AttnConfig(16, 16, 4, 4, 1, preload=True),
                                  # the pipelined tile loop (splits of one tile and of two)
                                  AttnConfig(16, 16, 4, 4, 1, pipeline=True),
-                                 AttnConfig(16, 16, 2, 4, 1, pipeline=True)])
+                                 AttnConfig(16, 16, 2, 4, 1, pipeline=True),
+                                 AttnConfig(16, 16, 2, 4, 2, short_chain=1)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
     case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
     q, k, v, positions, cos_sin, kc, vc, meta, scales = case
@@ -95,7 +96,9 @@ def test_fused_rope_rejects_prefill() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("lens", [[1], [200], [64, 129, 1000, 4097], [300] * 33])
-@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 64, 33, 8, 3)], ids=["auto", "plain"])
+@pytest.mark.parametrize("cfg", [None, AttnConfig(16, 64, 33, 8, 3),
+                                 AttnConfig(16, 64, 33, 8, 3, short_chain=2)],
+                         ids=["auto", "plain", "short-chain"])
 def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int], cfg) -> None:
     """bf16 on the H200: the fused kernel stores the same cache bytes and returns the same
     output bits as the separate rotary + attention kernels (both with cfg; auto: the pipelined

@@ -54,11 +54,15 @@ def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
     AttnConfig(16, 16, 64, 4, 1, pipeline=True),  # a tile a split, many splits empty
     AttnConfig(16, 16, 1, 4, 1, pipeline=True),  # inert without splits (the plain loops)
     AttnConfig(16, 16, 6, 4, 1, pipeline=False),
-], ids=["pipeline", "pipeline-one-tile", "pipeline-no-split", "plain"])
+    AttnConfig(16, 16, 6, 4, 2, short_chain=2),  # short splits plain, long ones staged
+    AttnConfig(16, 16, 64, 4, 2, short_chain=1),
+], ids=["pipeline", "pipeline-one-tile", "pipeline-no-split", "plain", "short-chain-2",
+        "short-chain-1"])
 def test_split_pipelined_tiles(cfg: AttnConfig) -> None:
     """The pipelined tile loop (each tile requested before the previous one's math, one masked
-    loop) and the plain two loops: the same attention on mixed and decode-only batches, every
-    arrival counter back at zero."""
+    loop), the plain two loops, and the one-stage loop for short splits (the staged loops for
+    longer ones): the same attention on mixed and decode-only batches, every arrival counter
+    back at zero."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=32,
@@ -107,6 +111,9 @@ def test_split_stages_knob(monkeypatch) -> None:
     cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
     assert cfg.num_splits > 1 and cfg.num_stages == 1 and not cfg.pipeline
     assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages == before == 2
+    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 2)  # split decode only, like the stages
+    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 2
+    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).short_chain == 0
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     _check(q, kc, vc, meta, pa.choose_config(meta, 2, 4, 64, q.device, q.dtype))
@@ -292,14 +299,16 @@ def test_gpu_decode_bf16(context: int, batch: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("loop", ["pipeline", "plain", "short-chain"])
 @pytest.mark.parametrize("context", [100, 256, 1024, 4097])
 @pytest.mark.parametrize("batch", [1, 7])
-def test_gpu_split_decode_tile_loops(pipeline: bool, context: int, batch: int) -> None:
-    """Both tile loops of split decode at batch-1 W1's launch shape (8 KV heads x 33 splits:
+def test_gpu_split_decode_tile_loops(loop: str, context: int, batch: int) -> None:
+    """The tile loops of split decode at batch-1 W1's launch shape (8 KV heads x 33 splits:
     a tile a split up to ~2k tokens, several beyond), bf16."""
     lens = [max(1, context - 13 * i) for i in range(batch)]
-    _gpu_case([1] * batch, lens, 4, 128, 16, cfg=AttnConfig(16, 64, 33, 8, 3, pipeline=pipeline))
+    cfg = AttnConfig(16, 64, 33, 8, 3, pipeline=loop == "pipeline",
+                     short_chain=2 if loop == "short-chain" else 0)
+    _gpu_case([1] * batch, lens, 4, 128, 16, cfg=cfg)
 
 
 @pytest.mark.gpu
