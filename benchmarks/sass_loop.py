@@ -2,11 +2,13 @@
 
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
+    python benchmarks/sass_loop.py attention --split --num-warps 8 --stages 3 [--pipeline | --short-chain 2]
     python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
     python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
-a quick, device-free way to count the instructions a kernel spends per element.
+a quick, device-free way to count the instructions a kernel spends per element. The kernel's
+registers a thread (cuobjdump's resource usage) come first.
 """
 from __future__ import annotations
 
@@ -25,9 +27,16 @@ from triton.compiler import ASTSource
 _ALIGNED_INTS = ("N", "K", "k_per_split")  # multiples of 16 in every launch that matters
 
 
-def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int) -> str:
-    """SASS text of `kernel` for sm_90; pointers, strides and _ALIGNED_INTS are marked 16-divisible."""
-    params = list(inspect.signature(kernel.fn).parameters)
+def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int,
+                 num_stages: int = 1) -> tuple[str, int]:
+    """(SASS text, registers a thread) of `kernel` for sm_90; pointers, strides and _ALIGNED_INTS
+    are marked 16-divisible. A constexpr without a default must be given."""
+    signature = inspect.signature(kernel.fn).parameters
+    params = list(signature)
+    # constexprs left out take their defaults (a kernel's later options, off)
+    constexprs = {**{n: p.default for n, p in signature.items()
+                     if "constexpr" in str(p.annotation) and p.default is not p.empty},
+                  **constexprs}
     sig, attrs = {}, {}
     for i, name in enumerate(params):
         if name in constexprs:
@@ -38,14 +47,19 @@ def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int
             attrs[(i,)] = [["tt.divisibility", 16]]
     consts = {(params.index(k),): v for k, v in constexprs.items()}
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
-        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+        sass = subprocess.run([f"{tools}/nvdisasm", "-c", path], capture_output=True, text=True,
                               check=True).stdout
+        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", path], capture_output=True,
+                               text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    return sass, int(regs.group(1)) if regs else -1
 
 
 def loop_histogram(sass: str) -> collections.Counter:
@@ -84,10 +98,13 @@ def attention_case(ns) -> tuple:
                  part_lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", kn_ptr="*bf16",
                  vn_ptr="*bf16", cs_ptr="*fp32", slot_ptr="*i64", pos_ptr="*i64",
                  qk_scale="fp32")
+    # --split: W1's batch-1 launch (the KV range across programs, a merge); else large-batch
+    # decode (one program a sequence and KV head).
     consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_D=128,
-                  HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=False, DOT_PREC="tf32",
-                  KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=False,
-                  FUSE_ROPE=True, DECODE=True, ASM_CVT=True,
+                  HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=ns.split, DOT_PREC="tf32",
+                  KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=ns.split,
+                  FUSE_ROPE=True, DECODE=not ns.split, ASM_CVT=True, PRELOAD=False,
+                  PIPELINE=ns.pipeline, SHORT_CHAIN=ns.short_chain,
                   BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
@@ -128,13 +145,20 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=1, help="qgemv / w4 STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
+    ap.add_argument("--pipeline", action="store_true", help="attention: the pipelined tile loop")
+    ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
             "w4mma": w4mma_case}[ns.kernel]
     kernel, types, consts, elems = case(ns)
-    hist = loop_histogram(compile_sass(kernel, types, consts, ns.num_warps))
+    # --stages is the qgemv / w4 STAGES constexpr; attention takes it as the launch's num_stages.
+    sass, regs = compile_sass(kernel, types, consts, ns.num_warps,
+                              ns.stages if ns.kernel == "attention" else 1)
+    hist = loop_histogram(sass)
     total = sum(hist.values())
-    print(f"{total} instructions per loop iteration, {total / elems:.2f} per element per thread")
+    print(f"{regs} registers a thread; {total} instructions per loop iteration, "
+          f"{total / elems:.2f} per element per thread")
     for op, n in hist.most_common():
         print(f"  {op:<14} {n}")
 

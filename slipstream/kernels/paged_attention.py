@@ -49,7 +49,7 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # on the H200 the int4 W1 step spent 10.8 us a layer in it. Its pipelined tile loop loads each
 # tile straight into registers, the next one requested before this one's math, instead of the
 # plain loops' cp.async pipeline through shared memory (whose prologue and epilogue a one-tile
-# split pays in full; offline sm_90a SASS 1,688 instructions instead of 2,288, but 158
+# split pays in full; offline sm_90a SASS 1,688 instructions instead of 2,288, but 150-158
 # registers instead of 94): int4 W1 step at context 256 2101.5 -> 2020.4 us. Not yet measured
 # at long per-split chains (batch-1 contexts past ~2k, batches 2-32 at long contexts), where
 # the registers halve the resident programs. SLIPSTREAM_ATTN_PIPELINE=0 runs the plain loops;
