@@ -103,7 +103,7 @@ def attention_case(ns) -> tuple:
     consts = dict(GROUP=4, GROUP_P=4, BLOCK_Q=4, BLOCK_M=16, BLOCK_D=128,
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=ns.split, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=ns.split,
-                  FUSE_ROPE=True, DECODE=not ns.split, ASM_CVT=True, PRELOAD=False,
+                  FUSE_ROPE=True, DECODE=not ns.split, ASM_CVT=True,
                   PIPELINE=ns.pipeline, SHORT_CHAIN=ns.short_chain,
                   BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
