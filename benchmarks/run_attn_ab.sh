@@ -25,10 +25,10 @@ timeout 140 "$PY" benchmarks/bench_attention.py --cases 1x256,1x1024,1x8192,8x40
   --kv bf16 --output-json "$LOGS/attention.json" > "$LOGS/attention.log" 2>&1
 echo "== bench_attention rc $? ($(elapsed) s)"
 grep -v -E "^(INFO|WARNING)" "$LOGS/attention.log" | tail -30
-VARIANTS=_PIPELINE=0,_PIPELINE=0+_SPLIT_STAGES=1,_PIPELINE=0+_SHORT_CHAIN_TILES=2
+VARIANTS=${VARIANTS:-_PIPELINE=0,_PIPELINE=0+_SPLIT_STAGES=1,_PIPELINE=0+_SHORT_CHAIN_TILES=2}
 IFS=, read -ra methods <<< "${QUANTS:-fp8,none}"
-for quant in "${methods[@]}"; do
-  for ctx in "${STEP_CTX:-256}" "${LONG_CTX:-4096}"; do
+for ctx in "${STEP_CTX:-256}" "${LONG_CTX:-4096}"; do  # both methods at the short context first
+  for quant in "${methods[@]}"; do
     if (( $(elapsed) > ${BUDGET_S:-450} )); then  # a device call ends at 600 s
       echo "== $quant ctx $ctx: skipped (budget)"
       continue
