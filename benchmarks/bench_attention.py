@@ -3,8 +3,8 @@
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
         [--kv bf16,fp8,int8]
 For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
-(choose_config), for split launches also the plain tile loops (pipeline off: 3 stages, 1 stage,
-or one stage for splits of at most 2 tiles), and, with --sweep,
+(choose_config), for split launches also the staged tile loops alone (no one-stage loop for
+short splits: 3 stages, and 1 stage), and, with --sweep,
 a grid of tile configs; prints GB/s against a device copy measured in the same run. Each call is
 timed as a CUDA-graph replay (a batch-1 launch from Python costs more than the kernel).
 """
@@ -53,17 +53,14 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
     base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype, kc.dtype)
     configs = [("default", base)]
-    if base.pipeline:  # split decode: the plain loops, with Triton's cp.async stages or none
-        configs.append(("plain", dataclasses.replace(base, pipeline=False)))
-        configs.append(("plain s1", dataclasses.replace(base, pipeline=False, num_stages=1)))
-        configs.append(("short2", dataclasses.replace(base, pipeline=False, short_chain=2)))
+    if base.short_chain:  # split decode: the staged loops alone, with cp.async stages or none
+        configs.append(("staged", dataclasses.replace(base, short_chain=0)))
+        configs.append(("plain s1", dataclasses.replace(base, short_chain=0, num_stages=1)))
     if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
         configs.append(("graph", dataclasses.replace(base, num_splits=33)))
-        configs.append(("graph plain", dataclasses.replace(base, num_splits=33, pipeline=False)))
-        configs.append(("graph plain s1", dataclasses.replace(base, num_splits=33, pipeline=False,
+        configs.append(("graph staged", dataclasses.replace(base, num_splits=33, short_chain=0)))
+        configs.append(("graph plain s1", dataclasses.replace(base, num_splits=33, short_chain=0,
                                                               num_stages=1)))
-        configs.append(("graph short2", dataclasses.replace(base, num_splits=33, pipeline=False,
-                                                            short_chain=2)))
     if sweep:
         for bn, st, w in itertools.product((32, 64, 128), (1, 2, 3, 4), (2, 4, 8)):
             configs.append(("sweep", pa.AttnConfig(base.block_m, bn, base.num_splits, w, st)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call (~8 min): split decode attention, the pipelined tile loop (the default)
-# against the plain loops (3 cp.async stages; 1: plain loads; or plain loads only for splits of
-# at most 2 tiles, SLIPSTREAM_ATTN_SHORT_CHAIN_TILES). The -m gpu attention tests,
+# One device call (~5 min): split decode attention's tile loops, the default (splits of at most
+# 2 tiles load plainly, longer ones through 3 cp.async stages) against the staged loops alone
+# (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=0) and a threshold of 4 tiles. The -m gpu attention tests,
 # then bench_attention's graph-timed cases (batch-1 short and long contexts, mid batches at long
 # contexts), then the batch-1 step in context (bench_step_parts) for each method in QUANTS
 # (default fp8,none; "none" = bf16) at STEP_CTX (default 256) and at LONG_CTX (default 4096)
@@ -25,7 +25,7 @@ timeout 140 "$PY" benchmarks/bench_attention.py --cases 1x256,1x1024,1x8192,8x40
   --kv bf16 --output-json "$LOGS/attention.json" > "$LOGS/attention.log" 2>&1
 echo "== bench_attention rc $? ($(elapsed) s)"
 grep -v -E "^(INFO|WARNING)" "$LOGS/attention.log" | tail -30
-VARIANTS=${VARIANTS:-_PIPELINE=0,_PIPELINE=0+_SPLIT_STAGES=1,_PIPELINE=0+_SHORT_CHAIN_TILES=2}
+VARIANTS=${VARIANTS:-_SHORT_CHAIN_TILES=0,_SHORT_CHAIN_TILES=4}
 IFS=, read -ra methods <<< "${QUANTS:-fp8,none}"
 for ctx in "${STEP_CTX:-256}" "${LONG_CTX:-4096}"; do  # both methods at the short context first
   for quant in "${methods[@]}"; do

@@ -2,7 +2,7 @@
 
     python benchmarks/sass_loop.py qgemv --weight i8 --bit-convert 3 --block-n 8 --block-k 1024 --stages 4
     python benchmarks/sass_loop.py attention --kv fp8e4nv --num-warps 2
-    python benchmarks/sass_loop.py attention --split --num-warps 8 --stages 3 [--pipeline | --short-chain 2]
+    python benchmarks/sass_loop.py attention --split --num-warps 8 --stages 3 [--short-chain 2]
     python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
     python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
@@ -104,7 +104,7 @@ def attention_case(ns) -> tuple:
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=ns.split, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=ns.split,
                   FUSE_ROPE=True, DECODE=not ns.split, ASM_CVT=True,
-                  PIPELINE=ns.pipeline, SHORT_CHAIN=ns.short_chain,
+                  SHORT_CHAIN=ns.short_chain,
                   BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
@@ -146,7 +146,6 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
-    ap.add_argument("--pipeline", action="store_true", help="attention: the pipelined tile loop")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,

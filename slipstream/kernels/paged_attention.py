@@ -46,22 +46,20 @@ _SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
 # 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
 _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # Split decode (few sequences, a short chain of tiles a program) is latency-bound: at batch 1
-# on the H200 the int4 W1 step spent 10.8 us a layer in it. Its pipelined tile loop loads each
-# tile straight into registers, the next one requested before this one's math, instead of the
-# plain loops' cp.async pipeline through shared memory (whose prologue and epilogue a one-tile
-# split pays in full; offline sm_90a SASS 1,688 instructions instead of 2,288, but 150-158
-# registers instead of 94): int4 W1 step at context 256 2101.5 -> 2020.4 us. Not yet measured
-# at long per-split chains (batch-1 contexts past ~2k, batches 2-32 at long contexts), where
-# the registers halve the resident programs. SLIPSTREAM_ATTN_PIPELINE=0 runs the plain loops;
-# SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets their stages for split decode launches (1:
-# plain loads, 111 registers). Merging several splits per load and giving each split at least
-# 2 or 4 tiles were measured too: no gain or slower; not kept.
-_PIPELINE = os.environ.get("SLIPSTREAM_ATTN_PIPELINE", "1") != "0"
+# on the H200 the int4 W1 step spent 10.8 us a layer in it. A split of at most
+# SHORT_CHAIN_TILES tiles (W1: one 64-token tile a split up to ~2k tokens) loads them plainly
+# in one loop, skipping the prologue and epilogue of the staged loops' cp.async pipeline, which
+# longer splits keep. Decided per program at run time, so one captured graph serves short and
+# long contexts. H200 (session 23, in context, one process), step at context 256 / 4096:
+# fp8 batch 1 2424.0 -> 2382.2 / 2808.7 -> 2780.4 us, bf16 4191.9 -> 4134.2 / 4531.0 -> 4496.4.
+# A loop loading each tile into registers before the previous tile's math (session 22's
+# default) matched it at 256 (fp8 2398.4, bf16 4124.7) but lost at long splits (4096: 2934.3,
+# 4677.8; batch 32 at 2048: 130.9 against 93.0 us): 150-158 registers halve the resident
+# programs. Removed. SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N sets the threshold (0: always staged);
+# SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets the staged loops' stages for split decode
+# launches (1: plain loads everywhere, 111 registers; batch 8 at 4096 77.1 against 65.8 us).
+_SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
-# SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N (an A/B knob, with the pipelined loop off): a split of at
-# most N tiles runs one plain-load loop (no cp.async stages), a longer one the staged loops;
-# decided per program at run time, so one captured graph serves short and long contexts.
-_SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "0"))
 
 
 @triton.jit
@@ -188,7 +186,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    PIPELINE: tl.constexpr = False, SHORT_CHAIN: tl.constexpr = 0,
+    SHORT_CHAIN: tl.constexpr = 0,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -285,13 +283,7 @@ def _paged_attn_kernel(
     short = False  # a split of at most SHORT_CHAIN tiles (a runtime test when SHORT_CHAIN > 0)
     if SHORT_CHAIN:
         short = t_hi - first <= SHORT_CHAIN
-    if PIPELINE and not PRELOAD:  # one masked loop, the next tile in flight during this one
-        acc, m_i, l_i = _pipelined_tiles(acc, m_i, l_i, q, first, t_hi, bt_row, k_ptr, v_ptr,
-                                         off_k, off_v, stride_kb, stride_ks, stride_vb,
-                                         stride_vs, q_pos, seq_len, qk_scale, BLOCK_N, BLOCK_D,
-                                         HEAD_DIM, PAGE_SIZE, DOT_PREC, F16_KV, P_DTYPE,
-                                         KV_QUANT, ASM_CVT)
-    elif short:  # plain loads: no cp.async prologue and epilogue for one or two tiles
+    if short:  # plain loads: no cp.async prologue and epilogue for one or two tiles
         for tile in tl.range(first, t_hi, num_stages=1):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
@@ -332,27 +324,6 @@ def _paged_attn_kernel(
                               row_ok, offs_d, used_splits, BLOCK_M, BLOCK_D)
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
             tl.atomic_xchg(cnt, 0)
-
-
-@triton.jit
-def _pipelined_tiles(acc, m_i, l_i, q, first, t_hi, bt_row, k_ptr, v_ptr, off_k, off_v,
-                     stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, DOT_PREC: tl.constexpr, F16_KV: tl.constexpr,
-                     P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
-    """Tiles first .. t_hi - 1 (at least one), each tile's K / V requested before the previous
-    tile's math, so a program's chain costs one memory round trip plus the math of each tile.
-    The last iteration requests its own tile again (no branch; an L1 hit)."""
-    kt, v = _tile_kv(first, bt_row, k_ptr, v_ptr, off_k, off_v, stride_kb, stride_ks, stride_vb,
-                     stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE)
-    for tile in range(first, t_hi):
-        kt_next, v_next = _tile_kv(tl.minimum(tile + 1, t_hi - 1), bt_row, k_ptr, v_ptr, off_k,
-                                   off_v, stride_kb, stride_ks, stride_vb, stride_vs, seq_len,
-                                   BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE)
-        acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
-                                     BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
-        kt, v = kt_next, v_next
-    return acc, m_i, l_i
 
 
 @triton.jit
@@ -423,10 +394,8 @@ class AttnConfig:
     # PRELOAD). SLIPSTREAM_ATTN_PRELOAD=1 turns it on for the chosen configs (H200 W1 step, bf16,
     # context 256: 4223.8 -> 4222.8 us, no gain; off).
     preload: bool = False
-    # Split launches: each tile's K / V requested before the previous tile's math (_PIPELINE;
-    # not with preload, which reads the first tile before the PDL wait instead); without it,
-    # splits of at most short_chain tiles load plainly, longer ones through the staged loops.
-    pipeline: bool = False
+    # Split launches: splits of at most short_chain tiles load them plainly in one loop, longer
+    # ones run the staged loops (_SHORT_CHAIN_TILES).
     short_chain: int = 0
 
 
@@ -479,7 +448,6 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     if split_decode and _SPLIT_STAGES:
         stages = _SPLIT_STAGES
     return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
-                      pipeline=_PIPELINE and split_decode,
                       short_chain=_SHORT_CHAIN_TILES if split_decode else 0)
 
 
@@ -550,8 +518,7 @@ def paged_attention(
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
-        PRELOAD=cfg.preload and rope is not None, PIPELINE=cfg.pipeline,
-        SHORT_CHAIN=cfg.short_chain,
+        PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
     )
     return out
 

@@ -55,9 +55,10 @@ def _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, **kw):
                                  AttnConfig(16, 32, 1, 4, 1, preload=True),
                                  AttnConfig(16, 32, 3, 4, 1, preload=True),
                                  AttnConfig(16, 16, 4, 4, 1, preload=True),
-                                 # the pipelined tile loop (splits of one tile and of two)
-                                 AttnConfig(16, 16, 4, 4, 1, pipeline=True),
-                                 AttnConfig(16, 16, 2, 4, 1, pipeline=True),
+                                 AttnConfig(16, 16, 4, 4, 2, preload=True, short_chain=2),
+                                 # the one-stage loop of short splits (one tile, two)
+                                 AttnConfig(16, 16, 4, 4, 2, short_chain=1),
+                                 AttnConfig(16, 16, 2, 4, 2, short_chain=2),
                                  AttnConfig(16, 16, 2, 4, 2, short_chain=1)])
 def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfig | None) -> None:
     case = _decode_case([1, 17, 40, 33], group, head_dim, torch.float32, pad=2)
@@ -73,7 +74,7 @@ def test_fused_rope_decode_interpreter(group: int, head_dim: int, cfg: AttnConfi
 
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("cfg", [None, AttnConfig(16, 32, 2, 4, 1, preload=True),
-                                 AttnConfig(16, 16, 3, 4, 1, pipeline=True)])
+                                 AttnConfig(16, 16, 3, 4, 2, short_chain=2)])
 def test_fused_rope_decode_quantized_cache_interpreter(cache_dtype: torch.dtype,
                                                        cfg: AttnConfig | None) -> None:
     case = _decode_case([5, 70], 2, 64, torch.float32, cache_dtype)
@@ -101,8 +102,8 @@ def test_fused_rope_rejects_prefill() -> None:
                          ids=["auto", "plain", "short-chain"])
 def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int], cfg) -> None:
     """bf16 on the H200: the fused kernel stores the same cache bytes and returns the same
-    output bits as the separate rotary + attention kernels (both with cfg; auto: the pipelined
-    tile loop at the split counts)."""
+    output bits as the separate rotary + attention kernels (both with cfg; auto: the one-stage
+    loop for splits of up to 2 tiles at the split counts)."""
     from slipstream.kernels import triton_ops
 
     ops = triton_ops.ops()

@@ -50,17 +50,13 @@ def test_mixed_batch_tilings_and_splits(cfg: AttnConfig) -> None:
 
 
 @pytest.mark.parametrize("cfg", [
-    AttnConfig(16, 16, 6, 4, 1, pipeline=True),  # splits of several tiles
-    AttnConfig(16, 16, 64, 4, 1, pipeline=True),  # a tile a split, many splits empty
-    AttnConfig(16, 16, 1, 4, 1, pipeline=True),  # inert without splits (the plain loops)
-    AttnConfig(16, 16, 6, 4, 1, pipeline=False),
+    AttnConfig(16, 16, 6, 4, 1),
     AttnConfig(16, 16, 6, 4, 2, short_chain=2),  # short splits plain, long ones staged
-    AttnConfig(16, 16, 64, 4, 2, short_chain=1),
-], ids=["pipeline", "pipeline-one-tile", "pipeline-no-split", "plain", "short-chain-2",
-        "short-chain-1"])
-def test_split_pipelined_tiles(cfg: AttnConfig) -> None:
-    """The pipelined tile loop (each tile requested before the previous one's math, one masked
-    loop), the plain two loops, and the one-stage loop for short splits (the staged loops for
+    AttnConfig(16, 16, 64, 4, 2, short_chain=1),  # a tile a split, many splits empty
+    AttnConfig(16, 16, 1, 4, 2, short_chain=2),  # inert without splits (chains of many tiles)
+], ids=["plain", "short-chain-2", "short-chain-1", "short-chain-no-split"])
+def test_split_tile_loops(cfg: AttnConfig) -> None:
+    """The staged two loops and the one-stage loop for short splits (the staged loops for
     longer ones): the same attention on mixed and decode-only batches, every arrival counter
     back at zero."""
     from slipstream.kernels import paged_attention as pa
@@ -74,26 +70,28 @@ def test_split_pipelined_tiles(cfg: AttnConfig) -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
-def test_pipeline_knob(monkeypatch) -> None:
-    """Split decode launches take the pipelined tile loop (SLIPSTREAM_ATTN_PIPELINE=0, the
-    module constant, turns it off); prefill chunks and unsplit decode never do."""
+def test_short_chain_default(monkeypatch) -> None:
+    """Split decode launches give splits of at most 2 tiles the one-stage loop
+    (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES, the module constant, sets the count; 0 turns it off);
+    prefill chunks and unsplit decode never take it."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert default.num_splits > 1 and default.pipeline
-    monkeypatch.setattr(pa, "_PIPELINE", False)
-    assert not pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).pipeline
+    assert default.num_splits > 1 and default.short_chain == 2
+    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 0)
+    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 0
     _check(q, kc, vc, meta)
-    monkeypatch.setattr(pa, "_PIPELINE", True)
+    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 3)
+    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 3
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
-    assert not pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).pipeline
+    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).short_chain == 0
     wide = make_batch([1] * 64, [40] * 64, num_kv_heads=8, group=4, head_dim=64, block_size=16,
                       dtype=torch.float32, seed=6)[3]
     cfg = pa.choose_config(wide, 8, 4, 64, q.device, q.dtype)
-    assert cfg.num_splits == 1 and not cfg.pipeline
+    assert cfg.num_splits == 1 and cfg.short_chain == 0
 
 
 def test_split_stages_knob(monkeypatch) -> None:
@@ -107,13 +105,9 @@ def test_split_stages_knob(monkeypatch) -> None:
                          dtype=torch.bfloat16, seed=6)[3]
     before = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages
     monkeypatch.setattr(pa, "_SPLIT_STAGES", 1)
-    monkeypatch.setattr(pa, "_PIPELINE", False)
     cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert cfg.num_splits > 1 and cfg.num_stages == 1 and not cfg.pipeline
+    assert cfg.num_splits > 1 and cfg.num_stages == 1
     assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages == before == 2
-    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 2)  # split decode only, like the stages
-    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 2
-    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).short_chain == 0
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     _check(q, kc, vc, meta, pa.choose_config(meta, 2, 4, 64, q.device, q.dtype))
@@ -299,15 +293,14 @@ def test_gpu_decode_bf16(context: int, batch: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loop", ["pipeline", "plain", "short-chain"])
+@pytest.mark.parametrize("loop", ["plain", "short-chain"])
 @pytest.mark.parametrize("context", [100, 256, 1024, 4097])
 @pytest.mark.parametrize("batch", [1, 7])
 def test_gpu_split_decode_tile_loops(loop: str, context: int, batch: int) -> None:
     """The tile loops of split decode at batch-1 W1's launch shape (8 KV heads x 33 splits:
     a tile a split up to ~2k tokens, several beyond), bf16."""
     lens = [max(1, context - 13 * i) for i in range(batch)]
-    cfg = AttnConfig(16, 64, 33, 8, 3, pipeline=loop == "pipeline",
-                     short_chain=2 if loop == "short-chain" else 0)
+    cfg = AttnConfig(16, 64, 33, 8, 3, short_chain=2 if loop == "short-chain" else 0)
     _gpu_case([1] * batch, lens, 4, 128, 16, cfg=cfg)
 
 

@@ -347,10 +347,17 @@ SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 
 
 def _gpu_check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    failure = _gpu_error(got, want, what)
+    assert not failure, failure
+
+
+def _gpu_error(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    """'' when got is finite and within 1% of want's largest magnitude, else what went wrong."""
     got, want = got.float(), want.float()
-    err = (got - want).abs().max().item()
-    assert torch.isfinite(got).all() and err <= 1e-2 * want.abs().max().item(), \
-        f"{what}: max error {err:.3e}, max |ref| {want.abs().max().item():.3e}"
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    if torch.isfinite(got).all() and err <= 1e-2 * scale:
+        return ""
+    return f"{what}: max error {err:.3e} ({100 * err / scale:.2f}% of max |ref| {scale:.3e})"
 
 
 @pytest.mark.gpu
@@ -488,25 +495,29 @@ def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
 @pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096)])
 def test_gpu_w4_whole_k_tiles(n: int, k: int) -> None:
     """Every whole-K candidate that fits (down's K padded to 16,384 words; gate_up as gate-out
-    too) against the reference on the GPU, run twice, on a seeded x."""
+    too) against the reference on the GPU, run twice, on a seeded x; every failure reported."""
     from slipstream.kernels.reference import silu_and_mul
 
     packed = quantized(n, k, 128, "cuda")
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
     want = gemv_int4.w4_linear_reference(x, *packed, 128)
-    tried = 0
+    tried, failures = 0, []
     for cfg in gemv_int4.candidate_w4_configs(1, torch.bfloat16):
         if not (cfg.whole_k and gemv_int4._one_row_path(cfg, x, 128, k, 1)["WHOLE_K"]):
             continue
         tried += 1
-        for _ in range(2):
-            _gpu_check(gemv_int4.w4_gemv(x, *packed, 128, None, cfg), want, cfg.label())
-        if n > k:  # gate_up's shape (the one gate-out runs at; down's 14,336-long sums would
-            # put SiLU(gate)·up of bf16-rounded references past this max-error tolerance)
-            got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
-            _gpu_check(got, silu_and_mul(want.float()), cfg.label() + " gate-out")
+        got = [gemv_int4.w4_gemv(x, *packed, 128, None, cfg) for _ in range(2)]
+        failures += [_gpu_error(out, want, cfg.label()) for out in got]
+        if n > k:  # gate_up's shape, the one gate-out runs at: its epilogue against SiLU(gate)
+            # times up of this kernel's own sums (the reference's bf16-rounded gate and up, each
+            # 0.4% off, multiply into more than the tolerance at the output's largest entries)
+            gated = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
+            failures.append(_gpu_error(gated, silu_and_mul(got[0].float()),
+                                       cfg.label() + " gate-out"))
     assert tried >= 2
+    failures = [f for f in failures if f]
+    assert not failures, "\n".join(failures)
 
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
