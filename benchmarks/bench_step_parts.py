@@ -12,7 +12,7 @@ per-kernel spans cannot show. The outputs of the reduced graphs are meaningless;
     python benchmarks/bench_step_parts.py --quantization fp8 --quantize-lm-head --ctx 256 \
         [--output-json F]
     SLIPSTREAM_FOLD_NORMS=0 python benchmarks/bench_step_parts.py ...   # norm kernels kept
-    python benchmarks/bench_step_parts.py --attn-variants _PRELOAD=1,_PRELOAD=1+_MIN_TOKENS_PER_SPLIT=128
+    python benchmarks/bench_step_parts.py --attn-variants _PRELOAD=0,_PRELOAD=0+_MIN_TOKENS_PER_SPLIT=128
 
 --attn-variants times the whole step again under each setting of kernels/paged_attention.py's
 module knobs (`+` joins several; integers, 0 / 1 for flags), in the same process and graphs'

@@ -36,7 +36,13 @@ _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "64"))
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
-_PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "0") == "1"
+# Split decode with fused RoPE reads each program's first K/V tile before the PDL wait, while
+# the QKV projection still runs (AttnConfig.preload). H200 W1 (session 23, one machine, A/B/A
+# with the one-stage short splits below): bf16 241.8 / 244.9 / 241.5 tok/s, fp8 + head 419.0 /
+# 424.2 / 418.8, int4_awq + head 491.4 / 498.0 / 490.6; batch-1 steps at context 256 int4 -33.8
+# us, fp8 -44.5. Batches of one program a sequence were never measured with it: they keep the
+# plain start. SLIPSTREAM_ATTN_PRELOAD=0 turns it off.
+_PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "1") != "0"
 # Tile length of split decode launches (0: the default below); with a shorter tile a short
 # context spreads over more programs (an A/B knob, SLIPSTREAM_ATTN_SPLIT_BLOCK_N=32 with
 # SLIPSTREAM_ATTN_TOKENS_PER_SPLIT=32: 8 splits at context 256 instead of 4).
@@ -391,8 +397,7 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     # Decode with fused RoPE only: the first K/V tile read before the PDL wait (the kernel's
-    # PRELOAD). SLIPSTREAM_ATTN_PRELOAD=1 turns it on for the chosen configs (H200 W1 step, bf16,
-    # context 256: 4223.8 -> 4222.8 us, no gain; off).
+    # PRELOAD; chosen for split decode launches, _PRELOAD).
     preload: bool = False
     # Split launches: splits of at most short_chain tiles load them plainly in one loop, longer
     # ones run the staged loops (_SHORT_CHAIN_TILES).
@@ -447,7 +452,8 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
     split_decode = decode and splits > 1
     if split_decode and _SPLIT_STAGES:
         stages = _SPLIT_STAGES
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, _PRELOAD and decode,
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages,
+                      _PRELOAD and split_decode,
                       short_chain=_SHORT_CHAIN_TILES if split_decode else 0)
 
 

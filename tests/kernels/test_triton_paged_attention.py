@@ -70,16 +70,20 @@ def test_split_tile_loops(cfg: AttnConfig) -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
-def test_short_chain_default(monkeypatch) -> None:
+def test_split_decode_defaults(monkeypatch) -> None:
     """Split decode launches give splits of at most 2 tiles the one-stage loop
-    (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES, the module constant, sets the count; 0 turns it off);
-    prefill chunks and unsplit decode never take it."""
+    (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES, the module constant, sets the count; 0 turns it off)
+    and read the first tile before the PDL wait (SLIPSTREAM_ATTN_PRELOAD=0 turns that off);
+    prefill chunks and unsplit decode take neither."""
     from slipstream.kernels import paged_attention as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert default.num_splits > 1 and default.short_chain == 2
+    assert default.num_splits > 1 and default.short_chain == 2 and default.preload
+    monkeypatch.setattr(pa, "_PRELOAD", False)
+    assert not pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).preload
+    monkeypatch.setattr(pa, "_PRELOAD", True)
     monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 0)
     assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 0
     _check(q, kc, vc, meta)
@@ -87,11 +91,12 @@ def test_short_chain_default(monkeypatch) -> None:
     assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 3
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
-    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).short_chain == 0
+    cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
+    assert cfg.short_chain == 0 and not cfg.preload
     wide = make_batch([1] * 64, [40] * 64, num_kv_heads=8, group=4, head_dim=64, block_size=16,
                       dtype=torch.float32, seed=6)[3]
     cfg = pa.choose_config(wide, 8, 4, 64, q.device, q.dtype)
-    assert cfg.num_splits == 1 and cfg.short_chain == 0
+    assert cfg.num_splits == 1 and cfg.short_chain == 0 and not cfg.preload
 
 
 def test_split_stages_knob(monkeypatch) -> None:
