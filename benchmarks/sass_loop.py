@@ -5,6 +5,8 @@
     python benchmarks/sass_loop.py attention --split --num-warps 8 --stages 3 [--short-chain 2]
     python benchmarks/sass_loop.py w4 --block-n 128 --block-k 128 --num-warps 8 --bit-convert 2 --chain
     python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
+    python benchmarks/sass_loop.py w4 --block-n 16 --num-warps 4 --bit-convert 2 --chain --whole-k 4096
+    python benchmarks/sass_loop.py w4loop --block-n 16 --num-warps 4 [--whole-k 14336] [--gate-out]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element. The kernel's
@@ -113,10 +115,23 @@ def w4_case(ns) -> tuple:
     from slipstream.kernels.gemv_int4 import _w4_gemv_kernel
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
+    kp = triton.next_power_of_2(ns.whole_k) if ns.whole_k else 0
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
-                  PREFETCH=ns.prefetch, USE_PDL=False, BF16X2=ns.bit_convert, CHAIN=ns.chain,
-                  STAGES=ns.stages)
+                  PREFETCH=ns.prefetch, USE_PDL=ns.whole_k > 0, BF16X2=ns.bit_convert,
+                  CHAIN=ns.chain, STAGES=ns.stages, WHOLE_K=ns.whole_k, WHOLE_KP=kp,
+                  GATE_OUT=ns.gate_out)
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
+
+
+def w4loop_case(ns) -> tuple:
+    """The whole-K tile loop (_w4_whole_k_loop_kernel) at K = --whole-k (default 4096)."""
+    from slipstream.kernels.gemv_int4 import _w4_whole_k_loop_kernel
+    k = ns.whole_k or 4096
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
+                 out_ptr="*bf16")
+    consts = dict(GROUP=128, BLOCK_N=ns.block_n, K=k, KP=triton.next_power_of_2(k),
+                  BF16X2=2, HAS_BIAS=False, GATE_OUT=ns.gate_out, USE_PDL=True)
+    return _w4_whole_k_loop_kernel, types, consts, ns.block_n * k / (32 * ns.num_warps)
 
 
 def w4mma_case(ns) -> tuple:
@@ -131,7 +146,7 @@ def w4mma_case(ns) -> tuple:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma"))
+    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma", "w4loop"))
     ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
     ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
     ap.add_argument("--block-n", type=int, default=16)
@@ -146,10 +161,12 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
+    ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop: WHOLE_K (K)")
+    ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
-            "w4mma": w4mma_case}[ns.kernel]
+            "w4mma": w4mma_case, "w4loop": w4loop_case}[ns.kernel]
     kernel, types, consts, elems = case(ns)
     # --stages is the qgemv / w4 STAGES constexpr; attention takes it as the launch's num_stages.
     sass, regs = compile_sass(kernel, types, consts, ns.num_warps,

@@ -28,6 +28,7 @@ from slipstream.kernels.gemv import (
     _tile_rows,
     gate_out_launch,
     gate_out_ok,
+    num_sms,
     rms_ok,
 )
 from slipstream.kernels.int4_common import (
@@ -431,6 +432,45 @@ def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_z
 
 
 @triton.jit
+def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_tiles,
+                            stride_wn, stride_sn, stride_zn, GROUP: tl.constexpr,
+                            BLOCK_N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                            BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            GATE_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+                            RMS_EPS: tl.constexpr = 0.0):
+    """One row of x, whole-K tiles (as _w4_gemv_kernel's WHOLE_K) from fewer programs than
+    tiles: program p takes tiles p, p + P, ..., and requests the next one's words, scales and
+    zeros before this one's products, so its loads and its math overlap (one tile a program
+    runs them back to back, and the programs of an SM start together). x, and with RMS_EPS its
+    1 / rms, are read once a program. The last tile re-requests itself (no branch)."""
+    pdl_release(USE_PDL)
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    rows = _tile_rows(pid, N, BLOCK_N, GATE_OUT)
+    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
+                             K, KP)
+    pdl_wait(USE_PDL)
+    x = _whole_k_x(x_ptr, K, KP, BF16X2)
+    inv_rms = 1.0
+    if RMS_EPS > 0:
+        inv_rms = _inv_rms(_x_squares(x_ptr, K, KP), K, RMS_EPS)
+    for tile in range(pid, n_tiles, step):
+        next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, GATE_OUT)
+        next_w, next_z8, next_s = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn,
+                                                stride_sn, stride_zn, GROUP, K, KP)
+        w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
+        sums = tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1) * inv_rms
+        if GATE_OUT:
+            _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
+                             False, HAS_BIAS, BLOCK_N)
+        else:
+            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
+                    tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
+        rows, w, z8, s = next_rows, next_w, next_z8, next_s
+
+
+@triton.jit
 def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
                   GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr):
     """(words [rows, KP // 8], zeros and scales [rows, KP // 32]) of a whole-K tile; past K
@@ -663,6 +703,9 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
+    # whole_k only: at most this many programs an SM, each looping over tiles with the next
+    # one's weights in flight (_w4_whole_k_loop_kernel); 0: a program a tile.
+    persist: int = 0
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -672,6 +715,7 @@ class W4Config(GemvConfig):
             " chained" if self.bit_convert == 2 else "")
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
+        kind += f" loop {self.persist}/SM" if self.persist else ""
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -723,6 +767,14 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
+    # The same tiles from a few programs an SM, each looping with the next tile's weights in
+    # flight (_w4_whole_k_loop_kernel). H200 (session 23), graph-timed at one row against W1's
+    # choices: gate_up 22.6 -> 21.3 us with n8 at 2 an SM (gate-out 23.2 -> 22.3), down 14.4
+    # (chained n128) -> 13.1 with n2 at 2, qkv 7.1 -> 6.7 with n8 at 2; o slower (4.5 -> 5.4).
+    # Two programs an SM beat more (n8 at 4: 23.0, at 5: 26.8); n16 (182 registers) ran 5x
+    # slower, n16 w8 and n4 w8 lost too: not candidates.
+    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
+              for bn, w, p in [(8, 4, 2), (4, 4, 8), (2, 4, 2)]]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
@@ -799,7 +851,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
         path = _one_row_path(cfg, x2, chunk, k, split, rms_eps)
-        _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
+        if path["WHOLE_K"] and getattr(cfg, "persist", 0):
+            _launch_whole_k_loop(args, path, common, n_tiles, cfg.persist, x.device)
+        else:
+            _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -926,11 +981,30 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                              gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
         return out.view(*x.shape[:-1], n // 2)
     path = _one_row_path(config, x2, chunk, k, split, rms_eps)
-    _w4_gemv_kernel[(n_tiles, split)](
-        *args, GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, **path, GATE_OUT=True,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
+    common = dict(GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk, SPLIT=split > 1,
+                  HAS_BIAS=bias is not None, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
+    if path["WHOLE_K"] and getattr(config, "persist", 0):
+        _launch_whole_k_loop(args, path, common, n_tiles, config.persist, x.device,
+                             gate_out=True)
+    else:
+        _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common, GATE_OUT=True)
     return out.view(*x.shape[:-1], n // 2)
+
+
+def _launch_whole_k_loop(args: tuple, path: dict, common: dict, n_tiles: int, per_sm: int,
+                         device: torch.device, gate_out: bool = False) -> None:
+    """The whole-K tiles of a one-row launch (args, path and common as for _w4_gemv_kernel)
+    from at most per_sm programs an SM, each looping over tiles."""
+    x2, words, scales, zeros, bias, out = args[:6]
+    n = args[9]
+    programs = min(n_tiles, per_sm * num_sms(device))
+    _w4_whole_k_loop_kernel[(programs,)](
+        x2, words, scales, zeros, bias, out, n, n_tiles, words.stride(0), scales.stride(0),
+        zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"], K=path["WHOLE_K"],
+        KP=path["WHOLE_KP"], BF16X2=path["BF16X2"], HAS_BIAS=common["HAS_BIAS"],
+        GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"], num_warps=common["num_warps"],
+        **pdl.launch_kwargs(device))
 
 
 def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

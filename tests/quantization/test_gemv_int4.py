@@ -445,20 +445,24 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,k", [(128, 512), (64, 512), (128, 384)])
 @pytest.mark.parametrize("gate_out", [False, True])
-def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool) -> None:
+@pytest.mark.parametrize("persist", [0, 1], ids=["tile-a-program", "loop"])
+def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool,
+                                            persist: int) -> None:
     """whole_k: the program's whole slice in one chained product, equal to the chained loop's
     result within float32 summation order, plain and gate-out; K = 384 pads the tile to 512
-    (the padding's words read 0 with scale 0); a slice too wide for the tile runs the loop."""
+    (the padding's words read 0 with scale 0); a slice too wide for the tile runs the loop.
+    persist 1: four programs off CUDA (gemv.num_sms) loop over 6 tiles (3 gate-out), the last
+    one ragged."""
     n = 42
     packed = quantized(n, k, group, seed=5)
     g = torch.Generator().manual_seed(11)
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     whole = W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True,
-                     bit_convert=2, whole_k=True)
+                     bit_convert=2, whole_k=True, persist=persist)
     path = gemv_int4._one_row_path(whole, x, group, k, 1)
     assert (path["WHOLE_K"], path["WHOLE_KP"]) == (k, 512)
     assert gemv_int4._one_row_path(whole, x, group, 64 * 1024, 1)["WHOLE_K"] == 0
-    loop = dataclasses.replace(whole, whole_k=False)
+    loop = dataclasses.replace(whole, whole_k=False, persist=0)
     if gate_out:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, whole)
         want = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, loop)
@@ -529,11 +533,13 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("cfg", [
     W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True, bit_convert=2,
              whole_k=True),
+    W4Config(block_n=4, block_k=128, split_k=1, num_warps=4, prefetch=True, bit_convert=2,
+             whole_k=True, persist=1),
     W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=3, bit_convert=2),
     W4Config(block_n=16, block_k=128, split_k=1, num_warps=4, prefetch=True),
     W4Config(block_n=16, block_k=128, split_k=2, num_warps=4, prefetch=2, bit_convert=2),
     W4Config(block_n=16, block_k=128, split_k=3, num_warps=2, prefetch=True),
-], ids=["whole-k", "chained", "fma", "chained-split", "fma-split"])
+], ids=["whole-k", "whole-k-loop", "chained", "fma", "chained-split", "fma-split"])
 @pytest.mark.parametrize("k", [512, 384])
 def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
     """The one-row W4 GEMV normalising its input row itself (rms_eps, a norm folded into the
@@ -560,7 +566,8 @@ def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
     x_long = torch.ones(1, long_k, dtype=dtype)
     with pytest.raises(ValueError, match="split_rms_fits"):
         gemv_int4.w4_gemv(x_long, *quantized(8, long_k, 128), 128, None,
-                          dataclasses.replace(cfg, split_k=2, whole_k=False), rms_eps=1e-6)
+                          dataclasses.replace(cfg, split_k=2, whole_k=False, persist=0),
+                          rms_eps=1e-6)
     assert gemv_int4.w4_linear_small_rms(x, *packed, 128, None, 1e-6) is None
 
 
