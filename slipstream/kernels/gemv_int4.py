@@ -703,9 +703,6 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
-    # whole_k only: at most this many programs an SM, each looping over tiles with the next
-    # one's weights in flight (_w4_whole_k_loop_kernel); 0: a program a tile.
-    persist: int = 0
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
