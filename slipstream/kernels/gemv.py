@@ -181,11 +181,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     sums = tl.sum(acc, 1)
     if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
         sums = sums * tl.math.rsqrt(square_sum / K + RMS_EPS)
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows)
-        if BIT_CONVERT == 2:
-            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-        sums = sums * scale
+    sums = _column_scaled(sums, s_ptr, rows, HAS_SCALE, BIT_CONVERT)
     if GATE_OUT:
         _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
                          SPLIT, HAS_BIAS, BLOCK_N)
@@ -239,6 +235,17 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @triton.jit
+def _column_scaled(sums, s_ptr, rows, HAS_SCALE: tl.constexpr, BIT_CONVERT: tl.constexpr):
+    """The dequant GEMV's (HAS_SCALE) row sums times each output column's weight scale."""
+    if HAS_SCALE:
+        scale = tl.load(s_ptr + rows)
+        if BIT_CONVERT == 2:
+            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
+        sums = sums * scale
+    return sums
+
+
+@triton.jit
 def _tile_product(w, x, BIT_CONVERT: tl.constexpr):
     """Elementwise products of a weight tile [BLOCK_N, BLOCK_K] and an x slice [BLOCK_K], float32."""
     xf = x.to(tl.float32)
@@ -286,11 +293,7 @@ def _gemv_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, N, K, n_ti
         next_w = _load_w_tile(w_ptr + next_rows[:, None] * stride_wn + offs_k[None, :], 0, 0,
                               K, offs_k, EVEN_K, BLOCK_K)
         sums = tl.sum(_tile_product(w, x, BIT_CONVERT), 1) * inv_rms
-        if HAS_SCALE:
-            scale = tl.load(s_ptr + rows)
-            if BIT_CONVERT == 2:
-                scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-            sums = sums * scale
+        sums = _column_scaled(sums, s_ptr, rows, HAS_SCALE, BIT_CONVERT)
         if GATE_OUT:
             _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
                              False, HAS_BIAS, BLOCK_N)
