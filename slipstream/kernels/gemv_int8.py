@@ -83,10 +83,11 @@ def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
     block_k = max(triton.next_power_of_2(k), 16)
     # The same tiles from a few programs an SM, each looping with the next tile's weights in
     # flight (gemv._gemv_whole_k_loop_kernel; the int4 twin won gate_up, down and qkv by
-    # 0.4-1.3 us on the H200 at 2 programs an SM). sm_90a ptxas at K = 4,096, fp8 (int8):
-    # n4 w4 170 (80) registers, n2 w4 116 (80), n8 w8 176 (98); no spills. Not yet timed.
+    # 0.4-1.3 us on the H200 with 2 programs an SM, where registers allowed 5). sm_90a ptxas
+    # at K = 4,096, fp8 (int8): n4 w4 170 (80) registers, n2 w4 116 (80), n8 w8 176 (98); no
+    # spills. Not yet timed.
     loops = [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert, persist=p)
-             for bn, w, p in [(4, 4, 3), (2, 4, 4), (8, 8, 1)]]
+             for bn, w, p in [(4, 4, 2), (2, 4, 2), (8, 8, 1)]]
     return [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert)
             for bn, w in [(4, 2), (4, 4), (8, 4)]] + loops
 
