@@ -37,8 +37,8 @@ _MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
 # Split decode with fused RoPE reads each program's first K/V tile before the PDL wait, while
-# the QKV projection still runs (AttnConfig.preload). H200 W1 (session 23, one machine, A/B/A
-# with the one-stage short splits below): bf16 241.8 / 244.9 / 241.5 tok/s, fp8 + head 419.0 /
+# the QKV projection still runs (AttnConfig.preload). H200 W1 (session 23, one machine, off / on
+# / off, with the one-stage short splits below): bf16 241.8 / 244.9 / 241.5 tok/s, fp8 + head 419.0 /
 # 424.2 / 418.8, int4_awq + head 491.4 / 498.0 / 490.6; batch-1 steps at context 256 int4 -33.8
 # us, fp8 -44.5. Batches of one program a sequence were never measured with it: they keep the
 # plain start. SLIPSTREAM_ATTN_PRELOAD=0 turns it off.
