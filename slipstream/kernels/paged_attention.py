@@ -29,10 +29,10 @@ from slipstream.kernels.rotary_cache import (
 )
 
 _LOG2E = 1.4426950408889634
-# One K/V tile: a decode program's latency is a chain of tiles (the tile loop is not software-
-# pipelined: sm_90 compiles hold one K/V buffer at any num_stages, the gathered addresses come
-# from the block table). SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (an A/B knob) asks for longer splits:
-# fewer programs, a chain of tiles each, and no merge at all when one split covers the context.
+# One K/V tile a split: a decode program's latency is its chain of tiles, each a gathered load
+# (addresses from the block table) then its math. SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (an A/B
+# knob) asks for longer splits: fewer programs, a chain of tiles each, and no merge at all when
+# one split covers the context.
 _MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "64"))
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
