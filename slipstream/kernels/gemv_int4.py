@@ -847,11 +847,8 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
     elif m == 1 and not getattr(cfg, "dot", False):
-        path = _one_row_path(cfg, x2, chunk, k, split, rms_eps)
-        if path["WHOLE_K"] and getattr(cfg, "persist", 0):
-            _launch_whole_k_loop(args, path, common, n_tiles, cfg.persist, x.device)
-        else:
-            _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common)
+        _launch_one_row(args, cfg, _one_row_path(cfg, x2, chunk, k, split, rms_eps), common,
+                        n_tiles, split, x.device)
     elif getattr(cfg, "two_rows", False):
         if m != 2 or x2.dtype != torch.bfloat16 or x2.data_ptr() % 4 or x2.stride(0) % 2:
             raise ValueError(f"w4_gemv: {cfg.label()} takes two rows of 4-byte aligned bf16 x; "
@@ -981,27 +978,26 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     common = dict(GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
-    if path["WHOLE_K"] and getattr(config, "persist", 0):
-        _launch_whole_k_loop(args, path, common, n_tiles, config.persist, x.device,
-                             gate_out=True)
-    else:
-        _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common, GATE_OUT=True)
+    _launch_one_row(args, config, path, common, n_tiles, split, x.device, gate_out=True)
     return out.view(*x.shape[:-1], n // 2)
 
 
-def _launch_whole_k_loop(args: tuple, path: dict, common: dict, n_tiles: int, per_sm: int,
-                         device: torch.device, gate_out: bool = False) -> None:
-    """The whole-K tiles of a one-row launch (args, path and common as for _w4_gemv_kernel)
-    from at most per_sm programs an SM, each looping over tiles."""
+def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_tiles: int,
+                    split: int, device: torch.device, gate_out: bool = False) -> None:
+    """Launch the one-row FMA kernel (args, path and common as for _w4_gemv_kernel): a whole-K
+    config with persist runs the whole-K loop from at most persist programs an SM, any other
+    _w4_gemv_kernel a tile a program (gemv.launch_one_row's int4 twin)."""
+    if not (path["WHOLE_K"] and cfg.persist):
+        _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common, GATE_OUT=gate_out)
+        return
     x2, words, scales, zeros, bias, out = args[:6]
-    n = args[9]
-    programs = min(n_tiles, per_sm * num_sms(device))
+    programs = min(n_tiles, cfg.persist * num_sms(device))
     _w4_whole_k_loop_kernel[(programs,)](
-        x2, words, scales, zeros, bias, out, n, n_tiles, words.stride(0), scales.stride(0),
-        zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"], K=path["WHOLE_K"],
-        KP=path["WHOLE_KP"], BF16X2=path["BF16X2"], HAS_BIAS=common["HAS_BIAS"],
-        GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"], num_warps=common["num_warps"],
-        **pdl.launch_kwargs(device))
+        x2, words, scales, zeros, bias, out, args[9], n_tiles, words.stride(0),
+        scales.stride(0), zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
+        K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
+        HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
+        num_warps=common["num_warps"], **pdl.launch_kwargs(device))
 
 
 def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -493,6 +493,13 @@ def test_w4_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
     keys = ("PREFETCH", "STAGES", "BF16X2", "CHAIN", "WHOLE_K")
     plain, gated = ({k: call[k] for k in keys} for call in launches)
     assert plain == gated and plain["WHOLE_K"] == 512
+    # With persist both launches run the whole-K loop kernel instead, over the same K.
+    monkeypatch.setattr(gemv_int4, "_w4_whole_k_loop_kernel", Recorder())
+    launches.clear()
+    loop = dataclasses.replace(cfg, persist=2)
+    gemv_int4.w4_gemv(x, *packed, 128, None, loop)
+    gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, loop)
+    assert [(call["K"], call["GATE_OUT"]) for call in launches] == [(512, False), (512, True)]
 
 
 @pytest.mark.gpu
