@@ -264,64 +264,13 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
         return tl.load(w_ptrs + k, mask=(k + offs_k < k_hi)[None, :], other=0.0)
 
 
-@triton.jit
-def _gemv_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, N, K, n_tiles, stride_wn,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                              GATE_OUT: tl.constexpr = False, HAS_SCALE: tl.constexpr = False,
-                              BIT_CONVERT: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0):
-    """One row of x, whole-K tiles (_gemv_kernel's WHOLE_K) from fewer programs than tiles:
-    program p takes tiles p, p + P, ..., and requests the next one's weights before this one's
-    products, so its loads and its math overlap (a program a tile runs them back to back, and
-    the programs of an SM start together). x, and with RMS_EPS its 1 / rms, are read once a
-    program. The last tile re-requests itself (no branch)."""
-    pdl_release(USE_PDL)
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = _tile_rows(pid, N, BLOCK_N, GATE_OUT)
-    w = _load_w_tile(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], 0, 0, K, offs_k,
-                     EVEN_K, BLOCK_K)
-    pdl_wait(USE_PDL)
-    x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
-    inv_rms = 1.0
-    if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
-        inv_rms = tl.math.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32)) / K + RMS_EPS)
-    for tile in range(pid, n_tiles, step):
-        next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, GATE_OUT)
-        next_w = _load_w_tile(w_ptr + next_rows[:, None] * stride_wn + offs_k[None, :], 0, 0,
-                              K, offs_k, EVEN_K, BLOCK_K)
-        sums = tl.sum(_tile_product(w, x, BIT_CONVERT), 1) * inv_rms
-        sums = _column_scaled(sums, s_ptr, rows, HAS_SCALE, BIT_CONVERT)
-        if GATE_OUT:
-            _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
-                             False, HAS_BIAS, BLOCK_N)
-        else:
-            _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
-                    tl.arange(0, 1), tile * BLOCK_N + tl.arange(0, BLOCK_N), 1, N, 0, 1, False,
-                    HAS_BIAS)
-        rows, w = next_rows, next_w
-
-
-def launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_tiles: int,
-                   split: int, device: torch.device, **extra) -> None:
+def launch_one_row(args: tuple, path: dict, common: dict, n_tiles: int, split: int,
+                   device: torch.device, **extra) -> None:
     """Launch the M == 1 kernel over _gemv_kernel's args (path: one_row_path's constexprs,
-    common: the tile's, extra: GATE_OUT / HAS_SCALE / BIT_CONVERT): a whole-K config with
-    persist runs the whole-K loop from at most persist programs an SM, any other the kernel a
-    tile a program."""
-    if path["WHOLE_K"] and cfg.persist:
-        x2, w, s, b, out = args[:5]
-        n, k, stride_wn = args[8], args[9], args[11]
-        programs = min(n_tiles, cfg.persist * num_sms(device))
-        _gemv_whole_k_loop_kernel[(programs,)](
-            x2, w, s, b, out, n, k, n_tiles, stride_wn, BLOCK_N=common["BLOCK_N"],
-            BLOCK_K=common["BLOCK_K"], EVEN_K=common["EVEN_K"], HAS_BIAS=common["HAS_BIAS"],
-            GATED=common.get("GATED", False), RMS_EPS=path["RMS_EPS"],
-            num_warps=common["num_warps"], **extra, **pdl.launch_kwargs(device))
-    else:
-        _gemv_kernel[(n_tiles, split)](*args, **path, **common, **extra,
-                                       **pdl.launch_kwargs(device))
+    common: the tile's, extra: GATE_OUT / HAS_SCALE / BIT_CONVERT), a tile a program. (Session
+    23's whole-K tile loop for these formats, a few programs an SM each holding its next tile
+    in registers, lost on the H200 by 1.2-1.8x at every Llama-3.1-8B shape; removed.)"""
+    _gemv_kernel[(n_tiles, split)](*args, **path, **common, **extra, **pdl.launch_kwargs(device))
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -388,8 +337,8 @@ class GemvConfig:
     # int4 weights converted straight into mma.sync fragments, 1-16 rows of bf16 x
     # (kernels/gemv_int4_mma.py); block_n 16 or 32 rows per warp.
     mma: bool = False
-    # One-row whole-K tiles only: at most this many programs an SM, each looping over tiles
-    # with the next tile's weights in flight (the whole-K loop kernels); 0: a program a tile.
+    # One-row int4 whole-K tiles only: at most this many programs an SM, each looping over tiles
+    # with the next tile's weights in flight (gemv_int4's whole-K loop); 0: a program a tile.
     persist: int = 0
 
 
@@ -486,7 +435,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        launch_one_row(args, cfg, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
+        launch_one_row(args, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
                        x.device)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -571,7 +520,7 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
                   EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch_one_row(args, cfg, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
+    launch_one_row(args, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
                    x.device, GATE_OUT=True, HAS_SCALE=scale is not None,
                    BIT_CONVERT=bit_convert)
     return out.view(*x.shape[:-1], n // 2)

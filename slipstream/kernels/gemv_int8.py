@@ -81,15 +81,8 @@ def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
     if k is None or k > 4096 or not _WHOLE_K_GEMV:
         return []
     block_k = max(triton.next_power_of_2(k), 16)
-    # The same tiles from a few programs an SM, each looping with the next tile's weights in
-    # flight (gemv._gemv_whole_k_loop_kernel; the int4 twin won gate_up, down and qkv by
-    # 0.4-1.3 us on the H200 with 2 programs an SM, where registers allowed 5). sm_90a ptxas
-    # at K = 4,096, fp8 (int8): n4 w4 170 (80) registers, n2 w4 116 (80), n8 w8 176 (98); no
-    # spills. Not yet timed.
-    loops = [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert, persist=p)
-             for bn, w, p in [(4, 4, 2), (2, 4, 2), (8, 8, 1)]]
     return [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert)
-            for bn, w in [(4, 2), (4, 4), (8, 4)]] + loops
+            for bn, w in [(4, 2), (4, 4), (8, 4)]]
 
 
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
@@ -290,8 +283,8 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _gemv.launch_one_row(args, cfg, _gemv.one_row_path(cfg, k, split, rms_eps), common,
-                             n_tiles, split, x.device, HAS_SCALE=True, BIT_CONVERT=bit_convert)
+        _gemv.launch_one_row(args, _gemv.one_row_path(cfg, k, split, rms_eps), common, n_tiles,
+                             split, x.device, HAS_SCALE=True, BIT_CONVERT=bit_convert)
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         anchor = gated and x.is_cuda and _gemv.TUNE_GATED

@@ -235,14 +235,6 @@ def test_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
         keys = ("PREFETCH", "STAGES", "WHOLE_K")
         plain, gated = ({k: call[k] for k in keys} for call in launches)
         assert plain == gated and plain["WHOLE_K"] == (cfg.block_k >= 256), cfg
-    # A whole-K config with persist runs the whole-K loop kernel, plain and gate-out alike.
-    monkeypatch.setattr(gemv, "_gemv_whole_k_loop_kernel", Recorder())
-    launches.clear()
-    loop = gemv.GemvConfig(block_n=4, block_k=256, split_k=1, prefetch=True, persist=2)
-    gemv.gemv(x, w, None, loop)
-    gemv.gemv(x, w, None, loop, gate_out=True)
-    assert [call.get("GATE_OUT", False) for call in launches] == [False, True]
-    assert all("PREFETCH" not in call for call in launches)  # not _gemv_kernel's constexprs
 
 
 def test_gate_out_limits() -> None:
@@ -278,8 +270,6 @@ def _rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 RMS_CONFIGS = [gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),  # whole K
-               # whole-K tiles looped over by 4 programs (num_sms off CUDA): 23 tiles, 12 gated
-               gemv.GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True, persist=1),
                gemv.GemvConfig(block_n=8, block_k=64, split_k=1, prefetch=2),
                gemv.GemvConfig(block_n=16, block_k=128, split_k=1, num_stages=2),
                gemv.GemvConfig(block_n=8, block_k=64, split_k=3, prefetch=True),  # K split

@@ -44,12 +44,7 @@ def test_qgemv_int8_interpreter(m: int, n: int, k: int, with_bias: bool) -> None
                                  # one tile spanning K (masked past 300): gemv.whole_k
                                  GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),
                                  GemvConfig(block_n=8, block_k=512, split_k=1, prefetch=True,
-                                            bit_convert=1),
-                                 # the same looped over by 4 programs (num_sms off CUDA)
-                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
-                                            persist=1),
-                                 GemvConfig(block_n=8, block_k=512, split_k=1, prefetch=True,
-                                            bit_convert=1, persist=1)])
+                                            bit_convert=1)])
 @pytest.mark.parametrize("m", [1, 4])
 def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
     x = torch.randn(m, 300)
@@ -61,9 +56,7 @@ def test_qgemv_split_k_interpreter(cfg: GemvConfig, m: int) -> None:
 
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=64, split_k=3, bit_convert=True),
                                  GemvConfig(block_n=16, block_k=64, split_k=2),
-                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True),
-                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
-                                            persist=1)])
+                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True)])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 def test_qgemv_gated_input(cfg: GemvConfig, m: int, wdtype: torch.dtype) -> None:
@@ -385,8 +378,6 @@ def test_deeper_prefetch_has_the_bits_of_one_tile_ahead(depth: int, k: int, spli
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("cfg", [GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
                                             bit_convert=1),
-                                 GemvConfig(block_n=4, block_k=512, split_k=1, prefetch=True,
-                                            bit_convert=1, persist=1),
                                  GemvConfig(block_n=8, block_k=128, split_k=1, num_stages=2),
                                  GemvConfig(block_n=8, block_k=64, split_k=3, prefetch=True,
                                             bit_convert=1)])  # a K split
