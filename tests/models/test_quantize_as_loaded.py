@@ -165,6 +165,7 @@ def test_out_of_memory_message_sizes_the_weights_and_names_the_way_out(tmp_path)
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # it runs the device out of memory: a neighbour under -n could fail with it
 def test_gpu_a_model_too_big_for_the_gpu_says_so(monkeypatch, tmp_path):
     """A 100-layer Llama-3.1-70B (163 GiB of bf16 weights) does not fit one H200: the loader's
     error sizes it and suggests quantizing at load instead of a bare allocator message. The
