@@ -770,8 +770,12 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # (chained n128) -> 13.1 with n2 at 2, qkv 7.1 -> 6.7 with n8 at 2; o slower (4.5 -> 5.4).
     # Two programs an SM beat more (n8 at 4: 23.0, at 5: 26.8); n16 (182 registers) ran 5x
     # slower, n16 w8 and n4 w8 lost too, n4 at 8 won nowhere (21.4 / 8.7 / 7.6): not candidates.
+    # Not yet timed (session 24, offline sm_90a SASS at K = 4,096): n4 with 2 warps holds two
+    # quads of each row a thread, so the rows' cross-thread sums cost half as much a weight:
+    # 3.02 instructions a weight against n8 w4's 3.37, 128 registers; at 4 an SM it keeps the
+    # same bytes in flight and warps an SM as n8 w4 at 2.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
-              for bn, w, p in [(8, 4, 2), (2, 4, 2)]]
+              for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
