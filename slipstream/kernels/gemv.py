@@ -181,7 +181,11 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     sums = tl.sum(acc, 1)
     if RMS_EPS > 0:  # the same float32 statistic as the RMSNorm kernel: mean of squares + eps
         sums = sums * tl.math.rsqrt(square_sum / K + RMS_EPS)
-    sums = _column_scaled(sums, s_ptr, rows, HAS_SCALE, BIT_CONVERT)
+    if HAS_SCALE:
+        scale = tl.load(s_ptr + rows)
+        if BIT_CONVERT == 2:
+            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
+        sums = sums * scale
     if GATE_OUT:
         _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
                          SPLIT, HAS_BIAS, BLOCK_N)
@@ -235,17 +239,6 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
 
 
 @triton.jit
-def _column_scaled(sums, s_ptr, rows, HAS_SCALE: tl.constexpr, BIT_CONVERT: tl.constexpr):
-    """The dequant GEMV's (HAS_SCALE) row sums times each output column's weight scale."""
-    if HAS_SCALE:
-        scale = tl.load(s_ptr + rows)
-        if BIT_CONVERT == 2:
-            scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
-        sums = sums * scale
-    return sums
-
-
-@triton.jit
 def _tile_product(w, x, BIT_CONVERT: tl.constexpr):
     """Elementwise products of a weight tile [BLOCK_N, BLOCK_K] and an x slice [BLOCK_K], float32."""
     xf = x.to(tl.float32)
@@ -262,15 +255,6 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
         return tl.load(w_ptrs + tl.minimum(k, k_hi - BLOCK_K))
     else:
         return tl.load(w_ptrs + k, mask=(k + offs_k < k_hi)[None, :], other=0.0)
-
-
-def launch_one_row(args: tuple, path: dict, common: dict, n_tiles: int, split: int,
-                   device: torch.device, **extra) -> None:
-    """Launch the M == 1 kernel over _gemv_kernel's args (path: one_row_path's constexprs,
-    common: the tile's, extra: GATE_OUT / HAS_SCALE / BIT_CONVERT), a tile a program. (Session
-    23's whole-K tile loop for these formats, a few programs an SM each holding its next tile
-    in registers, lost on the H200 by 1.2-1.8x at every Llama-3.1-8B shape; removed.)"""
-    _gemv_kernel[(n_tiles, split)](*args, **path, **common, **extra, **pdl.launch_kwargs(device))
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -339,6 +323,7 @@ class GemvConfig:
     mma: bool = False
     # One-row int4 whole-K tiles only: at most this many programs an SM, each looping over tiles
     # with the next tile's weights in flight (gemv_int4's whole-K loop); 0: a program a tile.
+    # (The bf16 / int8 / fp8 twin lost 1.2-1.8x at every Llama-3.1-8B shape on the H200.)
     persist: int = 0
 
 
@@ -435,8 +420,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        launch_one_row(args, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
-                       x.device)
+        _gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split, rms_eps), **common,
+                                       **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
@@ -514,15 +499,13 @@ def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                          f"N={n}, {cfg}")
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
-    args = (x2, weight, weight if scale is None else scale, bias if bias is not None else out,
-            out, ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split,
-            split)
-    common = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-                  EVEN_K=k % cfg.block_k == 0, HAS_BIAS=bias is not None,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch_one_row(args, one_row_path(cfg, k, split, rms_eps), common, n_tiles, split,
-                   x.device, GATE_OUT=True, HAS_SCALE=scale is not None,
-                   BIT_CONVERT=bit_convert)
+    _gemv_kernel[(n_tiles, split)](
+        x2, weight, weight if scale is None else scale, bias if bias is not None else out, out,
+        ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, **one_row_path(cfg, k, split, rms_eps), GATE_OUT=True,
+        HAS_SCALE=scale is not None, BIT_CONVERT=bit_convert, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n // 2)
 
 

@@ -990,7 +990,7 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
                     split: int, device: torch.device, gate_out: bool = False) -> None:
     """Launch the one-row FMA kernel (args, path and common as for _w4_gemv_kernel): a whole-K
     config with persist runs the whole-K loop from at most persist programs an SM, any other
-    _w4_gemv_kernel a tile a program (gemv.launch_one_row's int4 twin)."""
+    _w4_gemv_kernel a tile a program."""
     if not (path["WHOLE_K"] and cfg.persist):
         _w4_gemv_kernel[(n_tiles, split)](*args, **path, **common, GATE_OUT=gate_out)
         return

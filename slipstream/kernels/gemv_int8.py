@@ -283,8 +283,9 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _gemv.launch_one_row(args, _gemv.one_row_path(cfg, k, split, rms_eps), common, n_tiles,
-                             split, x.device, HAS_SCALE=True, BIT_CONVERT=bit_convert)
+        _gemv._gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split, rms_eps),
+                                             HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
+                                             **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
         anchor = gated and x.is_cuda and _gemv.TUNE_GATED
