@@ -35,6 +35,7 @@ from slipstream.attention.backend import AttentionMetadata  # noqa: E402
 from slipstream.bench.shapes import is_shape_name, resolve_model  # noqa: E402
 from slipstream.engine.args import EngineArgs  # noqa: E402
 from slipstream.kernels import paged_attention  # noqa: E402
+from slipstream.kernels.l2_spans import budget_bytes  # noqa: E402
 from slipstream.layers.attention import Attention  # noqa: E402
 from slipstream.layers.norm import RMSNorm  # noqa: E402
 from slipstream.runner.model_runner import ModelRunner  # noqa: E402
@@ -195,6 +196,9 @@ def main() -> None:
     p.add_argument("--parts", default=",".join(PARTS))
     p.add_argument("--attn-variants", default="",
                    help="comma list of NAME=INT[+NAME=INT] paged_attention knob settings")
+    p.add_argument("--l2-budgets", default="",
+                   help="comma list of L2 prefetch budgets in MB (kernels/l2_spans.py), each "
+                        "timed as a whole step; the parts use SLIPSTREAM_L2_PREFETCH_MB's")
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--device", default="cuda")
     p.add_argument("--load-format", default=None, help="default: dummy for a shape name")
@@ -212,6 +216,8 @@ def main() -> None:
     runner.load_model()
     runner.initialize_kv_cache(ns.max_model_len // runner.block_size + 2)
     inputs = decode_inputs(runner, ns.ctx, ns.max_model_len)
+    budget = budget_bytes()
+    runner.model.attach_l2_prefetch(budget)  # as ModelRunner.capture_cuda_graphs does
     rows = []
     for part in ns.parts.split(","):
         if part not in PARTS:
@@ -224,7 +230,15 @@ def main() -> None:
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
         rows.append({"part": f"full {variant}", "us_per_step": us})
         print(f"measured {variant}: {us:.1f} us/step", flush=True)  # survives a timeout
-    if ns.attn_variants and "full" in ns.parts.split(","):  # the first row again: any drift
+    for mb in filter(None, ns.l2_budgets.split(",")):
+        per_layer = runner.model.attach_l2_prefetch(int(float(mb) * 2**20))
+        us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
+        rows.append({"part": f"full l2_prefetch={mb}MB", "us_per_step": us,
+                     "prefetched_bytes_per_layer": per_layer})
+        print(f"measured L2 prefetch {mb} MB ({per_layer / 2**20:.1f} MiB a layer): "
+              f"{us:.1f} us/step", flush=True)
+    runner.model.attach_l2_prefetch(budget)
+    if (ns.attn_variants or ns.l2_budgets) and "full" in ns.parts.split(","):  # drift check
         rows.append({"part": "full (again)",
                      "us_per_step": time_part(runner, inputs, runner.device.type == "cuda",
                                               ns.replays)})

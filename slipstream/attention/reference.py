@@ -26,8 +26,9 @@ class ReferenceAttentionBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None, l2_prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        # l2_prefetch is a hint for the fused decode kernel (TritonAttentionBackend): unused here.
         # Scales travel only when given, so op tables without the keywords keep working.
         kv = {} if k_scale is None and v_scale is None else {"k_scale": k_scale,
                                                             "v_scale": v_scale}

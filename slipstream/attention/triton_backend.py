@@ -28,10 +28,11 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None, l2_prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not (self.fuse_decode and q.is_cuda and meta.max_query_len <= 1):
             return super().forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
                                    scale, k_scale=k_scale, v_scale=v_scale)
         return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale,
-                               v_scale=v_scale, rope=RopeInput(k, v, positions, cos_sin_cache))
+                               v_scale=v_scale, rope=RopeInput(k, v, positions, cos_sin_cache),
+                               l2_prefetch=l2_prefetch)

@@ -20,6 +20,8 @@ import triton.language as tl
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
+from slipstream.kernels.l2_prefetch import prefetch_spans
+from slipstream.kernels.l2_spans import chunk_bytes as l2_prefetch_chunk
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.rotary_cache import (
     _check_cache,
@@ -64,6 +66,12 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # programs. Removed. SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N sets the threshold (0: always staged);
 # SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets the staged loops' stages for split decode
 # launches (1: plain loads everywhere, 111 registers; batch 8 at 4096 77.1 against 65.8 us).
+# L2 prefetch in split decode launches given a span table (kernels/l2_prefetch.py): rows of
+# spare programs appended to the grid (SLIPSTREAM_L2_PREFETCH_ROWS, default 1: a row is
+# kv_heads x splits programs, 264 for Llama-3.1-8B at batch 1), issuing after the PDL wait
+# unless SLIPSTREAM_L2_PREFETCH_EARLY=1 (an A/B knob: while the QKV GEMV still runs).
+_PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
+_PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "0") == "1"
 _SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
@@ -179,20 +187,20 @@ def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
 
 
 # The split count and batch size vary step to step: runtime ints, never recompile triggers.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "attn_rows", "pf_spans", "pf_chunk"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, cnt_ptr, qsl_ptr, seq_lens_ptr,
     bt_ptr, ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_cs,
+    stride_cs, pf_ptr, pf_spans, pf_chunk, attn_rows,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    SHORT_CHAIN: tl.constexpr = 0,
+    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PF_EARLY: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -205,6 +213,10 @@ def _paged_attn_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if pid >= attn_rows:  # spare rows (PREFETCH): the next GEMVs' weights into L2, no attention
+        _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split, USE_PDL,
+                        PRELOAD, PREFETCH, PF_EARLY)
+        return
     if DECODE:
         # At most one query token per sequence: program pid serves sequence pid. The search
         # below is a chain of log2(num_seqs) dependent loads before the first KV load (2% of
@@ -358,6 +370,23 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
 
 
 @triton.jit
+def _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split,
+                    USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
+                    PF_EARLY: tl.constexpr):
+    """A spare program's L2 prefetch (kernels/l2_prefetch.py), after the PDL wait unless
+    PF_EARLY (the weights are never written, so the wait only keeps the QKV GEMV's bandwidth
+    to itself); PRELOAD programs wait here, the others waited at the top."""
+    spare = ((pid - attn_rows) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+    n_spare = (tl.num_programs(0) - attn_rows) * tl.num_programs(1) * tl.num_programs(2)
+    if PF_EARLY:
+        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH)
+        _wait_if(PRELOAD, USE_PDL)
+    else:
+        _wait_if(PRELOAD, USE_PDL)
+        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH)
+
+
+@triton.jit
 def _wait_if(PRELOAD: tl.constexpr, USE_PDL: tl.constexpr):
     """The PDL wait on an early return of a PRELOAD program (the others waited at the top)."""
     if PRELOAD:
@@ -473,13 +502,16 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     config: AttnConfig | None = None, rope: RopeInput | None = None,
+    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
 
     Rows of q outside every sequence (padding past query_start_loc[-1]) are left unwritten,
     as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
     device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning). `rope`:
-    decode batches only (one query token per sequence), see RopeInput.
+    decode batches only (one query token per sequence), see RopeInput. `l2_prefetch`: a span
+    table (kernels/l2_prefetch.span_table) that a spare row of programs prefetches into L2, in
+    split decode launches with `rope` (few sequences: the launch leaves SMs and HBM idle).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -508,9 +540,12 @@ def paged_attention(
     # Direct indexing measured faster at batch 64-512 without splits; with splits (few
     # sequences) the W1 batch-1 step was 1-3% slower with it, so the search stays there.
     decode = meta.max_query_len <= 1 and splits == 1
-    grid = (meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs, num_kv_heads,
-            splits)
-    cnt = _arrival_counters(q.device, grid[0] * grid[1]) if splits > 1 else out
+    attn_rows = meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs
+    spare = l2_prefetch is not None and rope is not None and splits > 1 and _PF_ROWS > 0
+    grid = (attn_rows + (_PF_ROWS if spare else 0), num_kv_heads, splits)
+    cnt = _arrival_counters(q.device, attn_rows * grid[1]) if splits > 1 else out
+    pf_args = (l2_prefetch, l2_prefetch.shape[0], l2_prefetch_chunk(cfg.num_warps)) if spare \
+        else (out, 0, 0)
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
     rope_args = _rope_args(q, k_cache, v_cache, meta, rope)
     _paged_attn_kernel[grid](
@@ -518,13 +553,14 @@ def paged_attention(
         meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
-        num_heads * splits, splits, 1, *rope_args,
+        num_heads * splits, splits, 1, *rope_args, *pf_args, attn_rows,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
+        PREFETCH=spare and q.is_cuda, PF_EARLY=_PF_EARLY,
     )
     return out
 

@@ -45,6 +45,9 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.kv_scales_from_checkpoint: set[str] = set()  # "k_scale" / "v_scale" loaded
+        # Spans of the weights the layer reads next, prefetched into L2 by batch-1-like decode
+        # launches (kernels/l2_prefetch.py; set by models' attach_l2_prefetch), or None.
+        self.l2_prefetch: torch.Tensor | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -59,6 +62,8 @@ class Attention(nn.Module):
         kv = {}
         if k_cache.element_size() == 1:  # fp8 / int8 cache: the kernels (de)quantize
             kv = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if self.l2_prefetch is not None:
+            kv["l2_prefetch"] = self.l2_prefetch
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
                                    self.scale, **kv)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -14,6 +14,7 @@ from torch import nn
 
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.config import ModelConfig
+from slipstream.kernels.l2_spans import span_table
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
@@ -222,6 +223,21 @@ class LlamaForCausalLM(nn.Module):
             pairs[f"{layer}.mlp.gate_up_proj"] = f"{layer}.post_attention_layernorm"
         return pairs
 
+    def attach_l2_prefetch(self, budget: int) -> int:
+        """Give each layer's attention the span table of the weights read right after it: all
+        of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/l2_prefetch.py;
+        0 detaches). Returns the bytes a layer prefetches."""
+        per_layer = 0
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            groups = [_own_tensors(attn.o_proj), _own_tensors(layer.mlp.gate_up_proj)]
+            device = groups[0][0].device
+            table = span_table(groups, budget, device) if budget and device.type == "cuda" \
+                else None
+            attn.attn.l2_prefetch = table
+            per_layer = 0 if table is None else int(table[:, 1].sum())
+        return per_layer
+
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab], float32 (else the model's dtype)."""
         return self.lm_head(hidden, float32)
@@ -231,6 +247,11 @@ class LlamaForCausalLM(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return True
         return self.config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A layer's parameters and buffers (weights, scales, zeros, bias), not its children's."""
+    return [t.data for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
 
 
 def _warn_unsupported(cfg: ModelConfig) -> None:

@@ -197,10 +197,24 @@ class ModelRunner:
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
         self._use_graph_replay = use_graphs
         if use_graphs:
+            self._attach_l2_prefetch()
             self._graphs.capture()
             self._capture_prefill_graphs()
         if sched.decode_steps > 1:
             self._graphs.warm_up_greedy(self.block_size)
+
+    def _attach_l2_prefetch(self) -> None:
+        """Span tables of the weights each layer reads after attention, for the decode graphs'
+        split attention launches to prefetch into L2 (kernels/l2_spans.py); models without
+        attach_l2_prefetch go without."""
+        attach = getattr(self.model, "attach_l2_prefetch", None)
+        if attach is None:
+            return
+        from slipstream.kernels.l2_spans import budget_bytes
+
+        per_layer = attach(budget_bytes())
+        logger.info("L2 prefetch in decode attention: %.1f MiB a layer%s", per_layer / 2**20,
+                    "" if per_layer else " (off)")
 
     def _capture_prefill_graphs(self) -> None:
         """Graphs for prefill steps of up to max_prefill_graph_tokens (capped by the step's

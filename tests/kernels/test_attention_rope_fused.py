@@ -159,3 +159,77 @@ def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
         torch.cuda.synchronize()
         assert torch.equal(got, want)
         assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
+
+
+def _weights_table(device: str) -> torch.Tensor:
+    """A span table over a few MB of stand-in weights (kernels/l2_spans.py)."""
+    from slipstream.kernels.l2_spans import span_table
+
+    w = [torch.randn(1024, 1024, device=device), torch.randn(256, device=device)]
+    return span_table([w], 3 << 20, torch.device(device)), w
+
+
+@pytest.mark.parametrize("cfg", [AttnConfig(16, 16, 4, 4, 2, preload=True, short_chain=2),
+                                 AttnConfig(16, 32, 3, 4, 1),
+                                 AttnConfig(16, 32, 1, 4, 1)])  # one split: no spare row
+def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(cfg: AttnConfig) -> None:
+    """The spare row of L2-prefetch programs leaves every output and cache byte as it was
+    (in the interpreter the prefetch itself compiles to nothing; the row's programs still run
+    and must not attend or write)."""
+    table, _ = _weights_table("cpu")
+    results = []
+    for l2 in (None, table):
+        case = _decode_case([1, 17, 40, 33], 4, 64, torch.float32, pad=2)
+        q, k, v, positions, cos_sin, kc, vc, meta, scales = case
+        got = _fused(q, k, v, positions, cos_sin, kc, vc, meta, scales, config=cfg,
+                     l2_prefetch=l2)
+        results.append((got[: meta.num_tokens - 2], kc, vc))
+    for want, got in zip(results[0], results[1], strict=True):
+        assert torch.equal(want, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("early", [False, True])
+def test_gpu_l2_prefetch_rows_in_graph_after_the_qkv_gemv(monkeypatch, early: bool) -> None:
+    """The spare prefetch programs under PDL in a CUDA graph (after the PDL wait, or before it
+    with SLIPSTREAM_L2_PREFETCH_EARLY): output and cache bytes equal an eager run without them,
+    replay after replay, and the prefetched weights are unchanged."""
+    from slipstream.kernels import gemv, pdl
+    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.paged_attention import choose_config
+
+    device = torch.device("cuda")
+    if not pdl.enabled(device):
+        pytest.skip("needs programmatic dependent launch (compute capability 9.0+)")
+    monkeypatch.setattr(pa, "_PF_EARLY", early)
+    table, weights = _weights_table("cuda")
+    before = [w.clone() for w in weights]
+    q0, k0, _, positions, cos_sin, kc, vc, meta, scales = _decode_case(
+        [200, 70], 4, 128, torch.bfloat16, device="cuda")
+    tokens, hq, d = q0.shape
+    hkv = k0.shape[1]
+    x = torch.randn(tokens, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn((hq + 2 * hkv) * d, 256, device=device, dtype=torch.bfloat16) / 16
+    cfg = choose_config(meta, hkv, hq // hkv, d, device)
+    assert cfg.num_splits > 1  # the launch that gets the spare row
+
+    def step(l2) -> torch.Tensor:
+        qkv = gemv.gemv(x, w)
+        q = qkv[:, : hq * d].view(tokens, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+        return paged_attention(q, kc, vc, meta, 0.1, rope=RopeInput(k, v, positions, cos_sin),
+                               config=cfg, l2_prefetch=l2, **scales)
+
+    want = step(None).clone()
+    kc_want, vc_want = kc.clone(), vc.clone()
+    step(table)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step(table)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
+    assert all(torch.equal(a, b) for a, b in zip(weights, before, strict=True))

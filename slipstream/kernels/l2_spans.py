@@ -1,0 +1,84 @@
+"""Weights pulled into L2 while the GPU's memory bus would otherwise sit idle.
+
+A batch-1 decode layer spends ~10 us in attention, which reads ~1 MB of K/V and leaves most
+SMs and nearly all of the HBM bandwidth unused, and then runs the o and gate/up GEMVs, which
+are bandwidth-bound. Spare programs of the attention launch (kernels/paged_attention.py) ask
+the TMA unit to prefetch those weights into L2 (`cp.async.bulk.prefetch.L2`, sm_90+: one
+instruction a span, fire-and-forget, nothing comes back to the SM), so the GEMVs that follow
+find part of their bytes in L2 instead of HBM. A prefetch is a hint: it changes no result.
+
+The host side builds, once per layer before the decode graphs are captured, a table of spans
+(start address, bytes), each at most SPAN_BYTES, covering the tensors to prefetch in order
+up to a byte budget (SLIPSTREAM_L2_PREFETCH_MB). The addresses are fixed because weights never
+move after loading, so the table is safe inside a CUDA graph. The device side is
+kernels/l2_prefetch.py; this module needs no Triton.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+# The default budget: about 2/3 of the H200's 50 MB L2, so the GEMVs' own streaming reads,
+# which also pass through L2, leave the prefetched lines in place until they are read.
+DEFAULT_BUDGET_MB = 32
+SPAN_BYTES = 128 * 1024  # one program's share: split over its threads, a bulk prefetch each
+_ALIGN = 16  # cp.async.bulk: 16-byte aligned addresses, sizes a multiple of 16
+
+
+def budget_bytes() -> int:
+    """SLIPSTREAM_L2_PREFETCH_MB (default DEFAULT_BUDGET_MB; 0 turns the prefetch off)."""
+    raw = os.environ.get("SLIPSTREAM_L2_PREFETCH_MB", str(DEFAULT_BUDGET_MB))
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"SLIPSTREAM_L2_PREFETCH_MB must be a number of MB, got {raw!r}") from None
+    return max(int(mb * 2**20), 0)
+
+
+def _regions(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """(start, bytes) of each tensor's memory, aligned inward to 16 bytes (a hint may skip the
+    ragged edges; it must not reach outside the tensor)."""
+    out = []
+    for t in tensors:
+        if t.numel() == 0 or not t.is_contiguous():
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        start = -(-start // _ALIGN) * _ALIGN
+        end = end // _ALIGN * _ALIGN
+        if end > start:
+            out.append((start, end - start))
+    return out
+
+
+def span_table(groups: list[list[torch.Tensor]], budget: int,
+               device: torch.device) -> torch.Tensor | None:
+    """int64 [n, 2] (address, bytes) spans of at most SPAN_BYTES over `groups` in order, at most
+    `budget` bytes in all, or None when nothing fits. The first group's tensors are taken in
+    full while the budget lasts; in a group that does not fit, each tensor gets the same
+    leading fraction, so every part a kernel reads together (weights, scales, zeros) is warm
+    for the same rows."""
+    spans: list[tuple[int, int]] = []
+    left = budget
+    for group in groups:
+        regions = _regions(group)
+        total = sum(n for _, n in regions)
+        if total == 0 or left < _ALIGN:
+            continue
+        share = min(1.0, left / total)
+        for start, n in regions:
+            take = int(n * share) // _ALIGN * _ALIGN
+            for off in range(0, take, SPAN_BYTES):
+                spans.append((start + off, min(SPAN_BYTES, take - off)))
+            left -= take
+    if not spans:
+        return None
+    return torch.tensor(spans, dtype=torch.int64, device=device)
+
+
+def chunk_bytes(num_warps: int) -> int:
+    """Bytes each thread of a num_warps program prefetches of one span (a multiple of 16)."""
+    per_thread = -(-SPAN_BYTES // (32 * num_warps))
+    return -(-per_thread // _ALIGN) * _ALIGN
