@@ -198,7 +198,8 @@ def main() -> None:
                    help="comma list of NAME=INT[+NAME=INT] paged_attention knob settings")
     p.add_argument("--l2-budgets", default="",
                    help="comma list of L2 prefetch budgets in MB (kernels/l2_spans.py), each "
-                        "timed as a whole step; the parts use SLIPSTREAM_L2_PREFETCH_MB's")
+                        "timed as a whole step, MB:gate_up for gate/up alone (default o+gate_up); "
+                        "the parts use SLIPSTREAM_L2_PREFETCH_MB's")
     p.add_argument("--replays", type=int, default=100)
     p.add_argument("--device", default="cuda")
     p.add_argument("--load-format", default=None, help="default: dummy for a shape name")
@@ -230,12 +231,14 @@ def main() -> None:
             us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
         rows.append({"part": f"full {variant}", "us_per_step": us})
         print(f"measured {variant}: {us:.1f} us/step", flush=True)  # survives a timeout
-    for mb in filter(None, ns.l2_budgets.split(",")):
-        per_layer = runner.model.attach_l2_prefetch(int(float(mb) * 2**20))
+    for item in filter(None, ns.l2_budgets.split(",")):
+        mb, _, targets = item.partition(":")  # "16" or "16:gate_up" (targets joined by +)
+        per_layer = runner.model.attach_l2_prefetch(
+            int(float(mb) * 2**20), tuple(targets.split("+")) if targets else ("o", "gate_up"))
         us = time_part(runner, inputs, runner.device.type == "cuda", ns.replays)
-        rows.append({"part": f"full l2_prefetch={mb}MB", "us_per_step": us,
+        rows.append({"part": f"full l2_prefetch={item}", "us_per_step": us,
                      "prefetched_bytes_per_layer": per_layer})
-        print(f"measured L2 prefetch {mb} MB ({per_layer / 2**20:.1f} MiB a layer): "
+        print(f"measured L2 prefetch {item} ({per_layer / 2**20:.1f} MiB a layer): "
               f"{us:.1f} us/step", flush=True)
     runner.model.attach_l2_prefetch(budget)
     if (ns.attn_variants or ns.l2_budgets) and "full" in ns.parts.split(","):  # drift check

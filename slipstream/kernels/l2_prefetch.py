@@ -10,14 +10,16 @@ import triton.language as tl
 from slipstream.kernels.l2_spans import chunk_bytes
 
 
-@triton.jit
-def _bulk_prefetch_span(addr, nbytes, chunk):
-    """Each thread of the program prefetches its `chunk` bytes of [addr, addr + nbytes) into L2
-    (thread t: bytes t * chunk onwards; threads past the end issue nothing)."""
-    return tl.inline_asm_elementwise(
-        """{
+def _span_asm(evict_last: bool) -> str:
+    """PTX: thread t prefetches bytes [t * chunk, (t + 1) * chunk) of the span ($1 address, $2
+    bytes, $3 chunk), clipped to its end; threads past the end issue nothing. evict_last: the
+    lines are marked last to evict (an A/B variant)."""
+    policy = "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;" if evict_last else ""
+    prefetch = ("cp.async.bulk.prefetch.L2.global.L2::cache_hint [a], sz, pol;" if evict_last
+                else "cp.async.bulk.prefetch.L2.global [a], sz;")
+    return f"""{{
         .reg .u32 t, sz;
-        .reg .u64 off, rem, a;
+        .reg .u64 off, rem, a, pol;
         .reg .pred p;
         mov.u32 t, %tid.x;
         mul.wide.u32 off, t, $3;
@@ -27,14 +29,31 @@ def _bulk_prefetch_span(addr, nbytes, chunk):
         min.u64 rem, rem, a;
         cvt.u32.u64 sz, rem;
         add.u64 a, $1, off;
-        @p cp.async.bulk.prefetch.L2.global [a], sz;
+        {policy}
+        @p {prefetch}
         mov.u32 $0, 0;
-        }""",
-        "=r,l,l,r", [addr, nbytes, chunk], dtype=tl.int32, is_pure=False, pack=1)
+        }}"""
+
+
+_SPAN_ASM = tl.constexpr(_span_asm(False))
+_SPAN_ASM_EVICT_LAST = tl.constexpr(_span_asm(True))
 
 
 @triton.jit
-def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, ENABLED: tl.constexpr):
+def _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST: tl.constexpr):
+    """Each thread of the program prefetches its `chunk` bytes of [addr, addr + nbytes)."""
+    if EVICT_LAST:
+        done = tl.inline_asm_elementwise(_SPAN_ASM_EVICT_LAST, "=r,l,l,r", [addr, nbytes, chunk],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        done = tl.inline_asm_elementwise(_SPAN_ASM, "=r,l,l,r", [addr, nbytes, chunk],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    return done
+
+
+@triton.jit
+def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, ENABLED: tl.constexpr,
+                   EVICT_LAST: tl.constexpr = False):
     """Spans program, program + num_programs, ... of the table, each split over the program's
     threads in `chunk`-byte pieces (chunk * threads >= SPAN_BYTES). ENABLED: False compiles to
     nothing (the interpreter has no inline PTX; on the CPU there is no L2 to warm)."""
@@ -42,18 +61,21 @@ def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, ENABLED: tl
         for i in range(program, n_spans, num_programs):
             addr = tl.load(table_ptr + 2 * i)
             nbytes = tl.load(table_ptr + 2 * i + 1)
-            _bulk_prefetch_span(addr, nbytes, chunk)
+            _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST)
 
 
 @triton.jit
-def _prefetch_kernel(table_ptr, n_spans, chunk, ENABLED: tl.constexpr):
-    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, ENABLED)
+def _prefetch_kernel(table_ptr, n_spans, chunk, ENABLED: tl.constexpr, EVICT_LAST: tl.constexpr):
+    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, ENABLED,
+                   EVICT_LAST)
 
 
-def prefetch(table: torch.Tensor, programs: int = 132, num_warps: int = 4) -> None:
+def prefetch(table: torch.Tensor, programs: int = 132, num_warps: int = 4,
+             evict_last: bool = False) -> None:
     """Prefetch a span table's bytes into L2 by a launch of its own (benchmarks and tests; the
     decode step does it inside the attention launch). No-op off CUDA."""
     if not table.is_cuda or table.numel() == 0:
         return
     _prefetch_kernel[(min(programs, table.shape[0]),)](
-        table, table.shape[0], chunk_bytes(num_warps), ENABLED=True, num_warps=num_warps)
+        table, table.shape[0], chunk_bytes(num_warps), ENABLED=True, EVICT_LAST=evict_last,
+        num_warps=num_warps)

@@ -72,6 +72,7 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # unless SLIPSTREAM_L2_PREFETCH_EARLY=1 (an A/B knob: while the QKV GEMV still runs).
 _PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
 _PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "0") == "1"
+_PF_EVICT_LAST = os.environ.get("SLIPSTREAM_L2_PREFETCH_EVICT_LAST", "0") == "1"
 _SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
@@ -201,6 +202,7 @@ def _paged_attn_kernel(
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PF_EARLY: tl.constexpr = False,
+    PF_EVICT_LAST: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -215,7 +217,7 @@ def _paged_attn_kernel(
     split = tl.program_id(2)
     if pid >= attn_rows:  # spare rows (PREFETCH): the next GEMVs' weights into L2, no attention
         _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split, USE_PDL,
-                        PRELOAD, PREFETCH, PF_EARLY)
+                        PRELOAD, PREFETCH, PF_EARLY, PF_EVICT_LAST)
         return
     if DECODE:
         # At most one query token per sequence: program pid serves sequence pid. The search
@@ -372,18 +374,18 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
 @triton.jit
 def _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split,
                     USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
-                    PF_EARLY: tl.constexpr):
+                    PF_EARLY: tl.constexpr, PF_EVICT_LAST: tl.constexpr):
     """A spare program's L2 prefetch (kernels/l2_prefetch.py), after the PDL wait unless
     PF_EARLY (the weights are never written, so the wait only keeps the QKV GEMV's bandwidth
     to itself); PRELOAD programs wait here, the others waited at the top."""
     spare = ((pid - attn_rows) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
     n_spare = (tl.num_programs(0) - attn_rows) * tl.num_programs(1) * tl.num_programs(2)
     if PF_EARLY:
-        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH)
+        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH, PF_EVICT_LAST)
         _wait_if(PRELOAD, USE_PDL)
     else:
         _wait_if(PRELOAD, USE_PDL)
-        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH)
+        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH, PF_EVICT_LAST)
 
 
 @triton.jit
@@ -560,7 +562,7 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
-        PREFETCH=spare and q.is_cuda, PF_EARLY=_PF_EARLY,
+        PREFETCH=spare and q.is_cuda, PF_EARLY=_PF_EARLY, PF_EVICT_LAST=_PF_EVICT_LAST,
     )
     return out
 

@@ -223,14 +223,16 @@ class LlamaForCausalLM(nn.Module):
             pairs[f"{layer}.mlp.gate_up_proj"] = f"{layer}.post_attention_layernorm"
         return pairs
 
-    def attach_l2_prefetch(self, budget: int) -> int:
+    def attach_l2_prefetch(self, budget: int, targets: tuple[str, ...] = ("o", "gate_up")
+                           ) -> int:
         """Give each layer's attention the span table of the weights read right after it: all
-        of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/l2_prefetch.py;
-        0 detaches). Returns the bytes a layer prefetches."""
+        of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/l2_spans.py; 0
+        detaches); `targets` picks among the two. Returns the bytes a layer prefetches."""
         per_layer = 0
         for layer in self.model.layers:
             attn = layer.self_attn
-            groups = [_own_tensors(attn.o_proj), _own_tensors(layer.mlp.gate_up_proj)]
+            modules = {"o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj}
+            groups = [_own_tensors(modules[name]) for name in targets]
             device = groups[0][0].device
             table = span_table(groups, budget, device) if budget and device.type == "cuda" \
                 else None

@@ -74,7 +74,7 @@ def test_gpu_standalone_prefetch_runs_and_changes_nothing() -> None:
     w = [torch.randn(4096, 1024, device="cuda"), torch.randn(1000, device="cuda")[1:]]
     before = [t.clone() for t in w]
     table = span_table([w], 64 << 20, torch.device("cuda"))
-    for warps in (1, 4, 8):
-        prefetch(table, num_warps=warps)
+    for warps, evict_last in ((1, False), (4, True), (8, False)):
+        prefetch(table, num_warps=warps, evict_last=evict_last)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(w, before, strict=True))
