@@ -217,7 +217,7 @@ def main() -> None:
     runner.load_model()
     runner.initialize_kv_cache(ns.max_model_len // runner.block_size + 2)
     inputs = decode_inputs(runner, ns.ctx, ns.max_model_len)
-    budget = budget_bytes()
+    budget = budget_bytes(runner.device)
     runner.model.attach_l2_prefetch(budget)  # as ModelRunner.capture_cuda_graphs does
     rows = []
     for part in ns.parts.split(","):

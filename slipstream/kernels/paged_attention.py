@@ -22,6 +22,7 @@ from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
 from slipstream.kernels.l2_prefetch import prefetch_spans
 from slipstream.kernels.l2_spans import chunk_bytes as l2_prefetch_chunk
+from slipstream.kernels.l2_spans import supported as l2_supported
 from slipstream.kernels.pdl import pdl_release, pdl_wait
 from slipstream.kernels.rotary_cache import (
     _check_cache,
@@ -66,12 +67,14 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # programs. Removed. SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N sets the threshold (0: always staged);
 # SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets the staged loops' stages for split decode
 # launches (1: plain loads everywhere, 111 registers; batch 8 at 4096 77.1 against 65.8 us).
-# L2 prefetch in split decode launches given a span table (kernels/l2_prefetch.py): rows of
-# spare programs appended to the grid (SLIPSTREAM_L2_PREFETCH_ROWS, default 1: a row is
-# kv_heads x splits programs, 264 for Llama-3.1-8B at batch 1), issuing after the PDL wait
-# unless SLIPSTREAM_L2_PREFETCH_EARLY=1 (an A/B knob: while the QKV GEMV still runs).
+# L2 prefetch in split decode launches given a span table (kernels/l2_spans.py): rows of spare
+# programs appended to the grid (SLIPSTREAM_L2_PREFETCH_ROWS, default 1: a row is kv_heads x
+# splits programs, 48 for Llama-3.1-8B at batch 1 and max_model_len 384), issuing before the
+# PDL wait, while the QKV GEMV still runs (H200 int4_awq batch-1 step: 1961.7 us after the wait,
+# 1947.7 before; SLIPSTREAM_L2_PREFETCH_EARLY=0 waits first). SLIPSTREAM_L2_PREFETCH_EVICT_LAST=1
+# marks the lines last to evict (an A/B knob: 1962.2 us, no gain).
 _PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
-_PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "0") == "1"
+_PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "1") != "0"
 _PF_EVICT_LAST = os.environ.get("SLIPSTREAM_L2_PREFETCH_EVICT_LAST", "0") == "1"
 _SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
@@ -543,7 +546,8 @@ def paged_attention(
     # sequences) the W1 batch-1 step was 1-3% slower with it, so the search stays there.
     decode = meta.max_query_len <= 1 and splits == 1
     attn_rows = meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs
-    spare = l2_prefetch is not None and rope is not None and splits > 1 and _PF_ROWS > 0
+    spare = l2_prefetch is not None and rope is not None and splits > 1 and _PF_ROWS > 0 and (
+        not q.is_cuda or l2_supported(q.device))
     grid = (attn_rows + (_PF_ROWS if spare else 0), num_kv_heads, splits)
     cnt = _arrival_counters(q.device, attn_rows * grid[1]) if splits > 1 else out
     pf_args = (l2_prefetch, l2_prefetch.shape[0], l2_prefetch_chunk(cfg.num_warps)) if spare \

@@ -233,9 +233,7 @@ class LlamaForCausalLM(nn.Module):
             attn = layer.self_attn
             modules = {"o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj}
             groups = [_own_tensors(modules[name]) for name in targets]
-            device = groups[0][0].device
-            table = span_table(groups, budget, device) if budget and device.type == "cuda" \
-                else None
+            table = span_table(groups, budget, groups[0][0].device) if budget else None
             attn.attn.l2_prefetch = table
             per_layer = 0 if table is None else int(table[:, 1].sum())
         return per_layer

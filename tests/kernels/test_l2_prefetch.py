@@ -58,6 +58,8 @@ def test_chunks_cover_a_span() -> None:
 
 
 def test_budget_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
+    assert budget_bytes() == 0 and budget_bytes(torch.device("cpu")) == 0  # no L2 to warm
     monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "1.5")
     assert budget_bytes() == 3 << 19
     monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "0")
@@ -65,6 +67,14 @@ def test_budget_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "lots")
     with pytest.raises(ValueError, match="SLIPSTREAM_L2_PREFETCH_MB"):
         budget_bytes()
+
+
+@pytest.mark.gpu
+def test_gpu_default_budget_is_half_the_l2(monkeypatch) -> None:
+    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    assert budget_bytes(dev) == (l2 // 2 if torch.cuda.get_device_capability(dev) >= (9, 0) else 0)
 
 
 @pytest.mark.gpu

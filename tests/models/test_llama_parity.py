@@ -89,3 +89,24 @@ def test_rope_scaling_changes_logits(tmp_path):
     plain.load_model()
     plain.initialize_kv_cache(64)
     assert rel_err(full_logits(plain, prompt, list(range(12))), scaled) > 1e-2
+
+
+def test_l2_prefetch_tables_cover_o_then_gate_up(tmp_path):
+    """attach_l2_prefetch: each layer's attention gets spans over all of its o_proj, then the same
+    leading share of its gate/up tensors, within the budget; 0 detaches."""
+    runner = make_runner(make_tiny_checkpoint(tmp_path, "LlamaForCausalLM"))
+    model = runner.model
+    layer = model.model.layers[0]
+    o_w, gu_w = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight
+    o_bytes = o_w.numel() * o_w.element_size()
+    budget = o_bytes + (gu_w.numel() * gu_w.element_size()) // 4
+    assert model.attach_l2_prefetch(budget) == budget
+    for layer in model.model.layers:
+        table = layer.self_attn.attn.l2_prefetch.tolist()
+        o_w, gu_w = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight
+        assert table[0][0] == o_w.data_ptr() and sum(n for _, n in table) == budget
+        assert sum(n for a, n in table if a < o_w.data_ptr() + o_bytes
+                   and a >= o_w.data_ptr()) == o_bytes
+        assert any(a == gu_w.data_ptr() for a, _ in table)
+    assert model.attach_l2_prefetch(0) == 0
+    assert all(layer.self_attn.attn.l2_prefetch is None for layer in model.model.layers)
