@@ -460,9 +460,11 @@ def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool,
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     whole = W4Config(block_n=block_n, block_k=128, split_k=1, num_warps=warps, prefetch=True,
                      bit_convert=2, whole_k=True, persist=persist)
-    path = gemv_int4._one_row_path(whole, x, group, k, 1)
+    path = gemv_int4._one_row_path(whole, x, group, n, k, 1)
     assert (path["WHOLE_K"], path["WHOLE_KP"]) == (k, 512)
-    assert gemv_int4._one_row_path(whole, x, group, 64 * 1024, 1)["WHOLE_K"] == 0
+    assert gemv_int4._one_row_path(whole, x, group, n, 64 * 1024, 1)["WHOLE_K"] == 0
+    # word offsets past int32 (_I32_OFFSETS): the chained loop instead
+    assert gemv_int4._one_row_path(whole, x, group, 2**25, k, 1)["WHOLE_K"] == 0
     loop = dataclasses.replace(whole, whole_k=False, persist=0)
     if gate_out:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, whole)
@@ -516,7 +518,7 @@ def test_gpu_w4_whole_k_tiles(n: int, k: int) -> None:
     want = gemv_int4.w4_linear_reference(x, *packed, 128)
     tried, failures = 0, []
     for cfg in gemv_int4.candidate_w4_configs(1, torch.bfloat16):
-        if not (cfg.whole_k and gemv_int4._one_row_path(cfg, x, 128, k, 1)["WHOLE_K"]):
+        if not (cfg.whole_k and gemv_int4._one_row_path(cfg, x, 128, n, k, 1)["WHOLE_K"]):
             continue
         tried += 1
         got = [gemv_int4.w4_gemv(x, *packed, 128, None, cfg) for _ in range(2)]
