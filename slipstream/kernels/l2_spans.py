@@ -2,8 +2,9 @@
 
 A batch-1 decode layer spends ~10 us in attention, which reads ~1 MB of K/V and leaves most
 SMs and nearly all of the HBM bandwidth unused, and then runs the o and gate/up GEMVs, which
-are bandwidth-bound. Spare programs of the attention launch (kernels/paged_attention.py) ask
-the TMA unit to prefetch those weights into L2 (`cp.async.bulk.prefetch.L2`, sm_90+: one
+read the layer's next 25-200 MB of weights. Spare programs of the attention launch
+(kernels/paged_attention.py) ask the TMA unit to prefetch those weights into L2
+(`cp.async.bulk.prefetch.L2`, sm_90+: one
 instruction a span, fire-and-forget, nothing comes back to the SM), so the GEMVs that follow
 find part of their bytes in L2 instead of HBM. A prefetch is a hint: it changes no result.
 

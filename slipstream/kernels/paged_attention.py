@@ -515,7 +515,7 @@ def paged_attention(
     as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
     device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning). `rope`:
     decode batches only (one query token per sequence), see RopeInput. `l2_prefetch`: a span
-    table (kernels/l2_prefetch.span_table) that a spare row of programs prefetches into L2, in
+    table (kernels/l2_spans.span_table) that a spare row of programs prefetches into L2, in
     split decode launches with `rope` (few sequences: the launch leaves SMs and HBM idle).
     """
     if q.stride(-1) != 1:
