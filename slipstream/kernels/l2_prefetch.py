@@ -51,22 +51,33 @@ def _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST: tl.constexpr):
     return done
 
 
+# prefetch_spans' MODE: what a program does with each span it is given.
+OFF, PREFETCH, RECORD = 0, 1, 2
+RECORD_MARK = 1 << 40  # RECORD adds this to a span's byte count (beyond any real span)
+_MARK = tl.constexpr(RECORD_MARK)
+
+
 @triton.jit
-def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, ENABLED: tl.constexpr,
+def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, MODE: tl.constexpr,
                    EVICT_LAST: tl.constexpr = False):
     """Spans program, program + num_programs, ... of the table, each split over the program's
-    threads in `chunk`-byte pieces (chunk * threads >= SPAN_BYTES). ENABLED: False compiles to
-    nothing (the interpreter has no inline PTX; on the CPU there is no L2 to warm)."""
-    if ENABLED:
+    threads in `chunk`-byte pieces (chunk * threads >= SPAN_BYTES). MODE: PREFETCH; OFF
+    compiles to nothing (the interpreter has no inline PTX); RECORD (tests, the interpreter)
+    adds RECORD_MARK to each given span's byte count instead, so a test can check that the
+    programs took every span exactly once."""
+    if MODE == 1:
         for i in range(program, n_spans, num_programs):
             addr = tl.load(table_ptr + 2 * i)
             nbytes = tl.load(table_ptr + 2 * i + 1)
             _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST)
+    elif MODE == 2:
+        for i in range(program, n_spans, num_programs):
+            tl.atomic_add(table_ptr + 2 * i + 1, _MARK)
 
 
 @triton.jit
-def _prefetch_kernel(table_ptr, n_spans, chunk, ENABLED: tl.constexpr, EVICT_LAST: tl.constexpr):
-    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, ENABLED,
+def _prefetch_kernel(table_ptr, n_spans, chunk, MODE: tl.constexpr, EVICT_LAST: tl.constexpr):
+    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, MODE,
                    EVICT_LAST)
 
 
@@ -77,5 +88,5 @@ def prefetch(table: torch.Tensor, programs: int = 132, num_warps: int = 4,
     if not table.is_cuda or table.numel() == 0:
         return
     _prefetch_kernel[(min(programs, table.shape[0]),)](
-        table, table.shape[0], chunk_bytes(num_warps), ENABLED=True, EVICT_LAST=evict_last,
+        table, table.shape[0], chunk_bytes(num_warps), MODE=PREFETCH, EVICT_LAST=evict_last,
         num_warps=num_warps)

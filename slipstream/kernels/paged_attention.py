@@ -76,6 +76,7 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 _PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
 _PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "1") != "0"
 _PF_EVICT_LAST = os.environ.get("SLIPSTREAM_L2_PREFETCH_EVICT_LAST", "0") == "1"
+_PF_CPU_MODE = 0  # the spare row's prefetch_spans MODE off CUDA (tests set RECORD = 2)
 _SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
@@ -204,7 +205,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PF_EARLY: tl.constexpr = False,
+    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, PF_EARLY: tl.constexpr = False,
     PF_EVICT_LAST: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
@@ -566,7 +567,8 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
-        PREFETCH=spare and q.is_cuda, PF_EARLY=_PF_EARLY, PF_EVICT_LAST=_PF_EVICT_LAST,
+        PREFETCH=(1 if q.is_cuda else _PF_CPU_MODE) if spare else 0, PF_EARLY=_PF_EARLY,
+        PF_EVICT_LAST=_PF_EVICT_LAST,
     )
     return out
 

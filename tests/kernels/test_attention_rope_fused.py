@@ -172,11 +172,19 @@ def _weights_table(device: str) -> torch.Tensor:
 @pytest.mark.parametrize("cfg", [AttnConfig(16, 16, 4, 4, 2, preload=True, short_chain=2),
                                  AttnConfig(16, 32, 3, 4, 1),
                                  AttnConfig(16, 32, 1, 4, 1)])  # one split: no spare row
-def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(cfg: AttnConfig) -> None:
-    """The spare row of L2-prefetch programs leaves every output and cache byte as it was
-    (in the interpreter the prefetch itself compiles to nothing; the row's programs still run
-    and must not attend or write)."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(monkeypatch, cfg: AttnConfig,
+                                                            rows: int) -> None:
+    """The spare rows of L2-prefetch programs (recording instead of prefetching: the
+    interpreter has no PTX) take every span of the table exactly once, and leave every output
+    and cache byte as it was; a launch of one split has no spare row."""
+    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.l2_prefetch import RECORD, RECORD_MARK
+
+    monkeypatch.setattr(pa, "_PF_CPU_MODE", RECORD)
+    monkeypatch.setattr(pa, "_PF_ROWS", rows)
     table, _ = _weights_table("cpu")
+    before = table.clone()
     results = []
     for l2 in (None, table):
         case = _decode_case([1, 17, 40, 33], 4, 64, torch.float32, pad=2)
@@ -186,6 +194,9 @@ def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(cfg: AttnConfig) ->
         results.append((got[: meta.num_tokens - 2], kc, vc))
     for want, got in zip(results[0], results[1], strict=True):
         assert torch.equal(want, got)
+    marks = 0 if cfg.num_splits == 1 else RECORD_MARK
+    assert torch.equal(table[:, 0], before[:, 0])
+    assert torch.equal(table[:, 1], before[:, 1] + marks)
 
 
 @pytest.mark.gpu

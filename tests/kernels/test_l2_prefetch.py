@@ -69,6 +69,20 @@ def test_budget_from_the_environment(monkeypatch) -> None:
         budget_bytes()
 
 
+def test_standalone_launch_records_every_span_once() -> None:
+    """prefetch_spans' RECORD mode (the interpreter): however many programs share the table,
+    each span is taken exactly once."""
+    from slipstream.kernels.l2_prefetch import RECORD, RECORD_MARK, _prefetch_kernel
+
+    w = torch.empty(3 << 20, dtype=torch.uint8)
+    table = span_table([[w]], 3 << 20, torch.device("cpu"))
+    before = table.clone()
+    for programs in (1, 5, 64):  # fewer, and more, programs than the table's 24 spans
+        _prefetch_kernel[(programs,)](table, table.shape[0], 512, MODE=RECORD, EVICT_LAST=False)
+    assert torch.equal(table[:, 0], before[:, 0])
+    assert torch.equal(table[:, 1], before[:, 1] + 3 * RECORD_MARK)
+
+
 @pytest.mark.gpu
 def test_gpu_default_budget_is_half_the_l2(monkeypatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
