@@ -20,6 +20,8 @@ import triton.language as tl
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.kernels import pdl
 from slipstream.kernels.gemv import num_sms
+from slipstream.kernels.l2_prefetch import OFF as PF_OFF
+from slipstream.kernels.l2_prefetch import PREFETCH as PF_ON
 from slipstream.kernels.l2_prefetch import prefetch_spans
 from slipstream.kernels.l2_spans import chunk_bytes as l2_prefetch_chunk
 from slipstream.kernels.l2_spans import supported as l2_supported
@@ -76,7 +78,7 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 _PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
 _PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "1") != "0"
 _PF_EVICT_LAST = os.environ.get("SLIPSTREAM_L2_PREFETCH_EVICT_LAST", "0") == "1"
-_PF_CPU_MODE = 0  # the spare row's prefetch_spans MODE off CUDA (tests set RECORD = 2)
+_PF_CPU_MODE = PF_OFF  # the spare row's prefetch_spans MODE off CUDA (tests set RECORD)
 _SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
 _SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
@@ -567,7 +569,7 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
-        PREFETCH=(1 if q.is_cuda else _PF_CPU_MODE) if spare else 0, PF_EARLY=_PF_EARLY,
+        PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF, PF_EARLY=_PF_EARLY,
         PF_EVICT_LAST=_PF_EVICT_LAST,
     )
     return out

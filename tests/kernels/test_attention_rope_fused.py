@@ -118,14 +118,11 @@ def test_gpu_fused_rope_decode_bit_equal(cache_dtype, lens: list[int], cfg) -> N
     assert torch.equal(got[:rows], want[:rows])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("lens", [[200], [64, 129, 1000]])
-def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
-    """PRELOAD under programmatic dependent launch: in a CUDA graph the attention kernel starts
-    while the GEMV writing q / k / v still runs, so its early reads must touch none of them.
-    The replayed output and cache bytes equal an eager run without it."""
-    import dataclasses
-
+def _replay_after_qkv_gemv(lens: list[int], attn_kwargs) -> AttnConfig:
+    """A QKV GEMV, then the fused decode attention on its q / k / v, captured in a CUDA graph
+    (PDL on where the GPU has it): ten replays each equal, in output and cache bytes, one eager
+    run. attn_kwargs(cfg, captured) -> paged_attention's keywords for the eager run (False)
+    and the captured one (True); cfg is choose_config's. Returns cfg."""
     from slipstream.kernels import gemv, pdl
     from slipstream.kernels.paged_attention import choose_config
 
@@ -138,15 +135,15 @@ def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
     hkv = k0.shape[1]
     x = torch.randn(tokens, 256, device=device, dtype=torch.bfloat16)
     w = torch.randn((hq + 2 * hkv) * d, 256, device=device, dtype=torch.bfloat16) / 16
+    cfg = choose_config(meta, hkv, hq // hkv, d, device)
 
-    def step(preload: bool) -> torch.Tensor:
+    def step(captured: bool) -> torch.Tensor:
         qkv = gemv.gemv(x, w)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-        cfg = dataclasses.replace(choose_config(meta, hkv, hq // hkv, d, device), preload=preload)
         return paged_attention(q, kc, vc, meta, 0.1, rope=RopeInput(k, v, positions, cos_sin),
-                               config=cfg, **scales)
+                               **attn_kwargs(cfg, captured), **scales)
 
     want = step(False).clone()
     kc_want, vc_want = kc.clone(), vc.clone()
@@ -159,6 +156,19 @@ def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
         torch.cuda.synchronize()
         assert torch.equal(got, want)
         assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
+    return cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[200], [64, 129, 1000]])
+def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
+    """PRELOAD under programmatic dependent launch: in a CUDA graph the attention kernel starts
+    while the GEMV writing q / k / v still runs, so its early reads must touch none of them.
+    The replayed output and cache bytes equal an eager run without it."""
+    import dataclasses
+
+    _replay_after_qkv_gemv(
+        lens, lambda cfg, captured: {"config": dataclasses.replace(cfg, preload=captured)})
 
 
 def _weights_table(device: str) -> torch.Tensor:
@@ -205,42 +215,12 @@ def test_gpu_l2_prefetch_rows_in_graph_after_the_qkv_gemv(monkeypatch, early: bo
     """The spare prefetch programs under PDL in a CUDA graph (after the PDL wait, or before it
     with SLIPSTREAM_L2_PREFETCH_EARLY): output and cache bytes equal an eager run without them,
     replay after replay, and the prefetched weights are unchanged."""
-    from slipstream.kernels import gemv, pdl
     from slipstream.kernels import paged_attention as pa
-    from slipstream.kernels.paged_attention import choose_config
 
-    device = torch.device("cuda")
-    if not pdl.enabled(device):
-        pytest.skip("needs programmatic dependent launch (compute capability 9.0+)")
     monkeypatch.setattr(pa, "_PF_EARLY", early)
     table, weights = _weights_table("cuda")
     before = [w.clone() for w in weights]
-    q0, k0, _, positions, cos_sin, kc, vc, meta, scales = _decode_case(
-        [200, 70], 4, 128, torch.bfloat16, device="cuda")
-    tokens, hq, d = q0.shape
-    hkv = k0.shape[1]
-    x = torch.randn(tokens, 256, device=device, dtype=torch.bfloat16)
-    w = torch.randn((hq + 2 * hkv) * d, 256, device=device, dtype=torch.bfloat16) / 16
-    cfg = choose_config(meta, hkv, hq // hkv, d, device)
+    cfg = _replay_after_qkv_gemv(
+        [200, 70], lambda cfg, captured: {"config": cfg, "l2_prefetch": table if captured else None})
     assert cfg.num_splits > 1  # the launch that gets the spare row
-
-    def step(l2) -> torch.Tensor:
-        qkv = gemv.gemv(x, w)
-        q = qkv[:, : hq * d].view(tokens, hq, d)
-        k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
-        v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-        return paged_attention(q, kc, vc, meta, 0.1, rope=RopeInput(k, v, positions, cos_sin),
-                               config=cfg, l2_prefetch=l2, **scales)
-
-    want = step(None).clone()
-    kc_want, vc_want = kc.clone(), vc.clone()
-    step(table)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step(table)
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got, want)
-        assert torch.equal(kc, kc_want) and torch.equal(vc, vc_want)
     assert all(torch.equal(a, b) for a, b in zip(weights, before, strict=True))
