@@ -7,6 +7,7 @@
     python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
     python benchmarks/sass_loop.py w4 --block-n 16 --num-warps 4 --bit-convert 2 --chain --whole-k 4096
     python benchmarks/sass_loop.py w4loop --block-n 16 --num-warps 4 [--whole-k 14336] [--gate-out]
+    python benchmarks/sass_loop.py w4kwarps --num-warps 32 --tiles 1 [--whole-k 14336] [--gate-out]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element. The kernel's
@@ -144,16 +145,30 @@ def w4mma_case(ns) -> tuple:
     return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 * ns.groups / 32  # per lane, step
 
 
+def w4kwarps_case(ns) -> tuple:
+    """The K-over-warps mma kernel (gemv_int4_kwarps) at K = --whole-k (default 4096)."""
+    from slipstream.kernels.gemv_int4_kwarps import _w4_kwarps_kernel
+    k = ns.whole_k or 4096
+    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
+                 out_ptr="*bf16")
+    n = 28672 if ns.gate_out else 4096
+    consts = dict(N=n, K=k, KP=triton.next_power_of_2(k), SECOND=n // 2 if ns.gate_out else 16,
+                  NW=ns.num_warps, TILES=ns.tiles,
+                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True)
+    return _w4_kwarps_kernel, types, consts, 16 * ns.tiles * 128 / 32  # per lane, step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma", "w4loop"))
+    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma", "w4loop",
+                                           "w4kwarps"))
     ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
     ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
-    ap.add_argument("--tiles", type=int, default=2, help="w4mma: 16-row tiles per warp (1, 2)")
+    ap.add_argument("--tiles", type=int, default=2, help="w4mma / w4kwarps: 16-row tiles (1, 2)")
     ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
     ap.add_argument("--groups", type=int, default=1, help="w4mma: groups per loop step (1, 2, 4)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
@@ -161,12 +176,12 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
-    ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop: WHOLE_K (K)")
+    ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
-            "w4mma": w4mma_case, "w4loop": w4loop_case}[ns.kernel]
+            "w4mma": w4mma_case, "w4loop": w4loop_case, "w4kwarps": w4kwarps_case}[ns.kernel]
     kernel, types, consts, elems = case(ns)
     # --stages is the qgemv / w4 STAGES constexpr; attention takes it as the launch's num_stages.
     sass, regs = compile_sass(kernel, types, consts, ns.num_warps,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4_mma, pdl
+from slipstream.kernels import gemv_int4_kwarps, gemv_int4_mma, pdl
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import (
     MAX_M,
@@ -715,9 +715,15 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
+    # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
+    # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
+    kwarps: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
+        if self.kwarps:
+            return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
+                    f"loop {self.persist}/SM")
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -788,7 +794,35 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # same bytes in flight and warps an SM as n8 w4 at 2.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
-    return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
+    return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
+            + (KWARPS_CONFIGS if _KWARPS else []))
+
+
+# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): offline sm_90a SASS at
+# K = 4,096, 2.0 instructions a weight at 32 warps and 16 rows a tile (64 registers), 1.9 at
+# 16 warps and 32 rows (two steps a tile, 106 registers), against the chained loop's 2.9.
+# SLIPSTREAM_W4_KWARPS=0 leaves them out (an A/B knob).
+_KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "1") != "0"
+KWARPS_CONFIGS = [W4Config(16 * tiles, 128, 1, w, persist=p, kwarps=True)
+                  for tiles, w, p in [(1, 32, 1), (1, 16, 2), (2, 16, 1), (2, 32, 1),
+                                      (1, 8, 4)]]
+
+
+def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
+               gate_out: bool = False) -> bool:
+    """Whether a kwarps config runs the k-warps kernel for this call (gate-out: a gate and an up
+    tile of 16 rows each, with the config's warps)."""
+    tiles = 2 if gate_out else cfg.block_n // 16
+    return (getattr(cfg, "kwarps", False) and gemv_int4_kwarps.x_ok(x2)
+            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out))
+
+
+def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
+                   scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
+    gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
+                            2 if gate_out else cfg.block_n // 16, cfg.persist,
+                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -858,7 +892,12 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
+    if getattr(cfg, "kwarps", False):
+        if not _kwarps_ok(cfg, x2, n, k, group_size):
+            raise ValueError(f"w4_gemv: {cfg.label()} does not take M={m} N={n} K={k} "
+                             f"G={group_size} {x2.dtype} x")
+        _kwarps_launch(cfg, x2, words, scales, zeros, bias, out, rms_eps=rms_eps)
+    elif getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
@@ -957,8 +996,10 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
+        n = qweight.shape[0]
         cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
-                 for c in candidate_w4_configs(bucket, x.dtype)]
+                 for c in candidate_w4_configs(bucket, x.dtype)
+                 if not c.kwarps or _kwarps_ok(c, xs, n, k, group_size)]
         want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
         label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
@@ -987,6 +1028,12 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
+    if getattr(config, "kwarps", False):
+        if not _kwarps_ok(config, x2, n, k, group_size, gate_out=True):
+            raise ValueError(f"w4_gemv_gate_out: {config.label()} does not take N={n} K={k}")
+        _kwarps_launch(config, x2, words, row_major(scales), row_major(zeros), bias, out,
+                       gate_out=True, rms_eps=rms_eps)
+        return out.view(*x.shape[:-1], n // 2)
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
@@ -1030,7 +1077,9 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
     n, k = qweight.shape[0], x.shape[-1]
     if not gate_out_ok(1, n, cfg) or (rms_eps and not rms_ok(1, n, k, cfg, x.device)) or (
-            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)):
+            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)
+    ) or (getattr(cfg, "kwarps", False)
+          and not _kwarps_ok(cfg, x.reshape(1, -1), n, k, group_size, gate_out=True)):
         return None  # (an mma tile of 16 rows a warp: its product, then the activation)
     return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps)
 
