@@ -723,7 +723,7 @@ class W4Config(GemvConfig):
         """A short name for logs and benchmark tables."""
         if self.kwarps:
             return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
-                    f"loop {self.persist}/SM")
+                    f"ahead {int(self.prefetch)} loop {self.persist}/SM")
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -798,14 +798,15 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
             + (KWARPS_CONFIGS if _KWARPS else []))
 
 
-# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): offline sm_90a SASS at
-# K = 4,096, 2.0 instructions a weight at 32 warps and 16 rows a tile (64 registers), 1.9 at
-# 16 warps and 32 rows (two steps a tile, 106 registers), against the chained loop's 2.9.
+# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 16 or 32 rows a tile,
+# prefetch = the steps in flight (1-2), persist programs an SM. Offline sm_90a SASS at K =
+# 4,096: 1.9-2.1 instructions a weight (the chained loop: 2.9), 64-130 registers.
 # SLIPSTREAM_W4_KWARPS=0 leaves them out (an A/B knob).
 _KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "1") != "0"
-KWARPS_CONFIGS = [W4Config(16 * tiles, 128, 1, w, persist=p, kwarps=True)
-                  for tiles, w, p in [(1, 32, 1), (1, 16, 2), (2, 16, 1), (2, 32, 1),
-                                      (1, 8, 4)]]
+KWARPS_CONFIGS = [W4Config(16 * tiles, 128, 1, w, 1, ahead, persist=p, kwarps=True)
+                  for tiles, w, ahead, p in [(2, 16, 1, 1), (2, 16, 2, 1), (2, 8, 1, 2),
+                                             (2, 8, 2, 2), (2, 4, 1, 4), (2, 4, 2, 3),
+                                             (1, 32, 1, 1), (1, 8, 2, 2)]]
 
 
 def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
@@ -822,7 +823,8 @@ def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
                    out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
     gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
                             2 if gate_out else cfg.block_n // 16, cfg.persist,
-                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
+                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps,
+                            ahead=int(cfg.prefetch) or 1)
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:

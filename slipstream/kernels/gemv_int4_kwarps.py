@@ -109,18 +109,26 @@ def _pair_scales(sp, zp, ROW8: tl.constexpr):
 
 @triton.jit
 def _pair_sums(w, sz, xp, sx, mask, NW: tl.constexpr, ASM: tl.constexpr):
-    """(row g, row g + 8) sums over one group: eight mma steps, then s (D - (128 + z) sum x)."""
+    """(row g, row g + 8) sums over one group: eight mma steps in two independent chains (words
+    0, 1 and 2, 3: half the dependent latency), then s (D - (128 + z) sum x)."""
     z = tl.zeros(sx.shape, tl.float32)
-    d0, d1, d2, d3 = z, z, z, z
-    for c in tl.static_range(4):
-        lw, hw = w[c], w[4 + c]
-        d0, d1, d2, d3 = mma(_pair(lw, mask, 0), _pair(hw, mask, 0), _pair(lw, mask, 1),
-                             _pair(hw, mask, 1), xp[c][0], xp[c][1], d0, d1, d2, d3, NW, ASM)
-        d0, d1, d2, d3 = mma(_pair(lw, mask, 2), _pair(hw, mask, 2), _pair(lw, mask, 3),
-                             _pair(hw, mask, 3), xp[c][2], xp[c][3], d0, d1, d2, d3, NW, ASM)
+    a = _word_mmas(w[0], w[4], xp[0], z, z, z, z, mask, NW, ASM)
+    b = _word_mmas(w[2], w[6], xp[2], z, z, z, z, mask, NW, ASM)
+    a = _word_mmas(w[1], w[5], xp[1], a[0], a[1], a[2], a[3], mask, NW, ASM)
+    b = _word_mmas(w[3], w[7], xp[3], b[0], b[1], b[2], b[3], mask, NW, ASM)
     s_lo, s_hi = sz[0].to(tl.float32), sz[1].to(tl.float32)
     z_lo, z_hi = 128.0 + sz[2].to(tl.float32), 128.0 + sz[3].to(tl.float32)
-    return s_lo * (d0 - z_lo * sx), s_hi * (d2 - z_hi * sx)
+    return s_lo * ((a[0] + b[0]) - z_lo * sx), s_hi * ((a[2] + b[2]) - z_hi * sx)
+
+
+@triton.jit
+def _word_mmas(lw, hw, xq, d0, d1, d2, d3, mask, NW: tl.constexpr, ASM: tl.constexpr):
+    """The two mma steps of one word of rows g (lw) and g + 8 (hw): nibble pairs 0, 1 against
+    x pairs 0, 1, then pairs 2, 3 against x pairs 2, 3."""
+    d0, d1, d2, d3 = mma(_pair(lw, mask, 0), _pair(hw, mask, 0), _pair(lw, mask, 1),
+                         _pair(hw, mask, 1), xq[0], xq[1], d0, d1, d2, d3, NW, ASM)
+    return mma(_pair(lw, mask, 2), _pair(hw, mask, 2), _pair(lw, mask, 3), _pair(hw, mask, 3),
+               xq[2], xq[3], d0, d1, d2, d3, NW, ASM)
 
 
 @triton.jit
@@ -205,11 +213,11 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
                       K: tl.constexpr, KP: tl.constexpr, SECOND: tl.constexpr, NW: tl.constexpr,
                       TILES: tl.constexpr, GATE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                      RMS_EPS: tl.constexpr = 0.0):
+                      RMS_EPS: tl.constexpr = 0.0, AHEAD: tl.constexpr = 1):
     """out = x @ dequant(w)^T for one row of bf16 x (see the module docstring). Program p takes
     tiles p, p + P, ...; each tile is STEPS steps of NW groups, warp w taking group
-    step NW + w. The flattened (tile, step) loop requests step i + 1 before step i's products
-    (the last step re-requests itself: no branch)."""
+    step NW + w. The flattened (tile, step) loop has steps i + 1 .. i + AHEAD (1 or 2) in
+    flight during step i's products (past the last step: the last again, no branch)."""
     STEPS: tl.constexpr = K // (_GROUP * NW)
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
@@ -234,19 +242,33 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
     sx = _group_sum(xp, one, NW, ASM)
     z = tl.zeros([32 * NW], tl.float32)
     acc = (z, z, z, z)
-    cur = (wa, sa, wb, sb)
-    # Two steps a turn, each requesting the one after it: the buffers alternate without moves.
-    for it in range(0, n_it, 2):
-        nxt = _loads_at(w_ptr, s_ptr, z_ptr, it + 1, n_it, pid, n_prog, warp, g, t, K, SECOND,
-                        STEPS, NW, TILES, GATE_OUT, ASM)
-        acc = _consume(cur, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr,
+    # AHEAD + 1 buffers, each consumed then refilled with the step AHEAD + 1 on: the turn is
+    # unrolled so that they alternate without register moves.
+    b0 = (wa, sa, wb, sb)
+    b1 = _loads_at(w_ptr, s_ptr, z_ptr, 1, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
+                   TILES, GATE_OUT, ASM)
+    b2 = b0
+    if AHEAD == 2:
+        b2 = _loads_at(w_ptr, s_ptr, z_ptr, 2, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS,
+                       NW, TILES, GATE_OUT, ASM)
+    for it in range(0, n_it, AHEAD + 1):
+        acc = _consume(b0, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr,
                        out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS, ASM)
-        cur = _loads_at(w_ptr, s_ptr, z_ptr, it + 2, n_it, pid, n_prog, warp, g, t, K, SECOND,
-                        STEPS, NW, TILES, GATE_OUT, ASM)
+        b0 = _loads_at(w_ptr, s_ptr, z_ptr, it + AHEAD + 1, n_it, pid, n_prog, warp, g, t, K,
+                       SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
         if it + 1 < n_it:
-            acc = _consume(nxt, acc, it + 1, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
+            acc = _consume(b1, acc, it + 1, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
                            bias_ptr, out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS,
                            ASM)
+        b1 = _loads_at(w_ptr, s_ptr, z_ptr, it + AHEAD + 2, n_it, pid, n_prog, warp, g, t, K,
+                       SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
+        if AHEAD == 2:
+            if it + 2 < n_it:
+                acc = _consume(b2, acc, it + 2, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
+                               bias_ptr, out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT,
+                               HAS_BIAS, ASM)
+            b2 = _loads_at(w_ptr, s_ptr, z_ptr, it + 5, n_it, pid, n_prog, warp, g, t, K,
+                           SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
 
 
 @triton.jit
@@ -308,7 +330,7 @@ def x_ok(x2: torch.Tensor) -> bool:
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, num_warps: int, tiles: int,
            programs_per_sm: int, sms: int, pdl_kwargs: dict, gate_out: bool = False,
-           rms_eps: float = 0.0) -> None:
+           rms_eps: float = 0.0, ahead: int = 1) -> None:
     """out [1, N] (gate_out: [1, N / 2]) from x2 [1, K] and an int4_awq weight (words int32
     [N, K / 8], scales float16 and zeros uint8 [N, K / 128], contiguous)."""
     n, k = words.shape[0], x2.shape[1]
@@ -323,4 +345,4 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: t
         x2, words, scales, zeros, bias if bias is not None else out, out, 16, N=n, K=k,
         KP=triton.next_power_of_2(k), SECOND=n // 2 if gate_out else 16, NW=num_warps,
         TILES=tiles, GATE_OUT=gate_out, HAS_BIAS=bias is not None, ASM=x2.is_cuda,
-        RMS_EPS=float(rms_eps), num_warps=num_warps, **pdl_kwargs)
+        RMS_EPS=float(rms_eps), AHEAD=ahead, num_warps=num_warps, **pdl_kwargs)
