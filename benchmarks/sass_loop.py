@@ -7,7 +7,6 @@
     python benchmarks/sass_loop.py w4mma --num-warps 4 --tiles 2 [--wide] [--groups 4]
     python benchmarks/sass_loop.py w4 --block-n 16 --num-warps 4 --bit-convert 2 --chain --whole-k 4096
     python benchmarks/sass_loop.py w4loop --block-n 16 --num-warps 4 [--whole-k 14336] [--gate-out]
-    python benchmarks/sass_loop.py w4kwarps --num-warps 16 --tiles 2 [--whole-k 14336] [--ahead 2]
 Compiles with Triton's bundled ptxas (pointers and strides marked 16-divisible, as a real launch
 specialises them), disassembles with its nvdisasm and prints the histogram of the longest loop:
 a quick, device-free way to count the instructions a kernel spends per element. The kernel's
@@ -154,7 +153,7 @@ def w4kwarps_case(ns) -> tuple:
     n = 28672 if ns.gate_out else 4096
     consts = dict(N=n, K=k, KP=triton.next_power_of_2(k), SECOND=n // 2 if ns.gate_out else 16,
                   NW=ns.num_warps, TILES=ns.tiles,
-                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True, AHEAD=ns.ahead)
+                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True, )
     return _w4_kwarps_kernel, types, consts, 16 * ns.tiles * 128 / 32  # per lane, step
 
 
@@ -178,7 +177,6 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
     ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
-    ap.add_argument("--ahead", type=int, default=1, help="w4kwarps: steps in flight (AHEAD)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,

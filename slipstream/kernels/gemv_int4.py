@@ -43,6 +43,7 @@ from slipstream.kernels.int4_common import (
 )
 from slipstream.kernels.mma_fragments import tiles_per_warp
 from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.reference import silu_and_mul
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -723,7 +724,7 @@ class W4Config(GemvConfig):
         """A short name for logs and benchmark tables."""
         if self.kwarps:
             return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
-                    f"ahead {int(self.prefetch)} loop {self.persist}/SM")
+                    f"loop {self.persist}/SM")
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -798,15 +799,15 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
             + (KWARPS_CONFIGS if _KWARPS else []))
 
 
-# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 16 or 32 rows a tile,
-# prefetch = the steps in flight (1-2), persist programs an SM. Offline sm_90a SASS at K =
-# 4,096: 1.9-2.1 instructions a weight (the chained loop: 2.9), 64-130 registers.
+# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 32 rows a tile (16 a
+# warp lost everywhere), persist programs an SM. Offline sm_90a SASS at K = 4,096: 1.9-2.0
+# instructions a weight (the chained loop: 2.9) at 102-127 registers. H200, graph-timed against
+# the chained kernels (us): gate_up plain 21.6 / 20.7, gate-out 22.4 / 23.3, with the norm 22.7
+# / 22.2; qkv with the norm 7.2 / 7.4; o 5.2 / 4.7; down 14.8 / 14.2.
 # SLIPSTREAM_W4_KWARPS=0 leaves them out (an A/B knob).
 _KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "1") != "0"
-KWARPS_CONFIGS = [W4Config(16 * tiles, 128, 1, w, 1, ahead, persist=p, kwarps=True)
-                  for tiles, w, ahead, p in [(2, 16, 1, 1), (2, 16, 2, 1), (2, 8, 1, 2),
-                                             (2, 8, 2, 2), (2, 4, 1, 4), (2, 4, 2, 3),
-                                             (1, 32, 1, 1), (1, 8, 2, 2)]]
+KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
+                  for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
 
 
 def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
@@ -823,8 +824,7 @@ def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
                    out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
     gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
                             2 if gate_out else cfg.block_n // 16, cfg.persist,
-                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps,
-                            ahead=int(cfg.prefetch) or 1)
+                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -984,29 +984,61 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 
 def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  zeros: torch.Tensor, group_size: int,
-                  bias: torch.Tensor | None) -> W4Config | None:
-    """w4_linear_small's measured config for x's row count (None: not measurable now)."""
+                  zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                  gate_out: bool = False, rms_eps: float = 0.0) -> W4Config | None:
+    """w4_linear_small's measured config for x's row count (None: not measurable now). One row
+    is measured as it will run: the plain product, with the in-GEMV norm (rms_eps > 0), as a
+    gate-out, or both, each among the configs that run it (H200: the chained loop's gate-out
+    costs 2.6 us more than its product at gate_up, the k-warps kernel's 0.8)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
+    n = qweight.shape[0]
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
     if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.NARROW_ROWS:
         bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
-    key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
+    kind = ("gate-out" if gate_out else "") + (" rms" if rms_eps else "")
+    key = (bucket, n, k, group_size, x.dtype, bias is not None, x.device.index) + (
+        (kind.strip(),) if kind else ())
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
-        n = qweight.shape[0]
-        cands = [(c, lambda x_, q_, s_, z_, c=c: w4_gemv(x_, q_, s_, z_, group_size, bias, c))
+        cands = [(c, _one_call(c, group_size, bias, gate_out, rms_eps))
                  for c in candidate_w4_configs(bucket, x.dtype)
-                 if not c.kwarps or _kwarps_ok(c, xs, n, k, group_size)]
-        want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
-        label = f"w4 M<={bucket} N={qweight.shape[0]} K={k} G={group_size}"
+                 if _runs(c, xs, n, k, group_size, gate_out, rms_eps)]
+        xr = xs.double()
+        if rms_eps:
+            xr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + rms_eps)
+        want = w4_linear_reference(xr, qweight, scales, zeros, group_size,
+                                   None if bias is None else bias.double()).float()
+        if gate_out:
+            want = silu_and_mul(want)
+        label = f"w4 M<={bucket} N={n} K={k} G={group_size}{' ' + kind.strip() if kind else ''}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
                                                  default_w4_config(bucket), label)
     return cfg
+
+
+def _one_call(cfg: W4Config, group_size: int, bias: torch.Tensor | None, gate_out: bool,
+              rms_eps: float):
+    """The call _small_choice times for a config: (x, qweight, scales, zeros) -> out."""
+    if gate_out:
+        return lambda x_, q_, s_, z_: w4_gemv_gate_out(x_, q_, s_, z_, group_size, bias, cfg,
+                                                       rms_eps)
+    return lambda x_, q_, s_, z_: w4_gemv(x_, q_, s_, z_, group_size, bias, cfg, rms_eps)
+
+
+def _runs(cfg: W4Config, xs: torch.Tensor, n: int, k: int, group_size: int, gate_out: bool,
+          rms_eps: float) -> bool:
+    """Whether a candidate config runs this call as itself (not as another kernel's fallback)."""
+    m = xs.shape[0]
+    if cfg.kwarps and not _kwarps_ok(cfg, xs, n, k, group_size, gate_out):
+        return False
+    if rms_eps and not rms_ok(m, n, k, cfg, xs.device):
+        return False
+    return not gate_out or (gate_out_ok(m, n, cfg) and (
+        not getattr(cfg, "mma", False) or _mma_gate_out(cfg, xs, group_size)))
 
 
 def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -1076,7 +1108,8 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     the norm, the product, then the activation)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
-    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
+    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, gate_out=True,
+                        rms_eps=rms_eps)
     n, k = qweight.shape[0], x.shape[-1]
     if not gate_out_ok(1, n, cfg) or (rms_eps and not rms_ok(1, n, k, cfg, x.device)) or (
             getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)
@@ -1094,7 +1127,7 @@ def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     weight, models/norm_fold.py); else None (the caller runs the norm first)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
-    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
+    cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, rms_eps=eps)
     if not rms_ok(1, qweight.shape[0], x.shape[-1], cfg, x.device):
         return None
     return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps=eps)
@@ -1105,9 +1138,12 @@ def w4_choices() -> dict[str, str]:
     from slipstream.kernels import gemm_int4
 
     out = {}
-    for (m, n, k, g, dt, b, _), cfg in {**_SMALL_CHOICES, **gemm_int4._LARGE_CHOICES}.items():
+    for key, cfg in {**_SMALL_CHOICES, **gemm_int4._LARGE_CHOICES}.items():
+        m, n, k, g, dt, b = key[:6]
+        kind = f" {key[7]}" if len(key) > 7 else ""  # one row: gate-out and / or rms
         label = cfg.label() if hasattr(cfg, "label") else str(cfg)
-        out[f"M<={m} N={n} K={k} G={g} {str(dt).removeprefix('torch.')}{' +bias' if b else ''}"] = label
+        out[f"M<={m} N={n} K={k} G={g} {str(dt).removeprefix('torch.')}"
+            f"{' +bias' if b else ''}{kind}"] = label
     return out
 
 

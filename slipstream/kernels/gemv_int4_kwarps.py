@@ -213,11 +213,11 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
                       K: tl.constexpr, KP: tl.constexpr, SECOND: tl.constexpr, NW: tl.constexpr,
                       TILES: tl.constexpr, GATE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                      RMS_EPS: tl.constexpr = 0.0, AHEAD: tl.constexpr = 1):
+                      RMS_EPS: tl.constexpr = 0.0):
     """out = x @ dequant(w)^T for one row of bf16 x (see the module docstring). Program p takes
     tiles p, p + P, ...; each tile is STEPS steps of NW groups, warp w taking group
-    step NW + w. The flattened (tile, step) loop has steps i + 1 .. i + AHEAD (1 or 2) in
-    flight during step i's products (past the last step: the last again, no branch)."""
+    step NW + w. The flattened (tile, step) loop has step i + 1 in flight during step i's
+    products (past the last step: the last again, no branch)."""
     STEPS: tl.constexpr = K // (_GROUP * NW)
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
@@ -242,33 +242,23 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
     sx = _group_sum(xp, one, NW, ASM)
     z = tl.zeros([32 * NW], tl.float32)
     acc = (z, z, z, z)
-    # AHEAD + 1 buffers, each consumed then refilled with the step AHEAD + 1 on: the turn is
-    # unrolled so that they alternate without register moves.
+    # Two buffers, each consumed then refilled with the step two on; the turn is unrolled so
+    # that they alternate without register moves. (Two steps in flight, three buffers, lost
+    # everywhere on the H200: 106-130 registers leave fewer warps an SM.)
     b0 = (wa, sa, wb, sb)
     b1 = _loads_at(w_ptr, s_ptr, z_ptr, 1, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
                    TILES, GATE_OUT, ASM)
-    b2 = b0
-    if AHEAD == 2:
-        b2 = _loads_at(w_ptr, s_ptr, z_ptr, 2, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS,
-                       NW, TILES, GATE_OUT, ASM)
-    for it in range(0, n_it, AHEAD + 1):
+    for it in range(0, n_it, 2):
         acc = _consume(b0, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr,
                        out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS, ASM)
-        b0 = _loads_at(w_ptr, s_ptr, z_ptr, it + AHEAD + 1, n_it, pid, n_prog, warp, g, t, K,
-                       SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
+        b0 = _loads_at(w_ptr, s_ptr, z_ptr, it + 2, n_it, pid, n_prog, warp, g, t, K, SECOND,
+                       STEPS, NW, TILES, GATE_OUT, ASM)
         if it + 1 < n_it:
             acc = _consume(b1, acc, it + 1, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
                            bias_ptr, out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS,
                            ASM)
-        b1 = _loads_at(w_ptr, s_ptr, z_ptr, it + AHEAD + 2, n_it, pid, n_prog, warp, g, t, K,
-                       SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
-        if AHEAD == 2:
-            if it + 2 < n_it:
-                acc = _consume(b2, acc, it + 2, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
-                               bias_ptr, out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT,
-                               HAS_BIAS, ASM)
-            b2 = _loads_at(w_ptr, s_ptr, z_ptr, it + 5, n_it, pid, n_prog, warp, g, t, K,
-                           SECOND, STEPS, NW, TILES, GATE_OUT, ASM)
+        b1 = _loads_at(w_ptr, s_ptr, z_ptr, it + 3, n_it, pid, n_prog, warp, g, t, K, SECOND,
+                       STEPS, NW, TILES, GATE_OUT, ASM)
 
 
 @triton.jit
@@ -330,7 +320,7 @@ def x_ok(x2: torch.Tensor) -> bool:
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, num_warps: int, tiles: int,
            programs_per_sm: int, sms: int, pdl_kwargs: dict, gate_out: bool = False,
-           rms_eps: float = 0.0, ahead: int = 1) -> None:
+           rms_eps: float = 0.0) -> None:
     """out [1, N] (gate_out: [1, N / 2]) from x2 [1, K] and an int4_awq weight (words int32
     [N, K / 8], scales float16 and zeros uint8 [N, K / 128], contiguous)."""
     n, k = words.shape[0], x2.shape[1]
@@ -345,4 +335,4 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: t
         x2, words, scales, zeros, bias if bias is not None else out, out, 16, N=n, K=k,
         KP=triton.next_power_of_2(k), SECOND=n // 2 if gate_out else 16, NW=num_warps,
         TILES=tiles, GATE_OUT=gate_out, HAS_BIAS=bias is not None, ASM=x2.is_cuda,
-        RMS_EPS=float(rms_eps), AHEAD=ahead, num_warps=num_warps, **pdl_kwargs)
+        RMS_EPS=float(rms_eps), num_warps=num_warps, **pdl_kwargs)

@@ -13,12 +13,12 @@ from slipstream.kernels.reference import silu_and_mul
 from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
 
-def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0, ahead=1):
+def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0):
     words = gemv_int4.packed_words(q, s, z, 128, x.shape[-1])
     n = q.shape[0]
     out = torch.empty(1, n // 2 if gate_out else n, dtype=torch.bfloat16, device=x.device)
     gemv_int4_kwarps.launch(x, words, s, z, bias, out, warps, tiles, persist, 2, {},
-                            gate_out=gate_out, rms_eps=rms_eps, ahead=ahead)
+                            gate_out=gate_out, rms_eps=rms_eps)
     return out
 
 
@@ -27,17 +27,17 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean() + eps)
 
 
-@pytest.mark.parametrize("n,k,warps,tiles,persist,bias,ahead", [
-    (48, 512, 4, 1, 1, False, 1),    # one step a tile, three tiles over two programs
-    (64, 1024, 4, 2, 1, True, 1),    # 32-row tiles, two steps a tile, bias
-    (96, 2048, 8, 1, 2, False, 2),   # two steps, six tiles over four programs, two ahead
-    (80, 512, 4, 1, 1, False, 2),    # five tiles over two programs (3 and 2 steps), two ahead
+@pytest.mark.parametrize("n,k,warps,tiles,persist,bias", [
+    (48, 512, 4, 1, 1, False),    # one step a tile, three tiles over two programs
+    (64, 1024, 4, 2, 1, True),    # 32-row tiles, two steps a tile, bias
+    (96, 2048, 8, 1, 2, False),   # two steps, six tiles over four programs
+    (80, 512, 4, 1, 1, False),    # five tiles over two programs: an odd count of steps
 ])
-def test_kwarps_equals_the_reference(n, k, warps, tiles, persist, bias, ahead) -> None:
+def test_kwarps_equals_the_reference(n, k, warps, tiles, persist, bias) -> None:
     q, s, z = quantized(n, k, 128, seed=n)
     x = torch.randn(1, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    got = _run(x, q, s, z, b, warps, tiles, persist, ahead=ahead)
+    got = _run(x, q, s, z, b, warps, tiles, persist)
     want = gemv_int4.w4_linear_reference(x.double(), q, s, z, 128,
                                          None if b is None else b.double())
     assert got.shape == (1, n) and rel(got, want) < 8e-3
@@ -64,7 +64,7 @@ def test_kwarps_gate_out_and_rms(rms_eps, bias) -> None:
 def test_w4_gemv_runs_a_kwarps_config_and_its_gate_out() -> None:
     """Through w4_gemv / w4_gemv_gate_out as the tuner calls them: the result, and the gate-out
     equal to silu_and_mul of the same config's stored product."""
-    cfg = W4Config(16, 128, 1, 8, persist=1, kwarps=True)
+    cfg = W4Config(32, 128, 1, 8, persist=1, kwarps=True)
     n, k = 64, 1024
     q, s, z = quantized(n, k, 128, seed=5)
     x = torch.randn(1, k).bfloat16()
@@ -89,7 +89,8 @@ def test_kwarps_shape_checks() -> None:
     with pytest.raises(ValueError, match="k-warps"):
         _run(torch.randn(1, 512).bfloat16(), q, s, z, None, 4, 1, 1)
     # The tuner offers each config only where it runs.
-    assert all((c.num_warps == 32) != _kwarps_ok(c, x, 4096, 14336, 128) for c in KWARPS_CONFIGS)
+    assert all(_kwarps_ok(c, x, 4096, 14336, 128) for c in KWARPS_CONFIGS)
+    assert not _kwarps_ok(W4Config(16, 128, 1, 32, persist=1, kwarps=True), x, 4096, 14336, 128)
     assert all(_kwarps_ok(c, x, 4096, 4096, 128) for c in KWARPS_CONFIGS)
     assert all(c in gemv_int4.candidate_w4_configs(1) for c in KWARPS_CONFIGS)
     assert not any(c.kwarps for c in gemv_int4.candidate_w4_configs(4))
