@@ -1,7 +1,8 @@
 """One-row int4 GEMVs on the Llama-3.1-8B shapes: the k-warps mma kernel (gemv_int4_kwarps) in
-each of its tuner configs against the one-row kernel the tuner picks without it, for the plain
-product, the fused gate-out (SiLU(gate)·up) and the product of x / rms(x). Graph-timed over
-L2-sized weight copies like the tuner; each result checked against the reference first.
+each of its configs against the kernel the tuner picks without it, for the plain product, the
+product of x / rms(x) and the fused gate-out (SiLU(gate)·up), each tuned as it runs.
+Graph-timed over L2-sized weight copies like the tuner; plain results checked against the
+float64 reference.
 
   python benchmarks/bench_w4_kwarps.py --output-json $OUT/kwarps.json
 """
@@ -37,21 +38,19 @@ def main() -> None:
     ap.add_argument("--output-json", default="")
     ns = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    gemv_int4._KWARPS = True  # (only for the _kwarps_ok checks below; each pick turns it off)
     rows = []
     for name, (n, k) in SHAPES.items():
         q, s, z = _weight(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = gemv_int4.w4_linear_reference(x.double(), q, s, z, 128).float()
-        gemv_int4._KWARPS = False  # the tuner's pick without the k-warps configs
-        base = gemv_int4._small_choice(x, q, s, z, 128, None)
-        gemv_int4._SMALL_CHOICES.clear()
-        gemv_int4._KWARPS = True
-        best = gemv_int4._small_choice(x, q, s, z, 128, None)
-        gemv_int4._SMALL_CHOICES.clear()
-        print(f"{name}: tuner's pick {base.label()}; with k-warps {best.label()}")
         kinds = [("plain", False, 0.0)] + ([("gate-out", True, 0.0)] if name == "gate_up" else [])
         kinds += [("rms", False, 1e-5)] if name in ("qkv", "gate_up") else []
         for kind, gate, eps in kinds:
+            gemv_int4._KWARPS = False  # the tuner's pick for this call without k-warps
+            base = gemv_int4._small_choice(x, q, s, z, 128, None, gate_out=gate, rms_eps=eps)
+            gemv_int4._SMALL_CHOICES.clear()
+            print(f"{name} {kind}: tuner's pick {base.label()}")
             for cfg in [base] + KWARPS_CONFIGS:
                 if cfg.kwarps and not _kwarps_ok(cfg, x, n, k, 128, gate):
                     continue

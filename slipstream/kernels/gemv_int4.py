@@ -156,9 +156,9 @@ def _chained_dot_asm(rows: int = 1) -> str:
 # stride + column) added to the 64-bit base once a load, instead of int64 row offsets:
 # offline sm_90a SASS of the tile loop's step, n4 2 warps K 4096: 772 -> 737 instructions
 # (3.02 -> 2.88 a weight), n8 4 warps 862 -> 807, down (n2 4 warps, K 14336) 732 -> 721 at 168
-# registers instead of 138. Untimed (session 25 had no device time left);
-# SLIPSTREAM_W4_I32_OFFSETS=0 restores the int64 offsets for the A/B. A weight needs fewer than
-# 2^31 words (rows x K / 8), which _whole_k_fits checks.
+# registers instead of 138. H200 W1 (session 26, one machine): int4_awq + head 516.3 tok/s
+# against 510.7 with int64 offsets; SLIPSTREAM_W4_I32_OFFSETS=0 restores them for an A/B. A
+# weight needs fewer than 2^31 words (rows x K / 8), which _whole_k_fits checks.
 _I32_OFFSETS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_I32_OFFSETS", "1") != "0")
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
@@ -801,11 +801,14 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
 
 # One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 32 rows a tile (16 a
 # warp lost everywhere), persist programs an SM. Offline sm_90a SASS at K = 4,096: 1.9-2.0
-# instructions a weight (the chained loop: 2.9) at 102-127 registers. H200, graph-timed against
-# the chained kernels (us): gate_up plain 21.6 / 20.7, gate-out 22.4 / 23.3, with the norm 22.7
-# / 22.2; qkv with the norm 7.2 / 7.4; o 5.2 / 4.7; down 14.8 / 14.2.
-# SLIPSTREAM_W4_KWARPS=0 leaves them out (an A/B knob).
-_KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "1") != "0"
+# instructions a weight (the chained loop: 2.9) at 102-127 registers. H200 (session 26),
+# graph-timed, best k-warps config against the chained kernel the tuner picked then (us):
+# gate_up plain 21.6 / 20.7, gate-out 22.4 / 23.3, with the norm 22.7 / 22.2; qkv with the
+# norm 7.2 / 7.4; o 5.2 / 4.7; down 14.8 / 14.2. Once the tuner measured each call as it runs
+# (_small_choice's kinds), the chained kernels took gate-out + norm at 22.0 and qkv + norm at
+# 7.0, so these win nowhere; they also compile per (N, K) and call kind, which pushed a cold
+# W1 start past its time limit. Off by default: SLIPSTREAM_W4_KWARPS=1 adds them.
+_KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "0") == "1"
 KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
                   for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
 

@@ -342,6 +342,27 @@ def test_w4_choices_for_the_startup_log(monkeypatch: pytest.MonkeyPatch) -> None
         "M<=256 N=4096 K=4096 G=128 bfloat16 +bias": gemm_int4.CUBLAS}
 
 
+def test_one_row_tuning_measures_each_kind_of_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_small_choice keys and times one-row calls by kind (plain, in-GEMV norm, gate-out, both),
+    each among the configs that run that call as themselves; the start-up log names the kind."""
+    xs = torch.randn(1, 4096).bfloat16()
+    chained = W4Config(128, 128, 0, 8, 1, True, bit_convert=2)
+    dot = W4Config(128, 128, 0, 4, 1, dot=True)
+    kw = W4Config(32, 128, 1, 8, persist=2, kwarps=True)
+    assert gemv_int4._runs(chained, xs, 28672, 4096, 128, True, 1e-5)
+    assert not gemv_int4._runs(dot, xs, 4096, 4096, 128, False, 1e-5)  # no in-GEMV norm
+    assert not gemv_int4._runs(dot, xs, 28672, 4096, 128, True, 0.0)  # no gate-out
+    assert gemv_int4._runs(kw, xs, 28672, 4096, 128, True, 1e-5)
+    assert not gemv_int4._runs(kw, xs, 28680, 4096, 128, True, 0.0)  # a partial gate tile
+    key = (1, 28672, 4096, 128, torch.bfloat16, False, 0, "gate-out rms")
+    monkeypatch.setitem(gemv_int4._SMALL_CHOICES, key, chained)
+    assert gemv_int4.w4_choices()["M<=1 N=28672 K=4096 G=128 bfloat16 gate-out rms"] == (
+        chained.label())
+    # Off CUDA nothing is measured: the callers take the default path.
+    q, s, z = quantized(64, 4096, 128)
+    assert gemv_int4._small_choice(xs, q, s, z, 128, None, gate_out=True, rms_eps=1e-5) is None
+
+
 # ---------------------------------------------------------------------------- GPU (bf16)
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv o gate_up down
 

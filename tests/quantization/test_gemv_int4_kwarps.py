@@ -74,7 +74,7 @@ def test_w4_gemv_runs_a_kwarps_config_and_its_gate_out() -> None:
     assert "k-warps" in cfg.label()
 
 
-def test_kwarps_shape_checks() -> None:
+def test_kwarps_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(1, 4096).bfloat16()
     assert gemv_int4_kwarps.fits(4096, 4096, 128, 32, 1)
     assert not gemv_int4_kwarps.fits(4096, 14336, 128, 32, 1)  # 112 groups over 32 warps
@@ -92,6 +92,8 @@ def test_kwarps_shape_checks() -> None:
     assert all(_kwarps_ok(c, x, 4096, 14336, 128) for c in KWARPS_CONFIGS)
     assert not _kwarps_ok(W4Config(16, 128, 1, 32, persist=1, kwarps=True), x, 4096, 14336, 128)
     assert all(_kwarps_ok(c, x, 4096, 4096, 128) for c in KWARPS_CONFIGS)
+    assert not any(c.kwarps for c in gemv_int4.candidate_w4_configs(1))  # opt-in
+    monkeypatch.setattr(gemv_int4, "_KWARPS", True)
     assert all(c in gemv_int4.candidate_w4_configs(1) for c in KWARPS_CONFIGS)
     assert not any(c.kwarps for c in gemv_int4.candidate_w4_configs(4))
 
