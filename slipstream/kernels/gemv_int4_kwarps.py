@@ -39,12 +39,14 @@ MAX_REGS_WARPS = {1: 32, 2: 32}  # the most warps a program may have at TILES
 
 
 @triton.jit
-def _ld4(ptr, ASM: tl.constexpr):
-    """The four int32 words at ptr (16-byte aligned), one 128-bit load on CUDA."""
+def _ld4(ptr, ASM: tl.constexpr, PURE: tl.constexpr = True):
+    """The four int32 words at ptr (16-byte aligned), one 128-bit load on CUDA. PURE (weights,
+    never written) lets the compiler move the load freely; x, written by the kernel before,
+    is read with PURE False, which keeps the load after the PDL wait."""
     if ASM:
         return tl.inline_asm_elementwise(
             asm="ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", constraints="=r,=r,=r,=r,l",
-            args=[ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            args=[ptr], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=PURE, pack=1)
     else:
         return tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
 
@@ -53,7 +55,7 @@ def _ld4(ptr, ASM: tl.constexpr):
 def _x_pairs4(ptr, ASM: tl.constexpr):
     """The bf16 pairs (x_a, x_a+4), a = 0..3, of the eight x at ptr (as int32 words): the order
     of a weight word's nibbles a and a + 4 (16 bits apart)."""
-    r0, r1, r2, r3 = _ld4(ptr, ASM)
+    r0, r1, r2, r3 = _ld4(ptr, ASM, PURE=False)
     if ASM:
         return tl.inline_asm_elementwise(
             asm="""{
@@ -232,22 +234,27 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
     mask, one = unit * 0x000F000F, (unit * 0x3F803F80).to(tl.int32, bitcast=True)
     N_TILES: tl.constexpr = (N // 2) // 16 if GATE_OUT else N // (16 * TILES)
     n_it = tl.cdiv(N_TILES - pid, n_prog) * STEPS
-    wa, sa, wb, sb = _step_loads(w_ptr, s_ptr, z_ptr, pid, warp, g, t, K, SECOND, TILES,
-                                 GATE_OUT, ASM)
-    pdl_wait(USE_PDL)  # x comes from the kernel before; the weights never change
+    # Two buffers, each consumed then refilled with the step two on; the turn is unrolled so
+    # that they alternate without register moves. (Two steps in flight, three buffers, lost
+    # everywhere on the H200: 106-130 registers leave fewer warps an SM.) Both are requested
+    # before the PDL wait: the weights never change.
+    b0 = _loads_at(w_ptr, s_ptr, z_ptr, 0, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
+                   TILES, GATE_OUT, ASM)
+    b1 = _loads_at(w_ptr, s_ptr, z_ptr, 1, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
+                   TILES, GATE_OUT, ASM)
+    pdl_wait(USE_PDL)  # x comes from the kernel before
     scale = 1.0
     if RMS_EPS > 0:
         scale = _inv_rms(x_ptr, K, KP, RMS_EPS)
-    xp = _group_x(x_ptr, warp, t, ASM)
-    sx = _group_sum(xp, one, NW, ASM)
+    if STEPS == 1:  # the warp's one group: its x stays in registers for the whole launch
+        xp = _group_x(x_ptr, warp, t, ASM)
+        sx = _group_sum(xp, one, NW, ASM)
+    else:  # read a step at a time (_consume); placeholders of the same structure
+        q4 = (one, one, one, one)
+        xp = (q4, q4, q4, q4)
+        sx = tl.zeros([32 * NW], tl.float32)
     z = tl.zeros([32 * NW], tl.float32)
     acc = (z, z, z, z)
-    # Two buffers, each consumed then refilled with the step two on; the turn is unrolled so
-    # that they alternate without register moves. (Two steps in flight, three buffers, lost
-    # everywhere on the H200: 106-130 registers leave fewer warps an SM.)
-    b0 = (wa, sa, wb, sb)
-    b1 = _loads_at(w_ptr, s_ptr, z_ptr, 1, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
-                   TILES, GATE_OUT, ASM)
     for it in range(0, n_it, 2):
         acc = _consume(b0, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr,
                        out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS, ASM)
