@@ -1,12 +1,14 @@
 """One-row W4A16 GEMV on tensor cores with K spread over the warps (int4_awq, groups of 128).
 
-Session 25 found the one-row chained FMA kernel bound by instructions, not bytes: with every
-weight already in L2 it ran 2-6% faster. It spends ~2.9 sm_90a instructions a weight; the floor
-of its packed-bf16 arithmetic is ~1.9 (shift, LOP3, bf16 subtract of the zero, FMA). Here the
-nibbles go straight into mma.sync A fragments (gemv_int4_mma's unpacking: a shift and a LOP3
-make two values 128 + q, exact in bf16), the mma sums (128 + q) x in float32, and the zero and
-scale come off once a group: s (D - (128 + z) sum x). That is ~1 instruction a weight for the
-arithmetic.
+Session 25 read the one-row chained FMA kernel as bound by instructions (with every weight in
+L2 it ran only 2-6% faster; ~2.9 sm_90a instructions a weight, a floor of ~1.9 for its packed
+bf16 arithmetic). Here the nibbles go straight into mma.sync A fragments (gemv_int4_mma's
+unpacking: a shift and a LOP3 make two values 128 + q, exact in bf16), the mma sums (128 + q) x
+in float32, and the zero and scale come off once a group: s (D - (128 + z) sum x). All in,
+1.9-2.0 instructions a weight; yet on the H200 it only matches the chained kernels (session
+26: gate_up 21.6 against 20.7 us, gate-out 22.4 against 22.0-23.3, down 14.8 against 14.2), so
+the instruction count is not what holds the one-row GEMV back. A tuner candidate only with
+SLIPSTREAM_W4_KWARPS=1 (gemv_int4.KWARPS_CONFIGS).
 
 What differs from gemv_int4_mma (16 or 32 rows a warp over all of K): a program's NW warps split
 K, warp w taking group w of each step of NW groups, so a lane needs the x pairs of one group
