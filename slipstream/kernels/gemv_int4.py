@@ -999,9 +999,9 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
     if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.NARROW_ROWS:
         bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
-    kind = ("gate-out" if gate_out else "") + (" rms" if rms_eps else "")
+    kind = " ".join(name for name, on in (("gate-out", gate_out), ("rms", rms_eps)) if on)
     key = (bucket, n, k, group_size, x.dtype, bias is not None, x.device.index) + (
-        (kind.strip(),) if kind else ())
+        (kind,) if kind else ())
     cfg = _SMALL_CHOICES.get(key)
     if cfg is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -1017,7 +1017,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                                    None if bias is None else bias.double()).float()
         if gate_out:
             want = silu_and_mul(want)
-        label = f"w4 M<={bucket} N={n} K={k} G={group_size}{' ' + kind.strip() if kind else ''}"
+        label = f"w4 M<={bucket} N={n} K={k} G={group_size}{' ' + kind if kind else ''}"
         cfg = _SMALL_CHOICES[key] = measure_best(cands, (xs, qweight, scales, zeros), want,
                                                  default_w4_config(bucket), label)
     return cfg
@@ -1106,32 +1106,30 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
                              zeros: torch.Tensor, group_size: int,
                              bias: torch.Tensor | None = None,
                              rms_eps: float = 0.0) -> torch.Tensor | None:
-    """w4_gemv_gate_out with the measured config of the plain product, for one row of x on CUDA
-    when that config is a one-row kernel (rms_eps > 0: gemv.rms_ok); else None (the caller runs
-    the norm, the product, then the activation)."""
+    """w4_gemv_gate_out with the config measured for this gate-out call (rms_eps > 0: of
+    x / rms(x)), for one row of x on CUDA; else None (not measured yet during a graph capture,
+    or more rows: the caller runs the norm, the product, then the activation)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, gate_out=True,
                         rms_eps=rms_eps)
-    n, k = qweight.shape[0], x.shape[-1]
-    if not gate_out_ok(1, n, cfg) or (rms_eps and not rms_ok(1, n, k, cfg, x.device)) or (
-            getattr(cfg, "mma", False) and not _mma_gate_out(cfg, x.reshape(1, -1), group_size)
-    ) or (getattr(cfg, "kwarps", False)
-          and not _kwarps_ok(cfg, x.reshape(1, -1), n, k, group_size, gate_out=True)):
-        return None  # (an mma tile of 16 rows a warp: its product, then the activation)
+    if cfg is None or not _runs(cfg, x.reshape(1, -1), qweight.shape[0], x.shape[-1],
+                                group_size, True, rms_eps):
+        return None
     return w4_gemv_gate_out(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps)
 
 
 def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                         eps: float) -> torch.Tensor | None:
-    """w4_linear_small of x / rms(x) in one launch, for one row of x on CUDA whose measured
-    config is the one-row kernel (gemv.rms_ok; an RMSNorm whose weight was folded into this
-    weight, models/norm_fold.py); else None (the caller runs the norm first)."""
+    """w4_linear_small of x / rms(x) in one launch (an RMSNorm whose weight was folded into
+    this weight, models/norm_fold.py), with the config measured for that call, for one row of
+    x on CUDA; else None (the caller runs the norm first)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, rms_eps=eps)
-    if not rms_ok(1, qweight.shape[0], x.shape[-1], cfg, x.device):
+    if cfg is None or not _runs(cfg, x.reshape(1, -1), qweight.shape[0], x.shape[-1],
+                                group_size, False, eps):
         return None
     return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg, rms_eps=eps)
 

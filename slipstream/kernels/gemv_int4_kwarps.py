@@ -37,7 +37,6 @@ from slipstream.kernels.pdl import pdl_release, pdl_wait
 GROUP_SIZE = 128
 _GROUP = tl.constexpr(GROUP_SIZE)
 WARPS = (4, 8, 16, 32)  # a program's warps (K split over them)
-MAX_REGS_WARPS = {1: 32, 2: 32}  # the most warps a program may have at TILES
 
 
 @triton.jit
@@ -316,7 +315,7 @@ def fits(n: int, k: int, group_size: int, num_warps: int, tiles: int,
     rows = n // 2 if gate_out else n
     tile_rows = 16 if gate_out else 16 * tiles
     return (group_size == GROUP_SIZE and num_warps in WARPS and tiles in (1, 2)
-            and num_warps <= MAX_REGS_WARPS[tiles] and k % (GROUP_SIZE * num_warps) == 0
+            and k % (GROUP_SIZE * num_warps) == 0
             and rows % tile_rows == 0 and n * k // 8 < 2**31
             and (not gate_out or (tiles == 2 and n % 2 == 0)))
 

@@ -400,7 +400,8 @@ def test_int4_linear_gpu(n: int, k: int, m: int) -> None:
 @pytest.mark.parametrize("n,k", [(28672, 4096), (2 * 333, 256)])
 def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
     """On the GPU the one-launch SiLU(gate)·up has the same bits as the product then
-    silu_and_mul, for every one-row candidate (and the measured choice's wrapper)."""
+    silu_and_mul, for every one-row candidate (and the measured wrapper, with the config
+    measured for the gate-out call: it may differ from the plain product's)."""
     from slipstream.kernels.activation import silu_and_mul
 
     packed = quantized(n, k, 128, "cuda")
@@ -412,7 +413,8 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int) -> None:
         want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg))
         assert torch.equal(got, want), cfg
     measured = gemv_int4.w4_linear_small_gate_out(x, *packed, 128)
-    plain = gemv_int4.w4_linear_small(x, *packed, 128)
+    chosen = gemv_int4._small_choice(x, *packed, 128, None, gate_out=True)
+    plain = gemv_int4.w4_gemv(x, *packed, 128, None, chosen)
     assert measured is not None and torch.equal(measured, silu_and_mul(plain))
 
 
