@@ -1,0 +1,141 @@
+"""Where the one-row int4 GEMV's time goes: its whole-K tile loop (gemv_int4's
+_w4_whole_k_loop_kernel, built here from the same helpers) in three modes, graph-timed over weight
+copies past L2, beside the production launch of the same config.
+
+- `loop`: the production loop (one tile requested ahead of the products).
+- `compute`: the products alone. The first tile is loaded once; every step takes the products
+  of its words XORed with the tile index (one instruction a word, so the compiler cannot hoist
+  them). This gives the compute time C with no weight traffic.
+- `ahead2`: two tiles requested ahead of the products instead of one.
+
+probe_w4_loads.py gave the loads alone (session 27: gate_up 16.4-17.0 us, down 9.2, qkv 5.2
+against the GEMV's ~21-22, ~14.8 and ~7.0). If `compute` is well under `loop` while `loop` is well
+over the loads alone, the two are not overlapping: deeper requests (`ahead2`) should help. If
+`compute` is close to `loop`, the products bound the GEMV.
+
+  python benchmarks/probe_w4_overlap.py --output-json $OUT/w4_overlap.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from slipstream.kernels import gemv_int4
+from slipstream.kernels.gemv import _tile_rows, num_sms
+from slipstream.kernels.gemv_int4 import _quarters, _quartet_dot, _whole_k_tile, _whole_k_x
+from slipstream.kernels.tuning import graph_time_us, weight_copies
+
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
+          "o": (4096, 4096)}  # (N, K)
+CONFIGS = {"gate_up": [(4, 2, 4), (8, 4, 2), (4, 2, 6)], "down": [(2, 4, 2), (4, 4, 2)],
+           "qkv": [(8, 4, 2), (4, 2, 4)], "o": [(8, 4, 2), (4, 2, 4)]}  # (rows, warps, per SM)
+MODES = {"loop": 0, "compute": 1, "ahead2": 2}
+GROUP = 128
+
+
+@triton.jit
+def _tile_sums(w, z8, s, x, BLOCK_N: tl.constexpr, KP: tl.constexpr, ASM: tl.constexpr):
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
+    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, ASM) * s, 1)
+
+
+@triton.jit
+def _overlap_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_tiles, stride_wn, stride_sn,
+                    stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
+                    KP: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    rows = _tile_rows(pid, N, BLOCK_N, False)
+    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
+                             K, KP)
+    if MODE == 2:
+        rows1 = _tile_rows(tl.minimum(pid + step, n_tiles - 1), N, BLOCK_N, False)
+        w1, z1, s1 = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows1, stride_wn, stride_sn, stride_zn,
+                                   GROUP, K, KP)
+    x = _whole_k_x(x_ptr, K, KP, 2 if ASM else 1)
+    for tile in range(pid, n_tiles, step):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if MODE == 1:
+            sums = _tile_sums(w ^ tile, z8, s, x, BLOCK_N, KP, ASM)
+        elif MODE == 2:
+            rows2 = _tile_rows(tl.minimum(tile + 2 * step, n_tiles - 1), N, BLOCK_N, False)
+            w2, z2, s2 = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows2, stride_wn, stride_sn,
+                                       stride_zn, GROUP, K, KP)
+            sums = _tile_sums(w, z8, s, x, BLOCK_N, KP, ASM)
+            w, z8, s, w1, z1, s1 = w1, z1, s1, w2, z2, s2
+        else:
+            next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, False)
+            nw, nz, ns = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn, stride_sn,
+                                       stride_zn, GROUP, K, KP)
+            sums = _tile_sums(w, z8, s, x, BLOCK_N, KP, ASM)
+            w, z8, s = nw, nz, ns
+        tl.store(out_ptr + offs_n, sums.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+def launch(x, words, scales, zeros, out, block_n: int, warps: int, persist: int, mode: int):
+    n, k = words.shape[0], x.shape[-1]
+    n_tiles = triton.cdiv(n, block_n)
+    _overlap_kernel[(min(n_tiles, persist * num_sms(x.device)),)](
+        x, words, scales, zeros, out, n, n_tiles, words.stride(0), scales.stride(0),
+        zeros.stride(0), GROUP=GROUP, BLOCK_N=block_n, K=k, KP=triton.next_power_of_2(k),
+        MODE=mode, ASM=x.is_cuda, num_warps=warps)
+
+
+def production_config(block_n: int, warps: int, persist: int):
+    """gemv_int4's whole-K loop candidate with these rows, warps and programs an SM."""
+    return gemv_int4.W4Config(block_n=block_n, block_k=128, split_k=1, num_warps=warps,
+                              prefetch=True, bit_convert=2, whole_k=True, persist=persist)
+
+
+def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int) -> dict:
+    """us of the production launch and of each mode for one config; the loop's max error
+    against the production output (they should agree)."""
+    out = torch.empty(1, words.shape[0], device="cuda", dtype=torch.bfloat16)
+    copies = weight_copies((words, scales, zeros))
+    cfg = production_config(block_n, warps, persist)
+    row = dict(block_n=block_n, warps=warps, persist=persist)
+    row["production"] = graph_time_us(
+        lambda a: gemv_int4.w4_gemv(x, a[0].view(torch.uint8), a[1], a[2], GROUP, None, cfg),
+        copies)
+    for mode_name, mode in MODES.items():
+        try:
+            row[mode_name] = graph_time_us(
+                lambda a, mode=mode: launch(x, *a, out, block_n, warps, persist, mode), copies)
+        except Exception as exc:  # report and go on
+            print(f"n{block_n} w{warps} {persist}/SM {mode_name}: {exc}"[:200])
+    launch(x, words, scales, zeros, out, block_n, warps, persist, MODES["loop"])
+    ref = gemv_int4.w4_gemv(x, words.view(torch.uint8), scales, zeros, GROUP, None, cfg)
+    row["loop_max_err"] = float((out.float() - ref.float()).abs().max())
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--output-json", default="")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ns = ap.parse_args()
+    rows = []
+    for name in ns.shapes.split(","):
+        n, k = SHAPES[name]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        words = torch.randint(-2**31, 2**31, (n, k // 8), device="cuda", dtype=torch.int32)
+        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).half()
+        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", dtype=torch.uint8)
+        nbytes = words.numel() * 4 + scales.numel() * 2 + zeros.numel()
+        for block_n, warps, persist in CONFIGS[name]:
+            row = dict(shape=name, **measure(x, words, scales, zeros, block_n, warps, persist))
+            row["gbps_loop"] = nbytes / row.get("loop", float("nan")) / 1e3
+            print(" ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
+                           for key, val in row.items()), flush=True)
+            rows.append(row)
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
