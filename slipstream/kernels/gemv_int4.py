@@ -160,6 +160,7 @@ def _chained_dot_asm(rows: int = 1) -> str:
 # against 510.7 with int64 offsets; SLIPSTREAM_W4_I32_OFFSETS=0 restores them for an A/B. A
 # weight needs fewer than 2^31 words (rows x K / 8), which _whole_k_fits checks.
 _I32_OFFSETS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_I32_OFFSETS", "1") != "0")
+_GROUP_LOADS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_GROUP_LOADS", "1") != "0")
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
 _CHAINED_FOUR_ROWS_ASM = tl.constexpr(_chained_dot_asm(4))
@@ -491,6 +492,15 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
     if _I32_OFFSETS:  # element offsets in int32, one 64-bit add a load (see _I32_OFFSETS)
         rows = rows.to(tl.int32)
     w = tl.load(w_ptr + (rows[:, None] * stride_wn + offs[None, :]), mask=ok[None, :], other=0)
+    if _GROUP_LOADS and (GROUP & (GROUP - 1)) == 0:
+        # A group's scale and zero loaded once and repeated over its runs of four words: Triton
+        # 3.6 gives a per-run gather its own layout and moves every word tile into it through
+        # shared memory (sm_90a: 255 registers, 11-19 barriers a tile step; 3.9 does not).
+        groups = tl.arange(0, KP // GROUP)
+        g_ok = (groups < K // GROUP)[None, :]
+        z8 = tl.load(z_ptr + (rows[:, None] * stride_zn + groups[None, :]), mask=g_ok, other=0)
+        s = tl.load(s_ptr + (rows[:, None] * stride_sn + groups[None, :]), mask=g_ok, other=0.0)
+        return w, _per_run(z8, KP, GROUP), _per_run(s.to(tl.float32), KP, GROUP)
     quad = tl.arange(0, WP // 4)
     g = (quad * 32 // GROUP)[None, :]
     quad_ok = (quad < K // 32)[None, :]
@@ -498,6 +508,14 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
     s = tl.load(s_ptr + (rows[:, None] * stride_sn + g), mask=quad_ok,
                 other=0.0).to(tl.float32)
     return w, z8, s
+
+
+@triton.jit
+def _per_run(v, KP: tl.constexpr, GROUP: tl.constexpr):
+    """[rows, KP // GROUP] per-group values -> [rows, KP // 32], one per run of four words."""
+    rows: tl.constexpr = v.shape[0]
+    wide = tl.broadcast_to(v[:, :, None], [rows, KP // GROUP, GROUP // 32])
+    return tl.reshape(wide, [rows, KP // 32])
 
 
 @triton.jit
