@@ -26,7 +26,7 @@ import triton.language as tl
 
 from slipstream.kernels import gemv_int4
 from slipstream.kernels.gemv import _tile_rows, num_sms
-from slipstream.kernels.gemv_int4 import _quarters, _quartet_dot, _whole_k_tile, _whole_k_x
+from slipstream.kernels.gemv_int4 import _whole_k_sums, _whole_k_tile, _whole_k_x
 from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
@@ -35,12 +35,6 @@ CONFIGS = {"gate_up": [(4, 2, 4), (8, 4, 2), (4, 2, 6)], "down": [(2, 4, 2), (4,
            "qkv": [(8, 4, 2), (4, 2, 4)], "o": [(8, 4, 2), (4, 2, 4)]}  # (rows, warps, per SM)
 MODES = {"loop": 0, "compute": 1, "ahead2": 2}
 GROUP = 128
-
-
-@triton.jit
-def _tile_sums(w, z8, s, x, BLOCK_N: tl.constexpr, KP: tl.constexpr, ASM: tl.constexpr):
-    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
-    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, ASM) * s, 1)
 
 
 @triton.jit
@@ -60,18 +54,18 @@ def _overlap_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, n_tiles, stride_wn, 
     for tile in range(pid, n_tiles, step):
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if MODE == 1:
-            sums = _tile_sums(w ^ tile, z8, s, x, BLOCK_N, KP, ASM)
+            sums = _whole_k_sums(w ^ tile, z8, s, x, GROUP, BLOCK_N, KP, ASM)
         elif MODE == 2:
             rows2 = _tile_rows(tl.minimum(tile + 2 * step, n_tiles - 1), N, BLOCK_N, False)
             w2, z2, s2 = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows2, stride_wn, stride_sn,
                                        stride_zn, GROUP, K, KP)
-            sums = _tile_sums(w, z8, s, x, BLOCK_N, KP, ASM)
+            sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, ASM)
             w, z8, s, w1, z1, s1 = w1, z1, s1, w2, z2, s2
         else:
             next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, False)
             nw, nz, ns = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn, stride_sn,
                                        stride_zn, GROUP, K, KP)
-            sums = _tile_sums(w, z8, s, x, BLOCK_N, KP, ASM)
+            sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, ASM)
             w, z8, s = nw, nz, ns
         tl.store(out_ptr + offs_n, sums.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 

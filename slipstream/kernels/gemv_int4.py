@@ -160,7 +160,11 @@ def _chained_dot_asm(rows: int = 1) -> str:
 # against 510.7 with int64 offsets; SLIPSTREAM_W4_I32_OFFSETS=0 restores them for an A/B. A
 # weight needs fewer than 2^31 words (rows x K / 8), which _whole_k_fits checks.
 _I32_OFFSETS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_I32_OFFSETS", "1") != "0")
-_GROUP_LOADS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_GROUP_LOADS", "1") != "0")
+# Whole-K tiles gather their runs' zeros and scales as one flat vector reshaped to [rows, runs]
+# (the words' own layout) instead of a [rows, runs] gather, which Triton 3.6 lays out apart and
+# then moves every word tile into through shared memory (sm_90a, gate_up's n4 loop: 255
+# registers, 19 barriers a step; 3.9 does not). SLIPSTREAM_W4_FLAT_RUN_LOADS=0: the 2-D gather.
+_FLAT_RUN_LOADS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_FLAT_RUN_LOADS", "1") != "0")
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
 _CHAINED_FOUR_ROWS_ASM = tl.constexpr(_chained_dot_asm(4))
@@ -437,9 +441,8 @@ def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_z
     w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
                              K, KP)
     pdl_wait(USE_PDL)
-    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
-    x = _whole_k_x(x_ptr, K, KP, BF16X2)
-    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1)
+    return _whole_k_sums(w, z8, s, _whole_k_x(x_ptr, K, KP, BF16X2), GROUP, BLOCK_N, KP,
+                         BF16X2 == 2)
 
 
 @triton.jit
@@ -469,8 +472,7 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
         next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, GATE_OUT)
         next_w, next_z8, next_s = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn,
                                                 stride_sn, stride_zn, GROUP, K, KP)
-        w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
-        sums = tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, BF16X2 == 2) * s, 1) * inv_rms
+        sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
         if GATE_OUT:
             _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
                              False, HAS_BIAS, BLOCK_N)
@@ -492,30 +494,33 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
     if _I32_OFFSETS:  # element offsets in int32, one 64-bit add a load (see _I32_OFFSETS)
         rows = rows.to(tl.int32)
     w = tl.load(w_ptr + (rows[:, None] * stride_wn + offs[None, :]), mask=ok[None, :], other=0)
-    if _GROUP_LOADS and (GROUP & (GROUP - 1)) == 0:
-        # A group's scale and zero loaded once and repeated over its runs of four words: Triton
-        # 3.6 gives a per-run gather its own layout and moves every word tile into it through
-        # shared memory (sm_90a: 255 registers, 11-19 barriers a tile step; 3.9 does not).
-        groups = tl.arange(0, KP // GROUP)
-        g_ok = (groups < K // GROUP)[None, :]
-        z8 = tl.load(z_ptr + (rows[:, None] * stride_zn + groups[None, :]), mask=g_ok, other=0)
-        s = tl.load(s_ptr + (rows[:, None] * stride_sn + groups[None, :]), mask=g_ok, other=0.0)
-        return w, _per_run(z8, KP, GROUP), _per_run(s.to(tl.float32), KP, GROUP)
+    if _FLAT_RUN_LOADS:
+        # The runs' zeros and scales gathered as one flat [rows x runs] vector, then reshaped
+        # (see _FLAT_RUN_LOADS).
+        RUNS: tl.constexpr = WP // 4
+        BLOCK_N: tl.constexpr = rows.shape[0]
+        flat = tl.arange(0, BLOCK_N * RUNS)
+        run = flat % RUNS
+        row = tl.reshape(tl.broadcast_to(rows[:, None], [BLOCK_N, RUNS]), [BLOCK_N * RUNS])
+        ok = run < K // 32
+        z8 = tl.load(z_ptr + (row * stride_zn + run * 32 // GROUP), mask=ok, other=0)
+        s = tl.load(s_ptr + (row * stride_sn + run * 32 // GROUP), mask=ok, other=0.0)
+        return w, tl.reshape(z8, [BLOCK_N, RUNS]), tl.reshape(s, [BLOCK_N, RUNS])
     quad = tl.arange(0, WP // 4)
     g = (quad * 32 // GROUP)[None, :]
     quad_ok = (quad < K // 32)[None, :]
     z8 = tl.load(z_ptr + (rows[:, None] * stride_zn + g), mask=quad_ok, other=0)
-    s = tl.load(s_ptr + (rows[:, None] * stride_sn + g), mask=quad_ok,
-                other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + (rows[:, None] * stride_sn + g), mask=quad_ok, other=0.0)
     return w, z8, s
 
 
 @triton.jit
-def _per_run(v, KP: tl.constexpr, GROUP: tl.constexpr):
-    """[rows, KP // GROUP] per-group values -> [rows, KP // 32], one per run of four words."""
-    rows: tl.constexpr = v.shape[0]
-    wide = tl.broadcast_to(v[:, :, None], [rows, KP // GROUP, GROUP // 32])
-    return tl.reshape(wide, [rows, KP // 32])
+def _whole_k_sums(w, z8, s, x, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                  ASM: tl.constexpr):
+    """A whole-K tile's row sums [BLOCK_N] from its words, zeros and scales (_whole_k_tile)
+    and x (_whole_k_x)."""
+    w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
+    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, ASM) * s.to(tl.float32), 1)
 
 
 @triton.jit
