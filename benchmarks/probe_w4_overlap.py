@@ -7,6 +7,9 @@ copies past L2, beside the production launch of the same config.
   of its words XORed with the tile index (one instruction a word, so the compiler cannot hoist
   them). This gives the compute time C with no weight traffic.
 - `ahead2`: two tiles requested ahead of the products instead of one.
+- `production` / `early`: gemv_int4's own launch of the config, without and with the products
+  fenced behind the next tile's loads (W4Config.early; ptxas otherwise issues those loads after
+  the products, session 27).
 
 probe_w4_loads.py gave the loads alone (session 27: gate_up 16.4-17.0 us, down 9.2, qkv 5.2
 against the GEMV's ~21-22, ~14.8 and ~7.0). If `compute` is well under `loop` while `loop` is well
@@ -18,6 +21,7 @@ over the loads alone, the two are not overlapping: deeper requests (`ahead2`) sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -31,7 +35,7 @@ from slipstream.kernels.tuning import graph_time_us, weight_copies
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
           "o": (4096, 4096)}  # (N, K)
-CONFIGS = {"gate_up": [(4, 2, 4), (8, 4, 2), (4, 2, 6)], "down": [(2, 4, 2), (4, 4, 2)],
+CONFIGS = {"gate_up": [(4, 2, 4), (8, 4, 2), (4, 2, 6), (4, 2, 8)], "down": [(2, 4, 2), (4, 4, 2)],
            "qkv": [(8, 4, 2), (4, 2, 4)], "o": [(8, 4, 2), (4, 2, 4)]}  # (rows, warps, per SM)
 MODES = {"loop": 0, "compute": 1, "ahead2": 2}
 GROUP = 128
@@ -92,9 +96,10 @@ def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int) -> 
     copies = weight_copies((words, scales, zeros))
     cfg = production_config(block_n, warps, persist)
     row = dict(block_n=block_n, warps=warps, persist=persist)
-    row["production"] = graph_time_us(
-        lambda a: gemv_int4.w4_gemv(x, a[0].view(torch.uint8), a[1], a[2], GROUP, None, cfg),
-        copies)
+    for key, c in (("production", cfg), ("early", dataclasses.replace(cfg, early=True))):
+        row[key] = graph_time_us(
+            lambda a, c=c: gemv_int4.w4_gemv(x, a[0].view(torch.uint8), a[1], a[2], GROUP, None,
+                                             c), copies)
     for mode_name, mode in MODES.items():
         try:
             row[mode_name] = graph_time_us(

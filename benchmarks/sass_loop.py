@@ -64,8 +64,9 @@ def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int
     return sass, int(regs.group(1)) if regs else -1
 
 
-def loop_histogram(sass: str) -> collections.Counter:
-    """Opcode counts of the longest backward branch's body (the main loop)."""
+def loop_opcodes(sass: str) -> list[str]:
+    """The opcodes (with their modifiers) of the longest backward branch's body (the main
+    loop), in order."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
@@ -74,12 +75,20 @@ def loop_histogram(sass: str) -> collections.Counter:
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
         if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
             best = (labels[m.group(1)], i)
-    counts: collections.Counter = collections.Counter()
+    ops = []
     for line in lines[best[0]:best[1] + 1]:
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", line)
         if m:
-            wide = m.group(1) in ("LDG", "LDS", "STS", "STG")
-            counts[m.group(1) + (m.group(2) if wide else "")] += 1
+            ops.append(m.group(1) + m.group(2))
+    return ops
+
+
+def loop_histogram(sass: str) -> collections.Counter:
+    """Opcode counts of the main loop (loop_opcodes); loads and stores keep their widths."""
+    counts: collections.Counter = collections.Counter()
+    for op in loop_opcodes(sass):
+        base = op.split(".")[0]
+        counts[op if base in ("LDG", "LDS", "STS", "STG") else base] += 1
     return counts
 
 
@@ -130,7 +139,8 @@ def w4loop_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16")
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, K=k, KP=triton.next_power_of_2(k),
-                  BF16X2=2, HAS_BIAS=False, GATE_OUT=ns.gate_out, USE_PDL=True)
+                  BF16X2=2, HAS_BIAS=False, GATE_OUT=ns.gate_out, USE_PDL=True,
+                  EARLY=ns.early)
     return _w4_whole_k_loop_kernel, types, consts, ns.block_n * k / (32 * ns.num_warps)
 
 
@@ -177,7 +187,10 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
     ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
+    ap.add_argument("--early", action="store_true", help="w4loop: EARLY (products fenced after "
+                    "the next tile's loads)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
+    ap.add_argument("--ops", action="store_true", help="print the loop's opcodes in order instead")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
             "w4mma": w4mma_case, "w4loop": w4loop_case, "w4kwarps": w4kwarps_case}[ns.kernel]
@@ -185,6 +198,9 @@ def main() -> None:
     # --stages is the qgemv / w4 STAGES constexpr; attention takes it as the launch's num_stages.
     sass, regs = compile_sass(kernel, types, consts, ns.num_warps,
                               ns.stages if ns.kernel == "attention" else 1)
+    if ns.ops:
+        print("\n".join(loop_opcodes(sass)))
+        return
     hist = loop_histogram(sass)
     total = sum(hist.values())
     print(f"{regs} registers a thread; {total} instructions per loop iteration, "

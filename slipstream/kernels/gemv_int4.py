@@ -445,13 +445,13 @@ def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_z
                          BF16X2 == 2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["zero"])
 def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_tiles,
-                            stride_wn, stride_sn, stride_zn, GROUP: tl.constexpr,
+                            stride_wn, stride_sn, stride_zn, zero, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                             BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                             GATE_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                            RMS_EPS: tl.constexpr = 0.0):
+                            RMS_EPS: tl.constexpr = 0.0, EARLY: tl.constexpr = False):
     """One row of x, whole-K tiles (as _w4_gemv_kernel's WHOLE_K) from fewer programs than
     tiles: program p takes tiles p, p + P, ..., and requests the next one's words, scales and
     zeros before this one's products, so its loads and its math overlap (one tile a program
@@ -472,6 +472,12 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
         next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, GATE_OUT)
         next_w, next_z8, next_s = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn,
                                                 stride_sn, stride_zn, GROUP, K, KP)
+        if EARLY and BF16X2 == 2:
+            # Both the words and the zeros: fencing the zeros alone left the unpacking free to
+            # move above the barrier (sm_90a, n4 w2: 254 registers instead of 168).
+            fence = _zero_after_loads(zero)
+            w = w ^ fence
+            z8 = z8 ^ fence.to(tl.uint8)
         sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
         if GATE_OUT:
             _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
@@ -481,6 +487,19 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
             _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
                     tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
         rows, w, z8, s = next_rows, next_w, next_z8, next_s
+
+
+@triton.jit
+def _zero_after_loads(zero):
+    """`zero` (a runtime 0) counted through a CTA barrier (bar.red.popc of zero != 0), for the
+    products to depend on: ptxas keeps global loads before a barrier, and the barrier's count
+    exists only after it, so the products can no longer be hoisted above the next tile's
+    loads. Without it ptxas issues those loads after this tile's products (sm_90a SASS of the
+    n4 loop: the 128-bit word loads at instructions 664-685 of 757), and the next step waits
+    out their whole latency."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .pred p; setp.ne.u32 p, $1, 0; bar.red.popc.u32 $0, 0, p; }",
+        constraints="=r,r", args=[zero], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -742,6 +761,9 @@ class W4Config(GemvConfig):
     # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
     # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
     kwarps: bool = False
+    # Whole-K loop only: this tile's products fenced behind the next tile's loads
+    # (_zero_after_loads), so that ptxas cannot issue those loads after the products.
+    early: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -755,6 +777,7 @@ class W4Config(GemvConfig):
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
         kind += f" loop {self.persist}/SM" if self.persist else ""
+        kind += " early" if self.early else ""
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -818,6 +841,14 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # same bytes in flight and warps an SM as n8 w4 at 2.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
+    # Session 27 (not yet timed on the H200): the loop's products fenced behind the next
+    # tile's loads (early; offline sm_90a, n4 w2: the loads at instructions 18-104 of 800
+    # instead of 484-685 of 757, 168 registers instead of 106), and n4 at 8 an SM, which fits
+    # now that Triton 3.6's tiles take 106 registers, not 255 (_FLAT_RUN_LOADS).
+    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p,
+                       early=e)
+              for bn, w, p, e in [(4, 2, 8, False), (4, 2, 4, True), (4, 2, 6, True),
+                                  (8, 4, 2, True), (2, 4, 2, True)]]
     return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
             + (KWARPS_CONFIGS if _KWARPS else []))
 
@@ -1119,10 +1150,11 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
     programs = min(n_tiles, cfg.persist * num_sms(device))
     _w4_whole_k_loop_kernel[(programs,)](
         x2, words, scales, zeros, bias, out, args[9], n_tiles, words.stride(0),
-        scales.stride(0), zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
+        scales.stride(0), zeros.stride(0), 0, GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
         K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
         HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
-        num_warps=common["num_warps"], **pdl.launch_kwargs(device))
+        EARLY=getattr(cfg, "early", False), num_warps=common["num_warps"],
+        **pdl.launch_kwargs(device))
 
 
 def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
