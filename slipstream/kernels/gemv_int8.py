@@ -24,6 +24,7 @@ from slipstream.kernels.gemv import (
     split_buffers,
 )
 from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
+from slipstream.kernels.reference import silu_and_mul
 from slipstream.kernels.tuning import graph_time_us, idle_before_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -118,34 +119,102 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 def qlinear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                            bias: torch.Tensor | None = None, rms_eps: float = 0.0
                            ) -> torch.Tensor | None:
-    """silu_and_mul of qlinear_small's product in one launch, for one row of x and a
-    [gate | up] weight whose measured config is a one-row dequant GEMV; else None. rms_eps > 0:
-    of x / rms(x) (see qlinear_small_rms)."""
-    cfg = _one_row_qconfig(x, qweight, scale, bias)
-    if not gate_out_ok(1, qweight.shape[0], cfg) or (
-            rms_eps and not _gemv.rms_ok(1, qweight.shape[0], qweight.shape[1], cfg, x.device)):
+    """silu_and_mul of qlinear_small's product in one launch, for one row of x on CUDA and a
+    [gate | up] weight, with the config measured for this gate-out call (rms_eps > 0: of
+    x / rms(x), see qlinear_small_rms); else None (the caller runs the product, then the
+    activation)."""
+    cfg = _one_row_kind_qconfig(x, qweight, scale, bias, True, rms_eps)
+    if cfg is None:
         return None
     return qgemv_gate_out(x, qweight, scale, bias, cfg, rms_eps)
 
 
 def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                       bias: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    """qlinear_small of x / rms(x) in one launch for one row of x (an RMSNorm whose weight is
-    folded into the weight, models/norm_fold.py), when the measured config is a one-row
-    dequant GEMV (gemv.rms_ok); else None (the caller runs the norm kernel)."""
-    cfg = _one_row_qconfig(x, qweight, scale, bias)
-    if not _gemv.rms_ok(1, qweight.shape[0], qweight.shape[1], cfg, x.device):
+    """qlinear_small of x / rms(x) in one launch for one row of x on CUDA (an RMSNorm whose
+    weight is folded into the weight, models/norm_fold.py), with the config measured for that
+    call; else None (the caller runs the norm kernel first)."""
+    cfg = _one_row_kind_qconfig(x, qweight, scale, bias, False, eps)
+    if cfg is None:
         return None
     return qgemv(x, qweight, scale, bias, cfg, rms_eps=eps)
 
 
-def _one_row_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> GemvConfig | None:
-    """The measured config for one CUDA row of x (None off CUDA or for more rows)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not x.is_cuda or m != 1:
+# One-row gate-out / in-GEMV norm calls, measured as they run, each among the configs that run
+# them (int4 session 26: the gate-out of gate_up's chained loop cost 2.6 us more than its
+# product, so the plain product's pick need not be theirs). None: no candidate runs the call.
+_KIND_QCHOICES: dict[tuple, GemvConfig | None] = {}
+
+
+def _kind(gate_out: bool, rms_eps: float) -> str:
+    """The kind of a one-row call in keys and logs: 'gate-out', 'rms' or 'gate-out rms'."""
+    return " ".join(name for name, on in (("gate-out", gate_out), ("rms", rms_eps)) if on)
+
+
+def _one_row_kind_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, gate_out: bool, rms_eps: float
+                          ) -> GemvConfig | None:
+    """The config measured for a one-row gate-out and / or norm call of this shape (None off
+    CUDA, for more rows, while capturing a graph before it was measured, or where no config
+    runs it)."""
+    k = x.shape[-1]
+    if not x.is_cuda or not k or x.numel() != k:
         return None
-    return measured_qconfig(x, qweight, scale, bias)
+    key = (qweight.shape[0], k, x.dtype, qweight.dtype, bias is not None, x.device.index,
+           _kind(gate_out, rms_eps))
+    if key not in _KIND_QCHOICES:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _KIND_QCHOICES[key] = _measure_kind(qweight, scale, bias, x.dtype, gate_out, rms_eps)
+    return _KIND_QCHOICES[key]
+
+
+def _runs_kind(cfg: GemvConfig, n: int, k: int, device: torch.device, gate_out: bool,
+               rms_eps: float) -> bool:
+    """Whether a candidate runs this one-row call as itself."""
+    return ((not gate_out or gate_out_ok(1, n, cfg))
+            and (not rms_eps or _gemv.rms_ok(1, n, k, cfg, device)))
+
+
+def _kind_call(cfg: GemvConfig, gate_out: bool, rms_eps: float):
+    """(x, qweight, scale[, bias]) -> the one-row call _measure_kind times for cfg."""
+    if gate_out:
+        return lambda x, q, s, b=None: qgemv_gate_out(x, q, s, b, cfg, rms_eps)
+    return lambda x, q, s, b=None: qgemv(x, q, s, b, cfg, rms_eps=rms_eps)
+
+
+def _measure_kind(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype, gate_out: bool, rms_eps: float) -> GemvConfig | None:
+    """The fastest correct candidate for the one-row call (timed as _measure times the plain
+    product), or None when none runs it."""
+    n, k = qweight.shape
+    x = torch.randn((1, k), device=qweight.device, dtype=dtype)
+    xr = x.float()
+    if rms_eps:
+        xr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + rms_eps)
+    want = qgemv_reference(xr, qweight, scale, bias).float()
+    if gate_out:
+        want = silu_and_mul(want)
+    tol = 2e-2 * want.abs().max().item()
+    args = (x, qweight, scale) if bias is None else (x, qweight, scale, bias)
+    arg_sets = weight_copies(args)
+    best, best_us = None, float("inf")
+    for cfg in candidate_qconfigs(1, qweight.dtype, k):
+        if not _runs_kind(cfg, n, k, qweight.device, gate_out, rms_eps):
+            continue
+        call = _kind_call(cfg, gate_out, rms_eps)
+        try:
+            if not torch.allclose(call(*args).float(), want, rtol=2e-2, atol=tol):
+                continue  # a miscompiled config must never be chosen
+            us = graph_time_us(lambda a, call=call: call(*a), arg_sets,
+                               idle_before_us=idle_before_us(1))
+        except Exception:  # e.g. out of shared memory for this tile
+            continue
+        if us < best_us:
+            best, best_us = cfg, us
+    logger.info("qgemv M<=1 N=%d K=%d %s %s: %s (%.1f us)", n, k, qweight.dtype,
+                _kind(gate_out, rms_eps), best, best_us)
+    return best
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product

@@ -427,3 +427,46 @@ def test_gpu_qgemv_rms_every_candidate(wdtype, k: int, n: int) -> None:
             got = gemv_int8.qgemv_gate_out(x, q, s, None, cfg, rms_eps=1e-5)
             assert _rel(got, silu_and_mul(want)) < 1e-2, cfg
     assert tried
+
+
+@pytest.mark.parametrize("gate_out,rms_eps", [(True, 0.0), (False, 1e-6), (True, 1e-6)])
+def test_one_row_kinds_are_measured_as_they_run(monkeypatch: pytest.MonkeyPatch, gate_out: bool,
+                                                rms_eps: float) -> None:
+    """A one-row gate-out / norm call is timed as itself among the configs that run it (not the
+    plain product's pick): a config that cannot run the call (tensor-core dot, FP8 activations)
+    or gives a wrong result is never chosen, the fastest of the rest is; none left: None."""
+    fast_but_wrong = GemvConfig(block_n=8, block_k=128, split_k=1)
+    good = GemvConfig(block_n=4, block_k=128, split_k=1, prefetch=True, bit_convert=1)
+    slower = GemvConfig(block_n=8, block_k=64, split_k=1, num_stages=2)
+    dot = GemvConfig(block_n=64, block_k=128, split_k=1, dot=True)
+    times = {good: 5.0, slower: 9.0, fast_but_wrong: 1.0, dot: 0.5}
+    timed = []
+
+    def fake_time(call, arg_sets, **kw):
+        timed.append(current[0])
+        return times[current[0]]
+
+    current = [None]
+    real_call = gemv_int8._kind_call
+
+    def tracking_call(cfg, g, eps):
+        run = real_call(cfg, g, eps)
+
+        def wrapped(*a):
+            current[0] = cfg
+            out = run(*a)
+            return out * 3 if cfg is fast_but_wrong else out
+        return wrapped
+
+    monkeypatch.setattr(gemv_int8, "graph_time_us", fake_time)
+    monkeypatch.setattr(gemv_int8, "_kind_call", tracking_call)
+    monkeypatch.setattr(gemv_int8, "candidate_qconfigs",
+                        lambda m, dtype, k: [dot, fast_but_wrong, slower, good])
+    q, s = _qweight(90, 256, torch.int8)
+    assert gemv_int8._measure_kind(q, s, None, torch.float32, gate_out, rms_eps) is good
+    assert sorted(map(repr, timed)) == sorted(map(repr, [slower, good]))
+    monkeypatch.setattr(gemv_int8, "candidate_qconfigs", lambda m, dtype, k: [dot])
+    assert gemv_int8._measure_kind(q, s, None, torch.float32, gate_out, rms_eps) is None
+    assert gemv_int8._kind(gate_out, rms_eps) == {(True, 0.0): "gate-out", (False, 1e-6): "rms",
+                                                  (True, 1e-6): "gate-out rms"}[(gate_out,
+                                                                                  rms_eps)]
