@@ -456,7 +456,9 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
     tiles: program p takes tiles p, p + P, ..., and requests the next one's words, scales and
     zeros before this one's products, so its loads and its math overlap (one tile a program
     runs them back to back, and the programs of an SM start together). x, and with RMS_EPS its
-    1 / rms, are read once a program. The last tile re-requests itself (no branch)."""
+    1 / rms, are read once a program. The last tile re-requests itself (no branch). EARLY: the
+    products wait on a barrier placed after the next tile's loads (_zero_after_loads; `zero`
+    is a runtime 0), or ptxas issues those loads after the products."""
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
