@@ -2,13 +2,19 @@
 # One device call: does the one-row int4 GEMV overlap its loads with its products?
 # probe_w4_overlap.py times the whole-K tile loop as it runs, its products alone and with two
 # tiles requested ahead; then Nsight Compute reads gate_up's n4 loop, plain and early, for the
-# warps' stall reasons, the issue rate and the DRAM throughput.
+# warps' stall reasons, the issue rate and the DRAM throughput. LOADS=1 first times the loop's
+# loads alone (probe_w4_loads.py); NCU_SELECT: other --int4-configs substrings, ';'-separated.
 #
 #   bash benchmarks/run_w4_overlap.sh
 set -u
 RESULTS=${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$RESULTS"
 source benchmarks/device_env.sh
+if [[ -n ${LOADS:-} ]]; then  # LOADS=1: first the loads alone (probe_w4_loads.py, ~1 min)
+  timeout 200 "$PY" benchmarks/probe_w4_loads.py --output-json "$RESULTS/w4_loads.json" \
+    > "$RESULTS/w4_loads.log" 2>&1
+  grep -v -i warn "$RESULTS/w4_loads.log" | tail -30
+fi
 timeout 300 "$PY" benchmarks/probe_w4_overlap.py --output-json "$RESULTS/w4_overlap.json" \
   > "$RESULTS/w4_overlap.log" 2>&1
 echo "probe: exit $?"
