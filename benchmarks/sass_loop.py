@@ -64,9 +64,9 @@ def compile_sass(kernel, types: dict[str, str], constexprs: dict, num_warps: int
     return sass, int(regs.group(1)) if regs else -1
 
 
-def loop_opcodes(sass: str) -> list[str]:
+def loop_opcodes(sass: str, whole: bool = False) -> list[str]:
     """The opcodes (with their modifiers) of the longest backward branch's body (the main
-    loop), in order."""
+    loop), in order; whole: of the whole kernel."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines)
               if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
@@ -76,7 +76,7 @@ def loop_opcodes(sass: str) -> list[str]:
         if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
             best = (labels[m.group(1)], i)
     ops = []
-    for line in lines[best[0]:best[1] + 1]:
+    for line in lines if whole else lines[best[0]:best[1] + 1]:
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)", line)
         if m:
             ops.append(m.group(1) + m.group(2))
@@ -128,7 +128,7 @@ def w4_case(ns) -> tuple:
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
                   PREFETCH=ns.prefetch, USE_PDL=ns.whole_k > 0, BF16X2=ns.bit_convert,
                   CHAIN=ns.chain, STAGES=ns.stages, WHOLE_K=ns.whole_k, WHOLE_KP=kp,
-                  GATE_OUT=ns.gate_out)
+                  GATE_OUT=ns.gate_out, EARLY=ns.early)
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
@@ -187,10 +187,11 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
     ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
-    ap.add_argument("--early", action="store_true", help="w4loop: EARLY (products fenced after "
-                    "the next tile's loads)")
+    ap.add_argument("--early", action="store_true", help="w4 (whole-K) / w4loop: EARLY (the "
+                    "products fenced behind the loads written before them)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ap.add_argument("--ops", action="store_true", help="print the loop's opcodes in order instead")
+    ap.add_argument("--all", action="store_true", help="--ops: the whole kernel's, not the loop's")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
             "w4mma": w4mma_case, "w4loop": w4loop_case, "w4kwarps": w4kwarps_case}[ns.kernel]
@@ -199,7 +200,7 @@ def main() -> None:
     sass, regs = compile_sass(kernel, types, consts, ns.num_warps,
                               ns.stages if ns.kernel == "attention" else 1)
     if ns.ops:
-        print("\n".join(loop_opcodes(sass)))
+        print("\n".join(loop_opcodes(sass, ns.all)))
         return
     hist = loop_histogram(sass)
     total = sum(hist.values())

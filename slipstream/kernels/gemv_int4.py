@@ -329,7 +329,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
                     WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
-                    RMS_KP: tl.constexpr = 0):
+                    RMS_KP: tl.constexpr = 0, EARLY: tl.constexpr = False):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -339,11 +339,12 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
     SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
-    before the PDL wait, then one chained product over all of K (_w4_whole_k): no loop, every
-    byte in flight at once. RMS_EPS > 0: the product is taken with x / rms(x), the RMSNorm whose
-    weight was folded into this weight at load (models/norm_fold.py): x's sum of squares read
-    alongside the products, or with a K split (RMS_KP: K rounded up to a power of two) all of x
-    read by every program, 1 / rms applied to the row sums (as gemv's)."""
+    before the PDL wait, then one chained product over all of K: no loop, every byte in flight
+    at once (EARLY: the products wait on a barrier after x's loads, _after_loads). RMS_EPS > 0:
+    the product is taken with x / rms(x), the RMSNorm whose weight was folded into this weight
+    at load (models/norm_fold.py): x's sum of squares read alongside the products, or with a K
+    split (RMS_KP: K rounded up to a power of two) all of x read by every program, 1 / rms
+    applied to the row sums (as gemv's)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -356,9 +357,18 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_w[None, :]
     x_ptrs = x_ptr + 8 * offs_w
     if WHOLE_K:
-        sums = _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
-                           GROUP, BLOCK_N, WHOLE_K, WHOLE_KP, BF16X2, USE_PDL)
-        if RMS_EPS > 0:
+        # The program's words, scales and zeros (never written by a kernel) before the PDL
+        # wait, x after it; then one chained product over all of K.
+        w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
+                                 GROUP, WHOLE_K, WHOLE_KP)
+        pdl_wait(USE_PDL)
+        x = _whole_k_x(x_ptr, WHOLE_K, WHOLE_KP, BF16X2)
+        if EARLY and BF16X2 == 2:  # every x load issued before the products (_after_loads)
+            if RMS_EPS > 0:
+                squares = _x_squares(x_ptr, K, WHOLE_KP)
+            w, z8 = _after_loads(w, z8, M - 1)  # M == 1 here: a runtime 0
+        sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, WHOLE_KP, BF16X2 == 2)
+        if RMS_EPS > 0 and not (EARLY and BF16X2 == 2):
             squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
         if CHAIN:
@@ -429,22 +439,6 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
-@triton.jit
-def _w4_whole_k(x_ptr, w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
-                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BF16X2: tl.constexpr, USE_PDL: tl.constexpr):
-    """_w4_gemv_kernel's WHOLE_K path: the row sums [BLOCK_N] of the program's rows over all of
-    K. Words, scales and zeros (never written by a kernel) are loaded before the PDL wait, x
-    after it; each run of four words lies in one group (GROUP % 32 == 0), whose scale and zero
-    are gathered per run. The tile is KP // 8 words wide (a power of two); the words past K read
-    as 0 with scale 0, so they add nothing."""
-    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
-                             K, KP)
-    pdl_wait(USE_PDL)
-    return _whole_k_sums(w, z8, s, _whole_k_x(x_ptr, K, KP, BF16X2), GROUP, BLOCK_N, KP,
-                         BF16X2 == 2)
-
-
 @triton.jit(do_not_specialize=["zero"])
 def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_tiles,
                             stride_wn, stride_sn, stride_zn, zero, GROUP: tl.constexpr,
@@ -475,11 +469,7 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
         next_w, next_z8, next_s = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn,
                                                 stride_sn, stride_zn, GROUP, K, KP)
         if EARLY and BF16X2 == 2:
-            # Both the words and the zeros: fencing the zeros alone left the unpacking free to
-            # move above the barrier (sm_90a, n4 w2: 254 registers instead of 168).
-            fence = _zero_after_loads(zero)
-            w = w ^ fence
-            z8 = z8 ^ fence.to(tl.uint8)
+            w, z8 = _after_loads(w, z8, zero)
         sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
         if GATE_OUT:
             _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
@@ -489,6 +479,16 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
             _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
                     tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
         rows, w, z8, s = next_rows, next_w, next_z8, next_s
+
+
+@triton.jit
+def _after_loads(w, z8, zero):
+    """w and z8 as they are, but only after a CTA barrier (_zero_after_loads' count XORed in),
+    so that the products that need them cannot move above the loads written before this call.
+    Both the words and the zeros: fencing the zeros alone left the unpacking free to move above
+    the barrier (sm_90a, the n4 w2 loop: 254 registers instead of 168)."""
+    fence = _zero_after_loads(zero)
+    return w ^ fence, z8 ^ fence.to(tl.uint8)
 
 
 @triton.jit
@@ -759,7 +759,7 @@ class W4Config(GemvConfig):
     dot: bool = False
     two_rows: bool = False
     four_rows: bool = False
-    whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_whole_k
+    whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_gemv_kernel's WHOLE_K
     # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
     # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
     kwarps: bool = False
@@ -824,13 +824,19 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # gate_up 27.0 -> 25.7 us (n64, three ahead), down 15.1 -> 14.7 (n128, two ahead).
     chained += [W4Config(bn, 128, sk, w, 1, pf, bit_convert=2) for bn, w, sk, pf in
                 [(128, 8, 0, 2), (128, 8, 2, 2), (64, 4, 0, 2), (64, 4, 0, 3)]]
-    # A program's whole weight slice requested at once, before the PDL wait (_w4_whole_k; where
+    # A program's whole weight slice requested at once, before the PDL wait (WHOLE_K; where
     # it does not fit, _whole_k_fits, these run the chained loop without a split): the int8 /
     # fp8 whole-K tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as
     # load-latency bound. sm_90a ptxas at K = 4096: 80-217 registers; at 14,336 (2 rows, 4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
+    # Session 27 (not yet timed on the H200): the same with every x load issued before the
+    # products (early): left alone, ptxas spreads the eight 8-byte x loads of an n8 w4 tile
+    # through the products (sm_90a: at instructions 127-302 of 832, each wave waiting out L2);
+    # early issues them together right after the PDL wait (80 registers instead of 72).
+    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, early=True)
+              for bn, w in [(8, 4), (16, 4), (4, 8)]]
     # The same tiles from a few programs an SM, each looping with the next tile's weights in
     # flight (_w4_whole_k_loop_kernel). H200 (session 23), graph-timed at one row against W1's
     # choices: gate_up 22.6 -> 21.3 us with n8 at 2 an SM (gate-out 23.2 -> 22.3), down 14.4
@@ -991,7 +997,8 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, n: int, k: int,
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
                 WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
-                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0,
+                EARLY=bool(whole and getattr(cfg, "early", False)))
 
 
 def _whole_k_fits(cfg: GemvConfig, n: int, k: int) -> bool:
@@ -1155,7 +1162,7 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
         scales.stride(0), zeros.stride(0), 0, GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
         K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
         HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
-        EARLY=getattr(cfg, "early", False), num_warps=common["num_warps"],
+        EARLY=path["EARLY"], num_warps=common["num_warps"],
         **pdl.launch_kwargs(device))
 
 

@@ -468,8 +468,8 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,k", [(128, 512), (64, 512), (128, 384)])
 @pytest.mark.parametrize("gate_out", [False, True])
-@pytest.mark.parametrize("persist,early", [(0, False), (1, False), (1, True)],
-                         ids=["tile-a-program", "loop", "loop-early"])
+@pytest.mark.parametrize("persist,early", [(0, False), (0, True), (1, False), (1, True)],
+                         ids=["tile-a-program", "tile-early", "loop", "loop-early"])
 @pytest.mark.parametrize("block_n,warps", [(8, 4), (4, 2)])
 def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool,
                                             persist: int, early: bool, block_n: int,
