@@ -483,6 +483,12 @@ def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):
     return split, per_split, n_tiles, ws, _counters(out.device, n_tiles)
 
 
+def call_kind(gate_out: bool, rms_eps: float) -> str:
+    """A one-row call's kind in tuner keys and logs: '' (the plain product), 'gate-out', 'rms'
+    (the in-GEMV norm) or 'gate-out rms'."""
+    return " ".join(name for name, on in (("gate-out", gate_out), ("rms", rms_eps)) if on)
+
+
 def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
     """Whether the M == 1 kernels can write SiLU(gate)·up for this call (gate_out)."""
     return (m == 1 and n % 2 == 0 and cfg is not None and not cfg.dot and not cfg.fp8_act

@@ -27,6 +27,7 @@ from slipstream.kernels.gemv import (
     _finish_gate_out,
     _split_k,
     _tile_rows,
+    call_kind,
     gate_out_launch,
     gate_out_ok,
     num_sms,
@@ -160,11 +161,6 @@ def _chained_dot_asm(rows: int = 1) -> str:
 # against 510.7 with int64 offsets; SLIPSTREAM_W4_I32_OFFSETS=0 restores them for an A/B. A
 # weight needs fewer than 2^31 words (rows x K / 8), which _whole_k_fits checks.
 _I32_OFFSETS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_I32_OFFSETS", "1") != "0")
-# Whole-K tiles gather their runs' zeros and scales as one flat vector reshaped to [rows, runs]
-# (the words' own layout) instead of a [rows, runs] gather, which Triton 3.6 lays out apart and
-# then moves every word tile into through shared memory (sm_90a, gate_up's n4 loop: 255
-# registers, 19 barriers a step; 3.9 does not). SLIPSTREAM_W4_FLAT_RUN_LOADS=0: the 2-D gather.
-_FLAT_RUN_LOADS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_FLAT_RUN_LOADS", "1") != "0")
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
 _CHAINED_FOUR_ROWS_ASM = tl.constexpr(_chained_dot_asm(4))
@@ -515,24 +511,21 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
     if _I32_OFFSETS:  # element offsets in int32, one 64-bit add a load (see _I32_OFFSETS)
         rows = rows.to(tl.int32)
     w = tl.load(w_ptr + (rows[:, None] * stride_wn + offs[None, :]), mask=ok[None, :], other=0)
-    if _FLAT_RUN_LOADS:
-        # The runs' zeros and scales gathered as one flat [rows x runs] vector, then reshaped
-        # (see _FLAT_RUN_LOADS).
-        RUNS: tl.constexpr = WP // 4
-        BLOCK_N: tl.constexpr = rows.shape[0]
-        flat = tl.arange(0, BLOCK_N * RUNS)
-        run = flat % RUNS
-        row = tl.reshape(tl.broadcast_to(rows[:, None], [BLOCK_N, RUNS]), [BLOCK_N * RUNS])
-        ok = run < K // 32
-        z8 = tl.load(z_ptr + (row * stride_zn + run * 32 // GROUP), mask=ok, other=0)
-        s = tl.load(s_ptr + (row * stride_sn + run * 32 // GROUP), mask=ok, other=0.0)
-        return w, tl.reshape(z8, [BLOCK_N, RUNS]), tl.reshape(s, [BLOCK_N, RUNS])
-    quad = tl.arange(0, WP // 4)
-    g = (quad * 32 // GROUP)[None, :]
-    quad_ok = (quad < K // 32)[None, :]
-    z8 = tl.load(z_ptr + (rows[:, None] * stride_zn + g), mask=quad_ok, other=0)
-    s = tl.load(s_ptr + (rows[:, None] * stride_sn + g), mask=quad_ok, other=0.0)
-    return w, z8, s
+    # The runs' zeros and scales gathered as one flat [rows x runs] vector, then reshaped: that
+    # lands in the words' own layout. A [rows, runs] gather got a layout of its own from
+    # Triton 3.6 (the H200 image's), which then moved every word tile into it through shared
+    # memory (sm_90a, gate_up's n4 loop: 255 registers and 19 barriers a step, against 106 and
+    # 5 this way; 3.9 gives the same code either way). H200 W1 int4_awq + head, one machine:
+    # 535.1 tok/s against 524.9 (session 27).
+    RUNS: tl.constexpr = WP // 4
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    flat = tl.arange(0, BLOCK_N * RUNS)
+    run = flat % RUNS
+    row = tl.reshape(tl.broadcast_to(rows[:, None], [BLOCK_N, RUNS]), [BLOCK_N * RUNS])
+    ok = run < K // 32
+    z8 = tl.load(z_ptr + (row * stride_zn + run * 32 // GROUP), mask=ok, other=0)
+    s = tl.load(s_ptr + (row * stride_sn + run * 32 // GROUP), mask=ok, other=0.0)
+    return w, tl.reshape(z8, [BLOCK_N, RUNS]), tl.reshape(s, [BLOCK_N, RUNS])
 
 
 @triton.jit
@@ -852,7 +845,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # Session 27 (not yet timed on the H200): the loop's products fenced behind the next
     # tile's loads (early; offline sm_90a, n4 w2: the loads at instructions 18-104 of 800
     # instead of 484-685 of 757, 168 registers instead of 106), and n4 at 8 an SM, which fits
-    # now that Triton 3.6's tiles take 106 registers, not 255 (_FLAT_RUN_LOADS).
+    # now that Triton 3.6's tiles take 106 registers, not 255 (_whole_k_tile).
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p,
                        early=e)
               for bn, w, p, e in [(4, 2, 8, False), (4, 2, 4, True), (4, 2, 6, True),
@@ -1062,7 +1055,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
     if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.NARROW_ROWS:
         bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
-    kind = " ".join(name for name, on in (("gate-out", gate_out), ("rms", rms_eps)) if on)
+    kind = call_kind(gate_out, rms_eps)
     key = (bucket, n, k, group_size, x.dtype, bias is not None, x.device.index) + (
         (kind,) if kind else ())
     cfg = _SMALL_CHOICES.get(key)

@@ -20,6 +20,7 @@ from slipstream.kernels.gemv import (
     MAX_M,
     GemvConfig,
     _gemv_operands,
+    call_kind,
     gate_out_ok,
     split_buffers,
 )
@@ -146,11 +147,6 @@ def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 _KIND_QCHOICES: dict[tuple, GemvConfig | None] = {}
 
 
-def _kind(gate_out: bool, rms_eps: float) -> str:
-    """The kind of a one-row call in keys and logs: 'gate-out', 'rms' or 'gate-out rms'."""
-    return " ".join(name for name, on in (("gate-out", gate_out), ("rms", rms_eps)) if on)
-
-
 def _one_row_kind_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None, gate_out: bool, rms_eps: float
                           ) -> GemvConfig | None:
@@ -161,7 +157,7 @@ def _one_row_kind_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     if not x.is_cuda or not k or x.numel() != k:
         return None
     key = (qweight.shape[0], k, x.dtype, qweight.dtype, bias is not None, x.device.index,
-           _kind(gate_out, rms_eps))
+           call_kind(gate_out, rms_eps))
     if key not in _KIND_QCHOICES:
         if torch.cuda.is_current_stream_capturing():
             return None
@@ -195,26 +191,36 @@ def _measure_kind(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
     want = qgemv_reference(xr, qweight, scale, bias).float()
     if gate_out:
         want = silu_and_mul(want)
-    tol = 2e-2 * want.abs().max().item()
+    cands = [(cfg, _kind_call(cfg, gate_out, rms_eps), want)
+             for cfg in candidate_qconfigs(1, qweight.dtype, k)
+             if _runs_kind(cfg, n, k, qweight.device, gate_out, rms_eps)]
+    best, best_us = _fastest_correct(cands, x, qweight, scale, bias, None)
+    logger.info("qgemv M<=1 N=%d K=%d %s %s: %s (%.1f us)", n, k, qweight.dtype,
+                call_kind(gate_out, rms_eps), best, best_us)
+    return best
+
+
+def _fastest_correct(cands: list, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None, fallback):
+    """(config, us) of the fastest candidate whose call(x, qweight, scale[, bias]) matches its
+    oracle (cands: (config, call, want)), graph-timed over L2-sized weight copies after an
+    idle spin as a GEMV after attention runs; (fallback, inf) when none does. A miscompiled or
+    failing config (e.g. out of shared memory for its tile) is never chosen."""
     args = (x, qweight, scale) if bias is None else (x, qweight, scale, bias)
     arg_sets = weight_copies(args)
-    best, best_us = None, float("inf")
-    for cfg in candidate_qconfigs(1, qweight.dtype, k):
-        if not _runs_kind(cfg, n, k, qweight.device, gate_out, rms_eps):
-            continue
-        call = _kind_call(cfg, gate_out, rms_eps)
+    best, best_us = fallback, float("inf")
+    for cfg, call, want in cands:
         try:
-            if not torch.allclose(call(*args).float(), want, rtol=2e-2, atol=tol):
-                continue  # a miscompiled config must never be chosen
+            if not torch.allclose(call(*args).float(), want, rtol=2e-2,
+                                  atol=2e-2 * want.abs().max().item()):
+                continue
             us = graph_time_us(lambda a, call=call: call(*a), arg_sets,
-                               idle_before_us=idle_before_us(1))
+                               idle_before_us=idle_before_us(x.shape[0]))
         except Exception:  # e.g. out of shared memory for this tile
             continue
         if us < best_us:
             best, best_us = cfg, us
-    logger.info("qgemv M<=1 N=%d K=%d %s %s: %s (%.1f us)", n, k, qweight.dtype,
-                _kind(gate_out, rms_eps), best, best_us)
-    return best
+    return best, best_us
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
@@ -289,23 +295,13 @@ def _measure(m: int, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Ten
              dtype: torch.dtype) -> GemvConfig:
     x = torch.randn((m, qweight.shape[1]), device=qweight.device, dtype=dtype)
     expect = qgemv_reference(x, qweight, scale, bias).float()
-    arg_sets = weight_copies((x, qweight, scale) if bias is None else (x, qweight, scale, bias))
-    best, best_us = default_qconfig(m), float("inf")
+    cands = []
     for cfg in candidate_qconfigs(m, qweight.dtype, qweight.shape[1]):
         want = expect
         if cfg.fp8_act:  # its own oracle: the activations it quantizes are part of its result
             want = fp8_dot_gemv_reference(x, qweight, scale, bias, cfg.block_k).float()
-        tol = 2e-2 * want.abs().max().item()
-        try:
-            got = qgemv(x, qweight, scale, bias, cfg).float()
-            if not torch.allclose(got, want, rtol=2e-2, atol=tol):
-                continue  # a miscompiled config must never be chosen
-            us = graph_time_us(lambda a, cfg=cfg: qgemv(*a, config=cfg), arg_sets,
-                               idle_before_us=idle_before_us(m))
-        except Exception:  # e.g. out of shared memory for this tile
-            continue
-        if us < best_us:
-            best, best_us = cfg, us
+        cands.append((cfg, lambda *a, cfg=cfg: qgemv(*a, config=cfg), want))
+    best, best_us = _fastest_correct(cands, x, qweight, scale, bias, default_qconfig(m))
     logger.info("qgemv M<=%d N=%d K=%d %s: %s (%.1f us)", m, qweight.shape[0], qweight.shape[1],
                 qweight.dtype, best, best_us)
     return best

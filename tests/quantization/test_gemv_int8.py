@@ -467,6 +467,6 @@ def test_one_row_kinds_are_measured_as_they_run(monkeypatch: pytest.MonkeyPatch,
     assert sorted(map(repr, timed)) == sorted(map(repr, [slower, good]))
     monkeypatch.setattr(gemv_int8, "candidate_qconfigs", lambda m, dtype, k: [dot])
     assert gemv_int8._measure_kind(q, s, None, torch.float32, gate_out, rms_eps) is None
-    assert gemv_int8._kind(gate_out, rms_eps) == {(True, 0.0): "gate-out", (False, 1e-6): "rms",
+    assert _gemv.call_kind(gate_out, rms_eps) == {(True, 0.0): "gate-out", (False, 1e-6): "rms",
                                                   (True, 1e-6): "gate-out rms"}[(gate_out,
                                                                                   rms_eps)]
