@@ -30,16 +30,25 @@ import torch
 # 14.3 -> 14.0 us with its weights already there: instruction- and latency-bound), so the gain
 # is mostly o_proj's (int4 6.4 -> 5.5 us, bf16 10.4 -> 9.3).
 L2_SHARE = 0.5
+# Weight formats whose decode step runs faster without the prefetch. H200, session 28, the same
+# step A/B in one process (bench_step_parts, context 256, quantized head): int4_awq 1837.3 us
+# with 25 MB against 1821.1 with none (8 MB of o alone: 1829.4); fp8 2267.2 against 2301.3 and
+# bf16 4010.2 against 4032.1 keep it. The one-row int4 GEMVs now request their next tiles
+# early enough that the prefetch's extra HBM traffic costs them more than o_proj gains.
+NO_PREFETCH_METHODS = frozenset({"int4_awq"})
 SPAN_BYTES = 128 * 1024  # one program's share: split over its threads, a bulk prefetch each
 _ALIGN = 16  # cp.async.bulk: 16-byte aligned addresses, sizes a multiple of 16
 
 
-def budget_bytes(device: torch.device | None = None) -> int:
+def budget_bytes(device: torch.device | None = None, method: str | None = None) -> int:
     """SLIPSTREAM_L2_PREFETCH_MB if set (0 turns the prefetch off), else L2_SHARE of the
-    device's L2 (0 off CUDA, and below compute capability 9.0: the bulk prefetch is sm_90's)."""
+    device's L2; 0 off CUDA, below compute capability 9.0 (the bulk prefetch is sm_90's) and
+    for a quantization method in NO_PREFETCH_METHODS."""
     raw = os.environ.get("SLIPSTREAM_L2_PREFETCH_MB")
     if raw is None:
         if device is None or device.type != "cuda" or not supported(device):
+            return 0
+        if method in NO_PREFETCH_METHODS:
             return 0
         return int(L2_SHARE * torch.cuda.get_device_properties(device).L2_cache_size)
     try:

@@ -212,7 +212,7 @@ class ModelRunner:
             return
         from slipstream.kernels.l2_spans import budget_bytes
 
-        per_layer = attach(budget_bytes(self.device))
+        per_layer = attach(budget_bytes(self.device, self.config.quant.method))
         logger.info("L2 prefetch in decode attention: %.1f MiB a layer%s", per_layer / 2**20,
                     "" if per_layer else " (off)")
 

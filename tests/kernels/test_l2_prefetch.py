@@ -69,6 +69,18 @@ def test_budget_from_the_environment(monkeypatch) -> None:
         budget_bytes()
 
 
+def test_int4_awq_goes_without_unless_asked(monkeypatch) -> None:
+    """The H200 step A/B (l2_spans.NO_PREFETCH_METHODS): int4_awq's default budget is 0 on a
+    device that could prefetch; SLIPSTREAM_L2_PREFETCH_MB still turns it on."""
+    from slipstream.kernels import l2_spans
+
+    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
+    monkeypatch.setattr(l2_spans, "supported", lambda device: True)
+    assert budget_bytes(torch.device("cuda"), "int4_awq") == 0
+    monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "1.5")
+    assert budget_bytes(torch.device("cuda"), "int4_awq") == 3 << 19
+
+
 def test_standalone_launch_records_every_span_once() -> None:
     """prefetch_spans' RECORD mode (the interpreter): however many programs share the table,
     each span is taken exactly once."""
@@ -88,7 +100,9 @@ def test_gpu_default_budget_is_half_the_l2(monkeypatch) -> None:
     monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    assert budget_bytes(dev) == (l2 // 2 if torch.cuda.get_device_capability(dev) >= (9, 0) else 0)
+    want = l2 // 2 if torch.cuda.get_device_capability(dev) >= (9, 0) else 0
+    assert budget_bytes(dev) == want
+    assert budget_bytes(dev, "fp8") == want and budget_bytes(dev, "int4_awq") == 0
 
 
 @pytest.mark.gpu
