@@ -128,7 +128,7 @@ def w4_case(ns) -> tuple:
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, CHUNK=ns.block_k, SPLIT=False, HAS_BIAS=False,
                   PREFETCH=ns.prefetch, USE_PDL=ns.whole_k > 0, BF16X2=ns.bit_convert,
                   CHAIN=ns.chain, STAGES=ns.stages, WHOLE_K=ns.whole_k, WHOLE_KP=kp,
-                  GATE_OUT=ns.gate_out, EARLY=ns.early)
+                  GATE_OUT=ns.gate_out)
     return _w4_gemv_kernel, types, consts, ns.block_n * ns.block_k / (32 * ns.num_warps)
 
 
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
     ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
-    ap.add_argument("--early", action="store_true", help="w4 (whole-K) / w4loop: EARLY (the "
+    ap.add_argument("--early", action="store_true", help="w4loop: EARLY (the "
                     "products fenced behind the loads written before them)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ap.add_argument("--ops", action="store_true", help="print the loop's opcodes in order instead")

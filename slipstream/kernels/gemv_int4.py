@@ -325,7 +325,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
                     WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
-                    RMS_KP: tl.constexpr = 0, EARLY: tl.constexpr = False):
+                    RMS_KP: tl.constexpr = 0):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -336,7 +336,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
     before the PDL wait, then one chained product over all of K: no loop, every byte in flight
-    at once (EARLY: the products wait on a barrier after x's loads, _after_loads). RMS_EPS > 0:
+    at once. RMS_EPS > 0:
     the product is taken with x / rms(x), the RMSNorm whose weight was folded into this weight
     at load (models/norm_fold.py): x's sum of squares read alongside the products, or with a K
     split (RMS_KP: K rounded up to a power of two) all of x read by every program, 1 / rms
@@ -359,12 +359,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                                  GROUP, WHOLE_K, WHOLE_KP)
         pdl_wait(USE_PDL)
         x = _whole_k_x(x_ptr, WHOLE_K, WHOLE_KP, BF16X2)
-        if EARLY and BF16X2 == 2:  # every x load issued before the products (_after_loads)
-            if RMS_EPS > 0:
-                squares = _x_squares(x_ptr, K, WHOLE_KP)
-            w, z8 = _after_loads(w, z8, M - 1)  # M == 1 here: a runtime 0
         sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, WHOLE_KP, BF16X2 == 2)
-        if RMS_EPS > 0 and not (EARLY and BF16X2 == 2):
+        if RMS_EPS > 0:
             squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
         if CHAIN:
@@ -824,12 +820,9 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # warps) 168, (4, 8) 128; no spills.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
-    # Session 27 (not yet timed on the H200): the same with every x load issued before the
-    # products (early): left alone, ptxas spreads the eight 8-byte x loads of an n8 w4 tile
-    # through the products (sm_90a: at instructions 127-302 of 832, each wave waiting out L2);
-    # early issues them together right after the PDL wait (80 registers instead of 72).
-    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, early=True)
-              for bn, w in [(8, 4), (16, 4), (4, 8)]]
+    # (Session 27 also fenced these tiles' products behind all of x's loads, which ptxas
+    # spreads through them: H200, session 28, plain products qkv 5.8 -> 6.5 us, o 5.0 -> 5.6,
+    # gate_up 19.2 -> 19.9, and never picked for a call kind. Removed.)
     # The same tiles from a few programs an SM, each looping with the next tile's weights in
     # flight (_w4_whole_k_loop_kernel). H200 (session 23), graph-timed at one row against W1's
     # choices: gate_up 22.6 -> 21.3 us with n8 at 2 an SM (gate-out 23.2 -> 22.3), down 14.4
@@ -842,14 +835,16 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # same bytes in flight and warps an SM as n8 w4 at 2.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
-    # Session 27 (not yet timed on the H200): the loop's products fenced behind the next
-    # tile's loads (early; offline sm_90a, n4 w2: the loads at instructions 18-104 of 800
-    # instead of 484-685 of 757, 168 registers instead of 106), and n4 at 8 an SM, which fits
-    # now that Triton 3.6's tiles take 106 registers, not 255 (_whole_k_tile).
+    # The loop's products fenced behind the next tile's loads (early; offline sm_90a, n4 w2:
+    # the loads at instructions 18-104 of 800 instead of 484-685 of 757, 168 registers instead
+    # of 106), and n4 at 8 an SM, which fits now that Triton 3.6's tiles take 106 registers,
+    # not 255 (_whole_k_tile). H200, session 28: Nsight Compute on the n4 loop at 4 an SM read
+    # 29.7 -> 22.9 us early (long-scoreboard stalls 1.89 -> 0.30 an instruction); the tuner
+    # picked n4 at 6 early (20.6 us) or at 8 plain (20.2) for gate_up's gate-out + norm and n2
+    # early for down (13.6-13.7). n4 at 4 and n8 at 2, early, won no shape: left out.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p,
                        early=e)
-              for bn, w, p, e in [(4, 2, 8, False), (4, 2, 4, True), (4, 2, 6, True),
-                                  (8, 4, 2, True), (2, 4, 2, True)]]
+              for bn, w, p, e in [(4, 2, 8, False), (4, 2, 6, True), (2, 4, 2, True)]]
     return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
             + (KWARPS_CONFIGS if _KWARPS else []))
 
@@ -990,8 +985,7 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, n: int, k: int,
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
                 CHAIN=chain, WHOLE_K=k if whole else 0,
                 WHOLE_KP=triton.next_power_of_2(k) if whole else 0, RMS_EPS=float(rms_eps),
-                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0,
-                EARLY=bool(whole and getattr(cfg, "early", False)))
+                RMS_KP=triton.next_power_of_2(k) if rms_eps and split > 1 else 0)
 
 
 def _whole_k_fits(cfg: GemvConfig, n: int, k: int) -> bool:
@@ -1155,7 +1149,7 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
         scales.stride(0), zeros.stride(0), 0, GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
         K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
         HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
-        EARLY=path["EARLY"], num_warps=common["num_warps"],
+        EARLY=bool(getattr(cfg, "early", False)), num_warps=common["num_warps"],
         **pdl.launch_kwargs(device))
 
 

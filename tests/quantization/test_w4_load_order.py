@@ -2,8 +2,7 @@
 Triton wheel's own ptxas: benchmarks/sass_loop.py, in a process of its own since the tests run
 Triton's interpreter).
 
-The loop requests the next tile before this tile's products so that the two overlap (and the
-one-tile kernel requests all of x before its products). Left to
+The loop requests the next tile before this tile's products so that the two overlap. Left to
 itself, ptxas moves the products above those loads: the next tile is requested only after
 them, and each step waits out the whole load latency. The `early` configs fence the products
 behind a barrier placed after the loads (gemv_int4._zero_after_loads). This test checks the
@@ -52,21 +51,3 @@ def test_without_the_fence_ptxas_issues_the_word_loads_late():
     ops = _loop_ops("--block-n", "4", "--num-warps", "2")
     words = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
     assert len(words) == 8 and min(words) > len(ops) // 2
-
-
-def test_early_whole_k_tile_issues_all_of_x_before_its_products():
-    """The one-tile whole-K kernel (no loop): ptxas spreads x's loads through the products, each
-    wave waiting out L2; early issues them all right after the PDL wait, before the fence."""
-    common = ("--block-n", "8", "--num-warps", "4", "--bit-convert", "2", "--chain",
-              "--prefetch", "--whole-k", "4096", "--all")
-    for early in (False, True):
-        ops = _loop_ops(*common, *(("--early",) if early else ()), kernel="w4")
-        wait = ops.index("ACQBULK")  # the PDL wait: weights before it, x after it
-        x_loads = [i for i, op in enumerate(ops) if op == "LDG.E.64"]
-        assert len(x_loads) == 8 and min(x_loads) > wait
-        products = [i for i, op in enumerate(ops) if "BF16_V2" in op]
-        if early:
-            fence = next(i for i, op in enumerate(ops) if op.startswith("BAR.RED.POPC"))
-            assert max(x_loads) < fence < min(products)
-        else:  # the reason for early (a tripwire, as above)
-            assert max(x_loads) > min(products)
