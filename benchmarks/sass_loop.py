@@ -115,7 +115,7 @@ def attention_case(ns) -> tuple:
                   HEAD_DIM=128, PAGE_SIZE=16, SPLIT_KV=ns.split, DOT_PREC="tf32",
                   KV_QUANT={"bf16": 0, "fp8e4nv": 1, "i8": 2}[ns.kv], USE_PDL=ns.split,
                   FUSE_ROPE=True, DECODE=not ns.split, ASM_CVT=True,
-                  SHORT_CHAIN=ns.short_chain,
+                  SHORT_CHAIN=ns.short_chain, PRELOAD=ns.preload,
                   BLOCK_N=ns.block_n_attn)
     return _paged_attn_kernel, types, consts, ns.block_n_attn * 128 * 2 / (32 * ns.num_warps)
 
@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--early", action="store_true", help="w4loop: EARLY (the "
                     "products fenced behind the loads written before them)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
+    ap.add_argument("--preload", action="store_true", help="attention (--split): PRELOAD (the "
+                    "first K/V tile read before the PDL wait)")
     ap.add_argument("--ops", action="store_true", help="print the loop's opcodes in order instead")
     ap.add_argument("--all", action="store_true", help="--ops: the whole kernel's, not the loop's")
     ns = ap.parse_args()
