@@ -57,8 +57,25 @@ def main() -> int:
     args = p.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     methods = ["none"] + [m for m in methods if m != "none"]
+    results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run_one(m, args, Path(tmp)) for m in methods]
+        for method in methods:
+            results.append(run_one(method, args, Path(tmp)))
+            # Each method's row as soon as it is measured, the JSON rewritten too: a run cut
+            # short by a time limit keeps what it finished.
+            row = _rows(results)[-1]
+            print(f"= {_line(row)}", flush=True)
+            if args.output_json:
+                Path(args.output_json).write_text(
+                    json.dumps({"rows": _rows(results), "runs": results}, indent=2))
+    print(f"\n{'method':<13} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6} {'TTFT ms':>8}")
+    for row in _rows(results):
+        print(_line(row))
+    return 0
+
+
+def _rows(results: list[dict]) -> list[dict]:
+    """The table's rows: decode tok/s of each run and its ratio to the first (bf16) run."""
     base = _decode(results[0])
     rows = []
     for r in results:
@@ -68,16 +85,15 @@ def main() -> int:
                      "bar": BARS.get(r["method"].partition("+")[0]), "sol_pct": r.get("sol_pct"),
                      "ttft_ms": (r.get("ttft_ms") or {}).get("median"),
                      "peak_mem_gib": (r.get("engine") or {}).get("peak_memory_gib")})
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"rows": rows, "runs": results}, indent=2))
-    print(f"\n{'method':<13} {'decode tok/s':>13} {'x bf16':>8} {'bar':>6} {'TTFT ms':>8}")
-    for row in rows:
-        tok = f"{row['decode_tok_s']:.1f}" if row["decode_tok_s"] else "error"
-        ratio = f"{row['ratio_vs_bf16']:.2f}" if row["ratio_vs_bf16"] else "-"
-        bar = f"{row['bar']:.1f}" if row["bar"] else "-"
-        ttft = f"{row['ttft_ms']:.1f}" if row["ttft_ms"] else "-"
-        print(f"{row['method']:<13} {tok:>13} {ratio:>8} {bar:>6} {ttft:>8}")
-    return 0
+    return rows
+
+
+def _line(row: dict) -> str:
+    tok = f"{row['decode_tok_s']:.1f}" if row["decode_tok_s"] else "error"
+    ratio = f"{row['ratio_vs_bf16']:.2f}" if row["ratio_vs_bf16"] else "-"
+    bar = f"{row['bar']:.1f}" if row["bar"] else "-"
+    ttft = f"{row['ttft_ms']:.1f}" if row["ttft_ms"] else "-"
+    return f"{row['method']:<13} {tok:>13} {ratio:>8} {bar:>6} {ttft:>8}"
 
 
 def _decode(result: dict) -> float | None:

@@ -33,5 +33,7 @@ for variant in "$@"; do
     --methods "${W1_METHODS:-none,fp8+head,int8_wo+head}" --num-iters 2 --show-tuning \
     --output-json "$RESULTS/w1_$name.json" > "$RESULTS/w1_$name.log" 2>&1
   echo "== $name (${settings:-defaults}), rc $?, $(elapsed) s"
-  grep -E "^(none|int8_wo|fp8|int4_awq)\b" "$RESULTS/w1_$name.log"
+  # The final table, or (a run cut short) the rows printed as each method finished.
+  grep -E "^(none|int8_wo|fp8|int4_awq)\b" "$RESULTS/w1_$name.log" \
+    || grep -E "^= " "$RESULTS/w1_$name.log"
 done
