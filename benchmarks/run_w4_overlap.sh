@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: does the one-row int4 GEMV overlap its loads with its products?
 # probe_w4_overlap.py times the whole-K tile loop as it runs, its products alone and with two
-# tiles requested ahead; then Nsight Compute reads gate_up's n4 loop, plain and early, for the
+# tiles requested ahead; then Nsight Compute reads gate_up's n4 loop at 6 an SM for the
 # warps' stall reasons, the issue rate and the DRAM throughput. LOADS=1 first times the loop's
 # loads alone (probe_w4_loads.py); NCU_SELECT: other --int4-configs substrings, ';'-separated.
 #
@@ -24,7 +24,7 @@ METRICS="gpu__time_duration.sum,launch__registers_per_thread,dram__throughput.av
 METRICS+=",smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warps_active.avg.per_cycle_active"
 METRICS+=",smsp__warps_eligible.avg.per_cycle_active"
 METRICS+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
-IFS=";" read -r -a selects <<< "${NCU_SELECT:-loop 4/SM n4;loop 4/SM early n4}"
+IFS=";" read -r -a selects <<< "${NCU_SELECT:-loop 6/SM n4}"
 for sel in "${selects[@]}"; do
   log="$RESULTS/ncu_$(echo "$sel" | tr ' /' '__').log"
   timeout 150 "$NCU" --clock-control none --profile-from-start off --metrics "$METRICS" \

@@ -431,69 +431,81 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["zero"])
+@triton.jit
 def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_tiles,
-                            stride_wn, stride_sn, stride_zn, zero, GROUP: tl.constexpr,
+                            stride_wn, stride_sn, stride_zn, GROUP: tl.constexpr,
                             BLOCK_N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                             BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                             GATE_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                            RMS_EPS: tl.constexpr = 0.0, EARLY: tl.constexpr = False):
+                            RMS_EPS: tl.constexpr = 0.0):
     """One row of x, whole-K tiles (as _w4_gemv_kernel's WHOLE_K) from fewer programs than
-    tiles: program p takes tiles p, p + P, ..., and requests the next one's words, scales and
-    zeros before this one's products, so its loads and its math overlap (one tile a program
-    runs them back to back, and the programs of an SM start together). x, and with RMS_EPS its
-    1 / rms, are read once a program. The last tile re-requests itself (no branch). EARLY: the
-    products wait on a barrier placed after the next tile's loads (_zero_after_loads; `zero`
-    is a runtime 0), or ptxas issues those loads after the products."""
+    tiles: program p takes tiles p, p + P, ..., and keeps the next one's words, scales and
+    zeros in flight during this one's products, so its loads and its math overlap (one tile a
+    program runs them back to back, and the programs of an SM start together). x, and with
+    RMS_EPS its 1 / rms, are read once a program.
+
+    The loop turns two buffers, each consumed and then refilled with the tile two on (past the
+    program's last tile: the last again, no branch). Written as one buffer rotating (the next
+    tile requested at the top of each step), ptxas issued the requests after the step's
+    products (sm_90a, n4 w2: the word loads at instructions 664-685 of 757), so each step
+    waited out a whole load latency; session 27 fenced the products behind a CTA barrier
+    (`early`: H200, Nsight Compute on gate_up's n4 loop 29.7 -> 22.9 us, long-scoreboard stalls
+    1.89 -> 0.30 an instruction). Here a refill is written after its buffer's products and
+    before the other buffer's, where ptxas keeps it, with neither the fence's 40 LOP3 nor the
+    rotation's 38 IMAD.MOV a step (n4 w2 gate-out: 765 instructions a tile against the fenced
+    loop's 837, the same 168 registers; test_w4_load_order checks the placement)."""
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
-    rows = _tile_rows(pid, N, BLOCK_N, GATE_OUT)
-    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
-                             K, KP)
+    n_it = tl.cdiv(n_tiles - pid, step)  # this program's tiles (>= 1: programs <= n_tiles)
+    b0 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, 0, n_it, pid, step, N, stride_wn, stride_sn,
+                          stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
+    b1 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, 1, n_it, pid, step, N, stride_wn, stride_sn,
+                          stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
     pdl_wait(USE_PDL)
     x = _whole_k_x(x_ptr, K, KP, BF16X2)
     inv_rms = 1.0
     if RMS_EPS > 0:
         inv_rms = _inv_rms(_x_squares(x_ptr, K, KP), K, RMS_EPS)
-    for tile in range(pid, n_tiles, step):
-        next_rows = _tile_rows(tl.minimum(tile + step, n_tiles - 1), N, BLOCK_N, GATE_OUT)
-        next_w, next_z8, next_s = _whole_k_tile(w_ptr, s_ptr, z_ptr, next_rows, stride_wn,
-                                                stride_sn, stride_zn, GROUP, K, KP)
-        if EARLY and BF16X2 == 2:
-            w, z8 = _after_loads(w, z8, zero)
-        sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
-        if GATE_OUT:
-            _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
-                             False, HAS_BIAS, BLOCK_N)
-        else:
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
-                    tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
-        rows, w, z8, s = next_rows, next_w, next_z8, next_s
+    for it in range(0, n_it, 2):
+        _loop_tile_out(b0, pid + it * step, x, inv_rms, bias_ptr, out_ptr, N, GROUP, BLOCK_N,
+                       KP, BF16X2, HAS_BIAS, GATE_OUT)
+        b0 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, it + 2, n_it, pid, step, N, stride_wn,
+                              stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
+        if it + 1 < n_it:
+            _loop_tile_out(b1, pid + (it + 1) * step, x, inv_rms, bias_ptr, out_ptr, N, GROUP,
+                           BLOCK_N, KP, BF16X2, HAS_BIAS, GATE_OUT)
+        b1 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, it + 3, n_it, pid, step, N, stride_wn,
+                              stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
 
 
 @triton.jit
-def _after_loads(w, z8, zero):
-    """w and z8 as they are, but only after a CTA barrier (_zero_after_loads' count XORed in),
-    so that the products that need them cannot move above the loads written before this call.
-    Both the words and the zeros: fencing the zeros alone left the unpacking free to move above
-    the barrier (sm_90a, the n4 w2 loop: 254 registers instead of 168)."""
-    fence = _zero_after_loads(zero)
-    return w ^ fence, z8 ^ fence.to(tl.uint8)
+def _loop_tile_loads(w_ptr, s_ptr, z_ptr, it, n_it, pid, step, N, stride_wn, stride_sn,
+                     stride_zn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, K: tl.constexpr,
+                     KP: tl.constexpr, GATE_OUT: tl.constexpr):
+    """(rows, words, zeros, scales) of the program's it-th tile (past its last: the last
+    again, unused, so that no branch guards the request)."""
+    tile = pid + tl.minimum(it, tl.maximum(n_it - 1, 0)) * step
+    rows = _tile_rows(tile, N, BLOCK_N, GATE_OUT)
+    w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
+                             K, KP)
+    return rows, w, z8, s
 
 
 @triton.jit
-def _zero_after_loads(zero):
-    """`zero` (a runtime 0) counted through a CTA barrier (bar.red.popc of zero != 0), for the
-    products to depend on: ptxas keeps global loads before a barrier, and the barrier's count
-    exists only after it, so the products can no longer be hoisted above the next tile's
-    loads. Without it ptxas issues those loads after this tile's products (sm_90a SASS of the
-    n4 loop: the 128-bit word loads at instructions 664-685 of 757), and the next step waits
-    out their whole latency."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.u32 p, $1, 0; bar.red.popc.u32 $0, 0, p; }",
-        constraints="=r,r", args=[zero], dtype=tl.int32, is_pure=False, pack=1)
+def _loop_tile_out(buf, tile, x, inv_rms, bias_ptr, out_ptr, N, GROUP: tl.constexpr,
+                   BLOCK_N: tl.constexpr, KP: tl.constexpr, BF16X2: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, GATE_OUT: tl.constexpr):
+    """A loaded tile's (_loop_tile_loads) row sums, written out."""
+    rows, w, z8, s = buf
+    sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
+    if GATE_OUT:
+        _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
+                         False, HAS_BIAS, BLOCK_N)
+    else:
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
+                tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
 
 
 @triton.jit
@@ -752,9 +764,6 @@ class W4Config(GemvConfig):
     # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
     # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
     kwarps: bool = False
-    # Whole-K loop only: this tile's products fenced behind the next tile's loads
-    # (_zero_after_loads), so that ptxas cannot issue those loads after the products.
-    early: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
@@ -768,7 +777,6 @@ class W4Config(GemvConfig):
         kind += (" prefetch" + (str(int(self.prefetch)) if self.prefetch > 1 else "")
                  if self.prefetch and not self.dot else "") + (" whole-K" if self.whole_k else "")
         kind += f" loop {self.persist}/SM" if self.persist else ""
-        kind += " early" if self.early else ""
         split = f"split {self.split_k}" if self.split_k else "split auto"
         return (f"w4 {kind} n{self.block_n} k{self.block_k} {split} warps {self.num_warps}"
                 + (f" stages {self.num_stages}" if self.num_stages > 1 else ""))
@@ -837,16 +845,10 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16,
     # same bytes in flight and warps an SM as n8 w4 at 2.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
-    # The loop's products fenced behind the next tile's loads (early; offline sm_90a, n4 w2:
-    # the loads at instructions 18-104 of 800 instead of 484-685 of 757, 168 registers instead
-    # of 106), and n4 at 8 an SM, which fits now that Triton 3.6's tiles take 106 registers,
-    # not 255 (_whole_k_tile). H200, session 28: Nsight Compute on the n4 loop at 4 an SM read
-    # 29.7 -> 22.9 us early (long-scoreboard stalls 1.89 -> 0.30 an instruction); the tuner
-    # picked n4 at 6 early (20.6 us) or at 8 plain (20.2) for gate_up's gate-out + norm and n2
-    # early for down (13.6-13.7). n4 at 4 and n8 at 2, early, won no shape: left out.
-    whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p,
-                       early=e)
-              for bn, w, p, e in [(4, 2, 8, False), (4, 2, 6, True), (2, 4, 2, True)]]
+    # (Session 28: the H200 picked n4 at 6 an SM, its products fenced behind the next tile's
+    # loads, for gate_up's gate-out + norm, 20.6 us, and n2 w4 fenced for down, 13.6-13.7: the
+    # loop's two buffers now give that order without the fence, _w4_whole_k_loop_kernel. The
+    # loop's tiles hold 168 registers for n4 w2 since, so 8 an SM no longer fit.)
     if k >= LONG_K:
         whole += LONG_K_LOOPS
     return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
@@ -857,11 +859,12 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16,
 # down's n2 w4 loop at 2 an SM (8 warps an SM, two a scheduler) as bound by its products: 10.4-11.4
 # us alone against 9.2-9.8 for its loads and 13.2-13.7 for the GEMV, at ~60% of the issue rate
 # its ~3.3 sm_90a instructions a weight allow (gate_up's n4 loop issues at ~80%). These hold four
-# to eight warps a scheduler at Triton 3.6's registers for K = 14,336 (offline sm_90a): n4 w8 at
-# 2 an SM 104, n4 w16 at 2 64, n8 w16 at 1 113. Not yet timed on the H200.
+# to eight warps a scheduler at Triton 3.6's registers for K = 14,336 (offline sm_90a, the
+# two-buffer loop): n2 w8 at 2 an SM 128 registers, n2 w16 at 2 64, n8 w16 at 1 128 (n2 w4
+# takes 255). Not yet timed on the H200.
 LONG_K = 8192
 LONG_K_LOOPS = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
-                for bn, w, p in [(4, 8, 2), (4, 16, 2), (8, 16, 1)]]
+                for bn, w, p in [(2, 8, 2), (2, 16, 2), (8, 16, 1)]]
 
 
 # One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 32 rows a tile (16 a
@@ -1161,10 +1164,10 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
     programs = min(n_tiles, cfg.persist * num_sms(device))
     _w4_whole_k_loop_kernel[(programs,)](
         x2, words, scales, zeros, bias, out, args[9], n_tiles, words.stride(0),
-        scales.stride(0), zeros.stride(0), 0, GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
+        scales.stride(0), zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
         K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
         HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
-        EARLY=bool(getattr(cfg, "early", False)), num_warps=common["num_warps"],
+        num_warps=common["num_warps"],
         **pdl.launch_kwargs(device))
 
 

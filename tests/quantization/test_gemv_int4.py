@@ -452,7 +452,7 @@ def test_long_rows_add_the_many_warp_loops() -> None:
                for c in gemv_int4.LONG_K_LOOPS)
 
 
-@pytest.mark.parametrize("block_n,warps,persist", [(4, 16, 2), (8, 16, 1)])
+@pytest.mark.parametrize("block_n,warps,persist", [(2, 16, 2), (8, 16, 1)])
 def test_many_warp_loop_equals_the_chained_loop(block_n: int, warps: int, persist: int) -> None:
     """A LONG_K_LOOPS launch (16 warps a program) gives the chained loop's result at a long K
     (the interpreter: the launch, its grid and arguments; the GPU test runs the PTX)."""
@@ -500,31 +500,28 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("group,k", [(128, 512), (64, 512), (128, 384)])
 @pytest.mark.parametrize("gate_out", [False, True])
-@pytest.mark.parametrize("persist,early", [(0, False), (1, False), (1, True)],
-                         ids=["tile-a-program", "loop", "loop-early"])
+@pytest.mark.parametrize("persist", [0, 1, 2], ids=["tile-a-program", "loop", "loop-2"])
 @pytest.mark.parametrize("block_n,warps", [(8, 4), (4, 2)])
 def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool,
-                                            persist: int, early: bool, block_n: int,
-                                            warps: int) -> None:
+                                            persist: int, block_n: int, warps: int) -> None:
     """whole_k: the program's whole slice in one chained product, equal to the chained loop's
     result within float32 summation order, plain and gate-out; K = 384 pads the tile to 512
     (the padding's words read 0 with scale 0); a slice too wide for the tile runs the loop.
     persist 1: four programs off CUDA (gemv.num_sms) loop over 6 tiles of 8 rows (3 gate-out)
-    or 11 of 4 (6 gate-out), the last one ragged. early (the loop only): the same launch with
-    its products fenced behind the next tile's loads (the fence itself is PTX, so the GPU tests and
-    test_w4_load_order check it; here the launch and its arguments)."""
+    or 11 of 4 (6 gate-out), the last one ragged: programs of one, two and three tiles, so the
+    loop's two buffers end on either one (persist 2: eight programs, one or two tiles each)."""
     n = 42
     packed = quantized(n, k, group, seed=5)
     g = torch.Generator().manual_seed(11)
     x, b = torch.randn(1, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
     whole = W4Config(block_n=block_n, block_k=128, split_k=1, num_warps=warps, prefetch=True,
-                     bit_convert=2, whole_k=True, persist=persist, early=early)
+                     bit_convert=2, whole_k=True, persist=persist)
     path = gemv_int4._one_row_path(whole, x, group, n, k, 1)
     assert (path["WHOLE_K"], path["WHOLE_KP"]) == (k, 512)
     assert gemv_int4._one_row_path(whole, x, group, n, 64 * 1024, 1)["WHOLE_K"] == 0
     # word offsets past int32 (_I32_OFFSETS): the chained loop instead
     assert gemv_int4._one_row_path(whole, x, group, 2**25, k, 1)["WHOLE_K"] == 0
-    loop = dataclasses.replace(whole, whole_k=False, persist=0, early=False)
+    loop = dataclasses.replace(whole, whole_k=False, persist=0)
     if gate_out:
         got = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, whole)
         want = gemv_int4.w4_gemv_gate_out(x, *packed, group, b, loop)

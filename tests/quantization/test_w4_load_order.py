@@ -2,11 +2,11 @@
 Triton wheel's own ptxas: benchmarks/sass_loop.py, in a process of its own since the tests run
 Triton's interpreter).
 
-The loop requests the next tile before this tile's products so that the two overlap. Left to
-itself, ptxas moves the products above those loads: the next tile is requested only after
-them, and each step waits out the whole load latency. The `early` configs fence the products
-behind a barrier placed after the loads (gemv_int4._zero_after_loads). This test checks the
-order that the fence is meant to give.
+The loop keeps the next tile's words in flight during this tile's products: it turns two
+buffers, each refilled right after its own products and before the other buffer's
+(gemv_int4._w4_whole_k_loop_kernel). Written as one rotating buffer, ptxas issued the requests
+after the products and every step waited out a whole load latency (session 27). This test
+checks the order the two buffers are meant to give, for the tiles the tuner picks.
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _loop_ops(*args: str, kernel: str = "w4loop") -> list[str]:
-    """A kernel's sm_90a opcodes in order (sass_loop.py KERNEL ARGS --ops: its main loop's)."""
+def _loop_ops(*args: str) -> list[str]:
+    """The loop kernel's sm_90a opcodes in order (sass_loop.py w4loop ARGS --ops: its main
+    loop's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "benchmarks/sass_loop.py", kernel, *args, "--ops"],
+    run = subprocess.run([sys.executable, "benchmarks/sass_loop.py", "w4loop", *args, "--ops"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if run.returncode and "ptxas" in run.stderr.lower() and "not found" in run.stderr.lower():
         pytest.skip("no ptxas in this Triton")
@@ -31,23 +32,20 @@ def _loop_ops(*args: str, kernel: str = "w4loop") -> list[str]:
     return run.stdout.split()
 
 
-@pytest.mark.parametrize("args", [("--block-n", "4", "--num-warps", "2"),
-                                  ("--block-n", "8", "--num-warps", "4", "--gate-out")],
-                         ids=["n4-w2", "n8-w4-gate-out"])
-def test_early_loop_requests_the_next_tile_before_its_products(args):
-    ops = _loop_ops(*args, "--early")
-    fence = next(i for i, op in enumerate(ops) if op.startswith("BAR.RED.POPC"))
-    loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
+@pytest.mark.parametrize("args", [("--block-n", "4", "--num-warps", "2", "--gate-out"),
+                                  ("--block-n", "2", "--num-warps", "4", "--whole-k", "14336")],
+                         ids=["gate_up-n4-w2-gate-out", "down-n2-w4"])
+def test_each_refill_is_in_flight_during_the_other_buffers_products(args):
+    ops = _loop_ops(*args)
+    words = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
+    stores = [i for i, op in enumerate(ops) if op.startswith("STG")]
     # packed bf16 arithmetic (ptxas also uses HFMA2.MMA on registers as a move)
     products = [i for i, op in enumerate(ops) if "BF16_V2" in op]
-    # a thread's 8 16-byte word loads, 8 zeros and 8 scales (n4 w2 and n8 w4 alike)
-    assert len(loads) == 24 and max(loads) < fence
-    assert len(products) > 200 and min(products) > fence
-
-
-def test_without_the_fence_ptxas_issues_the_word_loads_late():
-    """The reason for the fence: if this starts failing, ptxas keeps the loads where Triton
-    writes them, and the `early` configs only cost their barrier."""
-    ops = _loop_ops("--block-n", "4", "--num-warps", "2")
-    words = [i for i, op in enumerate(ops) if op.startswith("LDG.E.128")]
-    assert len(words) == 8 and min(words) > len(ops) // 2
+    assert len(words) == 16 and len(stores) == 2  # a thread's 8 word loads per buffer
+    first, second = words[:8], words[8:]
+    # buffer 0's refill: after its tile's products and store, before buffer 1's products
+    second_products = [i for i in products if i > stores[0]]
+    assert len(second_products) > 200
+    assert stores[0] < min(first) and max(first) < min(second_products)
+    # buffer 1's refill: after the second tile's store (in flight during the next turn's first)
+    assert min(second) > stores[1]
