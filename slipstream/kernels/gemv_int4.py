@@ -762,14 +762,16 @@ class W4Config(GemvConfig):
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_gemv_kernel's WHOLE_K
     # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
-    # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
+    # 32 rows a tile, block_k / 128 groups a warp and step, at most persist programs an SM
+    # (_kwarps_ok says where it runs).
     kwarps: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
         if self.kwarps:
+            groups = self.block_k // 128
             return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
-                    f"loop {self.persist}/SM")
+                    f"loop {self.persist}/SM" + (f" groups {groups}" if groups > 1 else ""))
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -877,8 +879,13 @@ LONG_K_LOOPS = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, pe
 # 7.0, so these win nowhere; they also compile per (N, K) and call kind, which pushed a cold
 # W1 start past its time limit. Off by default: SLIPSTREAM_W4_KWARPS=1 adds them.
 _KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "0") == "1"
-KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
-                  for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
+# Session 28 (offline; not yet timed on the H200): a step of one group a warp keeps ~2 KB a
+# warp in flight, ~32 KB an SM at 4 warps x 4 programs, where the whole-K loop holds ~48 KB
+# (gate_up's loads alone: 16.4-17.0 us); two groups a step (block_k 256), 4 warps at 3 an SM,
+# hold 4 KB a warp, ~48 KB an SM, at 167 registers and 1.96 sm_90a instructions a weight.
+KWARPS_CONFIGS = [W4Config(32, bk, 1, w, persist=p, kwarps=True)
+                  for w, p, bk in [(16, 1, 128), (8, 2, 128), (4, 4, 128), (4, 5, 128),
+                                   (4, 3, 256)]]
 
 
 def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
@@ -887,7 +894,8 @@ def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: in
     tile of 16 rows each, with the config's warps)."""
     tiles = 2 if gate_out else cfg.block_n // 16
     return (getattr(cfg, "kwarps", False) and gemv_int4_kwarps.x_ok(x2)
-            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out))
+            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out,
+                                      cfg.block_k // 128))
 
 
 def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
@@ -895,7 +903,8 @@ def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
                    out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
     gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
                             2 if gate_out else cfg.block_n // 16, cfg.persist,
-                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
+                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps,
+                            groups=cfg.block_k // 128)
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
