@@ -769,7 +769,7 @@ class W4Config(GemvConfig):
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
         if self.kwarps:
-            groups = self.block_k // 128
+            groups = _kwarps_groups(self)
             return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
                     f"loop {self.persist}/SM" + (f" groups {groups}" if groups > 1 else ""))
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
@@ -888,6 +888,11 @@ KWARPS_CONFIGS = [W4Config(32, bk, 1, w, persist=p, kwarps=True)
                                    (4, 3, 256)]]
 
 
+def _kwarps_groups(cfg: GemvConfig) -> int:
+    """Groups a warp takes a step in a k-warps config (its block_k in groups of 128)."""
+    return cfg.block_k // gemv_int4_kwarps.GROUP_SIZE
+
+
 def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
                gate_out: bool = False) -> bool:
     """Whether a kwarps config runs the k-warps kernel for this call (gate-out: a gate and an up
@@ -895,7 +900,7 @@ def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: in
     tiles = 2 if gate_out else cfg.block_n // 16
     return (getattr(cfg, "kwarps", False) and gemv_int4_kwarps.x_ok(x2)
             and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out,
-                                      cfg.block_k // 128))
+                                      _kwarps_groups(cfg)))
 
 
 def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
@@ -904,7 +909,7 @@ def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
     gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
                             2 if gate_out else cfg.block_n // 16, cfg.persist,
                             num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps,
-                            groups=cfg.block_k // 128)
+                            groups=_kwarps_groups(cfg))
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
