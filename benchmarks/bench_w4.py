@@ -86,7 +86,7 @@ def bench_case(name: str, n: int, k: int, m: int, group: int, sweep: bool = Fals
             row("bf16 engine linear", time_ms(triton_ops.linear, (x, w)), bf16_bytes, flops)]
     want = gemv_int4.w4_linear_reference(x, *packed, group)
     if m <= gemv_int4.MAX_M:
-        configs = sweep_configs(m) if sweep else gemv_int4.candidate_w4_configs(m, x.dtype, k)
+        configs = sweep_configs(m) if sweep else gemv_int4.candidate_w4_configs(m, x.dtype)
         cands = [(c.label(), lambda *a, c=c: gemv_int4.w4_gemv(*a, group, None, c))
                  for c in configs]
     else:

@@ -36,11 +36,13 @@ def _time(fn, args) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", default="")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ns = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     gemv_int4._KWARPS = True  # (only for the _kwarps_ok checks below; each pick turns it off)
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name in ns.shapes.split(","):
+        n, k = SHAPES[name]
         q, s, z = _weight(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         want = gemv_int4.w4_linear_reference(x.double(), q, s, z, 128).float()

@@ -36,8 +36,7 @@ from slipstream.kernels.tuning import graph_time_us, weight_copies
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
           "o": (4096, 4096)}  # (N, K)
 CONFIGS = {"gate_up": [(4, 2, 4), (8, 4, 2), (4, 2, 6), (4, 2, 8)],
-           "down": [(2, 4, 2)] + [(c.block_n, c.num_warps, c.persist)
-                                  for c in gemv_int4.LONG_K_LOOPS],
+           "down": [(2, 4, 2)],
            "qkv": [(8, 4, 2), (4, 2, 4)], "o": [(8, 4, 2), (4, 2, 4)]}  # (rows, warps, per SM)
 MODES = {"loop": 0, "compute": 1, "ahead2": 2}
 GROUP = 128

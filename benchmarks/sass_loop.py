@@ -139,7 +139,8 @@ def w4loop_case(ns) -> tuple:
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16")
     consts = dict(GROUP=128, BLOCK_N=ns.block_n, K=k, KP=triton.next_power_of_2(k),
-                  BF16X2=2, HAS_BIAS=False, GATE_OUT=ns.gate_out, USE_PDL=True)
+                  BF16X2=2, HAS_BIAS=False, GATE_OUT=ns.gate_out, USE_PDL=True,
+                  RMS_EPS=1e-5 if ns.rms else 0.0)
     return _w4_whole_k_loop_kernel, types, consts, ns.block_n * k / (32 * ns.num_warps)
 
 
@@ -186,6 +187,7 @@ def main() -> None:
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
     ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
+    ap.add_argument("--rms", action="store_true", help="w4loop: the in-GEMV RMSNorm (RMS_EPS)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
     ap.add_argument("--preload", action="store_true", help="attention (--split): PRELOAD (the "
                     "first K/V tile read before the PDL wait)")

@@ -791,11 +791,9 @@ def default_w4_config(m: int) -> W4Config:
     return W4Config(block_n=128, block_k=128, num_warps=4, dot=True)
 
 
-def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16,
-                         k: int = 0) -> list[W4Config]:
-    """The configs w4_linear_small measures per shape (k: the weight's K, 0 if unknown; long
-    rows add LONG_K_LOOPS at one row). Compiles are per tile shape only: split_k is a runtime
-    value, so the split variants (0: from the shape) cost just their timing.
+def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4Config]:
+    """The configs w4_linear_small measures per shape. Compiles are per tile shape only:
+    split_k is a runtime value, so the split variants (0: from the shape) cost just their timing.
     M == 1 FMA kernel: rows per thread = block_n / (8 num_warps); 8 amortizes the x work best."""
     dot = [W4Config(bn, 128, sk, w, st, dot=True) for bn, sk, w, st in
            [(128, 0, 4, 1), (256, 0, 8, 1), (64, 0, 4, 1), (128, 0, 4, 3), (128, 2, 4, 1),
@@ -851,22 +849,11 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16,
     # loads, for gate_up's gate-out + norm, 20.6 us, and n2 w4 fenced for down, 13.6-13.7: the
     # loop's two buffers now give that order without the fence, _w4_whole_k_loop_kernel. The
     # loop's tiles hold 168 registers for n4 w2 since, so 8 an SM no longer fit.)
-    if k >= LONG_K:
-        whole += LONG_K_LOOPS
+    # (Session 28 also tried loops of more warps an SM for down_proj's K = 14,336, n2 w8 / n2
+    # w16 at 2 an SM and n8 w16 at 1, for more warps a scheduler than n2 w4's two: H200,
+    # session 29, 13.6 / 14.8 / 15.4 us against n2 w4's 13.4. Removed.)
     return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
             + (KWARPS_CONFIGS if _KWARPS else []))
-
-
-# Whole-K loops with more warps an SM for long rows (down_proj's K = 14,336). Session 28 read
-# down's n2 w4 loop at 2 an SM (8 warps an SM, two a scheduler) as bound by its products: 10.4-11.4
-# us alone against 9.2-9.8 for its loads and 13.2-13.7 for the GEMV, at ~60% of the issue rate
-# its ~3.3 sm_90a instructions a weight allow (gate_up's n4 loop issues at ~80%). These hold four
-# to eight warps a scheduler at Triton 3.6's registers for K = 14,336 (offline sm_90a, the
-# two-buffer loop): n2 w8 at 2 an SM 128 registers, n2 w16 at 2 64, n8 w16 at 1 128 (n2 w4
-# takes 255). Not yet timed on the H200.
-LONG_K = 8192
-LONG_K_LOOPS = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
-                for bn, w, p in [(2, 8, 2), (2, 16, 2), (8, 16, 1)]]
 
 
 # One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 32 rows a tile (16 a
@@ -1090,7 +1077,7 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             return None
         xs = torch.randn((bucket, k), device=x.device, dtype=x.dtype)
         cands = [(c, _one_call(c, group_size, bias, gate_out, rms_eps))
-                 for c in candidate_w4_configs(bucket, x.dtype, k)
+                 for c in candidate_w4_configs(bucket, x.dtype)
                  if _runs(c, xs, n, k, group_size, gate_out, rms_eps)]
         xr = xs.double()
         if rms_eps:

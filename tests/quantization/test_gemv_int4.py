@@ -440,32 +440,6 @@ def test_gpu_few_rows_kernel_has_the_one_row_bits(n: int, k: int) -> None:
                 assert torch.equal(got[r:r + 1], want), (m, cfg)
 
 
-def test_long_rows_add_the_many_warp_loops() -> None:
-    """LONG_K_LOOPS join the one-row candidates only for K >= LONG_K (down_proj's), not for
-    the 4,096-wide projections, nor above one row; each fits its whole-K tile at K = 14,336."""
-    short = gemv_int4.candidate_w4_configs(1, torch.bfloat16, 4096)
-    long = gemv_int4.candidate_w4_configs(1, torch.bfloat16, 14336)
-    assert not set(gemv_int4.LONG_K_LOOPS) & set(short)
-    assert len(long) == len(short) + 3 and set(long) - set(short) == set(gemv_int4.LONG_K_LOOPS)
-    assert not set(gemv_int4.LONG_K_LOOPS) & set(gemv_int4.candidate_w4_configs(4, k=14336))
-    assert all(gemv_int4._whole_k_fits(c, 4096, 14336) and c.persist
-               for c in gemv_int4.LONG_K_LOOPS)
-
-
-@pytest.mark.parametrize("block_n,warps,persist", [(2, 16, 2), (8, 16, 1)])
-def test_many_warp_loop_equals_the_chained_loop(block_n: int, warps: int, persist: int) -> None:
-    """A LONG_K_LOOPS launch (16 warps a program) gives the chained loop's result at a long K
-    (the interpreter: the launch, its grid and arguments; the GPU test runs the PTX)."""
-    n, k = 40, 8192
-    packed = quantized(n, k, 128, seed=9)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).bfloat16()
-    cfg = W4Config(block_n, 128, 1, warps, 1, True, bit_convert=2, whole_k=True, persist=persist)
-    assert cfg in gemv_int4.LONG_K_LOOPS
-    loop = dataclasses.replace(cfg, whole_k=False, persist=0)
-    got, want = gemv_int4.w4_gemv(x, *packed, 128, None, cfg), gemv_int4.w4_gemv(x, *packed, 128, None, loop)
-    assert rel(got, want) < 8e-3 and not torch.equal(got, torch.zeros_like(got))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("group,dtype", [(128, torch.bfloat16), (64, torch.float16)])
 def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
@@ -479,12 +453,6 @@ def test_every_candidate_gpu(group: int, dtype: torch.dtype) -> None:
         for cfg in gemv_int4.candidate_w4_configs(bucket, dtype):
             for _ in range(2):
                 _gpu_check(gemv_int4.w4_gemv(x, *packed, group, None, cfg), want, repr(cfg))
-    long_k = quantized(1000, 14336, group, "cuda")  # down_proj's K: LONG_K_LOOPS join
-    x = torch.randn(1, 14336, device="cuda", dtype=dtype)
-    want = gemv_int4.w4_linear_reference(x, *long_k, group)
-    for cfg in gemv_int4.LONG_K_LOOPS:
-        for _ in range(2):
-            _gpu_check(gemv_int4.w4_gemv(x, *long_k, group, None, cfg), want, repr(cfg))
     for m in (40, 300):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         want = gemv_int4.w4_linear_reference(x, *packed, group)
