@@ -866,13 +866,13 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
 # 7.0, so these win nowhere; they also compile per (N, K) and call kind, which pushed a cold
 # W1 start past its time limit. Off by default: SLIPSTREAM_W4_KWARPS=1 adds them.
 _KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "0") == "1"
-# Session 28 (offline; not yet timed on the H200): a step of one group a warp keeps ~2 KB a
-# warp in flight, ~32 KB an SM at 4 warps x 4 programs, where the whole-K loop holds ~48 KB
-# (gate_up's loads alone: 16.4-17.0 us); two groups a step (block_k 256), 4 warps at 3 an SM,
-# hold 4 KB a warp, ~48 KB an SM, at 167 registers and 1.96 sm_90a instructions a weight.
-KWARPS_CONFIGS = [W4Config(32, bk, 1, w, persist=p, kwarps=True)
-                  for w, p, bk in [(16, 1, 128), (8, 2, 128), (4, 4, 128), (4, 5, 128),
-                                   (4, 3, 256)]]
+# Session 28 gave the kernel G groups a warp and step (block_k = 128 G): two groups, 4 warps at
+# 3 an SM, hold ~48 KB an SM in flight instead of ~32, at 167 registers and 1.96 sm_90a
+# instructions a weight. H200 (session 29), us, two groups / the best one-group config: qkv 8.1
+# / 6.7, o 7.7 / 5.2, gate_up 24.0 / 21.6, down 23.0 / 14.5: not a candidate (a config's block_k
+# still picks it: _kwarps_groups, tests/quantization/test_gemv_int4_kwarps.py).
+KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
+                  for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
 
 
 def _kwarps_groups(cfg: GemvConfig) -> int:
