@@ -11,6 +11,8 @@ copies past L2, beside the production launch of the same config.
 - `production`: gemv_int4's own launch of the config (two buffers turned so that each refill
   is in flight during the other buffer's products; session 27-28 fenced the rotating loop's
   products behind a barrier instead, `early`: Nsight Compute 29.7 -> 22.9 us on gate_up).
+- gate_up also `gate_out`, `rms` and `gate_out_rms`: the production launch as W1 calls it (the
+  tuner read the gate-out + norm call ~2 us over the plain product in session 29: 20.5 / 18.5).
 
 probe_w4_loads.py gave the loads alone (session 27: gate_up 16.4-17.0 us, down 9.2, qkv 5.2
 against the GEMV's ~21-22, ~14.8 and ~7.0). If `compute` is well under `loop` while `loop` is well
@@ -90,9 +92,11 @@ def production_config(block_n: int, warps: int, persist: int):
                               prefetch=True, bit_convert=2, whole_k=True, persist=persist)
 
 
-def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int) -> dict:
+def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int,
+            gate_kinds: bool = False) -> dict:
     """us of the production launch and of each mode for one config; the loop's max error
-    against the production output (they should agree)."""
+    against the production output (they should agree). gate_kinds: the production launch also
+    as a gate-out, with the in-GEMV norm, and both."""
     out = torch.empty(1, words.shape[0], device="cuda", dtype=torch.bfloat16)
     copies = weight_copies((words, scales, zeros))
     cfg = production_config(block_n, warps, persist)
@@ -100,6 +104,12 @@ def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int) -> 
     row["production"] = graph_time_us(
         lambda a: gemv_int4.w4_gemv(x, a[0].view(torch.uint8), a[1], a[2], GROUP, None, cfg),
         copies)
+    if gate_kinds:  # the call kinds W1 runs at gate_up: what the gate-out and the norm cost
+        for kind, eps in [("gate_out", 0.0), ("gate_out_rms", 1e-5)]:
+            row[kind] = graph_time_us(lambda a, e=eps: gemv_int4.w4_gemv_gate_out(
+                x, a[0].view(torch.uint8), a[1], a[2], GROUP, None, cfg, rms_eps=e), copies)
+        row["rms"] = graph_time_us(lambda a: gemv_int4.w4_gemv(
+            x, a[0].view(torch.uint8), a[1], a[2], GROUP, None, cfg, rms_eps=1e-5), copies)
     for mode_name, mode in MODES.items():
         try:
             row[mode_name] = graph_time_us(
@@ -126,7 +136,8 @@ def main() -> None:
         zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", dtype=torch.uint8)
         nbytes = words.numel() * 4 + scales.numel() * 2 + zeros.numel()
         for block_n, warps, persist in CONFIGS[name]:
-            row = dict(shape=name, **measure(x, words, scales, zeros, block_n, warps, persist))
+            row = dict(shape=name, **measure(x, words, scales, zeros, block_n, warps, persist,
+                                             gate_kinds=name == "gate_up"))
             row["gbps_loop"] = nbytes / row.get("loop", float("nan")) / 1e3
             print(" ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
                            for key, val in row.items()), flush=True)
