@@ -163,8 +163,8 @@ def w4kwarps_case(ns) -> tuple:
     n = 28672 if ns.gate_out else 4096
     consts = dict(N=n, K=k, KP=triton.next_power_of_2(k), SECOND=n // 2 if ns.gate_out else 16,
                   NW=ns.num_warps, TILES=ns.tiles,
-                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True, G=ns.groups)
-    return _w4_kwarps_kernel, types, consts, 16 * ns.tiles * 128 * ns.groups / 32  # a lane, step
+                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True)
+    return _w4_kwarps_kernel, types, consts, 16 * ns.tiles * 128 / 32  # per lane, step
 
 
 def main() -> None:
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
     ap.add_argument("--tiles", type=int, default=2, help="w4mma / w4kwarps: 16-row tiles (1, 2)")
     ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
-    ap.add_argument("--groups", type=int, default=1, help="w4mma / w4kwarps: groups per loop step (1, 2, 4)")
+    ap.add_argument("--groups", type=int, default=1, help="w4mma: groups per loop step (1, 2, 4)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
     ap.add_argument("--stages", type=int, default=1, help="qgemv / w4 STAGES (shared-memory pipeline)")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))

@@ -762,16 +762,14 @@ class W4Config(GemvConfig):
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_gemv_kernel's WHOLE_K
     # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
-    # 32 rows a tile, block_k / 128 groups a warp and step, at most persist programs an SM
-    # (_kwarps_ok says where it runs).
+    # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
     kwarps: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
         if self.kwarps:
-            groups = _kwarps_groups(self)
             return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
-                    f"loop {self.persist}/SM" + (f" groups {groups}" if groups > 1 else ""))
+                    f"loop {self.persist}/SM")
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -866,18 +864,11 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
 # 7.0, so these win nowhere; they also compile per (N, K) and call kind, which pushed a cold
 # W1 start past its time limit. Off by default: SLIPSTREAM_W4_KWARPS=1 adds them.
 _KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "0") == "1"
-# Session 28 gave the kernel G groups a warp and step (block_k = 128 G): two groups, 4 warps at
-# 3 an SM, hold ~48 KB an SM in flight instead of ~32, at 167 registers and 1.96 sm_90a
-# instructions a weight. H200 (session 29), us, two groups / the best one-group config: qkv 8.1
-# / 6.7, o 7.7 / 5.2, gate_up 24.0 / 21.6, down 23.0 / 14.5: not a candidate (a config's block_k
-# still picks it: _kwarps_groups, tests/quantization/test_gemv_int4_kwarps.py).
+# (Session 28 let a warp take two or four groups a step, ~48 KB an SM in flight instead of ~32;
+# H200, session 29, two groups 4 warps at 3 an SM / the best one-group config, us: qkv 8.1 /
+# 6.7, o 7.7 / 5.2, gate_up 24.0 / 21.6, down 23.0 / 14.5. Removed.)
 KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
                   for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
-
-
-def _kwarps_groups(cfg: GemvConfig) -> int:
-    """Groups a warp takes a step in a k-warps config (its block_k in groups of 128)."""
-    return cfg.block_k // gemv_int4_kwarps.GROUP_SIZE
 
 
 def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
@@ -886,8 +877,7 @@ def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: in
     tile of 16 rows each, with the config's warps)."""
     tiles = 2 if gate_out else cfg.block_n // 16
     return (getattr(cfg, "kwarps", False) and gemv_int4_kwarps.x_ok(x2)
-            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out,
-                                      _kwarps_groups(cfg)))
+            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out))
 
 
 def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
@@ -895,8 +885,7 @@ def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
                    out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
     gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
                             2 if gate_out else cfg.block_n // 16, cfg.persist,
-                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps,
-                            groups=_kwarps_groups(cfg))
+                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:

@@ -37,7 +37,6 @@ from slipstream.kernels.pdl import pdl_release, pdl_wait
 GROUP_SIZE = 128
 _GROUP = tl.constexpr(GROUP_SIZE)
 WARPS = (4, 8, 16, 32)  # a program's warps (K split over them)
-GROUPS = (1, 2, 4)  # groups a warp takes a step (its words requested together)
 
 
 @triton.jit
@@ -217,12 +216,12 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
                       K: tl.constexpr, KP: tl.constexpr, SECOND: tl.constexpr, NW: tl.constexpr,
                       TILES: tl.constexpr, GATE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                      RMS_EPS: tl.constexpr = 0.0, G: tl.constexpr = 1):
+                      RMS_EPS: tl.constexpr = 0.0):
     """out = x @ dequant(w)^T for one row of bf16 x (see the module docstring). Program p takes
-    tiles p, p + P, ...; each tile is STEPS steps of NW G groups, warp w taking the G groups
-    from (step NW + w) G. The flattened (tile, step) loop has step i + 1 in flight during step
-    i's products (past the last step: the last again, no branch)."""
-    STEPS: tl.constexpr = K // (_GROUP * NW * G)
+    tiles p, p + P, ...; each tile is STEPS steps of NW groups, warp w taking group
+    step NW + w. The flattened (tile, step) loop has step i + 1 in flight during step i's
+    products (past the last step: the last again, no branch)."""
+    STEPS: tl.constexpr = K // (_GROUP * NW)
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -241,94 +240,65 @@ def _w4_kwarps_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, sixteen, N:
     # everywhere on the H200: 106-130 registers leave fewer warps an SM.) Both are requested
     # before the PDL wait: the weights never change.
     b0 = _loads_at(w_ptr, s_ptr, z_ptr, 0, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
-                   TILES, GATE_OUT, ASM, G)
+                   TILES, GATE_OUT, ASM)
     b1 = _loads_at(w_ptr, s_ptr, z_ptr, 1, n_it, pid, n_prog, warp, g, t, K, SECOND, STEPS, NW,
-                   TILES, GATE_OUT, ASM, G)
+                   TILES, GATE_OUT, ASM)
     pdl_wait(USE_PDL)  # x comes from the kernel before
     scale = 1.0
     if RMS_EPS > 0:
         scale = _inv_rms(x_ptr, K, KP, RMS_EPS)
-    if STEPS == 1:  # the warp's G groups: their x stays in registers for the whole launch
-        xp, sx = _step_x(x_ptr, warp, t, one, NW, ASM, G)
+    if STEPS == 1:  # the warp's one group: its x stays in registers for the whole launch
+        xp = _group_x(x_ptr, warp, t, ASM)
+        sx = _group_sum(xp, one, NW, ASM)
     else:  # read a step at a time (_consume); placeholders of the same structure
-        xp, sx = _x_placeholders(one, NW, G)
+        q4 = (one, one, one, one)
+        xp = (q4, q4, q4, q4)
+        sx = tl.zeros([32 * NW], tl.float32)
     z = tl.zeros([32 * NW], tl.float32)
     acc = (z, z, z, z)
     for it in range(0, n_it, 2):
         acc = _consume(b0, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr,
-                       out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS, ASM, G)
+                       out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS, ASM)
         b0 = _loads_at(w_ptr, s_ptr, z_ptr, it + 2, n_it, pid, n_prog, warp, g, t, K, SECOND,
-                       STEPS, NW, TILES, GATE_OUT, ASM, G)
+                       STEPS, NW, TILES, GATE_OUT, ASM)
         if it + 1 < n_it:
             acc = _consume(b1, acc, it + 1, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t,
                            bias_ptr, out_ptr, scale, N, STEPS, NW, TILES, GATE_OUT, HAS_BIAS,
-                           ASM, G)
+                           ASM)
         b1 = _loads_at(w_ptr, s_ptr, z_ptr, it + 3, n_it, pid, n_prog, warp, g, t, K, SECOND,
-                       STEPS, NW, TILES, GATE_OUT, ASM, G)
-
-
-@triton.jit
-def _step_x(x_ptr, first, t, one, NW: tl.constexpr, ASM: tl.constexpr, G: tl.constexpr):
-    """The lane's x pairs (_group_x) and the group sums (_group_sum) of G groups from group
-    first G, as G-tuples."""
-    xp = ()
-    sx = ()
-    for i in tl.static_range(G):
-        xq = _group_x(x_ptr, first * G + i, t, ASM)
-        xp = xp + (xq,)
-        sx = sx + (_group_sum(xq, one, NW, ASM),)
-    return xp, sx
-
-
-@triton.jit
-def _x_placeholders(one, NW: tl.constexpr, G: tl.constexpr):
-    """_step_x's structure, unread (launches of more than one step a tile read x a step at a
-    time)."""
-    q4 = (one, one, one, one)
-    xp = ()
-    sx = ()
-    for _i in tl.static_range(G):
-        xp = xp + ((q4, q4, q4, q4),)
-        sx = sx + (tl.zeros([32 * NW], tl.float32),)
-    return xp, sx
+                       STEPS, NW, TILES, GATE_OUT, ASM)
 
 
 @triton.jit
 def _loads_at(w_ptr, s_ptr, z_ptr, it, n_it, pid, n_prog, warp, g, t, K: tl.constexpr,
               SECOND: tl.constexpr, STEPS: tl.constexpr, NW: tl.constexpr, TILES: tl.constexpr,
-              GATE_OUT: tl.constexpr, ASM: tl.constexpr, G: tl.constexpr):
-    """_step_loads of flattened step it's G groups, a G-tuple (past the last step: the last
-    again, unused)."""
+              GATE_OUT: tl.constexpr, ASM: tl.constexpr):
+    """_step_loads of flattened step it (past the last: the last again, unused)."""
     it = tl.minimum(it, n_it - 1)
     tile = pid + (it // STEPS) * n_prog
-    first = ((it % STEPS) * NW + warp) * G
-    out = ()
-    for i in tl.static_range(G):
-        out = out + (_step_loads(w_ptr, s_ptr, z_ptr, tile, first + i, g, t, K, SECOND, TILES,
-                                 GATE_OUT, ASM),)
-    return out
+    return _step_loads(w_ptr, s_ptr, z_ptr, tile, (it % STEPS) * NW + warp, g, t, K, SECOND,
+                       TILES, GATE_OUT, ASM)
 
 
 @triton.jit
 def _consume(data, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias_ptr, out_ptr,
              scale, N: tl.constexpr, STEPS: tl.constexpr, NW: tl.constexpr,
              TILES: tl.constexpr, GATE_OUT: tl.constexpr, HAS_BIAS: tl.constexpr,
-             ASM: tl.constexpr, G: tl.constexpr):
-    """Step it's products (G groups: data and, held, xp / sx are G-tuples) added to the tile's
-    per-lane sums acc; at the tile's last step the sums go out (_store_tile) and start again
-    from 0. With more than one step a tile, the step's x pairs are read here (the x of a launch
-    of one step a tile stay in registers)."""
+             ASM: tl.constexpr):
+    """Step it's products added to the tile's per-lane sums acc; at the tile's last step the
+    sums go out (_store_tile) and start again from 0. With more than one step a tile, the
+    step's x pairs are read here (the x of a launch of one step a tile stay in registers)."""
+    wa, sa, wb, sb = data
     lo0, hi0, lo1, hi1 = acc
     step = it - (it // STEPS) * STEPS  # (the interpreter's int has no % with a constexpr)
     if STEPS > 1:
-        xp, sx = _step_x(x_ptr, step * NW + warp, t, one, NW, ASM, G)
-    for i in tl.static_range(G):
-        wa, sa, wb, sb = data[i]
-        lo, hi = _pair_sums(wa, sa, xp[i], sx[i], mask, NW, ASM)
-        lo0, hi0 = lo0 + lo, hi0 + hi
-        if TILES == 2:
-            lo, hi = _pair_sums(wb, sb, xp[i], sx[i], mask, NW, ASM)
-            lo1, hi1 = lo1 + lo, hi1 + hi
+        xp = _group_x(x_ptr, step * NW + warp, t, ASM)
+        sx = _group_sum(xp, one, NW, ASM)
+    lo, hi = _pair_sums(wa, sa, xp, sx, mask, NW, ASM)
+    lo0, hi0 = lo0 + lo, hi0 + hi
+    if TILES == 2:
+        lo, hi = _pair_sums(wb, sb, xp, sx, mask, NW, ASM)
+        lo1, hi1 = lo1 + lo, hi1 + hi
     if step == STEPS - 1:
         _store_tile(lo0, hi0, lo1, hi1, t, pid + (it // STEPS) * n_prog, N, bias_ptr, out_ptr,
                     scale, NW, TILES, GATE_OUT, HAS_BIAS)
@@ -338,14 +308,14 @@ def _consume(data, acc, it, pid, n_prog, x_ptr, xp, sx, one, mask, warp, t, bias
 
 
 def fits(n: int, k: int, group_size: int, num_warps: int, tiles: int,
-         gate_out: bool = False, groups: int = 1) -> bool:
+         gate_out: bool = False) -> bool:
     """Whether the kernel takes an [n, k] weight with these launch parameters: groups of 128
-    split evenly over the warps, `groups` a warp and step, whole tiles (16 rows, 32 at TILES
-    2, a gate and an up tile for gate-out), word offsets within int32."""
+    split evenly over the warps, whole tiles (16 rows, 32 at TILES 2, a gate and an up tile
+    for gate-out), word offsets within int32."""
     rows = n // 2 if gate_out else n
     tile_rows = 16 if gate_out else 16 * tiles
     return (group_size == GROUP_SIZE and num_warps in WARPS and tiles in (1, 2)
-            and groups in GROUPS and k % (GROUP_SIZE * num_warps * groups) == 0
+            and k % (GROUP_SIZE * num_warps) == 0
             and rows % tile_rows == 0 and n * k // 8 < 2**31
             and (not gate_out or (tiles == 2 and n % 2 == 0)))
 
@@ -358,13 +328,13 @@ def x_ok(x2: torch.Tensor) -> bool:
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            bias: torch.Tensor | None, out: torch.Tensor, num_warps: int, tiles: int,
            programs_per_sm: int, sms: int, pdl_kwargs: dict, gate_out: bool = False,
-           rms_eps: float = 0.0, groups: int = 1) -> None:
+           rms_eps: float = 0.0) -> None:
     """out [1, N] (gate_out: [1, N / 2]) from x2 [1, K] and an int4_awq weight (words int32
     [N, K / 8], scales float16 and zeros uint8 [N, K / 128], contiguous)."""
     n, k = words.shape[0], x2.shape[1]
-    if not fits(n, k, GROUP_SIZE, num_warps, tiles, gate_out, groups) or not x_ok(x2):
-        raise ValueError(f"w4 k-warps: {num_warps} warps x {tiles} tiles x {groups} groups do "
-                         f"not take N={n} K={k}{' gate-out' if gate_out else ''} with {x2.dtype} x "
+    if not fits(n, k, GROUP_SIZE, num_warps, tiles, gate_out) or not x_ok(x2):
+        raise ValueError(f"w4 k-warps: {num_warps} warps x {tiles} tiles do not take N={n} "
+                         f"K={k}{' gate-out' if gate_out else ''} with {x2.dtype} x "
                          f"[{x2.shape[0]}, {k}]")
     words, scales, zeros = words.contiguous(), scales.contiguous(), zeros.contiguous()
     n_tiles = n // 2 // 16 if gate_out else n // (16 * tiles)
@@ -373,4 +343,4 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: t
         x2, words, scales, zeros, bias if bias is not None else out, out, 16, N=n, K=k,
         KP=triton.next_power_of_2(k), SECOND=n // 2 if gate_out else 16, NW=num_warps,
         TILES=tiles, GATE_OUT=gate_out, HAS_BIAS=bias is not None, ASM=x2.is_cuda,
-        RMS_EPS=float(rms_eps), G=groups, num_warps=num_warps, **pdl_kwargs)
+        RMS_EPS=float(rms_eps), num_warps=num_warps, **pdl_kwargs)

@@ -13,12 +13,12 @@ from slipstream.kernels.reference import silu_and_mul
 from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
 
-def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0, groups=1):
+def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0):
     words = gemv_int4.packed_words(q, s, z, 128, x.shape[-1])
     n = q.shape[0]
     out = torch.empty(1, n // 2 if gate_out else n, dtype=torch.bfloat16, device=x.device)
     gemv_int4_kwarps.launch(x, words, s, z, bias, out, warps, tiles, persist, 2, {},
-                            gate_out=gate_out, rms_eps=rms_eps, groups=groups)
+                            gate_out=gate_out, rms_eps=rms_eps)
     return out
 
 
@@ -27,27 +27,24 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean() + eps)
 
 
-@pytest.mark.parametrize("n,k,warps,tiles,persist,bias,groups", [
-    (48, 512, 4, 1, 1, False, 1),    # one step a tile, three tiles over two programs
-    (64, 1024, 4, 2, 1, True, 1),    # 32-row tiles, two steps a tile, bias
-    (96, 2048, 8, 1, 2, False, 1),   # two steps, six tiles over four programs
-    (80, 512, 4, 1, 1, False, 1),    # five tiles over two programs: an odd count of steps
-    (64, 1024, 4, 2, 1, False, 2),   # two groups a warp and step: one step, x held
-    (96, 2048, 4, 2, 1, True, 2),    # two groups a step, two steps a tile, x read a step
-    (48, 2048, 4, 1, 1, False, 4),   # four groups a step
+@pytest.mark.parametrize("n,k,warps,tiles,persist,bias", [
+    (48, 512, 4, 1, 1, False),    # one step a tile, three tiles over two programs
+    (64, 1024, 4, 2, 1, True),    # 32-row tiles, two steps a tile, bias
+    (96, 2048, 8, 1, 2, False),   # two steps, six tiles over four programs
+    (80, 512, 4, 1, 1, False),    # five tiles over two programs: an odd count of steps
 ])
-def test_kwarps_equals_the_reference(n, k, warps, tiles, persist, bias, groups) -> None:
+def test_kwarps_equals_the_reference(n, k, warps, tiles, persist, bias) -> None:
     q, s, z = quantized(n, k, 128, seed=n)
     x = torch.randn(1, k).bfloat16()
     b = torch.randn(n).bfloat16() if bias else None
-    got = _run(x, q, s, z, b, warps, tiles, persist, groups=groups)
+    got = _run(x, q, s, z, b, warps, tiles, persist)
     want = gemv_int4.w4_linear_reference(x.double(), q, s, z, 128,
                                          None if b is None else b.double())
     assert got.shape == (1, n) and rel(got, want) < 8e-3
 
 
-@pytest.mark.parametrize("rms_eps,bias,groups", [(0.0, False, 1), (1e-5, True, 1), (1e-5, False, 2)])
-def test_kwarps_gate_out_and_rms(rms_eps, bias, groups) -> None:
+@pytest.mark.parametrize("rms_eps,bias", [(0.0, False), (1e-5, True)])
+def test_kwarps_gate_out_and_rms(rms_eps, bias) -> None:
     """Gate-out writes SiLU(gate)·up of the [gate | up] product at columns j (gate rows j, up
     rows I + j); rms_eps takes the product of x / rms(x)."""
     n, k = 96, 1024
@@ -56,11 +53,11 @@ def test_kwarps_gate_out_and_rms(rms_eps, bias, groups) -> None:
     b = torch.randn(n).bfloat16() if bias else None
     product = gemv_int4.w4_linear_reference(_normed(x, rms_eps) if rms_eps else x.double(),
                                             q, s, z, 128, None if b is None else b.double())
-    got = _run(x, q, s, z, b, 4, 2, 1, gate_out=True, rms_eps=rms_eps, groups=groups)
+    got = _run(x, q, s, z, b, 4, 2, 1, gate_out=True, rms_eps=rms_eps)
     assert got.shape == (1, n // 2)
     assert rel(got, silu_and_mul(product.float())) < 1.5e-2
     if rms_eps:
-        plain = _run(x, q, s, z, b, 4, 1, 1, rms_eps=rms_eps, groups=groups)
+        plain = _run(x, q, s, z, b, 4, 1, 1, rms_eps=rms_eps)
         assert rel(plain, product) < 8e-3
 
 
@@ -85,9 +82,6 @@ def test_kwarps_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gemv_int4_kwarps.fits(4104, 4096, 128, 8, 1)  # a partial 16-row tile
     assert not gemv_int4_kwarps.fits(4096, 4096, 64, 8, 1)  # groups of 64
     assert not gemv_int4_kwarps.fits(4096, 4096, 128, 8, 1, gate_out=True)  # gate-out: 2 tiles
-    assert gemv_int4_kwarps.fits(4096, 14336, 128, 4, 2, groups=2)  # 112 groups: 14 steps of 8
-    assert not gemv_int4_kwarps.fits(4096, 14336, 128, 8, 2, groups=4)  # 112 over 32 a step
-    assert not gemv_int4_kwarps.fits(4096, 4096, 128, 4, 2, groups=3)
     assert not gemv_int4_kwarps.x_ok(torch.randn(2, 4096).bfloat16())
     assert not gemv_int4_kwarps.x_ok(x.half())
     assert not gemv_int4_kwarps.x_ok(torch.randn(4100).bfloat16()[2:].view(1, 4098)[:, :4096])
