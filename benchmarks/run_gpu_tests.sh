@@ -5,6 +5,8 @@
 # deadline pytest gets SIGINT, not SIGTERM, so it still prints the failures and the slowest
 # tests so far (session 24 lost a failure's name to a plain timeout). PATHS picks the tests
 # (default: all of tests/); BUDGET_S (default 540) is the whole call's deadline.
+# TEST_TIMEOUT_S (default 300) is one test's limit: raise it for slow cold tests (session 30:
+# two of test_norm_fold's GPU model tests failed in a 300 s run and passed alone in 94 s).
 #
 #   PATHS="tests/engine tests/models" bash benchmarks/run_gpu_tests.sh
 set -u
@@ -17,7 +19,7 @@ ALONE_S=${ALONE_S:-90}  # kept back from the parallel part for the gpu_alone tes
 start=$(date +%s)
 # shellcheck disable=SC2086  # PATHS is a list of paths
 timeout -s INT -k 30 $((BUDGET_S - ALONE_S)) "$PY" -m pytest -q -m "gpu and not gpu_alone" \
-  -p no:cacheprovider -n "${WORKERS:-8}" --timeout=300 -rfE --durations=15 $PATHS \
+  -p no:cacheprovider -n "${WORKERS:-8}" --timeout="${TEST_TIMEOUT_S:-300}" -rfE --durations=15 $PATHS \
   > "$RESULTS/gpu_tests.log" 2>&1
 echo "parallel part: exit $? after $(( $(date +%s) - start )) s"
 grep -E "^(FAILED|ERROR)| passed| failed| skipped|Interrupted" "$RESULTS/gpu_tests.log" | tail -20
