@@ -122,6 +122,27 @@ def measure(x, words, scales, zeros, block_n: int, warps: int, persist: int,
     return row
 
 
+def random_w4(n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """(x [1, K] bf16, words int32 [N, K/8], scales float16 and zeros uint8 [N, K/128]):
+    random operands of one int4 GEMV on the GPU."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    words = torch.randint(-2**31, 2**31, (n, k // 8), device="cuda", dtype=torch.int32)
+    scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).half()
+    zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", dtype=torch.uint8)
+    return x, words, scales, zeros
+
+
+def print_row(row: dict) -> None:
+    print(" ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
+                   for key, val in row.items()), flush=True)
+
+
+def dump_rows(path: str, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", default="")
@@ -129,22 +150,15 @@ def main() -> None:
     ns = ap.parse_args()
     rows = []
     for name in ns.shapes.split(","):
-        n, k = SHAPES[name]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        words = torch.randint(-2**31, 2**31, (n, k // 8), device="cuda", dtype=torch.int32)
-        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).half()
-        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", dtype=torch.uint8)
+        x, words, scales, zeros = random_w4(*SHAPES[name])
         nbytes = words.numel() * 4 + scales.numel() * 2 + zeros.numel()
         for block_n, warps, persist in CONFIGS[name]:
             row = dict(shape=name, **measure(x, words, scales, zeros, block_n, warps, persist,
                                              gate_kinds=name == "gate_up"))
             row["gbps_loop"] = nbytes / row.get("loop", float("nan")) / 1e3
-            print(" ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
-                           for key, val in row.items()), flush=True)
+            print_row(row)
             rows.append(row)
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    dump_rows(ns.output_json, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Graph-timed over weight copies past L2, beside the production launch of the tune
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,12 +25,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+# run as a script, this folder is on the path: the shared operands and reporting
+from probe_w4_overlap import SHAPES, dump_rows, print_row, random_w4  # noqa: E402
+
 from slipstream.kernels import gemv_int4  # noqa: E402
 from slipstream.kernels.gemv import _tile_rows, num_sms  # noqa: E402
 from slipstream.kernels.gemv_int4 import _whole_k_sums, _whole_k_x  # noqa: E402
 
-SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
-          "o": (4096, 4096)}  # (N, K)
 PRODUCTION = {"gate_up": (4, 2, 6), "down": (2, 4, 2), "qkv": (8, 4, 2), "o": (8, 4, 2)}
 GROUP = 128
 
@@ -130,11 +130,7 @@ def main() -> None:
     ns = ap.parse_args()
     rows = []
     for name in ns.shapes.split(","):
-        n, k = SHAPES[name]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        words = torch.randint(-2**31, 2**31, (n, k // 8), device="cuda", dtype=torch.int32)
-        scales = (torch.rand(n, k // GROUP, device="cuda") * 0.01).half()
-        zeros = torch.randint(0, 16, (n, k // GROUP), device="cuda", dtype=torch.uint8)
+        x, words, scales, zeros = random_w4(*SHAPES[name])
         prod, ref = _production(x, words, scales, zeros, PRODUCTION[name])
         print(f"{name}: production {PRODUCTION[name]} {prod:.2f} us", flush=True)
         sz = pack_scale_zero(scales, zeros)
@@ -143,12 +139,9 @@ def main() -> None:
                 row = dict(shape=name, production=prod,
                            **_staged_row(x, words, sz, ref, tuple(int(v) for v in spec.split(":")),
                                          stages))
-                print(" ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
-                               for key, val in row.items()), flush=True)
+                print_row(row)
                 rows.append(row)
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    dump_rows(ns.output_json, rows)
 
 
 if __name__ == "__main__":
