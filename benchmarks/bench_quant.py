@@ -7,7 +7,8 @@ and the ratio to bf16 and writes all results to --output-json.
   python benchmarks/bench_quant.py --methods none,int8_wo,fp8 --output-json $OUT/quant.json
 
 A method written METHOD+head (fp8+head, int8_wo+head) also quantizes the LM head
-(--quantize-lm-head); its bar is the method's own.
+(--quantize-lm-head), METHOD+head4 in int4 (--quantize-lm-head int4); its bar is the method's
+own.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def run_one(method: str, args: argparse.Namespace, out_dir: Path) -> dict:
         cmd += ["--quantization", base]
     if head == "head":
         cmd.append("--quantize-lm-head")
+    elif head == "head4":  # an int4 LM head (quantization/lm_head.py)
+        cmd += ["--quantize-lm-head", "int4"]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if args.show_tuning:  # the start-up tuner's choice per GEMV shape

@@ -189,7 +189,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--quantization", default=None)
-    p.add_argument("--quantize-lm-head", action="store_true", default=None)
+    p.add_argument("--quantize-lm-head", nargs="?", const=True, default=None,
+                   help="the head quantized too (a format: int8, int4, fp8)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--ctx", type=int, default=256, help="context of the decoded token")
     p.add_argument("--max-model-len", type=int, default=384, help="the graphs' split choice")
@@ -256,7 +257,7 @@ def main() -> None:
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(
             {"model": ns.model, "quantization": ns.quantization, "ctx": ns.ctx,
-             "quantize_lm_head": bool(ns.quantize_lm_head), "rows": rows}, indent=1))
+             "quantize_lm_head": ns.quantize_lm_head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

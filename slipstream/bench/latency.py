@@ -52,7 +52,7 @@ def measure_copy_bandwidth(device: str, nbytes: int = 2 * 2**30, iters: int = 20
 
 def speed_of_light(cfg: dict[str, Any], dtype: str, bandwidth: float | None, batch: int,
                    input_len: int, output_len: int, quantization: str | None = None,
-                   quantized_lm_head: bool = False) -> dict[str, Any]:
+                   quantized_lm_head: bool | str | None = False) -> dict[str, Any]:
     """Decode bound in tok/s: B tokens per step, each step streaming every weight once
     (quantized ones at their method's bytes; and, in the second figure, each sequence's K/V at
     its mean decode context, counted at the model dtype)."""
@@ -122,7 +122,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     quant = getattr(getattr(llm, "engine_config", None), "quant", None)
     sol = speed_of_light(cfg, dtype, bandwidth, args.batch_size, args.input_len, args.output_len,
                          getattr(quant, "method", None),
-                         bool(getattr(quant, "lm_head", None))) if cfg else {}
+                         getattr(quant, "lm_head", None)) if cfg else {}
     bound = sol.get("bound_tok_s")
     pct = 100 * decode["median"] / bound if bound and decode["median"] else None
     bound_kv = sol.get("bound_with_kv_tok_s")

@@ -14,6 +14,7 @@ from slipstream.config import (
     QuantConfig,
     SchedulerConfig,
 )
+from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -37,10 +38,11 @@ class EngineArgs:
     enforce_eager: bool = False
     max_prefill_graph_tokens: int = 512
     quantization: str | None = None
-    # Also store the LM head in one byte per weight (fp8 with fp8, else int8 weight-only): faster
+    # Also quantize the LM head: True in one byte per weight (fp8 with fp8, else int8
+    # weight-only), or a format named ("int8", "int4", "fp8"; quantization/lm_head.py): faster
     # decode, logits slightly further from the float model (see the README's Quantization).
     # None: what the checkpoint's config.json says (`slipstream quantize --quantize-lm-head`).
-    quantize_lm_head: bool | None = None
+    quantize_lm_head: bool | str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     decode_steps: int = 1
@@ -126,10 +128,16 @@ class EngineArgs:
                        help="fp8, int8_wo, int4_awq or w8a8_sq (at load), or a pre-quantized "
                             "checkpoint's format (awq, gptq, modelopt, ...; default: the "
                             "checkpoint's own)")
-        g.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
-                       help="with a quantization method: the LM head in one byte per weight too "
-                            "(fp8 with fp8, else int8; default: as the checkpoint says, else "
-                            "the head stays in the model dtype)")
+        g.add_argument("--quantize-lm-head", nargs="?", const=True, default=None,
+                       type=cli_choice, metavar="FORMAT",
+                       help="with a quantization method: the LM head quantized too, in one "
+                            "byte per weight (fp8 with fp8, else int8) or in the FORMAT named "
+                            f"({', '.join(FORMAT_NAMES)}; int4: half the bytes, logits further "
+                            "from the float model); default: as the checkpoint says, else the "
+                            "head stays in the model dtype")
+        g.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                       default=None,
+                       help="keep the LM head in the model dtype whatever the checkpoint says")
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="fp8 or int8 (one byte per element), bfloat16 / float16 / float32, "
                             "or auto (the checkpoint's choice, else the model dtype)")
@@ -150,20 +158,13 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
 
-# quantization -> the one-byte format quantize_lm_head stores the LM head in (an int4 head
-# would move the logits much more; int8 per row adds ~0.01% perplexity on the default model).
-LM_HEAD_FORMATS = {"fp8": "fp8", "int8_wo": "int8_wo", "int4_awq": "int8_wo", "w8a8_sq": "int8_wo"}
-
-
 def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
     method = resolve_quantization(args.quantization, model_cfg.hf_config)
-    if args.quantize_lm_head and method not in LM_HEAD_FORMATS:
-        raise ValueError(f"quantize_lm_head needs a quantization method ({', '.join(LM_HEAD_FORMATS)}); "
-                         f"the model runs with {method!r}")
     wanted = args.quantize_lm_head
     if wanted is None:  # the checkpoint's choice, where its method can honour it
-        wanted = bool(model_cfg.hf_config.get("quantize_lm_head")) and method in LM_HEAD_FORMATS
-    return QuantConfig(method=method, lm_head=LM_HEAD_FORMATS[method] if wanted else None)
+        saved = model_cfg.hf_config.get("quantize_lm_head")
+        wanted = saved if method in DEFAULT_FORMATS else None
+    return QuantConfig(method=method, lm_head=head_format(wanted, method))
 
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:

@@ -35,6 +35,7 @@ class LMHead(nn.Module):
                                        requires_grad=False)
 
         self.quantized_linear = None  # set by quantize()
+        self.weight_zero = None  # the int4 head's zero points
         self.large_m_rows = 0  # quantized head: vocabulary rows per call above 16 tokens (0: all)
 
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -51,8 +52,9 @@ class LMHead(nn.Module):
     def _quantized_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         step = rows if hidden.numel() <= 16 * hidden.shape[-1] else self.large_m_rows or rows
-        parts = [self.quantized_linear(hidden, self.weight[i:i + step],
-                                       self.weight_scale[i:i + step], None)
+        stored = [self.weight, self.weight_scale] + (
+            [self.weight_zero] if self.weight_zero is not None else [])
+        parts = [self.quantized_linear(hidden, *(t[i:i + step] for t in stored))
                  for i in range(0, rows, step)]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if logits.shape[-1] != self.vocab_size:  # rows past the vocabulary are padding
@@ -61,20 +63,38 @@ class LMHead(nn.Module):
 
     @torch.no_grad()
     def quantize(self, method: str, chunk_rows: int = 16384) -> None:
-        """Store the head in one byte per weight with a float32 scale per vocabulary row, as the
-        `fp8` / `int8_wo` methods store a linear layer, and multiply through their kernels (the
-        head is ~13% of Llama-3.1-8B's bf16 bytes: what a decode step reads). A tied head gets
-        its own quantized copy; the embedding keeps the float table. Rows are padded with zeros
-        to a multiple of 16 (what torch._scaled_mm takes). Above 16 tokens int8 converts its
-        weight to the model dtype for cuBLAS: chunk_rows rows at a time, not the whole head."""
+        """Store the head quantized (quantization/lm_head.py's formats) and multiply through
+        that format's kernels (the head is ~13% of Llama-3.1-8B's bf16 bytes: what a decode step
+        reads). `fp8` / `int8_wo`: one byte per weight with a float32 scale per vocabulary row,
+        as those methods store a linear layer; `int4`: int4_awq's layout (groups of 128,
+        round-to-nearest). A tied head gets its own quantized copy; the embedding keeps the
+        float table. Rows are padded with zeros to a multiple of 16 (what torch._scaled_mm
+        takes). Above 16 tokens the int8 and int4 heads run chunk_rows rows at a time (their
+        large-batch paths may dequantize the weight for cuBLAS), not the whole head."""
         from slipstream.quantization import fp8, int8_wo, utils
 
-        quantize, linear = {"fp8": (utils.quantize_fp8_per_channel, fp8.fp8_linear),
-                            "int8_wo": (utils.quantize_int8_per_channel, int8_wo.int8_linear)}[method]
         w = self.weight.data
         w = torch.cat([w, w.new_zeros(-w.shape[0] % 16, w.shape[1])])
-        q, scale = quantize(w)  # row by row in bounded chunks (utils.ROW_CHUNK_ELEMENTS)
-        self.weight = nn.Parameter(q, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.quantized_linear = linear
-        self.large_m_rows = chunk_rows if method == "int8_wo" else 0
+        if method == "int4":
+            self._quantize_int4(w)
+        else:
+            quantize, linear = {"fp8": (utils.quantize_fp8_per_channel, fp8.fp8_linear),
+                                "int8_wo": (utils.quantize_int8_per_channel,
+                                            int8_wo.int8_linear)}[method]
+            q, scale = quantize(w)  # row by row in bounded chunks (utils.ROW_CHUNK_ELEMENTS)
+            self.weight = nn.Parameter(q, requires_grad=False)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+            self.quantized_linear = lambda x, q_, s_: linear(x, q_, s_, None)
+        self.large_m_rows = chunk_rows if method in ("int8_wo", "int4") else 0
+
+    def _quantize_int4(self, w: torch.Tensor) -> None:
+        from slipstream.quantization import utils
+        from slipstream.quantization.int4_awq import _int4_linear
+        from slipstream.quantization.lm_head import int4_group
+
+        group = int4_group(w.shape[1])
+        q, scale, zero = utils.quantize_int4_groupwise(w, group)
+        self.weight = nn.Parameter(utils.pack_int4_rows(q), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.half(), requires_grad=False)
+        self.weight_zero = nn.Parameter(zero, requires_grad=False)
+        self.quantized_linear = lambda x, q_, s_, z_: _int4_linear()(x, q_, s_, z_, group, None)

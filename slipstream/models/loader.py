@@ -99,7 +99,7 @@ def weights_estimate(config: EngineConfig, method: str | None = "as loaded") -> 
     from slipstream.models.sizes import weight_bytes
 
     dtype = str(config.dtype).removeprefix("torch.")
-    quantized_head = method == "as loaded" and bool(config.quant.lm_head)
+    quantized_head = config.quant.lm_head if method == "as loaded" else None
     method = config.quant.method if method == "as loaded" else method
     try:
         return weight_bytes(config.model.hf_config, dtype, method, quantized_head)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from slipstream.quantization.lm_head import BYTES_PER_WEIGHT
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 
 
@@ -54,11 +56,11 @@ def linear_parameters(cfg: dict[str, Any]) -> int:
 
 
 def weight_bytes(cfg: dict[str, Any], dtype: str, quantization: str | None = None,
-                 quantized_lm_head: bool = False) -> int:
+                 quantized_lm_head: bool | str | None = False) -> int:
     """Bytes a decode step streams for the weights: every parameter once (the convention of
     BENCHMARKS.md's speed-of-light figure, embedding table included), the linear layers at their
-    quantization method's bytes per weight, a quantized LM head at one byte (its own copy when
-    tied to the embedding)."""
+    quantization method's bytes per weight, a quantized LM head at its format's (True: one byte;
+    quantization/lm_head.py), its own copy when tied to the embedding."""
     size = dtype_bytes(dtype)
     total = count_parameters(cfg) * size
     per_weight = QUANT_WEIGHT_BYTES.get(quantization or "")
@@ -66,7 +68,9 @@ def weight_bytes(cfg: dict[str, Any], dtype: str, quantization: str | None = Non
         total -= linear_parameters(cfg) * (size - per_weight)
     if quantized_lm_head:
         head = cfg["vocab_size"] * cfg["hidden_size"]
-        total += head if cfg.get("tie_word_embeddings", False) else -head * (size - 1)
+        per_head = BYTES_PER_WEIGHT.get(quantized_lm_head, 1.0)  # True: one byte
+        total += head * per_head if cfg.get("tie_word_embeddings", False) else \
+            -head * (size - per_head)
     return int(total)
 
 

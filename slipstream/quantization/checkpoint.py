@@ -35,6 +35,7 @@ from slipstream.quantization.kv_cache import (
     kv_scale_tensors,
     set_kv_scales,
 )
+from slipstream.quantization.lm_head import head_format
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +50,15 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         calib_data: str | Path | None = None, num_calib_samples: int = 128,
                         max_calib_len: int = 512, device: str = "cpu",
                         options: dict | None = None, kv_cache_dtype: str | None = None,
-                        quantize_lm_head: bool = False,
+                        quantize_lm_head: bool | str = False,
                         max_shard_bytes: int = MAX_SHARD_BYTES, stream_layers: bool = True) -> Path:
     """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
 
     options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
     computes) and make that the checkpoint's default KV dtype. quantize_lm_head: config.json
-    asks the engine to quantize the LM head at load (the head is stored float, as read).
+    asks the engine to quantize the LM head at load (True: the method's own format, or a format
+    named, quantization/lm_head.py; the head is stored float, as read).
     stream_layers: calibrate each decoder layer as it is loaded and quantize it right after
     (streamed_calibration: int4_awq with default options, w8a8_sq), so the float model never
     has to fit; False loads the whole float model first (int4_awq: the same tensors; w8a8_sq:
@@ -74,6 +76,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
     if quantize_lm_head and method == "none":
         raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
+    head_format(quantize_lm_head, method)  # an unknown or unsupported format fails here, not at load
     if Path(output_dir).resolve() == Path(model_dir).resolve():
         raise ValueError(f"the output directory must differ from the source checkpoint "
                          f"({model_dir}): its weight files would be replaced")
@@ -240,7 +243,7 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Path,
                     quant_config: dict, *, kv_tensors: dict[str, torch.Tensor] | None = None,
-                    kv_cache_dtype: str | None = None, quantize_lm_head: bool = False,
+                    kv_cache_dtype: str | None = None, quantize_lm_head: bool | str = False,
                     max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """model.safetensors (or shards of at most max_shard_bytes with their index) + config.json
     (with quantization_config) + the source's other files.
@@ -267,7 +270,7 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
     config["quantization_config"] = quant_config
     config.pop("quantize_lm_head", None)
     if quantize_lm_head:
-        config["quantize_lm_head"] = True
+        config["quantize_lm_head"] = quantize_lm_head  # true, or the format named
     _write_config(dst, config, kv_cache_dtype)
     for f in src.iterdir():  # tokenizer, generation config, README ...
         if f.is_file() and f.suffix != ".safetensors" and f.name not in (

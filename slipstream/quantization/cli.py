@@ -11,6 +11,7 @@ import re
 
 from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
 from slipstream.quantization.kv_cache import QUANT_KV_NAMES
+from slipstream.quantization.lm_head import FORMAT_NAMES, cli_choice
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,9 +38,11 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *QUANT_KV_NAMES),
                    help="fp8 / int8: calibrate per-layer K/V scales on the calibration set and "
                         "make this the checkpoint's KV-cache dtype (auto: no KV quantization)")
-    p.add_argument("--quantize-lm-head", action="store_true",
+    p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False,
+                   type=cli_choice, metavar="FORMAT",
                    help="the output's config asks the engine to quantize the LM head at load "
-                        "too (one byte per weight: fp8 with fp8, else int8)")
+                        "too: one byte per weight (fp8 with fp8, else int8), or the FORMAT "
+                        f"named ({', '.join(FORMAT_NAMES)})")
     p.add_argument("--device", default="cpu", help="where calibration and quantization run")
     p.add_argument("--max-shard-size", default="5GB", type=parse_size,
                    help="largest weight file written (e.g. 5GB, 500MB); a bigger checkpoint is "

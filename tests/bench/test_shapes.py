@@ -90,6 +90,9 @@ def test_weight_bytes_count_quantized_layers_at_their_width():
     assert weight_bytes(cfg, "bfloat16", "int4_awq") == int(bf16 - linear * (2 - 0.5 - 3 / 128))
     head = 128256 * 4096
     assert weight_bytes(cfg, "bfloat16", "fp8", quantized_lm_head=True) == bf16 - linear - head
+    assert weight_bytes(cfg, "bfloat16", "fp8", quantized_lm_head="int8_wo") == bf16 - linear - head
+    assert (weight_bytes(cfg, "bfloat16", "int4_awq", quantized_lm_head="int4")  # group 128
+            == int(bf16 - (linear + head) * (2 - 0.5 - 3 / 128)))
     assert weight_bytes(cfg, "bfloat16", "awq-or-unknown") == bf16  # unknown: model dtype
     tied = shape_config("qwen3-0.6b")  # a quantized tied head is a second, 1-byte copy
     assert (weight_bytes(tied, "bfloat16", None, quantized_lm_head=True)

@@ -1,5 +1,6 @@
 """quantize_lm_head: the LM head stored per vocabulary row in FP8 / INT8, as fp8 / int8_wo store a
-linear layer (opt-in; the head stays in the model dtype by default)."""
+linear layer, or in int4_awq's groupwise INT4 when asked by name (opt-in; the head stays in the
+model dtype by default)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
+from slipstream.kernels.int4_common import w4_linear_reference
 from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.quantization import fp8, utils
 from tests.helpers import make_tiny_checkpoint
@@ -52,6 +54,33 @@ def test_quantized_head_is_the_methods_linear(method: str, m: int) -> None:
     assert float((logits - exact).norm() / exact.norm()) < (0.06 if method == "fp8" else 0.01)
 
 
+@pytest.mark.parametrize(("hidden", "group"), [(128, 128), (64, 64)])  # 64: one group a row
+@pytest.mark.parametrize("m", [5, 20])  # 20: chunks of the head
+def test_int4_head_is_int4_awqs_linear(hidden: int, group: int, m: int) -> None:
+    head, _ = _head(hidden=hidden)
+    w = head.weight.data.clone()
+    head.quantize("int4", chunk_rows=128)
+    want_q, want_s, want_z = utils.quantize_int4_groupwise(
+        torch.cat([w, w.new_zeros(4, hidden)]), group)  # 300 rows padded to 304
+    assert head.weight.shape == (304, hidden // 2) and head.weight.dtype == torch.uint8
+    assert torch.equal(head.weight, utils.pack_int4_rows(want_q))
+    assert torch.equal(head.weight_scale, want_s.half()) and torch.equal(head.weight_zero, want_z)
+    assert head.large_m_rows == 128
+    x = torch.randn(m, hidden)
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.shape == (m, 300) and logits.is_contiguous()
+    want = w4_linear_reference(x, head.weight, head.weight_scale, head.weight_zero, group)[:, :300]
+    torch.testing.assert_close(logits, want.float(), rtol=1e-5, atol=1e-5)
+    exact = F.linear(x, w)  # within int4's rounding of the float head, not another matrix
+    assert 0.01 < float((logits - exact).norm() / exact.norm()) < 0.15
+
+
+def test_int4_head_needs_a_hidden_size_of_sixteens() -> None:
+    head, _ = _head(hidden=40)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        head.quantize("int4")
+
+
 def test_tied_head_gets_its_own_copy() -> None:
     head, emb = _head(tied=True)
     table = emb.weight.data.clone()
@@ -62,25 +91,31 @@ def test_tied_head_gets_its_own_copy() -> None:
     assert torch.equal(emb(ids), table[ids])
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8_wo", "int4_awq"])
-def test_engine_with_quantized_head(method: str, tmp_path) -> None:
-    """Tiny Llama with tied embeddings: the head is quantized (int4_awq: in INT8), the embedding
-    is not, and the logprob of the float head's first greedy token stays within the head's
-    rounding of the float head's (measured here: 0.005 / 0.017 nats for int8, 0.035 / 0.09 for
-    fp8 with its activation rounding on the CPU)."""
+@pytest.mark.parametrize(("method", "choice"), [("fp8", True), ("int8_wo", True),
+                                              ("int4_awq", True), ("int4_awq", "int4")])
+def test_engine_with_quantized_head(method: str, choice, tmp_path) -> None:
+    """Tiny Llama with tied embeddings: the head is quantized (int4_awq: in INT8, or INT4 when
+    named), the embedding is not, and the logprob of the float head's first greedy token stays
+    within the head's rounding of the float head's (measured here: 0.005 / 0.017 nats for
+    int8, 0.035 / 0.09 for fp8 with its activation rounding on the CPU, 0.37 for int4)."""
     int4 = {"hidden_size": 128, "intermediate_size": 256} if method == "int4_awq" else {}
     path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True, **int4)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [42] * 9}]
     plain = LLM(str(path), quantization=method, kv_cache_memory=16 << 20)
-    quant = LLM(str(path), quantization=method, quantize_lm_head=True, kv_cache_memory=16 << 20)
+    quant = LLM(str(path), quantization=method, quantize_lm_head=choice, kv_cache_memory=16 << 20)
     model = quant.engine.runner.model
-    assert model.lm_head.weight.dtype in (torch.int8, torch.float8_e4m3fn)
+    if choice == "int4":
+        assert model.lm_head.weight.dtype == torch.uint8 and model.lm_head.weight_zero is not None
+    else:
+        assert model.lm_head.weight.dtype in (torch.int8, torch.float8_e4m3fn)
     assert model.model.embed_tokens.weight.dtype == quant.engine.runner.model.model.norm.weight.dtype
     assert plain.engine.runner.model.lm_head.quantized_linear is None
     outs = [o.outputs[0] for o in quant.generate(prompts, GREEDY, use_tqdm=False)]
     refs = [o.outputs[0] for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
-    tol = 0.25 if method == "fp8" else 0.05
-    if method == "int4_awq":
+    # int4 (one 128-weight group a row of this tiny random head, round-to-nearest) moved it
+    # 0.37 nats: the float head's token must still be among its top 5 (the logprobs' keys).
+    tol = {"fp8": 0.25, "int4": 0.6}.get(choice if choice == "int4" else method, 0.05)
+    if method == "int4_awq" and choice is True:
         assert model.lm_head.weight.dtype == torch.int8
     for out, ref in zip(outs, refs):
         first = ref.token_ids[0]  # the float head's choice, among the quantized head's top 5
@@ -104,6 +139,27 @@ def test_head_format_per_method(quantization, head, tmp_path) -> None:
     assert plain.quant.lm_head is None
 
 
+@pytest.mark.parametrize(("quantization", "choice", "head"), [
+    ("int4_awq", "int4", "int4"), ("fp8", "int4", "int4"), ("fp8", "int8", "int8_wo"),
+    ("int8_wo", "INT4", "int4"), ("fp8", "fp8", "fp8"), ("int4_awq", False, None)])
+def test_head_format_named(quantization, choice, head, tmp_path) -> None:
+    """A format named takes the place of the method's own: int8 and int4 with any method."""
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    args = EngineArgs(model=str(path), quantization=quantization, quantize_lm_head=choice)
+    assert args.create_engine_config().quant.lm_head == head
+
+
+@pytest.mark.parametrize(("quantization", "choice", "error"), [
+    ("int8_wo", "fp8", "an fp8 LM head needs quantization='fp8'"),
+    ("int4_awq", "int3", "unknown format 'int3'"),
+    (None, "int4", "quantize_lm_head needs a quantization method")])
+def test_head_format_refused(quantization, choice, error, tmp_path) -> None:
+    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    args = EngineArgs(model=str(path), quantization=quantization, quantize_lm_head=choice)
+    with pytest.raises(ValueError, match=error):
+        args.create_engine_config()
+
+
 def test_cli_flag() -> None:
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
@@ -113,6 +169,10 @@ def test_cli_flag() -> None:
     assert EngineArgs.from_cli_args(parser.parse_args([])).quantize_lm_head is None  # checkpoint's
     no = EngineArgs.from_cli_args(parser.parse_args(["--no-quantize-lm-head"]))
     assert no.quantize_lm_head is False
+    named = EngineArgs.from_cli_args(parser.parse_args(["--quantize-lm-head", "int4"]))
+    assert named.quantize_lm_head == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantize-lm-head", "int2"])
 
 
 def test_quantized_checkpoint_carries_the_choice(tmp_path) -> None:
@@ -130,6 +190,12 @@ def test_quantized_checkpoint_carries_the_choice(tmp_path) -> None:
     head = LLM(str(out), kv_cache_memory=16 << 20,
                quantize_lm_head=False).engine.runner.model.lm_head
     assert head.quantized_linear is None and head.weight.is_floating_point()
+    four = quantize_checkpoint(src, "int8_wo", tmp_path / "four", quantize_lm_head="int4")
+    assert json.loads((four / "config.json").read_text())["quantize_lm_head"] == "int4"
+    head = LLM(str(four), kv_cache_memory=16 << 20).engine.runner.model.lm_head
+    assert head.weight.dtype == torch.uint8 and head.weight_zero is not None
+    with pytest.raises(ValueError, match="an fp8 LM head"):
+        quantize_checkpoint(src, "int8_wo", tmp_path / "bad", quantize_lm_head="fp8")
     again = quantize_checkpoint(src, "int8_wo", tmp_path / "again")  # without: no key
     assert "quantize_lm_head" not in json.loads((again / "config.json").read_text())
     with pytest.raises(ValueError, match="not 'none'"):
@@ -156,3 +222,20 @@ def test_gpu_quantized_head(method: str, m: int) -> None:
     assert float((got - want).norm() / want.norm()) < tol
     exact = F.linear(x.float(), w)
     assert float((got - exact).norm() / exact.norm()) < (6e-2 if method == "fp8" else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 64])  # the one-row and few-row GEMVs; the large-M path
+def test_gpu_int4_head(m: int) -> None:
+    vocab, hidden = 128256, 4096
+    head = LMHead(vocab, hidden, torch.bfloat16).cuda()
+    head.weight.data.normal_(0, 0.02)
+    w = head.weight.data.float()
+    head.quantize("int4")
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    got = head(x)
+    want = w4_linear_reference(x.float(), head.weight, head.weight_scale, head.weight_zero,
+                               128)[:, :vocab]
+    assert got.shape == (m, vocab) and float((got - want).norm() / want.norm()) < 1e-2
+    exact = F.linear(x.float(), w)
+    assert float((got - exact).norm() / exact.norm()) < 0.15
