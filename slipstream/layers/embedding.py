@@ -97,4 +97,15 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(utils.pack_int4_rows(q), requires_grad=False)
         self.weight_scale = nn.Parameter(scale.half(), requires_grad=False)
         self.weight_zero = nn.Parameter(zero, requires_grad=False)
-        self.quantized_linear = lambda x, q_, s_, z_: _int4_linear()(x, q_, s_, z_, group, None)
+        linear = _int4_linear() or _int4_dequantized_linear  # the latter: without Triton
+        self.quantized_linear = lambda x, q_, s_, z_: linear(x, q_, s_, z_, group, None)
+
+
+def _int4_dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                             zeros: torch.Tensor, group: int, bias: None) -> torch.Tensor:
+    """The int4 head without Triton: its rows dequantized (in the chunks the head passes), then
+    F.linear in float32, in x's dtype."""
+    from slipstream.quantization import utils
+
+    w = utils.dequantize_int4_groupwise(utils.unpack_int4_rows(qweight), scales, zeros)
+    return F.linear(x.float(), w).to(x.dtype)

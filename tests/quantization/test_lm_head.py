@@ -75,6 +75,18 @@ def test_int4_head_is_int4_awqs_linear(hidden: int, group: int, m: int) -> None:
     assert 0.01 < float((logits - exact).norm() / exact.norm()) < 0.15
 
 
+def test_int4_head_without_triton(monkeypatch) -> None:
+    """Where Triton cannot load, the int4 head dequantizes its rows and multiplies in torch."""
+    from slipstream.quantization import int4_awq
+
+    monkeypatch.setattr(int4_awq, "_INT4_LINEAR", [None])
+    head, _ = _head(hidden=128)
+    head.quantize("int4", chunk_rows=128)
+    x = torch.randn(20, 128)
+    want = w4_linear_reference(x, head.weight, head.weight_scale, head.weight_zero, 128)[:, :300]
+    torch.testing.assert_close(head(x), want.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_int4_head_needs_a_hidden_size_of_sixteens() -> None:
     head, _ = _head(hidden=40)
     with pytest.raises(ValueError, match="multiple of 16"):
