@@ -53,6 +53,8 @@ ROWS = {
     "fp8_head": ("fp8", "float", "auto", True),  # quantize_lm_head: the head in FP8 too
     "int8_head": ("int8_wo", "float", "auto", True),
     "int4_rtn_head": ("int4_awq", "float", "auto", True),  # with an INT8 head
+    "int4_rtn_head4": ("int4_awq", "float", "auto", "int4"),  # with an INT4 head
+    "int4_awq_head4": (None, "awq", "auto", "int4"),
 }
 CALIB_FILES, CALIB_CHARS = 128, 8000
 
@@ -91,7 +93,7 @@ def select_windows(tok, seq_len: int, max_windows: int) -> tuple[list[list[int]]
 
 
 def engine_nll(model: str, quantization: str | None, windows: list[list[int]],
-               kv_cache_dtype: str = "auto", quantize_lm_head: bool = False) -> tuple[float, int]:
+               kv_cache_dtype: str = "auto", quantize_lm_head: bool | str = False) -> tuple[float, int]:
     """Summed negative log-likelihood of every window's tokens after the first, via slipstream."""
     from slipstream import LLM, SamplingParams
 
