@@ -22,8 +22,7 @@ def time_head(fmt: str, m: int, vocab: int, hidden: int) -> dict:
     head = LMHead(vocab, hidden, torch.bfloat16).cuda()
     head.weight.data.normal_(0, 0.02)
     head.quantize(fmt)
-    stored = [head.weight, head.weight_scale] + (
-        [head.weight_zero] if head.weight_zero is not None else [])
+    stored = head.quantized_tensors()
     x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
     head.quantized_linear(x, *stored)  # the tuner's measurement, outside the timing
     us = graph_time_us(lambda a: head.quantized_linear(x, *a), weight_copies(stored))

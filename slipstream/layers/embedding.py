@@ -52,14 +52,17 @@ class LMHead(nn.Module):
     def _quantized_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]
         step = rows if hidden.numel() <= 16 * hidden.shape[-1] else self.large_m_rows or rows
-        stored = [self.weight, self.weight_scale] + (
-            [self.weight_zero] if self.weight_zero is not None else [])
-        parts = [self.quantized_linear(hidden, *(t[i:i + step] for t in stored))
+        parts = [self.quantized_linear(hidden, *(t[i:i + step] for t in self.quantized_tensors()))
                  for i in range(0, rows, step)]
         logits = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if logits.shape[-1] != self.vocab_size:  # rows past the vocabulary are padding
             logits = logits[..., :self.vocab_size].contiguous()
         return logits
+
+    def quantized_tensors(self) -> list[torch.Tensor]:
+        """What quantized_linear takes after x, row by row: weight, scale (and int4's zeros)."""
+        return [self.weight, self.weight_scale] + (
+            [self.weight_zero] if self.weight_zero is not None else [])
 
     @torch.no_grad()
     def quantize(self, method: str, chunk_rows: int = 16384) -> None:

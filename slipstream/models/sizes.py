@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from slipstream.quantization.lm_head import BYTES_PER_WEIGHT
-
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
 
 
@@ -43,6 +41,7 @@ def dtype_bytes(dtype: str) -> int:
 # Bytes per weight of a quantized linear layer (int4: groups of 128 with an fp16 scale and a
 # uint8 zero each); per-row scales are left out (4 bytes per row of thousands).
 QUANT_WEIGHT_BYTES = {"fp8": 1.0, "int8_wo": 1.0, "w8a8_sq": 1.0, "int4_awq": 0.5 + 3 / 128}
+_HEAD_METHODS = {"fp8": "fp8", "int8_wo": "int8_wo", "int4": "int4_awq"}  # head format -> layout
 
 
 def linear_parameters(cfg: dict[str, Any]) -> int:
@@ -68,7 +67,8 @@ def weight_bytes(cfg: dict[str, Any], dtype: str, quantization: str | None = Non
         total -= linear_parameters(cfg) * (size - per_weight)
     if quantized_lm_head:
         head = cfg["vocab_size"] * cfg["hidden_size"]
-        per_head = BYTES_PER_WEIGHT.get(quantized_lm_head, 1.0)  # True: one byte
+        # a head format's bytes are its method's (quantization/lm_head.py); True: one byte
+        per_head = QUANT_WEIGHT_BYTES.get(_HEAD_METHODS.get(quantized_lm_head), 1.0)
         total += head * per_head if cfg.get("tie_word_embeddings", False) else \
             -head * (size - per_head)
     return int(total)

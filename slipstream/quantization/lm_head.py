@@ -17,8 +17,6 @@ DEFAULT_FORMATS = {"fp8": "fp8", "int8_wo": "int8_wo", "int4_awq": "int8_wo", "w
 # a name a user may give -> the format
 _NAMES = {"int8": "int8_wo", "int8_wo": "int8_wo", "int4": "int4", "fp8": "fp8"}
 FORMAT_NAMES = ("int8", "int4", "fp8")
-# bytes a decode step reads per head weight (int4: a float16 scale and a uint8 zero a group)
-BYTES_PER_WEIGHT = {"fp8": 1.0, "int8_wo": 1.0, "int4": 0.5 + 3 / 128}
 INT4_GROUP = 128
 
 
