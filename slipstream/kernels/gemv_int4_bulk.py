@@ -34,10 +34,11 @@ def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, *, cwarps: int = 8, stages: int = 5,
                  grid: int | None = None, pdl: bool = True,
                  out: torch.Tensor | None = None, mode: int = 0,
-                 xq: bool = True) -> torch.Tensor:
+                 xq: int = 2) -> torch.Tensor:
     """x bf16 [K] or [1, K]; qweight uint8 [N, K/2]; scales fp16 / zeros uint8 [N, K/128].
     mode (probes only): 1 = the copies alone, 2 = the math alone (w4_bulk.cu's MODE). xq: x as
-    two exact int8 halves a group on int8 tensor cores (else bf16 pairs on bf16 ones)."""
+    two exact int8 halves a group on int8 tensor cores (2: odd nibbles unshifted, 1: shifted),
+    0: bf16 pairs on bf16 ones (w4_bulk.cu's XQ)."""
     k = x.shape[-1]
     n = qweight.shape[0]
     if not supported(n, k, cwarps, k // scales.shape[1]):
@@ -46,7 +47,7 @@ def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     smem = shared_bytes(k, cwarps, stages)
     kernel = compile_kernel("w4_bulk.cu", "w4_gemv_bulk",
                             (("K", k), ("CWARPS", cwarps), ("STAGES", stages), ("MODE", mode),
-                             ("XQ", int(xq))),
+                             ("XQ", xq)),
                             x.device.index or 0, smem)
     if out is None:
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)

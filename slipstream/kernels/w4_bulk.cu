@@ -24,7 +24,8 @@
 #define STAGES 5
 #endif
 #ifndef XQ
-#define XQ 1  // 1: x as two exact int8 halves per group, int8 mma; 0: bf16 pairs, bf16 mma
+#define XQ 2  // x as two exact int8 halves a group on int8 mma (1: nibbles shifted to bytes,
+                 // 2: odd nibbles left in place, 16 q); 0: bf16 pairs on bf16 mma
 #endif
 #ifndef MODE
 #define MODE 0  // probes: 1 = copies alone (consumers only wait and release), 2 = math alone
@@ -95,6 +96,13 @@ __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a
 
 __device__ __forceinline__ void mma_s8(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_u8(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -278,7 +286,26 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       const u32 lo[4] = {wl.x, wl.y, wl.z, wl.w}, hi[4] = {wh.x, wh.y, wh.z, wh.w};
       const int zl = zz[g * NG + grp], zh = zz[(g + 8) * NG + grp];
       const float s_lo = f16_to_f32(ss[g * NG + grp]), s_hi = f16_to_f32(ss[(g + 8) * NG + grp]);
-#if XQ
+#if XQ == 2
+      // Even nibbles masked to bytes (q), odd ones masked in place (16 q, unsigned): no shifts.
+      // Two words a product: A = (row g, row g + 8) x (word j, word j + 1).
+      int eh[4] = {0, 0, 0, 0}, el[4] = {0, 0, 0, 0}, oh[4] = {0, 0, 0, 0}, ol[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        const u32 E = 0x0F0F0F0Fu, O = 0xF0F0F0F0u;
+        const u32 e0 = lo[j] & E, e1 = hi[j] & E, e2 = lo[j + 1] & E, e3 = hi[j + 1] & E;
+        const u32 o0 = lo[j] & O, o1 = hi[j] & O, o2 = lo[j + 1] & O, o3 = hi[j + 1] & O;
+        mma_u8(eh, e0, e1, e2, e3, xh[gi][j][0], xh[gi][j + 1][0]);
+        mma_u8(el, e0, e1, e2, e3, xl[gi][j][0], xl[gi][j + 1][0]);
+        mma_u8(oh, o0, o1, o2, o3, xh[gi][j][1], xh[gi][j + 1][1]);
+        mma_u8(ol, o0, o1, o2, o3, xl[gi][j][1], xl[gi][j + 1][1]);
+      }
+      // the odd sums are 16x (exact): sum (q - z) xq in int32, then the step and the scale
+      const int d_lo = eh[0] * 256 + el[0] + ((oh[0] * 256 + ol[0]) >> 4);
+      const int d_hi = eh[2] * 256 + el[2] + ((oh[2] * 256 + ol[2]) >> 4);
+      acc_lo += s_lo * step[gi] * (float)(d_lo - zl * qsum[gi]);
+      acc_hi += s_hi * step[gi] * (float)(d_hi - zh * qsum[gi]);
+#elif XQ
       int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // even nibbles as bytes, then odd: two int8 halves of x
