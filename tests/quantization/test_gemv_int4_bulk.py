@@ -1,0 +1,84 @@
+"""The CUDA C++ one-row int4 GEMV (kernels/w4_bulk.cu) and its plain-torch twin.
+
+CPU: the twin's split-int8 numerics (x as a 15-bit fixed point a group of 128) against the
+float reference, and the split itself (exact int8 halves). GPU: every variant of the kernel
+against the twin and the float reference, eager and replayed in a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels.gemv_int4_bulk import (
+    split_int8_x,
+    supported,
+    w4_gemv_bulk,
+    w4_split_int8_reference,
+)
+from slipstream.kernels.int4_common import w4_linear_reference
+from tests.quantization.gemv_helpers import quantized, rel
+
+
+def test_split_int8_halves_are_exact_bytes() -> None:
+    x = torch.randn(1, 1024) * torch.logspace(-3, 3, 1024)  # groups of very different ranges
+    x[0, 128:256] = 0.0  # an all-zero group: step 1, every xq 0
+    xq, step = split_int8_x(x.bfloat16())
+    hi = (xq + 128) >> 8
+    lo = xq - hi * 256
+    assert int(hi.min()) >= -128 and int(hi.max()) <= 127
+    assert int(lo.min()) >= -128 and int(lo.max()) <= 127
+    assert int(xq.abs().max()) <= 127 * 256
+    assert float(step[0, 1]) == 1.0 and int(xq[0, 128:256].abs().max()) == 0
+    # each group's largest |x| maps to 32512 and the rest within half a step
+    back = (xq.float().unflatten(-1, (-1, 128)) * step[..., None]).flatten(-2)
+    err = (back - x.bfloat16().float()).abs().unflatten(-1, (-1, 128)).amax(-1)
+    assert bool((err <= 0.5001 * step).all())
+
+
+@pytest.mark.parametrize("n,k", [(64, 1024), (48, 4096)])
+def test_split_int8_twin_matches_the_float_reference(n, k) -> None:
+    q, s, z = quantized(n, k, 128, seed=k)
+    x = torch.randn(1, k).bfloat16()
+    want = w4_linear_reference(x, q, s, z, 128)
+    got = w4_split_int8_reference(x, q, s, z)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # bf16 output rounding (~2^-9) dominates; x's fixed point adds ~1e-5
+    assert rel(got, want) < 4e-3
+
+
+def test_supported_shapes() -> None:
+    assert supported(4096, 4096, 8, 128)
+    assert not supported(4096, 4096, 8, 64)   # groups of 128 only
+    assert not supported(4100, 4096, 8, 128)  # 16-row tiles
+    assert not supported(4096, 3072, 16, 128)  # K over 16 warps: multiples of 2048
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xq", [0, 1, 2])
+@pytest.mark.parametrize("n,k,cwarps,stages", [
+    (4096, 4096, 8, 6), (6144, 4096, 16, 4), (28672, 4096, 8, 5), (4096, 2048, 4, 3),
+])
+def test_bulk_gemv_matches_the_reference(n, k, cwarps, stages, xq) -> None:
+    q, s, z = quantized(n, k, 128, device="cuda", seed=n + k)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    got = w4_gemv_bulk(x, q, s, z, cwarps=cwarps, stages=stages, xq=xq)
+    want = w4_linear_reference(x, q, s, z, 128)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert rel(got, want) < 4e-3
+    if xq:
+        assert rel(got, w4_split_int8_reference(x, q, s, z)) < 4e-3
+
+
+@pytest.mark.gpu
+def test_bulk_gemv_in_a_cuda_graph() -> None:
+    q, s, z = quantized(4096, 4096, 128, device="cuda", seed=3)
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w4_gemv_bulk(x, q, s, z, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):  # back to back under PDL
+            w4_gemv_bulk(x, q, s, z, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, w4_linear_reference(x, q, s, z, 128)) < 4e-3
