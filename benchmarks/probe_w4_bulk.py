@@ -39,8 +39,8 @@ def _times(run, copies, idles: list[float]) -> dict:
 def _bulk_row(name, x, words, scales, zeros, ref, tol, spec: str, variant: str,
               idles: list[float]) -> dict:
     cw, st, blocks = (int(v) for v in spec.split(":"))
-    mode = {"copies": 1, "math": 2, "bf16math": 2, "xq1math": 2}.get(variant, 0)
-    xq = 0 if variant.startswith("bf16") else 1 if variant.startswith("xq1") else 2
+    mode = {"copies": 1, "math": 2, "bf16math": 2}.get(variant, 0)
+    xq = 0 if variant.startswith("bf16") else 2
     kw = dict(cwarps=cw, stages=st, grid=blocks or None, mode=mode, pdl=variant != "nopdl", xq=xq)
     row = dict(shape=name, kernel="bulk", variant=variant, cwarps=cw, stages=st, blocks=blocks)
     try:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--idle", default="0,8")
     ap.add_argument("--variants", default="full",
                     help="full, copies (MODE 1), math (MODE 2), nopdl (full without PDL); bf16, bf16math: "
-                         "bf16 mma (XQ 0); xq1, xq1math: shifted nibbles (XQ 1)")
+                         "the same on bf16 mma (XQ 0)")
     ns = ap.parse_args()
     idles = [float(v) for v in ns.idle.split(",")]
     rows = []

@@ -58,8 +58,9 @@ class CudaKernel:
         self.shared_mem = shared_mem
 
     def launch(self, grid: int, block: int, args: list, pdl: bool) -> None:
-        """args: tensors (passed as pointers) and ints (as C int)."""
-        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+        """args: tensors (passed as pointers), ints (C int) and floats (C float)."""
+        values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+                  else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a)
                   for a in args]
         params = (ctypes.c_void_p * len(values))(
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])

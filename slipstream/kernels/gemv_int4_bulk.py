@@ -1,8 +1,16 @@
 """One-row int4_awq GEMV in CUDA C++ (w4_bulk.cu): a producer warp streams 16-row tiles into a
-shared-memory ring with bulk asynchronous copies, consumer warps sum on the tensor cores. An
-experiment against the Triton one-row kernels (benchmarks/probe_w4_bulk.py); CUDA only, groups
-of 128, K a multiple of 128 x the consumer warps."""
+shared-memory ring with bulk asynchronous copies, consumer warps sum on the tensor cores (x as
+an exact split into int8 halves, a 15-bit fixed point a group of 128; split_int8_x and
+w4_split_int8_reference are its plain-torch twin). Plain, with bias, with the folded RMSNorm
+(rms_eps) and as a gate-out. CUDA only (NVRTC, kernels/cuda_launch.py), groups of 128.
+
+Opt-in: SLIPSTREAM_W4_BULK=1 routes int4_awq's one-row calls with K <= 4096 (qkv, o, gate_up,
+not down: its x would not fit in registers) here instead of the Triton kernels' tuner
+(maybe_bulk); benchmarks/probe_w4_bulk.py times it against them.
+"""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -10,8 +18,11 @@ from slipstream.kernels.cuda_launch import compile_kernel
 from slipstream.kernels.gemv import num_sms
 from slipstream.kernels.int4_common import packed_words
 
+ENABLED = os.environ.get("SLIPSTREAM_W4_BULK", "0") == "1"
 ROWS = 16
 GROUP = 128
+MAX_GROUPS_A_WARP = 4  # x of 4 groups is 64 registers a lane; more spill
+STAGES = 6  # 16-row tiles in flight an SM: ~210 KB of shared memory at K = 4096
 
 
 def stage_bytes(k: int) -> int:
@@ -22,27 +33,41 @@ def stage_bytes(k: int) -> int:
 
 
 def shared_bytes(k: int, cwarps: int, stages: int) -> int:
+    """The kernel's dynamic shared memory: mbarriers, partial rows, squares, then the ring."""
     nbuf = stages + 1
-    head = -(-(2 * stages * 8 + nbuf * 8 + nbuf * cwarps * ROWS * 4) // 128) * 128
-    return head + stages * stage_bytes(k)
+    head = 16 * stages + 8 * nbuf + nbuf * cwarps * ROWS * 4 + cwarps * 4
+    return -(-head // 128) * 128 + stages * stage_bytes(k)
 
 
-def supported(n: int, k: int, cwarps: int, group_size: int) -> bool:
-    return group_size == GROUP and n % ROWS == 0 and k % (GROUP * cwarps) == 0
+def supported(n: int, k: int, cwarps: int, group_size: int, gate_out: bool = False) -> bool:
+    """Groups of 128, 16-row tiles (gate-out: 8 gate + 8 up rows), K over the warps evenly."""
+    rows_ok = n % (2 * 8) == 0 if gate_out else n % ROWS == 0
+    return group_size == GROUP and rows_ok and k % (GROUP * cwarps) == 0
+
+
+def consumer_warps(k: int) -> int | None:
+    """The fewest consumer warps (of 8 and 16) that hold x in registers; None: too long a K."""
+    for cw in (8, 16):
+        if k % (GROUP * cw) == 0 and k // (GROUP * cw) <= MAX_GROUPS_A_WARP:
+            return cw
+    return None
 
 
 def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 zeros: torch.Tensor, *, cwarps: int = 8, stages: int = 5,
-                 grid: int | None = None, pdl: bool = True,
-                 out: torch.Tensor | None = None, mode: int = 0,
-                 xq: int = 2) -> torch.Tensor:
-    """x bf16 [K] or [1, K]; qweight uint8 [N, K/2]; scales fp16 / zeros uint8 [N, K/128].
-    mode (probes only): 1 = the copies alone, 2 = the math alone (w4_bulk.cu's MODE). xq: x as
-    two exact int8 halves a group on int8 tensor cores (2: odd nibbles unshifted, 1: shifted),
+                 zeros: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 rms_eps: float = 0.0, gate_out: bool = False, cwarps: int = 8,
+                 stages: int = STAGES, grid: int | None = None, pdl: bool = True,
+                 out: torch.Tensor | None = None, mode: int = 0, xq: int = 2) -> torch.Tensor:
+    """x bf16 [K] or [1, K]; qweight uint8 [N, K/2]; scales fp16 / zeros uint8 [N, K/128];
+    bias bf16 [N]. rms_eps > 0: the product of x / rms(x). gate_out: a [gate | up] weight,
+    returns SiLU(gate) * up [.., N/2]. mode (probes only): 1 = the copies alone, 2 = the math
+    alone (w4_bulk.cu's MODE). xq 2: x as two exact int8 halves a group on int8 tensor cores;
     0: bf16 pairs on bf16 ones (w4_bulk.cu's XQ)."""
     k = x.shape[-1]
     n = qweight.shape[0]
-    if not supported(n, k, cwarps, k // scales.shape[1]):
+    if x.numel() != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"w4_gemv_bulk: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
+    if not supported(n, k, cwarps, k // scales.shape[1], gate_out):
         raise ValueError(f"w4_gemv_bulk: unsupported shape N={n} K={k} (groups of {GROUP}, "
                          f"N % {ROWS}, K % {GROUP * cwarps})")
     packed_words(qweight, scales, zeros, GROUP, k)  # the layout's shape and dtype checks
@@ -51,16 +76,49 @@ def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous().clone()  # 128-bit loads of x
     smem = shared_bytes(k, cwarps, stages)
-    kernel = compile_kernel("w4_bulk.cu", "w4_gemv_bulk",
-                            (("K", k), ("CWARPS", cwarps), ("STAGES", stages), ("MODE", mode),
-                             ("XQ", xq)),
-                            x.device.index or 0, smem)
+    defines = (("K", k), ("CWARPS", cwarps), ("STAGES", stages), ("MODE", mode), ("XQ", xq),
+               ("BIAS", int(bias is not None)), ("RMS", int(rms_eps > 0)),
+               ("GATE_OUT", int(gate_out)))
+    kernel = compile_kernel("w4_bulk.cu", "w4_gemv_bulk", defines, x.device.index or 0, smem)
+    n_out = n // 2 if gate_out else n
     if out is None:
-        out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-    n_tiles = n // ROWS
+        out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype, device=x.device)
+    n_tiles = n // 2 // 8 if gate_out else n // ROWS
     blocks = grid or min(n_tiles, num_sms(x.device))
-    kernel.launch(blocks, (cwarps + 1) * 32, [x, qweight, scales, zeros, out, n_tiles], pdl)
+    kernel.launch(blocks, (cwarps + 1) * 32,
+                  [x, qweight, scales, zeros, bias if bias is not None else out, out, n_tiles,
+                   n // 2, float(rms_eps)], pdl)
     return out
+
+
+def maybe_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+               gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
+    """w4_gemv_bulk for int4_awq's one-row calls when SLIPSTREAM_W4_BULK=1 and the shape fits;
+    else None (the caller's Triton path). Compiled on the first eager call: a shape first seen
+    during a CUDA-graph capture stays on the Triton path."""
+    k = x.shape[-1]
+    if not (ENABLED and x.is_cuda and x.numel() == k and x.dtype == torch.bfloat16):
+        return None
+    cw = consumer_warps(k)
+    if cw is None or not supported(qweight.shape[0], k, cw, group_size, gate_out):
+        return None
+    if torch.cuda.is_current_stream_capturing() and not _compiled(k, cw, bias, rms_eps,
+                                                                 gate_out, x.device):
+        return None
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        return None
+    out = w4_gemv_bulk(x.reshape(1, k), qweight, scales, zeros, bias, rms_eps=rms_eps,
+                       gate_out=gate_out, cwarps=cw)
+    _SEEN.add((k, cw, bias is not None, rms_eps > 0, gate_out, x.device.index))
+    return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+_SEEN: set[tuple] = set()
+
+
+def _compiled(k: int, cw: int, bias, rms_eps: float, gate_out: bool, device) -> bool:
+    return (k, cw, bias is not None, rms_eps > 0, gate_out, device.index) in _SEEN
 
 
 def split_int8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,18 +1,25 @@
 // One-row W4A16 GEMV (int4_awq layout, groups of 128), fed by bulk asynchronous copies.
 //
-// out[n] = sum_k (q[n,k] - z[n,k/128]) * s[n,k/128] * x[k]   (bf16 x and out, fp16 s, uint8 z)
+// out[n] = sum_k (q[n,k] - z[n,k/128]) * s[n,k/128] * x[k] (+ bias[n])   (bf16 x, bias and out,
+// fp16 s, uint8 z). RMS: of x / rms(x) (a folded RMSNorm). GATE_OUT: a [gate | up] weight of 2I
+// rows, out[j] = SiLU(gate_j) * up_j.
 //
 // One block an SM. Warp 0 is the producer: its lanes copy whole 16-row tiles (weights, scales,
 // zeros) into a ring of STAGES shared-memory stages with cp.async.bulk, each stage completed by
 // an mbarrier's transaction count. Copies need no registers, so bytes in flight are bounded by
 // the ring, not by the warps; and the weights are requested before the PDL wait (they are never
 // written), while the kernel before still runs. Warps 1..CWARPS consume: each takes K / CWARPS
-// of every tile, turns nibbles into bf16 pairs 128 + q with one LOP3 (plus a shift), and sums
-// (128 + q) x on the tensor cores (mma m16n8k16, x in every column); zero and scale come off once
-// a group: s (D - (128 + z) sum x). The warps' partial rows meet in shared memory.
+// of every tile and sums on the tensor cores with x in every column of the mma.
 //
-// Compile-time constants: K (a multiple of 128 * CWARPS), CWARPS, STAGES. Written without CUDA
-// headers so that NVRTC compiles it as is.
+// XQ 2 (default): x of each group as integers xq = round(x / step), |xq| <= 127 * 256, split
+// exactly into int8 halves hi * 256 + lo (a 15-bit fixed point a group, far finer than int4's
+// own error). Even nibbles masked to bytes (q) and odd ones masked in place (16 q) feed u8 x s8
+// mma (m16n8k32) with no shifts: ~0.4 instructions a weight. sum (q - z) xq is exact in int32;
+// step and scale come off once a group. XQ 0: nibbles as bf16 pairs 128 + q (a shift and a
+// LOP3) on bf16 mma, s (D - (128 + z) sum x) a group: ~1 instruction a weight.
+//
+// Compile-time constants: K (a multiple of 128 * CWARPS), CWARPS, STAGES, XQ, BIAS, RMS,
+// GATE_OUT, MODE (probes). Written without CUDA headers so that NVRTC compiles it as is.
 
 #ifndef K
 #define K 4096
@@ -24,8 +31,16 @@
 #define STAGES 5
 #endif
 #ifndef XQ
-#define XQ 2  // x as two exact int8 halves a group on int8 mma (1: nibbles shifted to bytes,
-                 // 2: odd nibbles left in place, 16 q); 0: bf16 pairs on bf16 mma
+#define XQ 2
+#endif
+#ifndef BIAS
+#define BIAS 0
+#endif
+#ifndef RMS
+#define RMS 0
+#endif
+#ifndef GATE_OUT
+#define GATE_OUT 0
 #endif
 #ifndef MODE
 #define MODE 0  // probes: 1 = copies alone (consumers only wait and release), 2 = math alone
@@ -42,13 +57,15 @@
 #define STAGE_BYTES ((W_BYTES + S_BYTES + Z_BYTES + 127) / 128 * 128)
 #define TX_BYTES (ROWS * (K / 2 + NG * 2 + NG))
 #define NBUF (STAGES + 1)            // partial-row buffers (see the reduction below)
-#define HEAD_BYTES ((2 * STAGES * 8 + NBUF * 8 + NBUF * CWARPS * ROWS * 4 + 127) / 128 * 128)
+// mbarriers (full, empty, reduced), partial rows [NBUF][CWARPS][ROWS], squares [CWARPS]
+#define PARTIAL_OFF (16 * STAGES + 8 * NBUF)
+#define SQUARES_OFF (PARTIAL_OFF + NBUF * CWARPS * ROWS * 4)
+#define HEAD_BYTES ((SQUARES_OFF + CWARPS * 4 + 127) / 128 * 128)
 
 static_assert(NG % CWARPS == 0, "K must split evenly over the consumer warps");
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 r;
@@ -85,19 +102,12 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
       :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Not volatile: independent products may interleave.
 __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
-  asm(  // not volatile: independent products may interleave
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_s8(int* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
@@ -113,8 +123,8 @@ __device__ __forceinline__ u32 pack4(int b0, int b1, int b2, int b3) {
   return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | ((u32)b3 << 24);
 }
 
-// Nibbles a and a + 4 of a word (16 bits apart) as the bf16 pair (128 + q_a, 128 + q_a+4).
-// One LOP3 (the compiler splits the C expression into two).
+// Nibbles a and a + 4 of a word (16 bits apart) as the bf16 pair (128 + q_a, 128 + q_a+4), in
+// one LOP3 (the compiler splits the C expression into two).
 __device__ __forceinline__ u32 pair(u32 w, int a) {
   u32 r;
   asm("lop3.b32 %0, %1, 0x000F000F, 0x43004300, 0xEA;" : "=r"(r) : "r"(w >> (4 * a)));
@@ -135,15 +145,21 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   return h;
 }
 
+// The weight row copied into tile row r (GATE_OUT: rows 0-7 gate rows, 8-15 the matching up rows).
+__device__ __forceinline__ long weight_row(int tile, int r, int half_n) {
+  if (GATE_OUT) return r < 8 ? (long)tile * 8 + r : (long)half_n + tile * 8 + (r - 8);
+  return (long)tile * ROWS + r;
+}
+
 extern "C" __global__ void __launch_bounds__((CWARPS + 1) * 32, 1)
 w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no .nc loads)
-             const unsigned char* __restrict__ qweight,
-             const u16* __restrict__ scales, const unsigned char* __restrict__ zeros,
-             u16* __restrict__ out, int n_tiles) {
+             const unsigned char* __restrict__ qweight, const u16* __restrict__ scales,
+             const unsigned char* __restrict__ zeros, const u16* __restrict__ bias,
+             u16* __restrict__ out, int n_tiles, int half_n, float rms_eps) {
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 base = smem_addr(smem);
   const u32 full = base, empty = base + 8 * STAGES, reduced = base + 16 * STAGES;
-  float* partial = reinterpret_cast<float*>(smem + 16 * STAGES + 8 * NBUF);  // [NBUF][CWARPS][ROWS]
+  float* partial = reinterpret_cast<float*>(smem + PARTIAL_OFF);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   if (threadIdx.x == 0) {
@@ -167,7 +183,7 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       __syncwarp();
       if (lane < ROWS) {
         const u32 st = base + HEAD_BYTES + s * STAGE_BYTES;
-        const long row = (long)tile * ROWS + lane;
+        const long row = weight_row(tile, lane, half_n);
         bulk_copy(st + lane * ROW_PITCH, qweight + row * (K / 2), K / 2, full + 8 * s);
         bulk_copy(st + W_BYTES + lane * NG * 2, scales + row * NG, NG * 2, full + 8 * s);
         bulk_copy(st + W_BYTES + S_BYTES + lane * NG, zeros + row * NG, NG, full + 8 * s);
@@ -183,9 +199,8 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
   // Consumers: x is the previous kernel's output, read only after the PDL wait.
   asm volatile("griddepcontrol.wait;" ::: "memory");
   const int cw = warp - 1, g = lane >> 2, t = lane & 3;
+  float squares = 0.f;  // RMS: this lane's share of sum x^2
 #if XQ
-  // x of each group as integers xq = round(x / step), |xq| <= 127 * 256, split exactly into
-  // int8 halves hi * 256 + lo: a 15-bit fixed point a group, far finer than int4's own error.
   // Bytes follow a weight word's nibbles: (0, 2, 4, 6) and (1, 3, 5, 7).
   u32 xh[GPW][4][2], xl[GPW][4][2];
   float step[GPW];
@@ -206,7 +221,10 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
     }
     float amax = 0.f;
 #pragma unroll
-    for (int e = 0; e < 32; ++e) amax = fmaxf(amax, fabsf(v[e]));
+    for (int e = 0; e < 32; ++e) {
+      amax = fmaxf(amax, fabsf(v[e]));
+      if (RMS) squares += v[e] * v[e];
+    }
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
     step[gi] = amax > 0.f ? amax / 32512.f : 1.f;
@@ -246,15 +264,31 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       xp[gi][j][1] = __byte_perm(r.x, r.z, 0x7632);
       xp[gi][j][2] = __byte_perm(r.y, r.w, 0x5410);
       xp[gi][j][3] = __byte_perm(r.y, r.w, 0x7632);
-      part += bf16_to_f32(r.x & 0xFFFF) + bf16_to_f32(r.x >> 16) + bf16_to_f32(r.y & 0xFFFF) +
-              bf16_to_f32(r.y >> 16) + bf16_to_f32(r.z & 0xFFFF) + bf16_to_f32(r.z >> 16) +
-              bf16_to_f32(r.w & 0xFFFF) + bf16_to_f32(r.w >> 16);
+      const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float a = bf16_to_f32(w[h] & 0xFFFF), b = bf16_to_f32(w[h] >> 16);
+        part += a + b;
+        if (RMS) squares += a * a + b * b;
+      }
     }
     part += __shfl_xor_sync(0xFFFFFFFFu, part, 1);
     part += __shfl_xor_sync(0xFFFFFFFFu, part, 2);
     xsum[gi] = part;
   }
 #endif
+  float inv_rms = 1.f;
+  if (RMS) {  // lanes of one t hold the same x: sum over t, then over the warps
+    float* sq = reinterpret_cast<float*>(smem + SQUARES_OFF);
+    squares += __shfl_xor_sync(0xFFFFFFFFu, squares, 1);
+    squares += __shfl_xor_sync(0xFFFFFFFFu, squares, 2);
+    if (lane == 0) sq[cw] = squares;
+    asm volatile("bar.sync 1, %0;" :: "n"(CWARPS * 32) : "memory");
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < CWARPS; ++w) total += sq[w];
+    inv_rms = rsqrtf(total / K + rms_eps);
+  }
 
   // The warps' partial rows meet without a consumer-wide barrier: for the block's tile i, each
   // warp's writing lanes store into buffer i % NBUF and arrive on its mbarrier; warp i % CWARPS
@@ -286,8 +320,7 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       const u32 lo[4] = {wl.x, wl.y, wl.z, wl.w}, hi[4] = {wh.x, wh.y, wh.z, wh.w};
       const int zl = zz[g * NG + grp], zh = zz[(g + 8) * NG + grp];
       const float s_lo = f16_to_f32(ss[g * NG + grp]), s_hi = f16_to_f32(ss[(g + 8) * NG + grp]);
-#if XQ == 2
-      // Even nibbles masked to bytes (q), odd ones masked in place (16 q, unsigned): no shifts.
+#if XQ
       // Two words a product: A = (row g, row g + 8) x (word j, word j + 1).
       int eh[4] = {0, 0, 0, 0}, el[4] = {0, 0, 0, 0}, oh[4] = {0, 0, 0, 0}, ol[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -305,18 +338,6 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       const int d_hi = eh[2] * 256 + el[2] + ((oh[2] * 256 + ol[2]) >> 4);
       acc_lo += s_lo * step[gi] * (float)(d_lo - zl * qsum[gi]);
       acc_hi += s_hi * step[gi] * (float)(d_hi - zh * qsum[gi]);
-#elif XQ
-      int dh[4] = {0, 0, 0, 0}, dl[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {  // even nibbles as bytes, then odd: two int8 halves of x
-        const u32 el = lo[j] & 0x0F0F0F0Fu, eh = hi[j] & 0x0F0F0F0Fu;
-        const u32 ol = (lo[j] >> 4) & 0x0F0F0F0Fu, oh = (hi[j] >> 4) & 0x0F0F0F0Fu;
-        mma_s8(dh, el, eh, ol, oh, xh[gi][j][0], xh[gi][j][1]);
-        mma_s8(dl, el, eh, ol, oh, xl[gi][j][0], xl[gi][j][1]);
-      }
-      // sum (q - z) xq exactly in int32 (|.| < 2^31), then the group's step and the scale
-      acc_lo += s_lo * step[gi] * (float)(dh[0] * 256 + dl[0] - zl * qsum[gi]);
-      acc_hi += s_hi * step[gi] * (float)(dh[2] * 256 + dl[2] - zh * qsum[gi]);
 #else
       float d[4] = {0.f, 0.f, 0.f, 0.f}, e[4] = {0.f, 0.f, 0.f, 0.f};  // two short chains
 #pragma unroll
@@ -350,7 +371,16 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < CWARPS; ++w) sum += buf[w * ROWS + lane];
-        out[(long)tile * ROWS + lane] = f32_to_bf16(sum);
+        sum *= inv_rms;
+        const long row = weight_row(tile, lane, half_n);
+        if (BIAS) sum += bf16_to_f32(bias[row]);
+        if (GATE_OUT) {  // lane j < 8 pairs gate row j with up row j + 8 (both rounded to bf16)
+          const float v = bf16_to_f32(f32_to_bf16(sum));
+          const float up = __shfl_down_sync(0x0000FFFFu, v, 8);
+          if (lane < 8) out[(long)tile * 8 + lane] = f32_to_bf16(v / (1.f + __expf(-v)) * up);
+        } else {
+          out[row] = f32_to_bf16(sum);
+        }
       }
     }
     --red;

@@ -8,13 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.kernels import gemv_int4_bulk
 from slipstream.kernels.gemv_int4_bulk import (
+    consumer_warps,
+    maybe_bulk,
+    shared_bytes,
     split_int8_x,
     supported,
     w4_gemv_bulk,
     w4_split_int8_reference,
 )
 from slipstream.kernels.int4_common import w4_linear_reference
+from slipstream.kernels.reference import silu_and_mul
 from tests.quantization.gemv_helpers import quantized, rel
 
 
@@ -50,10 +55,25 @@ def test_supported_shapes() -> None:
     assert not supported(4096, 4096, 8, 64)   # groups of 128 only
     assert not supported(4100, 4096, 8, 128)  # 16-row tiles
     assert not supported(4096, 3072, 16, 128)  # K over 16 warps: multiples of 2048
+    assert supported(28672, 4096, 8, 128, gate_out=True) and not supported(40, 4096, 8, 128,
+                                                                               gate_out=True)
+    # x of at most 4 groups a warp: Llama-3.1-8B's down projection (K 14336) stays on Triton
+    assert consumer_warps(4096) == 8 and consumer_warps(8192) == 16
+    assert consumer_warps(14336) is None and consumer_warps(1000) is None
+    # the ring fits the H200's 227 KiB of shared memory a block at the default stages
+    assert shared_bytes(4096, 16, gemv_int4_bulk.STAGES) <= 227 * 1024
+
+
+def test_maybe_bulk_stays_off_unless_asked(monkeypatch) -> None:
+    q, s, z = quantized(64, 1024, 128)
+    x = torch.randn(1, 1024).bfloat16()
+    assert maybe_bulk(x, q, s, z, 128, None) is None  # off by default
+    monkeypatch.setattr(gemv_int4_bulk, "ENABLED", True)
+    assert maybe_bulk(x, q, s, z, 128, None) is None  # CUDA only: the caller's path runs
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("xq", [0, 1, 2])
+@pytest.mark.parametrize("xq", [0, 2])
 @pytest.mark.parametrize("n,k,cwarps,stages", [
     (4096, 4096, 8, 6), (6144, 4096, 16, 4), (28672, 4096, 8, 5), (4096, 2048, 4, 3),
 ])
@@ -82,3 +102,45 @@ def test_bulk_gemv_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert rel(out, w4_linear_reference(x, q, s, z, 128)) < 4e-3
+
+
+def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    return xf * torch.rsqrt(xf.pow(2).mean() + eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("xq", [0, 2])
+@pytest.mark.parametrize("bias,rms_eps,gate_out", [
+    (True, 0.0, False), (False, 1e-5, False), (False, 0.0, True), (True, 1e-5, True),
+])
+def test_bulk_gemv_fused_variants(bias, rms_eps, gate_out, xq) -> None:
+    n, k = 2048, 4096
+    q, s, z = quantized(n, k, 128, device="cuda", seed=7)
+    x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16() if bias else None
+    got = w4_gemv_bulk(x, q, s, z, b, rms_eps=rms_eps, gate_out=gate_out, xq=xq)
+    xr = _normed(x, rms_eps) if rms_eps else x.double()
+    want = w4_linear_reference(xr, q, s, z, 128, None if b is None else b.double()).float()
+    if gate_out:
+        want = silu_and_mul(want.bfloat16().float())
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert rel(got, want) < 6e-3
+
+
+@pytest.mark.gpu
+def test_maybe_bulk_serves_the_one_row_calls(monkeypatch) -> None:
+    from slipstream.kernels import gemv_int4
+
+    monkeypatch.setattr(gemv_int4_bulk, "ENABLED", True)
+    q, s, z = quantized(1024, 4096, 128, device="cuda", seed=5)
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    want = w4_linear_reference(x, q, s, z, 128)
+    assert rel(gemv_int4.w4_linear_small(x, q, s, z, 128), want) < 4e-3
+    got = gemv_int4.w4_linear_small_rms(x, q, s, z, 128, None, 1e-5)
+    assert rel(got, w4_linear_reference(_normed(x, 1e-5), q, s, z, 128)) < 4e-3
+    assert gemv_int4.w4_linear_small_gate_out(x, q, s, z, 128).shape == (1, 512)
+    # down-projection shapes (K 14336) and two rows keep the Triton path
+    assert maybe_bulk(torch.randn(1, 14336, device="cuda").bfloat16(), *quantized(
+        64, 14336, 128, device="cuda"), 128, None) is None
+    assert maybe_bulk(torch.randn(2, 4096, device="cuda").bfloat16(), q, s, z, 128, None) is None
