@@ -144,3 +144,15 @@ def test_maybe_bulk_serves_the_one_row_calls(monkeypatch) -> None:
     assert maybe_bulk(torch.randn(1, 14336, device="cuda").bfloat16(), *quantized(
         64, 14336, 128, device="cuda"), 128, None) is None
     assert maybe_bulk(torch.randn(2, 4096, device="cuda").bfloat16(), q, s, z, 128, None) is None
+
+
+def test_driver_launch_structs_match_cuda_h() -> None:
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (64-bit)."""
+    import ctypes
+
+    from slipstream.kernels.cuda_launch import _LaunchAttribute, _LaunchConfig
+
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.shared_mem.offset, _LaunchConfig.stream.offset,
+            _LaunchConfig.attrs.offset, _LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
