@@ -141,11 +141,12 @@ def w4_split_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     from slipstream.quantization import utils as qu
 
     xq, step = split_int8_x(x)
-    q = qu.unpack_int4_rows(qweight).to(torch.int64)  # [N, K]
+    # float64 holds every integer here exactly (|sum| < 2^26), and unlike int64 it has a
+    # matmul on CUDA
+    q = qu.unpack_int4_rows(qweight).to(torch.float64)  # [N, K]
     n, k = q.shape
-    dots = torch.einsum("ngk,...gk->...ng", q.view(n, k // GROUP, GROUP),
-                        xq.to(torch.int64).unflatten(-1, (-1, GROUP)))
-    qsum = xq.to(torch.int64).unflatten(-1, (-1, GROUP)).sum(-1)  # [..., G]
-    exact = dots - zeros.to(torch.int64) * qsum[..., None, :]
+    xg = xq.to(torch.float64).unflatten(-1, (-1, GROUP))
+    dots = torch.einsum("ngk,...gk->...ng", q.view(n, k // GROUP, GROUP), xg)
+    exact = dots - zeros.to(torch.float64) * xg.sum(-1)[..., None, :]
     out = (scales.float() * step[..., None, :] * exact.float()).sum(-1)
     return out.to(x.dtype)
