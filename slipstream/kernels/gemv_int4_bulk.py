@@ -67,6 +67,10 @@ def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     n = qweight.shape[0]
     if x.numel() != k or x.dtype != torch.bfloat16:
         raise ValueError(f"w4_gemv_bulk: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != qweight.shape[0]
+                             or not bias.is_contiguous()):
+        raise ValueError(f"w4_gemv_bulk: bias must be contiguous bf16 [N], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
     if not supported(n, k, cwarps, k // scales.shape[1], gate_out):
         raise ValueError(f"w4_gemv_bulk: unsupported shape N={n} K={k} (groups of {GROUP}, "
                          f"N % {ROWS}, K % {GROUP * cwarps})")
@@ -99,6 +103,8 @@ def maybe_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     during a CUDA-graph capture stays on the Triton path."""
     k = x.shape[-1]
     if not (ENABLED and x.is_cuda and x.numel() == k and x.dtype == torch.bfloat16):
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
         return None
     cw = consumer_warps(k)
     if cw is None or not supported(qweight.shape[0], k, cw, group_size, gate_out):
