@@ -181,12 +181,14 @@ w4_gemv_bulk(const u16* x,  // not __restrict__: the kernel before writes it (no
       bar_wait(empty + 8 * s, phase ^ 1);
       if (lane == 0) bar_expect_tx(full + 8 * s, TX_BYTES);
       __syncwarp();
-      if (lane < ROWS) {
+      if (lane < ROWS) {  // a copy a padded weight row
         const u32 st = base + HEAD_BYTES + s * STAGE_BYTES;
         const long row = weight_row(tile, lane, half_n);
         bulk_copy(st + lane * ROW_PITCH, qweight + row * (K / 2), K / 2, full + 8 * s);
-        bulk_copy(st + W_BYTES + lane * NG * 2, scales + row * NG, NG * 2, full + 8 * s);
-        bulk_copy(st + W_BYTES + S_BYTES + lane * NG, zeros + row * NG, NG, full + 8 * s);
+        if (lane % 8 == 0) {  // rows 0-7 and 8-15 are each contiguous (gate-out too): one copy
+          bulk_copy(st + W_BYTES + lane * NG * 2, scales + row * NG, 8 * NG * 2, full + 8 * s);
+          bulk_copy(st + W_BYTES + S_BYTES + lane * NG, zeros + row * NG, 8 * NG, full + 8 * s);
+        }
       }
       if (++s == STAGES) {
         s = 0;
