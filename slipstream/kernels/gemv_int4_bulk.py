@@ -109,22 +109,18 @@ def maybe_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cw = consumer_warps(k)
     if cw is None or not supported(qweight.shape[0], k, cw, group_size, gate_out):
         return None
-    if torch.cuda.is_current_stream_capturing() and not _compiled(k, cw, bias, rms_eps,
-                                                                 gate_out, x.device):
+    variant = (k, cw, bias is not None, rms_eps > 0, gate_out, x.device.index)
+    if torch.cuda.is_current_stream_capturing() and variant not in _COMPILED:
         return None
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         return None
     out = w4_gemv_bulk(x.reshape(1, k), qweight, scales, zeros, bias, rms_eps=rms_eps,
                        gate_out=gate_out, cwarps=cw)
-    _SEEN.add((k, cw, bias is not None, rms_eps > 0, gate_out, x.device.index))
+    _COMPILED.add(variant)
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
 
-_SEEN: set[tuple] = set()
-
-
-def _compiled(k: int, cw: int, bias, rms_eps: float, gate_out: bool, device) -> bool:
-    return (k, cw, bias is not None, rms_eps > 0, gate_out, device.index) in _SEEN
+_COMPILED: set[tuple] = set()  # maybe_bulk's variants compiled by an eager call
 
 
 def split_int8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

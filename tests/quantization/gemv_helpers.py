@@ -29,3 +29,9 @@ def check_gate_out(got: torch.Tensor, product: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), silu_and_mul(product.float()), atol=1e-5, rtol=1e-2)
     for buf in _COUNTERS.values():
         assert int(buf.abs().sum()) == 0
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) per row in float64: the reference input of the in-GEMV RMS norm."""
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)

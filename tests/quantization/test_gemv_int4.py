@@ -18,7 +18,7 @@ from slipstream.kernels import gemm_int4, gemv_int4, int4_common
 from slipstream.kernels.gemv import _COUNTERS
 from slipstream.kernels.gemv_int4 import W4Config
 from slipstream.quantization import utils as qu
-from tests.quantization.gemv_helpers import quantized, rel
+from tests.quantization.gemv_helpers import quantized, rel, rms_normed
 
 
 def _check(got, x, packed, bias, group, tol=1e-5) -> None:
@@ -558,10 +558,6 @@ def test_gpu_w4_whole_k_tiles(n: int, k: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xd = x.double()
-    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-
 
 @pytest.mark.usefixtures("poison_outputs")
 @pytest.mark.parametrize("cfg", [
@@ -586,7 +582,7 @@ def test_w4_rms_eps(cfg: W4Config, k: int) -> None:
     g = torch.Generator().manual_seed(3)
     dtype = torch.bfloat16 if cfg.bit_convert else torch.float32
     x, b = (5.0 * torch.randn(1, k, generator=g)).to(dtype), torch.randn(42, generator=g)
-    want = gemv_int4.w4_linear_reference(_normed(x, 1e-6), *packed, 128, b.double())
+    want = gemv_int4.w4_linear_reference(rms_normed(x, 1e-6), *packed, 128, b.double())
     tol = 8e-3 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding
     got = gemv_int4.w4_gemv(x, *packed, 128, b.to(dtype), cfg, rms_eps=1e-6)
     assert rel(got, want) < tol
@@ -614,7 +610,7 @@ def test_gpu_w4_rms_every_candidate(n: int, k: int) -> None:
 
     packed = quantized(n, k, 128, "cuda")
     x = 6.0 * torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    want = gemv_int4.w4_linear_reference(_normed(x, 1e-5).float(), *packed, 128)
+    want = gemv_int4.w4_linear_reference(rms_normed(x, 1e-5).float(), *packed, 128)
     tried = 0
     for cfg in gemv_int4.candidate_w4_configs(1, torch.bfloat16):
         if not gemv_int4.rms_ok(1, n, k, cfg, x.device):

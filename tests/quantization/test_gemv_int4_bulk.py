@@ -20,7 +20,7 @@ from slipstream.kernels.gemv_int4_bulk import (
 )
 from slipstream.kernels.int4_common import w4_linear_reference
 from slipstream.kernels.reference import silu_and_mul
-from tests.quantization.gemv_helpers import quantized, rel
+from tests.quantization.gemv_helpers import quantized, rel, rms_normed
 
 
 def test_split_int8_halves_are_exact_bytes() -> None:
@@ -104,10 +104,6 @@ def test_bulk_gemv_in_a_cuda_graph() -> None:
     assert rel(out, w4_linear_reference(x, q, s, z, 128)) < 4e-3
 
 
-def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.double()
-    return xf * torch.rsqrt(xf.pow(2).mean() + eps)
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("xq", [0, 2])
@@ -120,7 +116,7 @@ def test_bulk_gemv_fused_variants(bias, rms_eps, gate_out, xq) -> None:
     x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
     b = torch.randn(n, device="cuda").bfloat16() if bias else None
     got = w4_gemv_bulk(x, q, s, z, b, rms_eps=rms_eps, gate_out=gate_out, xq=xq)
-    xr = _normed(x, rms_eps) if rms_eps else x.double()
+    xr = rms_normed(x, rms_eps) if rms_eps else x.double()
     want = w4_linear_reference(xr, q, s, z, 128, None if b is None else b.double()).float()
     if gate_out:
         want = silu_and_mul(want.bfloat16().float())
@@ -138,7 +134,7 @@ def test_maybe_bulk_serves_the_one_row_calls(monkeypatch) -> None:
     want = w4_linear_reference(x, q, s, z, 128)
     assert rel(gemv_int4.w4_linear_small(x, q, s, z, 128), want) < 4e-3
     got = gemv_int4.w4_linear_small_rms(x, q, s, z, 128, None, 1e-5)
-    assert rel(got, w4_linear_reference(_normed(x, 1e-5), q, s, z, 128)) < 4e-3
+    assert rel(got, w4_linear_reference(rms_normed(x, 1e-5), q, s, z, 128)) < 4e-3
     assert gemv_int4.w4_linear_small_gate_out(x, q, s, z, 128).shape == (1, 512)
     # down-projection shapes (K 14336) and two rows keep the Triton path
     assert maybe_bulk(torch.randn(1, 14336, device="cuda").bfloat16(), *quantized(

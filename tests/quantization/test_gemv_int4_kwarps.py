@@ -10,7 +10,7 @@ import torch
 from slipstream.kernels import gemv_int4, gemv_int4_kwarps
 from slipstream.kernels.gemv_int4 import KWARPS_CONFIGS, W4Config, _kwarps_ok
 from slipstream.kernels.reference import silu_and_mul
-from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
+from tests.quantization.gemv_helpers import check_gate_out, quantized, rel, rms_normed
 
 
 def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0):
@@ -21,10 +21,6 @@ def _run(x, q, s, z, bias, warps, tiles, persist, gate_out=False, rms_eps=0.0):
                             gate_out=gate_out, rms_eps=rms_eps)
     return out
 
-
-def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.double()
-    return xf * torch.rsqrt(xf.pow(2).mean() + eps)
 
 
 @pytest.mark.parametrize("n,k,warps,tiles,persist,bias", [
@@ -51,7 +47,7 @@ def test_kwarps_gate_out_and_rms(rms_eps, bias) -> None:
     q, s, z = quantized(n, k, 128, seed=3)
     x = torch.randn(1, k).bfloat16() * 3
     b = torch.randn(n).bfloat16() if bias else None
-    product = gemv_int4.w4_linear_reference(_normed(x, rms_eps) if rms_eps else x.double(),
+    product = gemv_int4.w4_linear_reference(rms_normed(x, rms_eps) if rms_eps else x.double(),
                                             q, s, z, 128, None if b is None else b.double())
     got = _run(x, q, s, z, b, 4, 2, 1, gate_out=True, rms_eps=rms_eps)
     assert got.shape == (1, n // 2)
@@ -113,7 +109,7 @@ def test_gpu_kwarps_configs_on_llama_shapes(cfg) -> None:
         got = gemv_int4.w4_gemv(x, q, s, z, 128, b, cfg)
         assert rel(got, gemv_int4.w4_linear_reference(x.double(), q, s, z, 128, b.double())) < 8e-3
         normed = gemv_int4.w4_gemv(x, q, s, z, 128, None, cfg, rms_eps=1e-5)
-        assert rel(normed, gemv_int4.w4_linear_reference(_normed(x, 1e-5), q, s, z, 128)) < 8e-3
+        assert rel(normed, gemv_int4.w4_linear_reference(rms_normed(x, 1e-5), q, s, z, 128)) < 8e-3
         if _kwarps_ok(cfg, x, n, k, 128, gate_out=True):
             product = gemv_int4.w4_gemv(x, q, s, z, 128, None, cfg)
             check_gate_out(gemv_int4.w4_gemv_gate_out(x, q, s, z, 128, None, cfg), product)
