@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4_bulk, gemv_int4_kwarps, gemv_int4_mma, pdl
+from slipstream.kernels import (
+    gemv_int4_bulk,
+    gemv_int4_kwarps,
+    gemv_int4_mma,
+    gemv_int4_stream,
+    pdl,
+)
 from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import (
     MAX_M,
@@ -1040,11 +1046,24 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """w4_gemv with a config measured once per (M bucket, N, K, group, dtype) on CUDA. Off CUDA,
     and for an unmeasured shape during CUDA-graph capture, the default config runs."""
-    out = gemv_int4_bulk.maybe_bulk(x, qweight, scales, zeros, group_size, bias)
-    if out is not None:  # opt-in CUDA C++ kernel (SLIPSTREAM_W4_BULK=1)
+    out = _maybe_cuda_cpp(x, qweight, scales, zeros, group_size, bias)
+    if out is not None:  # opt-in CUDA C++ kernels (SLIPSTREAM_W4_STREAM=1, SLIPSTREAM_W4_BULK=1)
         return out
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
     return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
+
+
+def _maybe_cuda_cpp(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                    gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
+    """The opt-in CUDA C++ one-row kernels' output (the streaming one first), or None: the
+    Triton path runs."""
+    out = gemv_int4_stream.maybe_stream(x, qweight, scales, zeros, group_size, bias, gate_out,
+                                        rms_eps)
+    if out is None:
+        out = gemv_int4_bulk.maybe_bulk(x, qweight, scales, zeros, group_size, bias, gate_out,
+                                        rms_eps)
+    return out
 
 
 def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -1173,7 +1192,7 @@ def w4_linear_small_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: tor
     or more rows: the caller runs the norm, the product, then the activation)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
-    out = gemv_int4_bulk.maybe_bulk(x, qweight, scales, zeros, group_size, bias, True, rms_eps)
+    out = _maybe_cuda_cpp(x, qweight, scales, zeros, group_size, bias, True, rms_eps)
     if out is not None:
         return out
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, gate_out=True,
@@ -1192,7 +1211,7 @@ def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     x on CUDA; else None (the caller runs the norm first)."""
     if not x.is_cuda or x.numel() != x.shape[-1]:
         return None
-    out = gemv_int4_bulk.maybe_bulk(x, qweight, scales, zeros, group_size, bias, rms_eps=eps)
+    out = _maybe_cuda_cpp(x, qweight, scales, zeros, group_size, bias, rms_eps=eps)
     if out is not None:
         return out
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias, rms_eps=eps)

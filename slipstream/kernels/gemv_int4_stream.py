@@ -1,0 +1,150 @@
+"""One-row int4_awq GEMV in CUDA C++ (w4_stream.cu): every warp streams its own 16-row tiles
+into registers a chunk of groups ahead and sums on the int8 tensor cores, x an exact split into
+int8 halves a group of 128 (gemv_int4_bulk.split_int8_x / w4_split_int8_reference are the
+twin). Small blocks, x's split the only shared memory: unlike w4_bulk.cu's one block an SM,
+they share SMs with the kernels around them. Plain, with bias, with the folded RMSNorm
+(rms_eps) and as a gate-out; any K that is a multiple of 128 (down's 14336 too). CUDA only
+(NVRTC, kernels/cuda_launch.py).
+
+Opt-in: SLIPSTREAM_W4_STREAM=1 routes int4_awq's one-row calls here (maybe_stream) instead of
+the Triton kernels' tuner; benchmarks/probe_w4_stream.py times configs against them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.kernels.cuda_launch import compile_kernel
+from slipstream.kernels.gemv import num_sms
+from slipstream.kernels.int4_common import packed_words
+
+ENABLED = os.environ.get("SLIPSTREAM_W4_STREAM", "0") == "1"
+ROWS = 16
+GROUP = 128
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """warps a block; ksplit warps share a tile (K / ksplit each); depth groups a warp has in
+    flight; min_blocks an SM (the register budget); pf: the L2 256-byte prefetch hint."""
+    warps: int = 8
+    ksplit: int = 1
+    depth: int = 2
+    min_blocks: int = 2
+    pf: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> StreamConfig:
+        """'warps:ksplit:depth:min_blocks:pf' (the probe's and the env override's form)."""
+        return cls(*(int(v) for v in spec.split(":")))
+
+
+def shared_bytes(k: int, warps: int) -> int:
+    """x's split (256 bytes a group), each group's (step, sum), partial rows, squares."""
+    ng = k // GROUP
+    return ng * 256 + ng * 8 + 2 * warps * ROWS * 4 + warps * 4
+
+
+def config_ok(cfg: StreamConfig, k: int) -> bool:
+    ng = k // GROUP
+    return (k % GROUP == 0 and cfg.warps % cfg.ksplit == 0 and cfg.warps // cfg.ksplit <= 15
+            and ng % cfg.ksplit == 0 and (ng // cfg.ksplit) % cfg.depth == 0)
+
+
+def supported(n: int, k: int, group_size: int, gate_out: bool = False) -> bool:
+    """Groups of 128 and 16-row tiles (gate-out: 8 gate + 8 up rows a tile)."""
+    return group_size == GROUP and k % GROUP == 0 and k > 0 and n > 0 and n % ROWS == 0
+
+
+def default_config(n: int, k: int, gate_out: bool, sms: int) -> StreamConfig:
+    """Enough warps to fill the GPU (8 a block, 2 blocks an SM): the fewest warps a tile that
+    give every SM ~8 of them, then the deepest chunk (up to 2 groups) that divides a warp's
+    share. SLIPSTREAM_W4_STREAM_CONFIG=warps:ksplit:depth:min_blocks:pf overrides it."""
+    env = os.environ.get("SLIPSTREAM_W4_STREAM_CONFIG")
+    if env:
+        return StreamConfig.parse(env)
+    tiles = n // ROWS
+    ng = k // GROUP
+    ksplit = 1
+    while ksplit < 8 and tiles * ksplit < 8 * sms and ng % (2 * ksplit) == 0:
+        ksplit *= 2
+    depth = 2 if (ng // ksplit) % 2 == 0 else 1
+    return StreamConfig(8, ksplit, depth, 2, 0)
+
+
+def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   zeros: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   rms_eps: float = 0.0, gate_out: bool = False,
+                   config: StreamConfig | None = None, grid: int | None = None,
+                   pdl: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x bf16 [K] or [1, K]; qweight uint8 [N, K/2]; scales fp16 / zeros uint8 [N, K/128];
+    bias bf16 [N]. rms_eps > 0: the product of x / rms(x). gate_out: a [gate | up] weight,
+    returns SiLU(gate) * up [.., N/2]."""
+    k = x.shape[-1]
+    n = qweight.shape[0]
+    if x.numel() != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"w4_gemv_stream: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n
+                             or not bias.is_contiguous()):
+        raise ValueError(f"w4_gemv_stream: bias must be contiguous bf16 [N], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    if not supported(n, k, k // scales.shape[1], gate_out):
+        raise ValueError(f"w4_gemv_stream: unsupported shape N={n} K={k} (groups of {GROUP}, "
+                         f"N % {ROWS})")
+    cfg = config or default_config(n, k, gate_out, num_sms(x.device))
+    if not config_ok(cfg, k):
+        raise ValueError(f"w4_gemv_stream: {cfg} does not split K={k} (groups a warp must be "
+                         f"a multiple of depth; at most 15 tiles a block)")
+    packed_words(qweight, scales, zeros, GROUP, k)  # the layout's shape and dtype checks
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError("w4_gemv_stream: qweight, scales and zeros must be contiguous")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous().clone()
+    defines = (("K", k), ("WARPS", cfg.warps), ("KSPLIT", cfg.ksplit), ("DEPTH", cfg.depth),
+               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("BIAS", int(bias is not None)),
+               ("RMS", int(rms_eps > 0)), ("GATE_OUT", int(gate_out)))
+    kernel = compile_kernel("w4_stream.cu", "w4_gemv_stream", defines, x.device.index or 0,
+                            shared_bytes(k, cfg.warps))
+    n_out = n // 2 if gate_out else n
+    if out is None:
+        out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype, device=x.device)
+    n_tiles = n // ROWS
+    slots = cfg.warps // cfg.ksplit
+    blocks = grid or min(-(-n_tiles // slots), num_sms(x.device) * cfg.min_blocks)
+    kernel.launch(blocks, cfg.warps * 32,
+                  [x, qweight, scales, zeros, bias if bias is not None else out, out, n_tiles,
+                   n // 2, float(rms_eps)], pdl)
+    return out
+
+
+def maybe_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                 gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
+    """w4_gemv_stream for int4_awq's one-row calls when SLIPSTREAM_W4_STREAM=1 and the shape
+    fits; else None (the caller's Triton path). Compiled on the first eager call: a shape first
+    seen during a CUDA-graph capture stays on the Triton path."""
+    k = x.shape[-1]
+    if not (ENABLED and x.is_cuda and x.numel() == k and x.dtype == torch.bfloat16):
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    n = qweight.shape[0]
+    if not supported(n, k, group_size, gate_out):
+        return None
+    cfg = default_config(n, k, gate_out, num_sms(x.device))
+    if not config_ok(cfg, k):
+        return None
+    variant = (n, k, cfg, bias is not None, rms_eps > 0, gate_out, x.device.index)
+    if torch.cuda.is_current_stream_capturing() and variant not in _COMPILED:
+        return None
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        return None
+    out = w4_gemv_stream(x.reshape(1, k), qweight, scales, zeros, bias, rms_eps=rms_eps,
+                         gate_out=gate_out, config=cfg)
+    _COMPILED.add(variant)
+    return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+_COMPILED: set[tuple] = set()  # maybe_stream's variants compiled by an eager call

@@ -1,0 +1,148 @@
+"""The register-streaming CUDA C++ one-row int4 GEMV (kernels/w4_stream.cu).
+
+CPU: its configs (which K each splits, what the default picks) and the opt-in switch. GPU: every
+variant and config against the float reference and the split-int8 twin, eager and replayed in
+a CUDA graph, and the switch serving int4_awq's one-row calls (down's K 14336 included)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels import gemv_int4_stream
+from slipstream.kernels.gemv_int4_bulk import w4_split_int8_reference
+from slipstream.kernels.gemv_int4_stream import (
+    StreamConfig,
+    config_ok,
+    default_config,
+    maybe_stream,
+    shared_bytes,
+    supported,
+    w4_gemv_stream,
+)
+from slipstream.kernels.int4_common import w4_linear_reference
+from slipstream.kernels.reference import silu_and_mul
+from tests.quantization.gemv_helpers import quantized, rel, rms_normed
+
+
+def test_config_parse_and_split_rules() -> None:
+    assert StreamConfig.parse("8:4:2:2:1") == StreamConfig(8, 4, 2, 2, 1)
+    assert config_ok(StreamConfig(8, 1, 4), 4096)       # 32 groups a warp, 4 at a time
+    assert config_ok(StreamConfig(8, 8, 2), 14336)      # 112 groups: 14 a warp
+    assert not config_ok(StreamConfig(8, 8, 4), 14336)  # 14 is not a multiple of 4
+    assert not config_ok(StreamConfig(8, 3, 1), 4096)   # warps a tile must divide the block
+    assert not config_ok(StreamConfig(16, 1, 1), 4096)  # 16 tiles a block: 15 named barriers
+    assert supported(4096, 14336, 128) and not supported(4096, 4096, 64)
+    assert not supported(4104, 4096, 128)               # 16-row tiles
+
+
+def test_default_config_fills_the_gpu() -> None:
+    sms = 132
+    # Llama-3.1-8B's shapes: gate_up has tiles for every warp, o and down split K eight ways
+    assert default_config(28672, 4096, True, sms) == StreamConfig(8, 1, 2, 2, 0)
+    assert default_config(6144, 4096, False, sms).ksplit == 4
+    assert default_config(4096, 4096, False, sms).ksplit == 8
+    down = default_config(4096, 14336, False, sms)
+    assert down.ksplit == 8 and config_ok(down, 14336)
+    # an odd number of groups a warp takes one group a chunk
+    assert default_config(16, 128 * 7, False, sms).depth == 1
+
+
+def test_default_config_env_override(monkeypatch) -> None:
+    monkeypatch.setenv("SLIPSTREAM_W4_STREAM_CONFIG", "4:2:2:4:1")
+    assert default_config(4096, 4096, False, 132) == StreamConfig(4, 2, 2, 4, 1)
+
+
+def test_shared_memory_is_small() -> None:
+    # x's split is K / 2 bytes: blocks leave room for the kernels around them
+    assert shared_bytes(4096, 8) < 10 * 1024
+    assert shared_bytes(14336, 8) < 32 * 1024
+
+
+def test_maybe_stream_stays_off_unless_asked(monkeypatch) -> None:
+    q, s, z = quantized(64, 1024, 128)
+    x = torch.randn(1, 1024).bfloat16()
+    assert maybe_stream(x, q, s, z, 128, None) is None  # off by default
+    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
+    assert maybe_stream(x, q, s, z, 128, None) is None  # CUDA only: the caller's path runs
+
+
+def test_bad_input_is_refused_with_a_reason() -> None:
+    q, s, z = quantized(64, 1024, 128)
+    with pytest.raises(ValueError, match="one bf16 row"):
+        w4_gemv_stream(torch.randn(2, 1024).bfloat16(), q, s, z)
+    with pytest.raises(ValueError, match="does not split"):
+        w4_gemv_stream(torch.randn(1, 1024).bfloat16(), q, s, z, config=StreamConfig(8, 3, 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,spec", [
+    (4096, 4096, "8:1:2:2:0"), (4096, 4096, "8:1:4:2:0"), (6144, 4096, "8:4:2:2:0"),
+    (4096, 4096, "8:8:2:2:1"), (4096, 14336, "8:8:2:2:0"), (4096, 14336, "8:4:7:1:0"),
+    (1024, 2048, "4:2:2:4:0"), (48, 1024, "8:1:8:2:0"),
+])
+def test_stream_gemv_matches_the_reference(n, k, spec) -> None:
+    q, s, z = quantized(n, k, 128, device="cuda", seed=n + k)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    got = w4_gemv_stream(x, q, s, z, config=StreamConfig.parse(spec))
+    want = w4_linear_reference(x, q, s, z, 128)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert rel(got, want) < 4e-3
+    assert rel(got, w4_split_int8_reference(x, q, s, z)) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["8:1:2:2:0", "8:4:2:2:0"])
+@pytest.mark.parametrize("bias,rms_eps,gate_out", [
+    (True, 0.0, False), (False, 1e-5, False), (False, 0.0, True), (True, 1e-5, True),
+])
+def test_stream_gemv_fused_variants(bias, rms_eps, gate_out, spec) -> None:
+    n, k = 2048, 4096
+    q, s, z = quantized(n, k, 128, device="cuda", seed=7)
+    x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16() if bias else None
+    got = w4_gemv_stream(x, q, s, z, b, rms_eps=rms_eps, gate_out=gate_out,
+                         config=StreamConfig.parse(spec))
+    xr = rms_normed(x, rms_eps) if rms_eps else x.double()
+    want = w4_linear_reference(xr, q, s, z, 128, None if b is None else b.double()).float()
+    if gate_out:
+        want = silu_and_mul(want.bfloat16().float())
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert rel(got, want) < 6e-3
+
+
+@pytest.mark.gpu
+def test_stream_gemv_in_a_cuda_graph() -> None:
+    q, s, z = quantized(4096, 14336, 128, device="cuda", seed=3)
+    x = torch.randn(1, 14336, device="cuda").bfloat16()
+    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
+    w4_gemv_stream(x, q, s, z, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):  # back to back under PDL
+            w4_gemv_stream(x, q, s, z, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, w4_linear_reference(x, q, s, z, 128)) < 4e-3
+
+
+@pytest.mark.gpu
+def test_maybe_stream_serves_the_one_row_calls(monkeypatch) -> None:
+    from slipstream.kernels import gemv_int4
+
+    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
+    q, s, z = quantized(1024, 4096, 128, device="cuda", seed=5)
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    want = w4_linear_reference(x, q, s, z, 128)
+    assert rel(gemv_int4.w4_linear_small(x, q, s, z, 128), want) < 4e-3
+    got = gemv_int4.w4_linear_small_rms(x, q, s, z, 128, None, 1e-5)
+    assert rel(got, w4_linear_reference(rms_normed(x, 1e-5), q, s, z, 128)) < 4e-3
+    gate = gemv_int4.w4_linear_small_gate_out(x, q, s, z, 128)
+    assert rel(gate, silu_and_mul(want.float().bfloat16().float())) < 6e-3
+    # the down projection's K runs here too; two rows keep the Triton path
+    qd, sd, zd = quantized(64, 14336, 128, device="cuda")
+    xd = torch.randn(1, 14336, device="cuda").bfloat16()
+    assert rel(maybe_stream(xd, qd, sd, zd, 128, None),
+               w4_linear_reference(xd, qd, sd, zd, 128)) < 4e-3
+    assert maybe_stream(torch.randn(2, 4096, device="cuda").bfloat16(), q, s, z, 128,
+                        None) is None
