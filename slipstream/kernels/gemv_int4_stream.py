@@ -28,23 +28,28 @@ GROUP = 128
 @dataclass(frozen=True)
 class StreamConfig:
     """warps a block; ksplit warps share a tile (K / ksplit each); depth groups a warp has in
-    flight; min_blocks an SM (the register budget); pf: the L2 256-byte prefetch hint."""
+    flight; min_blocks an SM (the register budget); pf: the L2 256-byte prefetch hint; ring:
+    1 = weights through a per-warp shared-memory ring (cp.async), 0 = in registers."""
     warps: int = 8
     ksplit: int = 1
     depth: int = 2
     min_blocks: int = 2
     pf: int = 0
+    ring: int = 1
 
     @classmethod
     def parse(cls, spec: str) -> StreamConfig:
-        """'warps:ksplit:depth:min_blocks:pf' (the probe's and the env override's form)."""
+        """'warps:ksplit:depth:min_blocks:pf[:ring]' (the probe's and the env override's
+        form)."""
         return cls(*(int(v) for v in spec.split(":")))
 
 
-def shared_bytes(k: int, warps: int) -> int:
-    """x's split (256 bytes a group), each group's (step, sum), partial rows, squares."""
+def shared_bytes(k: int, warps: int, depth: int = 0) -> int:
+    """x's split (256 bytes a group), each group's (step, sum), partial rows, squares, then
+    (the cp.async form) each warp's ring of `depth` 16-row groups."""
     ng = k // GROUP
-    return ng * 256 + ng * 8 + 2 * warps * ROWS * 4 + warps * 4
+    head = ng * 256 + ng * 8 + 2 * warps * ROWS * 4 + warps * 4
+    return -(-head // 128) * 128 + warps * depth * 1024
 
 
 def config_ok(cfg: StreamConfig, k: int) -> bool:
@@ -103,10 +108,10 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous().clone()
     defines = (("K", k), ("WARPS", cfg.warps), ("KSPLIT", cfg.ksplit), ("DEPTH", cfg.depth),
-               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("BIAS", int(bias is not None)),
+               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("ASYNC", cfg.ring), ("BIAS", int(bias is not None)),
                ("RMS", int(rms_eps > 0)), ("GATE_OUT", int(gate_out)))
     kernel = compile_kernel("w4_stream.cu", "w4_gemv_stream", defines, x.device.index or 0,
-                            shared_bytes(k, cfg.warps))
+                            shared_bytes(k, cfg.warps, cfg.depth * cfg.ring))
     n_out = n // 2 if gate_out else n
     if out is None:
         out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype, device=x.device)

@@ -40,6 +40,9 @@
 #ifndef PF
 #define PF 0
 #endif
+#ifndef ASYNC
+#define ASYNC 1  // weights through a per-warp shared ring (cp.async), not registers
+#endif
 #ifndef BIAS
 #define BIAS 0
 #endif
@@ -60,7 +63,9 @@
 #define SQ_OFF XS_BYTES
 #define PART_OFF (SQ_OFF + NG * 8)
 #define SQUARES_OFF (PART_OFF + 2 * WARPS * ROWS * 4)
-#define SMEM_BYTES (SQUARES_OFF + WARPS * 4)
+#define RING_OFF ((SQUARES_OFF + WARPS * 4 + 127) / 128 * 128)
+#define RING_BYTES (ASYNC ? WARPS * DEPTH * 1024 : 0)  // a warp's DEPTH groups of 16 rows
+#define SMEM_BYTES (RING_OFF + RING_BYTES)
 
 static_assert(NG % KSPLIT == 0, "K must split evenly over a tile's warps");
 static_assert(WARPS % KSPLIT == 0, "a block holds whole tiles");
@@ -83,6 +88,35 @@ __device__ __forceinline__ W16 load_weights(const unsigned char* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.a), "=r"(r.b), "=r"(r.c), "=r"(r.d) : "l"(p));
 #endif
+  return r;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 r;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16 bytes global -> shared, asynchronous, L2 only (each lane later reads back its own bytes).
+__device__ __forceinline__ void copy_async(u32 dst, const unsigned char* src) {
+#if PF
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+__device__ __forceinline__ W16 lds16(u32 addr) {
+  W16 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.a), "=r"(r.b), "=r"(r.c), "=r"(r.d) : "r"(addr) : "memory");
   return r;
 }
 
@@ -126,10 +160,21 @@ __device__ __forceinline__ u16 two_bytes(int a, int b) { return (u16)((a & 0xFF)
 __device__ __forceinline__ float split_x(const u16* x, unsigned char* smem, int warp, int lane) {
   float squares = 0.f;
   float2* sq = reinterpret_cast<float2*>(smem + SQ_OFF);
-  for (int gr = warp; gr < NG; gr += WARPS) {
-    // lane l: k = 4l .. 4l + 3 of the group
+  constexpr int PER_WARP = (NG + WARPS - 1) / WARPS;
+  u32 xw[PER_WARP][2];  // every group's x requested before the first reduction
+#pragma unroll
+  for (int i = 0; i < PER_WARP; ++i) {
+    const int gr = min(warp + i * WARPS, NG - 1);
     const u32* src = reinterpret_cast<const u32*>(x + gr * GROUP + 4 * lane);
-    const u32 w0 = src[0], w1 = src[1];
+    xw[i][0] = src[0];
+    xw[i][1] = src[1];
+  }
+#pragma unroll
+  for (int i = 0; i < PER_WARP; ++i) {
+    const int gr = warp + i * WARPS;
+    if (gr >= NG) break;
+    // lane l: k = 4l .. 4l + 3 of the group
+    const u32 w0 = xw[i][0], w1 = xw[i][1];
     const float v[4] = {bf16_to_f32(w0 & 0xFFFF), bf16_to_f32(w0 >> 16), bf16_to_f32(w1 & 0xFFFF),
                         bf16_to_f32(w1 >> 16)};
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
@@ -194,12 +239,23 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
     ps = scales + row * NG + grp;
     pz = zeros + row * NG + grp;
   };
+#if ASYNC
+  // slot j of this warp's ring: rows g and g + 8, this lane's 16 bytes of each
+  const u32 ring = smem_addr(smem + RING_OFF) + warp * DEPTH * 1024 + g * 64 + t * 16;
+#else
   W16 ring_l[DEPTH], ring_h[DEPTH];
+#endif
   u16 ring_sl[DEPTH], ring_sh[DEPTH];
   unsigned char ring_zl[DEPTH], ring_zh[DEPTH];
   auto fill = [&](int j) {  // slot j <- item j of the chunk at the cursor
+#if ASYNC
+    copy_async(ring + j * 1024, pw + j * 64);
+    copy_async(ring + j * 1024 + 512, pw + d_rows * (K / 2) + j * 64);
+    copy_commit();
+#else
     ring_l[j] = load_weights(pw + j * 64);
     ring_h[j] = load_weights(pw + d_rows * (K / 2) + j * 64);
+#endif
     ring_sl[j] = ps[j];
     ring_sh[j] = ps[d_rows * NG + j];
     ring_zl[j] = pz[j];
@@ -251,10 +307,17 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
       const unsigned char* xs0 = smem + grp0 * 256 + t * 64 + half_off;
 #pragma unroll
       for (int j = 0; j < DEPTH; ++j) {
+#if ASYNC
+        copy_wait<DEPTH - 1>();  // this lane's copies of item j (the oldest of DEPTH) landed
+        const W16 wl = lds16(ring + j * 1024), wh = lds16(ring + j * 1024 + 512);
+#else
         const W16 wl = ring_l[j], wh = ring_h[j];
+#endif
         const float s_lo = f16_to_f32(ring_sl[j]), s_hi = f16_to_f32(ring_sh[j]);
         const int z_lo = ring_zl[j], z_hi = ring_zh[j];
+#if !ASYNC
         fill(j);  // this slot's next item, a chunk on
+#endif
         const uint4* xs = reinterpret_cast<const uint4*>(xs0 + j * 256);
         const uint4 x01 = xs[0], x23 = xs[1];  // words 0, 1 then 2, 3: (even, odd) each
         int ev[4] = {0, 0, 0, 0}, od[4] = {0, 0, 0, 0};
@@ -273,6 +336,9 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
         const int d_hi = (ev[2] + (od[2] >> 4)) * weight - z_hi * zq;
         acc_lo += s_lo * st.x * (float)d_lo;
         acc_hi += s_hi * st.x * (float)d_hi;
+#if ASYNC
+        fill(j);  // after the products used the slot's bytes: its next item, a chunk on
+#endif
       }
     }
     // the warp's share of the tile's rows is done
@@ -320,4 +386,7 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
     acc_lo = 0.f;
     acc_hi = 0.f;
   }
+#if ASYNC
+  copy_wait<0>();  // no copy may land after the block's shared memory is handed on
+#endif
 }

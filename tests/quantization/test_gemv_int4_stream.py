@@ -25,12 +25,14 @@ from tests.quantization.gemv_helpers import quantized, rel, rms_normed
 
 
 def test_config_parse_and_split_rules() -> None:
-    assert StreamConfig.parse("8:4:2:2:1") == StreamConfig(8, 4, 2, 2, 1)
+    assert StreamConfig.parse("8:4:2:2:1") == StreamConfig(8, 4, 2, 2, 1, 1)
+    assert StreamConfig.parse("8:4:2:2:0:0").ring == 0  # weights in registers
     assert config_ok(StreamConfig(8, 1, 4), 4096)       # 32 groups a warp, 4 at a time
     assert config_ok(StreamConfig(8, 8, 2), 14336)      # 112 groups: 14 a warp
     assert not config_ok(StreamConfig(8, 8, 4), 14336)  # 14 is not a multiple of 4
     assert not config_ok(StreamConfig(8, 3, 1), 4096)   # warps a tile must divide the block
     assert not config_ok(StreamConfig(16, 1, 1), 4096)  # 16 tiles a block: 15 named barriers
+    assert shared_bytes(4096, 8, 4) - shared_bytes(4096, 8) == 8 * 4 * 1024  # the rings
     assert supported(4096, 14336, 128) and not supported(4096, 4096, 64)
     assert not supported(4104, 4096, 128)               # 16-row tiles
 
@@ -78,7 +80,8 @@ def test_bad_input_is_refused_with_a_reason() -> None:
 @pytest.mark.parametrize("n,k,spec", [
     (4096, 4096, "8:1:2:2:0"), (4096, 4096, "8:1:4:2:0"), (6144, 4096, "8:4:2:2:0"),
     (4096, 4096, "8:8:2:2:1"), (4096, 14336, "8:8:2:2:0"), (4096, 14336, "8:4:7:1:0"),
-    (1024, 2048, "4:2:2:4:0"), (48, 1024, "8:1:8:2:0"),
+    (1024, 2048, "4:2:2:4:0"), (48, 1024, "8:1:8:2:0"), (4096, 4096, "8:8:4:2:0:0"),
+    (6144, 4096, "16:16:2:1:1:1"),
 ])
 def test_stream_gemv_matches_the_reference(n, k, spec) -> None:
     q, s, z = quantized(n, k, 128, device="cuda", seed=n + k)
