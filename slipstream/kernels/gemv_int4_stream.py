@@ -54,7 +54,8 @@ def shared_bytes(k: int, warps: int, depth: int = 0) -> int:
 
 def config_ok(cfg: StreamConfig, k: int) -> bool:
     ng = k // GROUP
-    return (k % GROUP == 0 and cfg.warps % cfg.ksplit == 0 and cfg.warps // cfg.ksplit <= 15
+    return (k % GROUP == 0 and cfg.warps % cfg.ksplit == 0
+            and (cfg.ksplit == 1 or cfg.warps // cfg.ksplit <= 15)
             and ng % cfg.ksplit == 0 and (ng // cfg.ksplit) % cfg.depth == 0)
 
 
@@ -64,19 +65,21 @@ def supported(n: int, k: int, group_size: int, gate_out: bool = False) -> bool:
 
 
 def default_config(n: int, k: int, gate_out: bool, sms: int) -> StreamConfig:
-    """Enough warps to fill the GPU (8 a block, 2 blocks an SM): the fewest warps a tile that
-    give every SM ~8 of them, then the deepest chunk (up to 2 groups) that divides a warp's
-    share. SLIPSTREAM_W4_STREAM_CONFIG=warps:ksplit:depth:min_blocks:pf overrides it."""
+    """16 warps a block (one block an SM's register budget), each 16-row tile over 8 of them
+    (K / 8 a warp, two tiles a block), two groups in flight a warp in registers: H200, graph-
+    timed at Llama-3.1-8B's shapes, the fastest of the configs tried (benchmarks/results/
+    2026-12-02-h200-s32). Fewer warps a tile where K has fewer groups; one group a chunk
+    where a warp's share is odd. SLIPSTREAM_W4_STREAM_CONFIG=warps:ksplit:depth:min_blocks:
+    pf:ring overrides it."""
     env = os.environ.get("SLIPSTREAM_W4_STREAM_CONFIG")
     if env:
         return StreamConfig.parse(env)
-    tiles = n // ROWS
     ng = k // GROUP
-    ksplit = 1
-    while ksplit < 8 and tiles * ksplit < 8 * sms and ng % (2 * ksplit) == 0:
-        ksplit *= 2
+    ksplit = 8
+    while ng % ksplit:
+        ksplit //= 2
     depth = 2 if (ng // ksplit) % 2 == 0 else 1
-    return StreamConfig(8, ksplit, depth, 2, 0)
+    return StreamConfig(16, ksplit, depth, 1, 0, 0)
 
 
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -101,7 +104,7 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     cfg = config or default_config(n, k, gate_out, num_sms(x.device))
     if not config_ok(cfg, k):
         raise ValueError(f"w4_gemv_stream: {cfg} does not split K={k} (groups a warp must be "
-                         f"a multiple of depth; at most 15 tiles a block)")
+                         f"a multiple of depth; at most 15 shared tiles a block)")
     packed_words(qweight, scales, zeros, GROUP, k)  # the layout's shape and dtype checks
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("w4_gemv_stream: qweight, scales and zeros must be contiguous")

@@ -69,7 +69,7 @@
 
 static_assert(NG % KSPLIT == 0, "K must split evenly over a tile's warps");
 static_assert(WARPS % KSPLIT == 0, "a block holds whole tiles");
-static_assert(SLOTS <= 15, "one named barrier a tile slot");
+static_assert(KSPLIT == 1 || SLOTS <= 15, "one named barrier a shared tile slot");
 static_assert(GPW % DEPTH == 0, "a warp's groups of a tile come in whole chunks");
 
 typedef unsigned int u32;

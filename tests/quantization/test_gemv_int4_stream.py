@@ -31,22 +31,23 @@ def test_config_parse_and_split_rules() -> None:
     assert config_ok(StreamConfig(8, 8, 2), 14336)      # 112 groups: 14 a warp
     assert not config_ok(StreamConfig(8, 8, 4), 14336)  # 14 is not a multiple of 4
     assert not config_ok(StreamConfig(8, 3, 1), 4096)   # warps a tile must divide the block
-    assert not config_ok(StreamConfig(16, 1, 1), 4096)  # 16 tiles a block: 15 named barriers
+    assert not config_ok(StreamConfig(32, 2, 1), 4096)  # 16 shared tiles: 15 named barriers
+    assert config_ok(StreamConfig(16, 1, 1), 4096)      # unshared tiles need none
     assert shared_bytes(4096, 8, 4) - shared_bytes(4096, 8) == 8 * 4 * 1024  # the rings
     assert supported(4096, 14336, 128) and not supported(4096, 4096, 64)
     assert not supported(4104, 4096, 128)               # 16-row tiles
 
 
-def test_default_config_fills_the_gpu() -> None:
+def test_default_config_splits_each_tile_over_eight_warps() -> None:
     sms = 132
-    # Llama-3.1-8B's shapes: gate_up has tiles for every warp, o and down split K eight ways
-    assert default_config(28672, 4096, True, sms) == StreamConfig(8, 1, 2, 2, 0)
-    assert default_config(6144, 4096, False, sms).ksplit == 4
-    assert default_config(4096, 4096, False, sms).ksplit == 8
-    down = default_config(4096, 14336, False, sms)
-    assert down.ksplit == 8 and config_ok(down, 14336)
-    # an odd number of groups a warp takes one group a chunk
-    assert default_config(16, 128 * 7, False, sms).depth == 1
+    # Llama-3.1-8B's shapes: 16 warps a block, two tiles, two groups in flight, in registers
+    for n, k in [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]:
+        cfg = default_config(n, k, False, sms)
+        assert cfg == StreamConfig(16, 8, 2, 1, 0, 0) and config_ok(cfg, k)
+    # fewer groups than 8 a row: fewer warps a tile; an odd share: one group a chunk
+    assert default_config(16, 128 * 4, False, sms).ksplit == 4
+    assert default_config(16, 128 * 7, False, sms) == StreamConfig(16, 1, 1, 1, 0, 0)
+    assert config_ok(default_config(16, 128 * 7, False, sms), 128 * 7)
 
 
 def test_default_config_env_override(monkeypatch) -> None:
