@@ -126,8 +126,9 @@ def test_bulk_gemv_fused_variants(bias, rms_eps, gate_out, xq) -> None:
 
 @pytest.mark.gpu
 def test_maybe_bulk_serves_the_one_row_calls(monkeypatch) -> None:
-    from slipstream.kernels import gemv_int4
+    from slipstream.kernels import gemv_int4, gemv_int4_stream
 
+    monkeypatch.setattr(gemv_int4_stream, "ENABLED", False)  # it would serve these calls first
     monkeypatch.setattr(gemv_int4_bulk, "ENABLED", True)
     q, s, z = quantized(1024, 4096, 128, device="cuda", seed=5)
     x = torch.randn(1, 4096, device="cuda").bfloat16()

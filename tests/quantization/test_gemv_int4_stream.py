@@ -61,12 +61,28 @@ def test_shared_memory_is_small() -> None:
     assert shared_bytes(14336, 8) < 32 * 1024
 
 
-def test_maybe_stream_stays_off_unless_asked(monkeypatch) -> None:
+@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False)])
+def test_switch_is_on_unless_set_to_zero(value, on) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_W4_STREAM"}
+    if value is not None:
+        env["SLIPSTREAM_W4_STREAM"] = value
+    code = "from slipstream.kernels import gemv_int4_stream as m; print(m.ENABLED)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == str(on)
+
+
+def test_maybe_stream_leaves_cpu_and_unsupported_calls_to_triton(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
     q, s, z = quantized(64, 1024, 128)
     x = torch.randn(1, 1024).bfloat16()
-    assert maybe_stream(x, q, s, z, 128, None) is None  # off by default
-    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
     assert maybe_stream(x, q, s, z, 128, None) is None  # CUDA only: the caller's path runs
+    monkeypatch.setattr(gemv_int4_stream, "ENABLED", False)
+    assert maybe_stream(x, q, s, z, 128, None) is None
 
 
 def test_bad_input_is_refused_with_a_reason() -> None:
