@@ -19,8 +19,10 @@
 // own float sum with its weight (256 or 1), and the halves meet once a tile (a shuffle).
 //
 // Compile-time constants: K (a multiple of 128 * KSPLIT), WARPS, KSPLIT, DEPTH, MINB (blocks an
-// SM for the register budget), PF (1: L2 256-byte prefetch hint on weight loads), BIAS, RMS,
-// GATE_OUT. Written without CUDA headers so that NVRTC compiles it as is.
+// SM for the register budget), PF (1: L2 256-byte prefetch hint on weight loads), ASYNC (1:
+// a per-warp cp.async ring in shared memory instead of registers; no faster on the H200), BIAS,
+// RMS, GATE_OUT. Written without CUDA headers so that NVRTC compiles it as is. The small helpers
+// (mma_u8, the conversions, weight_row) repeat w4_bulk.cu's: NVRTC gets no include path here.
 
 #ifndef K
 #define K 4096
@@ -41,7 +43,7 @@
 #define PF 0
 #endif
 #ifndef ASYNC
-#define ASYNC 1  // weights through a per-warp shared ring (cp.async), not registers
+#define ASYNC 0  // 1: weights through a per-warp shared ring (cp.async) instead of registers
 #endif
 #ifndef BIAS
 #define BIAS 0
