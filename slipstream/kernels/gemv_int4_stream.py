@@ -34,7 +34,8 @@ GROUP = 128
 class StreamConfig:
     """warps a block; ksplit warps share a tile (K / ksplit each); depth groups a warp has in
     flight; min_blocks an SM (the register budget); pf: the L2 256-byte prefetch hint; ring:
-    1 = weights through a per-warp shared-memory ring (cp.async), 0 = in registers."""
+    1 = weights through a per-warp shared-memory ring (cp.async), 0 = in registers (what
+    default_config picks; the field defaults keep the probes' five-field specs of session 32)."""
     warps: int = 8
     ksplit: int = 1
     depth: int = 2
