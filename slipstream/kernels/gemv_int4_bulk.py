@@ -16,7 +16,7 @@ import torch
 
 from slipstream.kernels.cuda_launch import compile_kernel
 from slipstream.kernels.gemv import num_sms
-from slipstream.kernels.int4_common import packed_words
+from slipstream.kernels.int4_common import cuda_one_row_call, cuda_one_row_operands
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_BULK", "0") == "1"
 ROWS = 16
@@ -65,20 +65,10 @@ def w4_gemv_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     0: bf16 pairs on bf16 ones (w4_bulk.cu's XQ)."""
     k = x.shape[-1]
     n = qweight.shape[0]
-    if x.numel() != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"w4_gemv_bulk: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != qweight.shape[0]
-                             or not bias.is_contiguous()):
-        raise ValueError(f"w4_gemv_bulk: bias must be contiguous bf16 [N], got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
     if not supported(n, k, cwarps, k // scales.shape[1], gate_out):
         raise ValueError(f"w4_gemv_bulk: unsupported shape N={n} K={k} (groups of {GROUP}, "
                          f"N % {ROWS}, K % {GROUP * cwarps})")
-    packed_words(qweight, scales, zeros, GROUP, k)  # the layout's shape and dtype checks
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise ValueError("w4_gemv_bulk: qweight, scales and zeros must be contiguous (bulk copies)")
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous().clone()  # 128-bit loads of x
+    x = cuda_one_row_operands("w4_gemv_bulk", x, qweight, scales, zeros, bias, GROUP)
     smem = shared_bytes(k, cwarps, stages)
     defines = (("K", k), ("CWARPS", cwarps), ("STAGES", stages), ("MODE", mode), ("XQ", xq),
                ("BIAS", int(bias is not None)), ("RMS", int(rms_eps > 0)),
@@ -102,17 +92,13 @@ def maybe_bulk(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     else None (the caller's Triton path). Compiled on the first eager call: a shape first seen
     during a CUDA-graph capture stays on the Triton path."""
     k = x.shape[-1]
-    if not (ENABLED and x.is_cuda and x.numel() == k and x.dtype == torch.bfloat16):
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if not (ENABLED and cuda_one_row_call(x, qweight, scales, zeros, bias)):
         return None
     cw = consumer_warps(k)
     if cw is None or not supported(qweight.shape[0], k, cw, group_size, gate_out):
         return None
     variant = (k, cw, bias is not None, rms_eps > 0, gate_out, x.device.index)
     if torch.cuda.is_current_stream_capturing() and variant not in _COMPILED:
-        return None
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         return None
     out = w4_gemv_bulk(x.reshape(1, k), qweight, scales, zeros, bias, rms_eps=rms_eps,
                        gate_out=gate_out, cwarps=cw)

@@ -22,7 +22,7 @@ import torch
 
 from slipstream.kernels.cuda_launch import compile_kernel
 from slipstream.kernels.gemv import num_sms
-from slipstream.kernels.int4_common import packed_words
+from slipstream.kernels.int4_common import cuda_one_row_call, cuda_one_row_operands
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_STREAM", "1") != "0"
 _log = logging.getLogger(__name__)
@@ -98,12 +98,6 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     returns SiLU(gate) * up [.., N/2]."""
     k = x.shape[-1]
     n = qweight.shape[0]
-    if x.numel() != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"w4_gemv_stream: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != n
-                             or not bias.is_contiguous()):
-        raise ValueError(f"w4_gemv_stream: bias must be contiguous bf16 [N], got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
     if not supported(n, k, k // scales.shape[1], gate_out):
         raise ValueError(f"w4_gemv_stream: unsupported shape N={n} K={k} (groups of {GROUP}, "
                          f"N % {ROWS})")
@@ -111,14 +105,11 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if not config_ok(cfg, k):
         raise ValueError(f"w4_gemv_stream: {cfg} does not split K={k} (groups a warp must be "
                          f"a multiple of depth; at most 15 shared tiles a block)")
-    packed_words(qweight, scales, zeros, GROUP, k)  # the layout's shape and dtype checks
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise ValueError("w4_gemv_stream: qweight, scales and zeros must be contiguous")
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous().clone()
+    x = cuda_one_row_operands("w4_gemv_stream", x, qweight, scales, zeros, bias, GROUP)
     defines = (("K", k), ("WARPS", cfg.warps), ("KSPLIT", cfg.ksplit), ("DEPTH", cfg.depth),
-               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("ASYNC", cfg.ring), ("BIAS", int(bias is not None)),
-               ("RMS", int(rms_eps > 0)), ("GATE_OUT", int(gate_out)))
+               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("ASYNC", cfg.ring),
+               ("BIAS", int(bias is not None)), ("RMS", int(rms_eps > 0)),
+               ("GATE_OUT", int(gate_out)))
     kernel = compile_kernel("w4_stream.cu", "w4_gemv_stream", defines, x.device.index or 0,
                             shared_bytes(k, cfg.warps, cfg.depth * cfg.ring))
     n_out = n // 2 if gate_out else n
@@ -136,13 +127,11 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def maybe_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                  gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
-    """w4_gemv_stream for int4_awq's one-row calls when SLIPSTREAM_W4_STREAM=1 and the shape
-    fits; else None (the caller's Triton path). Compiled on the first eager call: a shape first
+    """w4_gemv_stream for int4_awq's one-row calls unless SLIPSTREAM_W4_STREAM=0, on sm_90+,
+    when the shape fits; else None (the caller's Triton path). Compiled on the first eager call: a shape first
     seen during a CUDA-graph capture stays on the Triton path."""
     k = x.shape[-1]
-    if not (ENABLED and x.is_cuda and x.numel() == k and x.dtype == torch.bfloat16):
-        return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+    if not (ENABLED and cuda_one_row_call(x, qweight, scales, zeros, bias)):
         return None
     if x.device.index in _BROKEN or torch.cuda.get_device_capability(x.device)[0] < 9:
         return None
@@ -154,8 +143,6 @@ def maybe_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return None
     variant = (n, k, cfg, bias is not None, rms_eps > 0, gate_out, x.device.index)
     if torch.cuda.is_current_stream_capturing() and variant not in _COMPILED:
-        return None
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         return None
     try:
         out = w4_gemv_stream(x.reshape(1, k), qweight, scales, zeros, bias, rms_eps=rms_eps,

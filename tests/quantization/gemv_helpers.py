@@ -1,5 +1,6 @@
 """Shared pieces of the quantized GEMV tests: int4 weights in int4_awq's stored layout, the
-relative error measure and the gate-out check."""
+relative error measure, the gate-out check, and the CUDA C++ one-row GEMVs' fused-variant and
+CUDA-graph drivers."""
 from __future__ import annotations
 
 import torch
@@ -35,3 +36,40 @@ def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) per row in float64: the reference input of the in-GEMV RMS norm."""
     xd = x.double()
     return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def fused_variant(run, bias: bool, rms_eps: float, gate_out: bool, n: int = 2048,
+                  k: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(run's output, the float reference) for a one-row int4 GEMV on the GPU with a bias, the
+    folded norm (rms_eps > 0) and / or as a gate-out: run(x, q, s, z, bias, rms_eps=,
+    gate_out=)."""
+    from slipstream.kernels.int4_common import w4_linear_reference
+
+    q, s, z = quantized(n, k, 128, device="cuda", seed=7)
+    x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
+    b = torch.randn(n, device="cuda").bfloat16() if bias else None
+    got = run(x, q, s, z, b, rms_eps=rms_eps, gate_out=gate_out)
+    xr = rms_normed(x, rms_eps) if rms_eps else x.double()
+    want = w4_linear_reference(xr, q, s, z, 128, None if b is None else b.double()).float()
+    if gate_out:
+        want = silu_and_mul(want.bfloat16().float())
+    return got, want
+
+
+def replayed_in_a_graph(run, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, the float reference) after run(x, q, s, z, out=out) was captured three times back
+    to back in a CUDA graph (under PDL) and replayed on a new x."""
+    from slipstream.kernels.int4_common import w4_linear_reference
+
+    q, s, z = quantized(n, k, 128, device="cuda", seed=3)
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    run(x, q, s, z, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(3):
+            run(x, q, s, z, out=out)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out, w4_linear_reference(x, q, s, z, 128)

@@ -5,6 +5,8 @@ float reference, and the split itself (exact int8 halves). GPU: every variant of
 against the twin and the float reference, eager and replayed in a CUDA graph."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,8 +21,13 @@ from slipstream.kernels.gemv_int4_bulk import (
     w4_split_int8_reference,
 )
 from slipstream.kernels.int4_common import w4_linear_reference
-from slipstream.kernels.reference import silu_and_mul
-from tests.quantization.gemv_helpers import quantized, rel, rms_normed
+from tests.quantization.gemv_helpers import (
+    fused_variant,
+    quantized,
+    rel,
+    replayed_in_a_graph,
+    rms_normed,
+)
 
 
 def test_split_int8_halves_are_exact_bytes() -> None:
@@ -90,18 +97,8 @@ def test_bulk_gemv_matches_the_reference(n, k, cwarps, stages, xq) -> None:
 
 @pytest.mark.gpu
 def test_bulk_gemv_in_a_cuda_graph() -> None:
-    q, s, z = quantized(4096, 4096, 128, device="cuda", seed=3)
-    x = torch.randn(1, 4096, device="cuda").bfloat16()
-    out = torch.empty(1, 4096, device="cuda", dtype=torch.bfloat16)
-    w4_gemv_bulk(x, q, s, z, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(3):  # back to back under PDL
-            w4_gemv_bulk(x, q, s, z, out=out)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel(out, w4_linear_reference(x, q, s, z, 128)) < 4e-3
+    out, want = replayed_in_a_graph(w4_gemv_bulk, 4096, 4096)
+    assert rel(out, want) < 4e-3
 
 
 
@@ -111,15 +108,7 @@ def test_bulk_gemv_in_a_cuda_graph() -> None:
     (True, 0.0, False), (False, 1e-5, False), (False, 0.0, True), (True, 1e-5, True),
 ])
 def test_bulk_gemv_fused_variants(bias, rms_eps, gate_out, xq) -> None:
-    n, k = 2048, 4096
-    q, s, z = quantized(n, k, 128, device="cuda", seed=7)
-    x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
-    b = torch.randn(n, device="cuda").bfloat16() if bias else None
-    got = w4_gemv_bulk(x, q, s, z, b, rms_eps=rms_eps, gate_out=gate_out, xq=xq)
-    xr = rms_normed(x, rms_eps) if rms_eps else x.double()
-    want = w4_linear_reference(xr, q, s, z, 128, None if b is None else b.double()).float()
-    if gate_out:
-        want = silu_and_mul(want.bfloat16().float())
+    got, want = fused_variant(functools.partial(w4_gemv_bulk, xq=xq), bias, rms_eps, gate_out)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert rel(got, want) < 6e-3
 
