@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 from attn_batch import make_batch  # noqa: E402
 
-from slipstream.kernels import paged_attention as pa  # noqa: E402
+from slipstream.kernels.attention import paged as pa  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 _KV_TYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}

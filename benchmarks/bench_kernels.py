@@ -26,11 +26,12 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 from attn_batch import make_batch  # noqa: E402
 
-from slipstream.kernels import gemv, reference, triton_ops  # noqa: E402
-from slipstream.kernels import paged_attention as pa  # noqa: E402
-from slipstream.kernels.activation import silu_and_mul  # noqa: E402
-from slipstream.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
-from slipstream.kernels.rotary_cache import rotary_and_cache_write  # noqa: E402
+from slipstream.kernels import reference, triton_ops  # noqa: E402
+from slipstream.kernels.attention import paged as pa  # noqa: E402
+from slipstream.kernels.attention.rotary_cache import rotary_and_cache_write  # noqa: E402
+from slipstream.kernels.gemv import dense as gemv  # noqa: E402
+from slipstream.kernels.norm_act.activation import silu_and_mul  # noqa: E402
+from slipstream.kernels.norm_act.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 H, HQ, HKV, D, INTER, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 32

@@ -1,5 +1,5 @@
 """The quantized LM head's decode GEMV alone, per format (quantize_lm_head): Llama-3.1-8B's
-128256 x 4096 head at 1-4 rows, graph-timed over weight copies past L2 (kernels/tuning.py).
+128256 x 4096 head at 1-4 rows, graph-timed over weight copies past L2 (kernels/runtime/tuning.py).
 
     python benchmarks/bench_lm_head.py --formats int8_wo,int4 --output-json $OUT/lm_head.json
 """
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slipstream.kernels.tuning import graph_time_us, weight_copies  # noqa: E402
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies  # noqa: E402
 from slipstream.layers.embedding import LMHead  # noqa: E402
 
 

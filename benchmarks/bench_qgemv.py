@@ -1,6 +1,6 @@
 """Decode GEMV per weight format: every candidate config on the Llama-3.1-8B layer shapes.
 
-For bf16 (kernels/gemv.py), int8 and fp8 (kernels/gemv_int8.py) weights, times each candidate
+For bf16 (kernels/gemv/dense.py), int8 and fp8 (kernels/gemv/int8.py) weights, times each candidate
 config at M=1 (--m: another row count, up to 16) and prints the best, its effective bandwidth
 and its share of the device-to-device copy bandwidth measured in the same run. Shows which
 tiles the start-up tuner should consider and how far each format is from streaming its bytes at
@@ -22,8 +22,9 @@ import json
 import torch
 
 from slipstream.bench.latency import measure_copy_bandwidth
-from slipstream.kernels import gemv, gemv_int8
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.gemv import dense as gemv
+from slipstream.kernels.gemv import int8 as gemv_int8
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),

@@ -14,7 +14,7 @@ per-kernel spans cannot show. The outputs of the reduced graphs are meaningless;
     SLIPSTREAM_FOLD_NORMS=0 python benchmarks/bench_step_parts.py ...   # norm kernels kept
     python benchmarks/bench_step_parts.py --attn-variants _PRELOAD=0,_PRELOAD=0+_MIN_TOKENS_PER_SPLIT=128
 
---attn-variants times the whole step again under each setting of kernels/paged_attention.py's
+--attn-variants times the whole step again under each setting of kernels/attention/paged.py's
 module knobs (`+` joins several; integers, 0 / 1 for flags), in the same process and graphs'
 shapes: an A/B of the attention choices without reloading or retuning the model.
 """
@@ -35,7 +35,7 @@ from slipstream.attention.backend import AttentionMetadata  # noqa: E402
 from slipstream.bench.shapes import is_shape_name, resolve_model  # noqa: E402
 from slipstream.engine.args import EngineArgs  # noqa: E402
 from slipstream.kernels import paged_attention  # noqa: E402
-from slipstream.kernels.l2_spans import budget_bytes  # noqa: E402
+from slipstream.kernels.attention.l2_spans import budget_bytes  # noqa: E402
 from slipstream.layers.attention import Attention  # noqa: E402
 from slipstream.layers.norm import RMSNorm  # noqa: E402
 from slipstream.runner.model_runner import ModelRunner  # noqa: E402
@@ -198,7 +198,7 @@ def main() -> None:
     p.add_argument("--attn-variants", default="",
                    help="comma list of NAME=INT[+NAME=INT] paged_attention knob settings")
     p.add_argument("--l2-budgets", default="",
-                   help="comma list of L2 prefetch budgets in MB (kernels/l2_spans.py), each "
+                   help="comma list of L2 prefetch budgets in MB (kernels/attention/l2_spans.py), each "
                         "timed as a whole step, MB:gate_up for gate/up alone (default o+gate_up); "
                         "the parts use SLIPSTREAM_L2_PREFETCH_MB's")
     p.add_argument("--replays", type=int, default=100)

@@ -3,7 +3,7 @@
 For each (N, K) and M: bf16 cuBLAS and the engine's bf16 `linear` (Triton GEMV for M <= 16) on a
 random bf16 weight; then the same weight quantized to int4 through every candidate config of
 w4_gemv (M <= 16) or w4_gemm (M > 16), dequantize + cuBLAS, and int4_linear's measured choice.
-Times are CUDA-graph medians over L2-sized weight copies (kernels/tuning.py: as the decode
+Times are CUDA-graph medians over L2-sized weight copies (kernels/runtime/tuning.py: as the decode
 graph runs them, without Python launch cost). Prints effective GB/s (weight bytes
 incl. scales / zeros, plus activations), TFLOP/s, the speed-up over bf16 (the better of cuBLAS
 and the engine's linear) and the max error against the reference; `--output-json` keeps it all.
@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from slipstream.kernels import gemm_int4, gemv_int4, triton_ops
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels import triton_ops
+from slipstream.kernels.gemm import int4 as gemm_int4
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils as qu
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

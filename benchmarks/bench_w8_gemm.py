@@ -3,7 +3,7 @@
 For each Llama-3.1-8B layer shape and M: bf16 F.linear on a random weight, then the same weight
 quantized to INT8 per channel through every w8_gemm candidate, convert + cuBLAS (the path before
 the kernel), and int8_linear's measured choice. Graph-timed medians over L2-sized weight copies
-(kernels/tuning.py), TFLOP/s, the ratio to bf16 and the error against the float32 reference.
+(kernels/runtime/tuning.py), TFLOP/s, the ratio to bf16 and the error against the float32 reference.
 
   python benchmarks/bench_w8_gemm.py --output-json $OUT/w8_gemm.json [--ms 32,64,256,2048] [--sweep]
 
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import gemm_int8
-from slipstream.kernels.gemv_int8 import qgemv_reference
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.gemm import int8 as gemm_int8
+from slipstream.kernels.gemv.int8 import qgemv_reference
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils as qu
 from slipstream.quantization.int8_wo import convert_linear, int8_linear
 

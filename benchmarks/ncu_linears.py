@@ -19,7 +19,9 @@ import argparse
 
 import torch
 
-from slipstream.kernels import gemv_int4, gemv_int8, triton_ops
+from slipstream.kernels import triton_ops
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.gemv import int8 as gemv_int8
 from slipstream.quantization import utils as qu
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),

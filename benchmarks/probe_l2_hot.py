@@ -1,5 +1,5 @@
 """How much faster a one-row GEMV runs when its weights are already in L2: the ceiling of any L2
-prefetch (kernels/l2_spans.py). Llama-3.1-8B shapes that fit the H200's 50 MB L2, int4_awq
+prefetch (kernels/attention/l2_spans.py). Llama-3.1-8B shapes that fit the H200's 50 MB L2, int4_awq
 (the tuner's choice) and bf16 (the engine's linear), each graph-timed three ways:
 
 - cold: cycling through weight copies past L2 (as the tuner times them, as a decode step runs);
@@ -20,10 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from slipstream.kernels import gemv_int4, pdl, triton_ops  # noqa: E402
-from slipstream.kernels.l2_prefetch import prefetch  # noqa: E402
-from slipstream.kernels.l2_spans import span_table  # noqa: E402
-from slipstream.kernels.tuning import _replay_us, weight_copies  # noqa: E402
+from slipstream.kernels import triton_ops  # noqa: E402
+from slipstream.kernels.attention.l2_prefetch import prefetch  # noqa: E402
+from slipstream.kernels.attention.l2_spans import span_table  # noqa: E402
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.tuning import _replay_us, weight_copies  # noqa: E402
 from slipstream.quantization import utils as qu  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up_half": (14336, 4096),

@@ -5,7 +5,7 @@ A chain of N kernels is captured in one CUDA graph, as a decode step is. Kernel 
 The wait between them is one of:
   plain: no PDL (the next launch starts after the previous grid has drained)
   pdl:   PDL launch, griddepcontrol.launch_dependents at the top, griddepcontrol.wait before the
-         dependent read (the engine's scheme, kernels/pdl.py)
+         dependent read (the engine's scheme, kernels/runtime/pdl.py)
   flag:  PDL launch and trigger as above, but the dependent read waits for a counter that each
          program of kernel i-1 bumps (release) after its store: it waits for the data, not for
          the grid's completion (polled with atomic adds of 0)
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from slipstream.kernels.pdl import pdl_release, pdl_wait  # noqa: E402
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait  # noqa: E402
 
 
 @triton.jit

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv import num_sms
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.gemv.dense import num_sms
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}  # (N, K)
 # (rows a tile, warps, programs an SM): the tuner's W1 choices first, then neighbours.

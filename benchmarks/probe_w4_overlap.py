@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4
-from slipstream.kernels.gemv import _tile_rows, num_sms
-from slipstream.kernels.gemv_int4 import _whole_k_sums, _whole_k_tile, _whole_k_x
-from slipstream.kernels.tuning import graph_time_us, weight_copies
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.gemv.dense import _tile_rows, num_sms
+from slipstream.kernels.gemv.int4 import _whole_k_sums, _whole_k_tile, _whole_k_x
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
           "o": (4096, 4096)}  # (N, K)

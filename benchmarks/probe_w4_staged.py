@@ -29,8 +29,8 @@ import triton.language as tl  # noqa: E402
 from probe_w4_overlap import SHAPES, dump_rows, print_row, random_w4  # noqa: E402
 
 from slipstream.kernels import gemv_int4  # noqa: E402
-from slipstream.kernels.gemv import _tile_rows, num_sms  # noqa: E402
-from slipstream.kernels.gemv_int4 import _whole_k_sums, _whole_k_x  # noqa: E402
+from slipstream.kernels.gemv.dense import _tile_rows, num_sms  # noqa: E402
+from slipstream.kernels.gemv.int4 import _whole_k_sums, _whole_k_x  # noqa: E402
 
 PRODUCTION = {"gate_up": (4, 2, 6), "down": (2, 4, 2), "qkv": (8, 4, 2), "o": (8, 4, 2)}
 GROUP = 128
@@ -92,7 +92,7 @@ def launch(x, words, sz, out, block_n: int, warps: int, persist: int, stages: in
 
 def _production(x, words, scales, zeros, spec: tuple[int, int, int]) -> tuple[float, torch.Tensor]:
     """(us, output) of gemv_int4's whole-K loop launch at (rows, warps, programs an SM)."""
-    from slipstream.kernels.tuning import graph_time_us, weight_copies
+    from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
     bn, wp, pp = spec
     cfg = gemv_int4.W4Config(block_n=bn, block_k=128, split_k=1, num_warps=wp, prefetch=True,
                              bit_convert=2, whole_k=True, persist=pp)
@@ -104,7 +104,7 @@ def _production(x, words, scales, zeros, spec: tuple[int, int, int]) -> tuple[fl
 
 def _staged_row(x, words, sz, ref, spec: tuple[int, int, int], stages: int) -> dict:
     """us of the staged loop (products, loads alone) at one config, and its max error."""
-    from slipstream.kernels.tuning import graph_time_us, weight_copies
+    from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
     bn, wp, pp = spec
     out = torch.empty(1, words.shape[0], device="cuda", dtype=torch.bfloat16)
     copies = weight_copies((words, sz))

@@ -1,4 +1,4 @@
-"""Does the register-streaming CUDA C++ one-row int4 GEMV (kernels/w4_stream.cu) beat the Triton
+"""Does the register-streaming CUDA C++ one-row int4 GEMV (kernels/cuda/w4_stream.cu) beat the Triton
 one-row kernels the tuner picks, alone and in a layer's chain?
 
 Each shape runs as the decode layer calls it: qkv with the folded norm, o plain, gate_up as the
@@ -24,11 +24,12 @@ import torch  # noqa: E402
 # run as a script, this folder is on the path: the shared operands and reporting
 from probe_w4_overlap import SHAPES, dump_rows, print_row, random_w4  # noqa: E402
 
-from slipstream.kernels import gemv_int4, pdl  # noqa: E402
-from slipstream.kernels.gemv_int4_stream import StreamConfig, w4_gemv_stream  # noqa: E402
-from slipstream.kernels.int4_common import w4_linear_reference  # noqa: E402
+from slipstream.kernels import pdl  # noqa: E402
+from slipstream.kernels.cuda.w4_stream import StreamConfig, w4_gemv_stream  # noqa: E402
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.gemv.int4_common import w4_linear_reference  # noqa: E402
 from slipstream.kernels.reference import silu_and_mul  # noqa: E402
-from slipstream.kernels.tuning import graph_time_us, weight_copies  # noqa: E402
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies  # noqa: E402
 
 GROUP = 128
 EPS = 1e-5

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~8 min): the register-streaming CUDA C++ int4 GEMV (kernels/w4_stream.cu).
+# One device call (~8 min): the register-streaming CUDA C++ int4 GEMV (kernels/cuda/w4_stream.cu).
 # Its -m gpu tests (and the bulk kernel's), probe_w4_stream.py at every decode shape with the
 # layer chain, then W1 (int4_awq + int4 head) with SLIPSTREAM_W4_STREAM=1 unless W1=0.
 # PROBE_ARGS: extra probe arguments (e.g. --configs ...).

@@ -93,7 +93,7 @@ def loop_histogram(sass: str) -> collections.Counter:
 
 
 def qgemv_case(ns) -> tuple:
-    from slipstream.kernels.gemv import _gemv_kernel
+    from slipstream.kernels.gemv.dense import _gemv_kernel
     types = dict(x_ptr="*bf16", w_ptr=f"*{ns.weight}", s_ptr="*fp32", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(BLOCK_N=ns.block_n, BLOCK_K=ns.block_k, SPLIT=False, EVEN_K=True,
@@ -103,7 +103,7 @@ def qgemv_case(ns) -> tuple:
 
 
 def attention_case(ns) -> tuple:
-    from slipstream.kernels.paged_attention import _paged_attn_kernel
+    from slipstream.kernels.attention.paged import _paged_attn_kernel
     kv = f"*{ns.kv}"
     types = dict(q_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", part_out_ptr="*fp32",
                  part_lse_ptr="*fp32", ks_ptr="*fp32", vs_ptr="*fp32", kn_ptr="*bf16",
@@ -121,7 +121,7 @@ def attention_case(ns) -> tuple:
 
 
 def w4_case(ns) -> tuple:
-    from slipstream.kernels.gemv_int4 import _w4_gemv_kernel
+    from slipstream.kernels.gemv.int4 import _w4_gemv_kernel
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     kp = triton.next_power_of_2(ns.whole_k) if ns.whole_k else 0
@@ -134,7 +134,7 @@ def w4_case(ns) -> tuple:
 
 def w4loop_case(ns) -> tuple:
     """The whole-K tile loop (_w4_whole_k_loop_kernel) at K = --whole-k (default 4096)."""
-    from slipstream.kernels.gemv_int4 import _w4_whole_k_loop_kernel
+    from slipstream.kernels.gemv.int4 import _w4_whole_k_loop_kernel
     k = ns.whole_k or 4096
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16")
@@ -145,7 +145,7 @@ def w4loop_case(ns) -> tuple:
 
 
 def w4mma_case(ns) -> tuple:
-    from slipstream.kernels.gemv_int4_mma import _w4_mma_kernel
+    from slipstream.kernels.gemv.int4_mma import _w4_mma_kernel
     types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
                  out_ptr="*bf16", ws_ptr="*fp32")
     consts = dict(NW=ns.num_warps, TILES=ns.tiles, WIDE=ns.wide, SPLIT=False, HAS_BIAS=False,
@@ -154,30 +154,16 @@ def w4mma_case(ns) -> tuple:
     return _w4_mma_kernel, types, consts, 16 * ns.tiles * 128 * ns.groups / 32  # per lane, step
 
 
-def w4kwarps_case(ns) -> tuple:
-    """The K-over-warps mma kernel (gemv_int4_kwarps) at K = --whole-k (default 4096)."""
-    from slipstream.kernels.gemv_int4_kwarps import _w4_kwarps_kernel
-    k = ns.whole_k or 4096
-    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", bias_ptr="*bf16",
-                 out_ptr="*bf16")
-    n = 28672 if ns.gate_out else 4096
-    consts = dict(N=n, K=k, KP=triton.next_power_of_2(k), SECOND=n // 2 if ns.gate_out else 16,
-                  NW=ns.num_warps, TILES=ns.tiles,
-                  GATE_OUT=ns.gate_out, HAS_BIAS=False, ASM=True, USE_PDL=True)
-    return _w4_kwarps_kernel, types, consts, 16 * ns.tiles * 128 / 32  # per lane, step
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma", "w4loop",
-                                           "w4kwarps"))
+    ap.add_argument("kernel", choices=("qgemv", "attention", "w4", "w4mma", "w4loop"))
     ap.add_argument("--weight", default="i8", choices=("i8", "fp8e4nv"))
     ap.add_argument("--bit-convert", type=int, default=0, help="the kernel's BIT_CONVERT (0-3)")
     ap.add_argument("--block-n", type=int, default=16)
     ap.add_argument("--block-k", type=int, default=512)
     ap.add_argument("--prefetch", action="store_true")
     ap.add_argument("--chain", action="store_true", help="w4: four words per packed sum (CHAIN)")
-    ap.add_argument("--tiles", type=int, default=2, help="w4mma / w4kwarps: 16-row tiles (1, 2)")
+    ap.add_argument("--tiles", type=int, default=2, help="w4mma: 16-row tiles (1, 2)")
     ap.add_argument("--wide", action="store_true", help="w4mma: x rows 9-16 too (WIDE)")
     ap.add_argument("--groups", type=int, default=1, help="w4mma: groups per loop step (1, 2, 4)")
     ap.add_argument("--block-n-attn", type=int, default=64, help="attention BLOCK_N")
@@ -185,7 +171,7 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8e4nv", "i8"))
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--split", action="store_true", help="attention: a split decode launch")
-    ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop / w4kwarps: K")
+    ap.add_argument("--whole-k", type=int, default=0, help="w4 / w4loop: K")
     ap.add_argument("--gate-out", action="store_true", help="w4 / w4loop: GATE_OUT")
     ap.add_argument("--rms", action="store_true", help="w4loop: the in-GEMV RMSNorm (RMS_EPS)")
     ap.add_argument("--short-chain", type=int, default=0, help="attention: SHORT_CHAIN tiles")
@@ -195,7 +181,7 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="--ops: the whole kernel's, not the loop's")
     ns = ap.parse_args()
     case = {"qgemv": qgemv_case, "attention": attention_case, "w4": w4_case,
-            "w4mma": w4mma_case, "w4loop": w4loop_case, "w4kwarps": w4kwarps_case}[ns.kernel]
+            "w4mma": w4mma_case, "w4loop": w4loop_case}[ns.kernel]
     kernel, types, consts, elems = case(ns)
     # --stages is the qgemv / w4 STAGES constexpr; attention takes it as the launch's num_stages.
     sass, regs = compile_sass(kernel, types, consts, ns.num_warps,

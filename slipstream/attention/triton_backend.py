@@ -1,5 +1,5 @@
 """Triton attention backend: for pure decode batches one kernel rotates q and k, writes the new
-K/V into the paged cache and attends (kernels/paged_attention.py, RopeInput); other batches run
+K/V into the paged cache and attends (kernels/attention/paged.py, RopeInput); other batches run
 the fused rotary + cache-write kernel, then paged attention, like the reference backend.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.attention.reference import ReferenceAttentionBackend
-from slipstream.kernels.paged_attention import RopeInput, paged_attention
+from slipstream.kernels.attention.paged import RopeInput, paged_attention
 
 
 class TritonAttentionBackend(ReferenceAttentionBackend):

@@ -16,15 +16,16 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.kernels import _OP_NAMES, reference
-from slipstream.kernels import gemv as _gemv
-from slipstream.kernels.tuning import graph_time_us, idle_before_us, weight_copies
+from slipstream.kernels.gemv import dense as _gemv
+from slipstream.kernels.runtime.tuning import graph_time_us, idle_before_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
 _OP_MODULES = {
-    "rms_norm": "rms_norm", "fused_add_rms_norm": "rms_norm", "silu_and_mul": "activation",
-    "apply_rotary": "rotary_cache", "write_kv_cache": "rotary_cache",
-    "rotary_and_cache_write": "rotary_cache", "paged_attention": "paged_attention",
+    "rms_norm": "norm_act.rms_norm", "fused_add_rms_norm": "norm_act.rms_norm",
+    "silu_and_mul": "norm_act.activation", "apply_rotary": "attention.rotary_cache",
+    "write_kv_cache": "attention.rotary_cache", "rotary_and_cache_write": "attention.rotary_cache",
+    "paged_attention": "attention.paged",
 }
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LinearKey = tuple[int, int, int, torch.dtype, bool, int | None]

@@ -46,7 +46,7 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
         self.kv_scales_from_checkpoint: set[str] = set()  # "k_scale" / "v_scale" loaded
         # Spans of the weights the layer reads next, prefetched into L2 by batch-1-like decode
-        # launches (kernels/l2_prefetch.py; set by models' attach_l2_prefetch), or None.
+        # launches (kernels/attention/l2_prefetch.py; set by models' attach_l2_prefetch), or None.
         self.l2_prefetch: torch.Tensor | None = None
 
     def forward(

@@ -14,7 +14,7 @@ from torch import nn
 
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.config import ModelConfig
-from slipstream.kernels.l2_spans import span_table
+from slipstream.kernels.attention.l2_spans import span_table
 from slipstream.layers.activation import SiluAndMul
 from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
@@ -26,7 +26,7 @@ from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMe
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# At one decode row the gate/up projection writes SiLU(gate)·up (kernels/gemv.py GATE_OUT) instead
+# At one decode row the gate/up projection writes SiLU(gate)·up (kernels/gemv/dense.py GATE_OUT) instead
 # of the down projection recomputing it per output tile (sm_90 SASS: that doubles the down GEMV's
 # loop). H200 W1: fp8 + FP8 head 353 -> 371 tok/s, int8_wo + head 339 -> 362, bf16 unchanged.
 # SLIPSTREAM_GATE_UP_ACT=0 turns it off.
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
     def attach_l2_prefetch(self, budget: int, targets: tuple[str, ...] = ("o", "gate_up")
                            ) -> int:
         """Give each layer's attention the span table of the weights read right after it: all
-        of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/l2_spans.py; 0
+        of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/attention/l2_spans.py; 0
         detaches); `targets` picks among the two. Returns the bytes a layer prefetches."""
         per_layer = 0
         for layer in self.model.layers:

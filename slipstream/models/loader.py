@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slipstream.config import EngineConfig
+from slipstream.dtypes import resolve_dtype
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
 from slipstream.models.llama import BuildContext
@@ -35,16 +36,7 @@ from slipstream.quantization.utils import deferring_load_time_weights
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
-
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def load_model(config: EngineConfig) -> nn.Module:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from slipstream.dtypes import resolve_dtype
 from slipstream.models.norm_fold import kept_norms
 from slipstream.quantization.base import METHOD_NAMES
 from slipstream.quantization.calibration import (
@@ -194,8 +195,6 @@ def calibrate_kv_scales(llm, texts: list[str], max_len: int,
                         kv_cache_dtype: str) -> dict[str, torch.Tensor]:
     """Per-layer k_scale / v_scale for a `kv_cache_dtype` cache from `texts` run through llm's
     model (calibrate_kv_amax, as at engine start); checkpoint name -> float32 scalar."""
-    from slipstream.models.loader import resolve_dtype
-
     cfg = llm.engine_config
     model: nn.Module = llm.engine.runner.model
     max_len = min(max_len, cfg.scheduler.max_model_len)

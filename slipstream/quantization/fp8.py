@@ -187,18 +187,18 @@ def _quantized_linear(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
 
 
 def _fused_norm_quant():
-    """kernels.quant_act.rms_norm_quant_fp8, or None when Triton cannot load."""
+    """kernels.norm_act.quant_act.rms_norm_quant_fp8, or None when Triton cannot load."""
     try:
-        from slipstream.kernels.quant_act import rms_norm_quant_fp8
+        from slipstream.kernels.norm_act.quant_act import rms_norm_quant_fp8
     except ImportError:
         return None
     return rms_norm_quant_fp8
 
 
 def _fused_silu_quant():
-    """kernels.quant_act.silu_and_mul_quant_fp8, or None when Triton cannot load."""
+    """kernels.norm_act.quant_act.silu_and_mul_quant_fp8, or None when Triton cannot load."""
     try:
-        from slipstream.kernels.quant_act import silu_and_mul_quant_fp8
+        from slipstream.kernels.norm_act.quant_act import silu_and_mul_quant_fp8
     except ImportError:
         return None
     return silu_and_mul_quant_fp8
@@ -207,7 +207,7 @@ def _fused_silu_quant():
 def _quantize_per_token_cuda(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-launch Triton quantizer when Triton loads, else the torch twin."""
     try:
-        from slipstream.kernels.quant_act import quantize_per_token_fp8
+        from slipstream.kernels.norm_act.quant_act import quantize_per_token_fp8
     except ImportError:
         return quantize_per_token(x2, FP8_DTYPE)
     return quantize_per_token_fp8(x2)

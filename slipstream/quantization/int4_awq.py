@@ -213,7 +213,7 @@ class Int4LinearMethod(QuantMethod):
         of x / rms(x), where the measured config is the one-row kernel (gemv.rms_ok)."""
         if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
             return None
-        from slipstream.kernels.gemv_int4 import w4_linear_small_gate_out
+        from slipstream.kernels.gemv.int4 import w4_linear_small_gate_out
 
         perm = layer._buffers.get(ACT_ORDER_PERM)
         if perm is not None:
@@ -229,7 +229,7 @@ class Int4LinearMethod(QuantMethod):
         None."""
         if not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers:
             return None
-        from slipstream.kernels.gemv_int4 import w4_linear_small_rms
+        from slipstream.kernels.gemv.int4 import w4_linear_small_rms
 
         group = x.shape[-1] // layer.scales.shape[1]
         return w4_linear_small_rms(x, layer.qweight, layer.scales, layer.zeros, group, bias, eps)
@@ -253,11 +253,11 @@ _INT4_LINEAR: list = []
 
 
 def _int4_linear():
-    """kernels.gemv_int4.int4_linear (W4A16 GEMV / GEMM on CUDA, the float32 reference twin
+    """kernels.gemv.int4.int4_linear (W4A16 GEMV / GEMM on CUDA, the float32 reference twin
     elsewhere), or None when Triton cannot load."""
     if not _INT4_LINEAR:
         try:
-            from slipstream.kernels.gemv_int4 import int4_linear
+            from slipstream.kernels.gemv.int4 import int4_linear
         except ImportError:
             int4_linear = None
         _INT4_LINEAR.append(int4_linear)

@@ -50,7 +50,7 @@ class PerChannelMethod(QuantMethod):
                        rms_eps: float = 0.0) -> torch.Tensor | None:
         if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
             return None
-        from slipstream.kernels.gemv_int8 import qlinear_small_gate_out
+        from slipstream.kernels.gemv.int8 import qlinear_small_gate_out
 
         return qlinear_small_gate_out(x, layer.weight, layer.weight_scale, bias, rms_eps)
 
@@ -58,7 +58,7 @@ class PerChannelMethod(QuantMethod):
                   bias: torch.Tensor | None) -> torch.Tensor | None:
         if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
             return None
-        from slipstream.kernels.gemv_int8 import qlinear_small_rms
+        from slipstream.kernels.gemv.int8 import qlinear_small_rms
 
         return qlinear_small_rms(x, layer.weight, layer.weight_scale, bias, eps)
 
@@ -167,7 +167,7 @@ def convert_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """Convert the whole weight to x's dtype (INT8 values are exact there; a temporary [N, K]),
     F.linear, then scale the output: the CPU path, and on CUDA the cuBLAS alternative the
-    large-M tuner measures (kernels/gemm_int8.py)."""
+    large-M tuner measures (kernels/gemm/int8.py)."""
     out = F.linear(x, qweight.to(x.dtype))
     out = out * scale.to(out.dtype)
     return out if bias is None else out + bias
@@ -186,13 +186,13 @@ def _kernel(module: str, name: str):
 
 
 def _qlinear_small():
-    """kernels.gemv_int8.qlinear_small (at most _SMALL_M rows), or None."""
-    return _kernel("gemv_int8", "qlinear_small")
+    """kernels.gemv.int8.qlinear_small (at most _SMALL_M rows), or None."""
+    return _kernel("gemv.int8", "qlinear_small")
 
 
 def _qlinear_large():
-    """kernels.gemm_int8.int8_linear_large (more rows), or None."""
-    return _kernel("gemm_int8", "int8_linear_large")
+    """kernels.gemm.int8.int8_linear_large (more rows), or None."""
+    return _kernel("gemm.int8", "int8_linear_large")
 
 
 @register_quant_method("int8_wo")

@@ -14,9 +14,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slipstream.dtypes import resolve_dtype
+from slipstream.engine.request import Request
 from slipstream.kernels.reference import KV_QMAX
 from slipstream.layers.attention import Attention
 from slipstream.quantization import modelopt
+from slipstream.quantization.calibration import calibration_prompts, load_calib_texts
+from slipstream.runner.input_batch import prepare_inputs
+from slipstream.sampling_params import SamplingParams
+from slipstream.scheduler.output import ScheduledSeq
+from slipstream.tokenizer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +191,6 @@ def calibrate_kv_amax(model: nn.Module, prompts: list[list[int]], *, dtype: torc
     one, so every layer sees exact inputs) and reads the amax off the cache: what it holds is
     exactly what a quantized cache would have to store.
     """
-    from slipstream.engine.request import Request
-    from slipstream.runner.input_batch import prepare_inputs
-    from slipstream.sampling_params import SamplingParams
-    from slipstream.scheduler.output import ScheduledSeq
-
     layers = [a for _, a in attention_layers(model)]
     prompts = [p for p in prompts if p]
     if not layers or not prompts:
@@ -220,16 +222,12 @@ def _load_tokenizer(path: str | None):
     if path is None or not any((Path(path) / f).is_file()
                                for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
-    from slipstream.tokenizer.tokenizer import load_tokenizer
-
     return load_tokenizer(path)
 
 
 def startup_calibration_prompts(config) -> list[list[int]]:
     """The built-in calibration set (stdlib excerpts) as token ids for this engine's model;
     seeded random ids when weights are dummy or there is no tokenizer."""
-    from slipstream.quantization.calibration import calibration_prompts, load_calib_texts
-
     texts = load_calib_texts(None, STARTUP_CALIB_SAMPLES)
     max_len = min(STARTUP_CALIB_LEN, config.scheduler.max_model_len)
     tokenizer = None if config.load_format == "dummy" else _load_tokenizer(config.tokenizer_path)
@@ -262,8 +260,6 @@ def prepare_kv_scales(model: nn.Module, config, kv_dtype: torch.dtype) -> str:
     where they came from: "checkpoint", "default" (fp8: 1.0), "calibrated" (int8) or "unused".
     Layers the checkpoint covers only partly get the default / calibration for the rest.
     """
-    from slipstream.models.loader import resolve_dtype
-
     layers = [a for _, a in attention_layers(model)]
     if kv_dtype not in KV_QMAX or not layers:
         if any(a.kv_scales_from_checkpoint for a in layers):

@@ -28,7 +28,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 def _pdl_enabled(device: torch.device) -> bool:
     try:
-        from slipstream.kernels import pdl
+        from slipstream.kernels.runtime import pdl
     except ImportError:  # no Triton
         return False
     return pdl.enabled(device)
@@ -220,7 +220,7 @@ def _staging_buffer(numel: int, device: torch.device) -> torch.Tensor:
 def _greedy_ops(device: torch.device):
     """(argmax_and_advance, argmax_rows) for the device, resolved once."""
     if device.type == "cuda":
-        from slipstream.kernels.greedy import argmax_and_advance, argmax_rows
+        from slipstream.kernels.sampling.greedy import argmax_and_advance, argmax_rows
 
         return argmax_and_advance, argmax_rows
     return argmax_and_advance_reference, lambda x, out: torch.argmax(x, dim=-1, out=out)
@@ -228,7 +228,7 @@ def _greedy_ops(device: torch.device):
 
 def argmax_and_advance_reference(logits, out, input_ids, positions, seq_lens, slot_mapping,
                                  block_tables, block_size: int) -> None:
-    """Twin of kernels.greedy.argmax_and_advance: out = argmax of each logits row, fed back as
+    """Twin of kernels.sampling.greedy.argmax_and_advance: out = argmax of each logits row, fed back as
     the next input (input_ids), one position on (positions, seq_lens +1, slot_mapping)."""
     n = logits.shape[0]
     torch.argmax(logits, dim=-1, out=out)

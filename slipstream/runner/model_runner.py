@@ -205,12 +205,12 @@ class ModelRunner:
 
     def _attach_l2_prefetch(self) -> None:
         """Span tables of the weights each layer reads after attention, for the decode graphs'
-        split attention launches to prefetch into L2 (kernels/l2_spans.py); models without
+        split attention launches to prefetch into L2 (kernels/attention/l2_spans.py); models without
         attach_l2_prefetch go without."""
         attach = getattr(self.model, "attach_l2_prefetch", None)
         if attach is None:
             return
-        from slipstream.kernels.l2_spans import budget_bytes
+        from slipstream.kernels.attention.l2_spans import budget_bytes
 
         per_layer = attach(budget_bytes(self.device, self.config.quant.method))
         logger.info("L2 prefetch in decode attention: %.1f MiB a layer%s", per_layer / 2**20,

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from slipstream.tokenizer.chat import normalize_messages
+from slipstream.tokenizer.messages import normalize_messages
 
 
 class Tokenizer:

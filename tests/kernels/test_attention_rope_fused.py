@@ -8,7 +8,7 @@ import torch
 from attn_batch import make_batch
 
 from slipstream.kernels import reference
-from slipstream.kernels.paged_attention import AttnConfig, RopeInput, paged_attention
+from slipstream.kernels.attention.paged import AttnConfig, RopeInput, paged_attention
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
@@ -123,8 +123,9 @@ def _replay_after_qkv_gemv(lens: list[int], attn_kwargs) -> AttnConfig:
     (PDL on where the GPU has it): ten replays each equal, in output and cache bytes, one eager
     run. attn_kwargs(cfg, captured) -> paged_attention's keywords for the eager run (False)
     and the captured one (True); cfg is choose_config's. Returns cfg."""
-    from slipstream.kernels import gemv, pdl
-    from slipstream.kernels.paged_attention import choose_config
+    from slipstream.kernels.attention.paged import choose_config
+    from slipstream.kernels.gemv import dense as gemv
+    from slipstream.kernels.runtime import pdl
 
     device = torch.device("cuda")
     if not pdl.enabled(device):
@@ -172,8 +173,8 @@ def test_gpu_preload_in_graph_after_the_qkv_gemv(lens: list[int]) -> None:
 
 
 def _weights_table(device: str) -> torch.Tensor:
-    """A span table over a few MB of stand-in weights (kernels/l2_spans.py)."""
-    from slipstream.kernels.l2_spans import span_table
+    """A span table over a few MB of stand-in weights (kernels/attention/l2_spans.py)."""
+    from slipstream.kernels.attention.l2_spans import span_table
 
     w = [torch.randn(1024, 1024, device=device), torch.randn(256, device=device)]
     return span_table([w], 3 << 20, torch.device(device)), w
@@ -188,8 +189,8 @@ def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(monkeypatch, cfg: A
     """The spare rows of L2-prefetch programs (recording instead of prefetching: the
     interpreter has no PTX) take every span of the table exactly once, and leave every output
     and cache byte as it was; a launch of one split has no spare row."""
-    from slipstream.kernels import paged_attention as pa
-    from slipstream.kernels.l2_prefetch import RECORD, RECORD_MARK
+    from slipstream.kernels.attention import paged as pa
+    from slipstream.kernels.attention.l2_prefetch import RECORD, RECORD_MARK
 
     monkeypatch.setattr(pa, "_PF_CPU_MODE", RECORD)
     monkeypatch.setattr(pa, "_PF_ROWS", rows)
@@ -215,7 +216,7 @@ def test_gpu_l2_prefetch_rows_in_graph_after_the_qkv_gemv(monkeypatch, early: bo
     """The spare prefetch programs under PDL in a CUDA graph (after the PDL wait, or before it
     with SLIPSTREAM_L2_PREFETCH_EARLY): output and cache bytes equal an eager run without them,
     replay after replay, and the prefetched weights are unchanged."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     monkeypatch.setattr(pa, "_PF_EARLY", early)
     table, weights = _weights_table("cuda")

@@ -1,10 +1,10 @@
-"""Device greedy choice (kernels/greedy.py) against torch.argmax and the torch advance twin."""
+"""Device greedy choice (kernels/sampling/greedy.py) against torch.argmax and the torch advance twin."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slipstream.kernels import greedy
+from slipstream.kernels.sampling import greedy
 from slipstream.runner.cuda_graphs import argmax_and_advance_reference
 
 

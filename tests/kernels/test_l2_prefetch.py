@@ -1,10 +1,10 @@
-"""The L2 prefetch's span tables (kernels/l2_spans.py) and its standalone launch."""
+"""The L2 prefetch's span tables (kernels/attention/l2_spans.py) and its standalone launch."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from slipstream.kernels.l2_spans import SPAN_BYTES, budget_bytes, chunk_bytes, span_table
+from slipstream.kernels.attention.l2_spans import SPAN_BYTES, budget_bytes, chunk_bytes, span_table
 
 
 def _covered(table: torch.Tensor) -> list[tuple[int, int]]:
@@ -72,7 +72,7 @@ def test_budget_from_the_environment(monkeypatch) -> None:
 def test_int4_awq_goes_without_unless_asked(monkeypatch) -> None:
     """The H200 step A/B (l2_spans.NO_PREFETCH_METHODS): int4_awq's default budget is 0 on a
     device that could prefetch; SLIPSTREAM_L2_PREFETCH_MB still turns it on."""
-    from slipstream.kernels import l2_spans
+    from slipstream.kernels.attention import l2_spans
 
     monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
     monkeypatch.setattr(l2_spans, "supported", lambda device: True)
@@ -84,7 +84,7 @@ def test_int4_awq_goes_without_unless_asked(monkeypatch) -> None:
 def test_standalone_launch_records_every_span_once() -> None:
     """prefetch_spans' RECORD mode (the interpreter): however many programs share the table,
     each span is taken exactly once."""
-    from slipstream.kernels.l2_prefetch import RECORD, RECORD_MARK, _prefetch_kernel
+    from slipstream.kernels.attention.l2_prefetch import RECORD, RECORD_MARK, _prefetch_kernel
 
     w = torch.empty(3 << 20, dtype=torch.uint8)
     table = span_table([[w]], 3 << 20, torch.device("cpu"))
@@ -107,7 +107,7 @@ def test_gpu_default_budget_is_half_the_l2(monkeypatch) -> None:
 
 @pytest.mark.gpu
 def test_gpu_standalone_prefetch_runs_and_changes_nothing() -> None:
-    from slipstream.kernels.l2_prefetch import prefetch
+    from slipstream.kernels.attention.l2_prefetch import prefetch
 
     w = [torch.randn(4096, 1024, device="cuda"), torch.randn(1000, device="cuda")[1:]]
     before = [t.clone() for t in w]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels import gemv, pdl, rms_norm
+from slipstream.kernels.gemv import dense as gemv
+from slipstream.kernels.norm_act import rms_norm
+from slipstream.kernels.runtime import pdl
 
 
 def test_off_on_cpu():
@@ -59,7 +61,7 @@ def test_graph_chain_matches_without_pdl(monkeypatch):
 def test_idle_before_timing_subtracts_the_spin(monkeypatch):
     """graph_time_us(idle_before_us=...) times spin+call and spin alone; the call's share is the
     difference (the spin itself is never counted)."""
-    from slipstream.kernels import tuning
+    from slipstream.kernels.runtime import tuning
 
     spins, timed = [], iter([30.0, 20.0])  # spin + call, then spin alone
     monkeypatch.setattr(pdl, "spin", lambda device, us: spins.append(us))
@@ -77,7 +79,7 @@ def test_idle_before_timing_subtracts_the_spin(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_spin_lasts_about_as_asked():
-    from slipstream.kernels import tuning
+    from slipstream.kernels.runtime import tuning
 
     device = torch.device("cuda")
     args = [(torch.zeros(1, device=device),)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels import rms_norm as norm_kernels
-from slipstream.kernels.quant_act import (
+from slipstream.kernels.norm_act import rms_norm as norm_kernels
+from slipstream.kernels.norm_act.quant_act import (
     quantize_per_token_fp8,
     rms_norm_quant_fp8,
     silu_and_mul_quant_fp8,
@@ -69,7 +69,7 @@ def test_silu_and_mul_quant_matches_twin(m: int, n: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [17, 512, 4096])
 def test_gpu_silu_and_mul_quant_matches_twin(m: int) -> None:
-    from slipstream.kernels.activation import silu_and_mul as silu_and_mul_triton
+    from slipstream.kernels.norm_act.activation import silu_and_mul as silu_and_mul_triton
 
     gate_up = torch.randn(m, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     q, s = silu_and_mul_quant_fp8(gate_up)

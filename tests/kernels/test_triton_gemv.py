@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import _OP_NAMES, gemv, get_ops, triton_ops
+from slipstream.kernels import _OP_NAMES, get_ops, triton_ops
+from slipstream.kernels.gemv import dense as gemv
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 

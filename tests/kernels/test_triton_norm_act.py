@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.activation import silu_and_mul
-from slipstream.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from slipstream.kernels.norm_act.activation import silu_and_mul
+from slipstream.kernels.norm_act.rms_norm import fused_add_rms_norm, rms_norm
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 # float32 on the interpreter: same math as the reference up to summation order.

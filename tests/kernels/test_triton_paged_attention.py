@@ -9,7 +9,7 @@ import torch
 from attn_batch import make_batch
 
 from slipstream.kernels import reference
-from slipstream.kernels.paged_attention import AttnConfig, paged_attention
+from slipstream.kernels.attention.paged import AttnConfig, paged_attention
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 ATOL, RTOL = 2e-5, 2e-5  # float32 online softmax vs float32 two-pass softmax
@@ -59,7 +59,7 @@ def test_split_tile_loops(cfg: AttnConfig) -> None:
     """The staged two loops and the one-stage loop for short splits (the staged loops for
     longer ones): the same attention on mixed and decode-only batches, every arrival counter
     back at zero."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=64, block_size=32,
                                  dtype=torch.float32, seed=8)
@@ -75,7 +75,7 @@ def test_split_decode_defaults(monkeypatch) -> None:
     (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES, the module constant, sets the count; 0 turns it off)
     and read the first tile before the PDL wait (SLIPSTREAM_ATTN_PRELOAD=0 turns that off);
     prefill chunks and unsplit decode take neither."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
@@ -102,7 +102,7 @@ def test_split_decode_defaults(monkeypatch) -> None:
 def test_split_stages_knob(monkeypatch) -> None:
     """SLIPSTREAM_ATTN_SPLIT_STAGES (the module constant) sets the stages of split decode
     launches only; the plain loops' result unchanged."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.bfloat16, seed=6)
@@ -124,7 +124,7 @@ def test_decode_only_auto_splits() -> None:
                                  head_dim=64, block_size=16, dtype=torch.float32, seed=3)
     _check(q, kc, vc, meta)
     # The merging program resets its tile's arrival counter: a replay starts from zero.
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     _check(q, kc, vc, meta, AttnConfig(16, 16, 5, 4, 1))
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
@@ -133,7 +133,7 @@ def test_decode_only_auto_splits() -> None:
 def test_longer_splits_knob(monkeypatch) -> None:
     """SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (the module constant): fewer, longer splits for a short
     decode, none once one covers the context; the result unchanged."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=5)
@@ -149,7 +149,7 @@ def test_split_tile_knob(monkeypatch) -> None:
     """SLIPSTREAM_ATTN_SPLIT_BLOCK_N / _SPLIT_WARPS (the module constants; 8 warps by default):
     split decode launches take the shorter tile (a short context covers more splits) and the
     warp count; the result unchanged."""
-    from slipstream.kernels import paged_attention as pa
+    from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.rotary_cache import apply_rotary, rotary_and_cache_write, write_kv_cache
+from slipstream.kernels.attention.rotary_cache import apply_rotary, rotary_and_cache_write, write_kv_cache
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 ATOL, RTOL = 1e-5, 1e-5  # float32: the same products, possibly fused differently

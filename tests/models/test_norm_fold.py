@@ -131,9 +131,9 @@ def test_calibrations_that_rescale_the_norms_keep_them(checkpoint, monkeypatch):
 
 
 _IN_GEMV_NORM = {  # method -> (kernel module, its one-row RMS entry point, its gate-out one)
-    "int4_awq": ("gemv_int4", "w4_linear_small_rms", "w4_linear_small_gate_out"),
-    "int8_wo": ("gemv_int8", "qlinear_small_rms", "qlinear_small_gate_out"),
-    "fp8": ("gemv_int8", "qlinear_small_rms", "qlinear_small_gate_out"),
+    "int4_awq": ("gemv.int4", "w4_linear_small_rms", "w4_linear_small_gate_out"),
+    "int8_wo": ("gemv.int8", "qlinear_small_rms", "qlinear_small_gate_out"),
+    "fp8": ("gemv.int8", "qlinear_small_rms", "qlinear_small_gate_out"),
 }
 
 

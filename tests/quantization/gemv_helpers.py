@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.kernels.gemv import _COUNTERS
+from slipstream.kernels.gemv.dense import _COUNTERS
 from slipstream.kernels.reference import silu_and_mul
 from slipstream.quantization import utils as qu
 
@@ -43,7 +43,7 @@ def fused_variant(run, bias: bool, rms_eps: float, gate_out: bool, n: int = 2048
     """(run's output, the float reference) for a one-row int4 GEMV on the GPU with a bias, the
     folded norm (rms_eps > 0) and / or as a gate-out: run(x, q, s, z, bias, rms_eps=,
     gate_out=)."""
-    from slipstream.kernels.int4_common import w4_linear_reference
+    from slipstream.kernels.gemv.int4_common import w4_linear_reference
 
     q, s, z = quantized(n, k, 128, device="cuda", seed=7)
     x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
@@ -59,7 +59,7 @@ def fused_variant(run, bias: bool, rms_eps: float, gate_out: bool, n: int = 2048
 def replayed_in_a_graph(run, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, the float reference) after run(x, q, s, z, out=out) was captured three times back
     to back in a CUDA graph (under PDL) and replayed on a new x."""
-    from slipstream.kernels.int4_common import w4_linear_reference
+    from slipstream.kernels.gemv.int4_common import w4_linear_reference
 
     q, s, z = quantized(n, k, 128, device="cuda", seed=3)
     x = torch.randn(1, k, device="cuda").bfloat16()

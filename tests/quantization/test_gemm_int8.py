@@ -1,4 +1,4 @@
-"""Triton W8A16 GEMM (kernels/gemm_int8.py, int8_wo above 16 rows) against its reference twin.
+"""Triton W8A16 GEMM (kernels/gemm/int8.py, int8_wo above 16 rows) against its reference twin.
 
 CPU: Triton's interpreter with float32 activations (bf16 tl.dot is wrong in the interpreter).
 GPU (`-m gpu`): bf16 activations, every candidate tile on the Llama-3.1-8B layer shapes.
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels import gemm_int8
-from slipstream.kernels.gemm_int8 import W8GemmConfig
-from slipstream.kernels.gemv import _COUNTERS
-from slipstream.kernels.gemv_int8 import qgemv_reference
+from slipstream.kernels.gemm import int8 as gemm_int8
+from slipstream.kernels.gemm.int8 import W8GemmConfig
+from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.int8 import qgemv_reference
 from slipstream.quantization import utils
 from slipstream.quantization.int8_wo import convert_linear
 

@@ -1,4 +1,4 @@
-"""W4A16 kernels (kernels/gemv_int4.py, gemm_int4.py, int4_common.py) against the reference twin.
+"""W4A16 kernels (kernels/gemv/int4.py, gemm_int4.py, int4_common.py) against the reference twin.
 
 CPU: Triton's interpreter with float32 activations (bf16 tl.dot is wrong in the interpreter);
 weights from utils.quantize_int4_groupwise + pack_int4_rows, the layout int4_awq stores.
@@ -14,9 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemm_int4, gemv_int4, int4_common
-from slipstream.kernels.gemv import _COUNTERS
-from slipstream.kernels.gemv_int4 import W4Config
+from slipstream.kernels.gemm import int4 as gemm_int4
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.gemv import int4_common
+from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.int4 import W4Config
 from slipstream.quantization import utils as qu
 from tests.quantization.gemv_helpers import quantized, rel, rms_normed
 
@@ -298,7 +300,7 @@ def test_layout_errors() -> None:
 
 
 def test_measure_best_skips_wrong_and_failing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipstream.kernels import tuning
+    from slipstream.kernels.runtime import tuning
 
     want = torch.ones(4)
     times = {"fast_wrong": 0.1, "slow": 2.0, "fast": 1.0}
@@ -348,12 +350,9 @@ def test_one_row_tuning_measures_each_kind_of_call(monkeypatch: pytest.MonkeyPat
     xs = torch.randn(1, 4096).bfloat16()
     chained = W4Config(128, 128, 0, 8, 1, True, bit_convert=2)
     dot = W4Config(128, 128, 0, 4, 1, dot=True)
-    kw = W4Config(32, 128, 1, 8, persist=2, kwarps=True)
     assert gemv_int4._runs(chained, xs, 28672, 4096, 128, True, 1e-5)
     assert not gemv_int4._runs(dot, xs, 4096, 4096, 128, False, 1e-5)  # no in-GEMV norm
     assert not gemv_int4._runs(dot, xs, 28672, 4096, 128, True, 0.0)  # no gate-out
-    assert gemv_int4._runs(kw, xs, 28672, 4096, 128, True, 1e-5)
-    assert not gemv_int4._runs(kw, xs, 28680, 4096, 128, True, 0.0)  # a partial gate tile
     key = (1, 28672, 4096, 128, torch.bfloat16, False, 0, "gate-out rms")
     monkeypatch.setitem(gemv_int4._SMALL_CHOICES, key, chained)
     assert gemv_int4.w4_choices()["M<=1 N=28672 K=4096 G=128 bfloat16 gate-out rms"] == (
@@ -403,8 +402,8 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int, monkeypatch) -> None:
     silu_and_mul, for every one-row candidate (and the measured wrapper, with the config
     measured for the gate-out call: it may differ from the plain product's). The CUDA C++
     kernel, which would serve the wrapper first, has its own tests (test_gemv_int4_stream)."""
-    from slipstream.kernels import gemv_int4_stream
-    from slipstream.kernels.activation import silu_and_mul
+    from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
+    from slipstream.kernels.norm_act.activation import silu_and_mul
 
     monkeypatch.setattr(gemv_int4_stream, "ENABLED", False)
 

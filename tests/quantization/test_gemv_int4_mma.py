@@ -1,4 +1,4 @@
-"""The tensor-core W4A16 GEMV (kernels/gemv_int4_mma.py): its mma twin against the PTX fragment
+"""The tensor-core W4A16 GEMV (kernels/gemv/int4_mma.py): its mma twin against the PTX fragment
 layout of mma.m16n8k16, the kernel against the float64 reference (CPU: the interpreter runs
 the twin; GPU: the PTX), its fallbacks and its opt-in tuner candidates."""
 from __future__ import annotations
@@ -8,9 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import gemv_int4, gemv_int4_mma, mma_fragments
-from slipstream.kernels.gemv import _COUNTERS
-from slipstream.kernels.gemv_int4 import W4Config
+from slipstream.kernels.gemv import int4 as gemv_int4
+from slipstream.kernels.gemv import int4_mma as gemv_int4_mma
+from slipstream.kernels.gemv import mma_fragments
+from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.int4 import W4Config
 from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
 

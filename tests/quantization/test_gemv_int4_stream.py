@@ -1,4 +1,4 @@
-"""The register-streaming CUDA C++ one-row int4 GEMV (kernels/w4_stream.cu).
+"""The register-streaming CUDA C++ one-row int4 GEMV (kernels/cuda/w4_stream.cu).
 
 CPU: its configs (which K each splits, what the default picks) and the opt-in switch. GPU: every
 variant and config against the float reference and the split-int8 twin, eager and replayed in
@@ -10,9 +10,8 @@ import functools
 import pytest
 import torch
 
-from slipstream.kernels import gemv_int4_stream
-from slipstream.kernels.gemv_int4_bulk import w4_split_int8_reference
-from slipstream.kernels.gemv_int4_stream import (
+from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
+from slipstream.kernels.cuda.w4_stream import (
     StreamConfig,
     config_ok,
     default_config,
@@ -20,8 +19,9 @@ from slipstream.kernels.gemv_int4_stream import (
     shared_bytes,
     supported,
     w4_gemv_stream,
+    w4_split_int8_reference,
 )
-from slipstream.kernels.int4_common import w4_linear_reference
+from slipstream.kernels.gemv.int4_common import w4_linear_reference
 from slipstream.kernels.reference import silu_and_mul
 from tests.quantization.gemv_helpers import (
     fused_variant,
@@ -138,7 +138,7 @@ def test_stream_gemv_in_a_cuda_graph() -> None:
 
 @pytest.mark.gpu
 def test_maybe_stream_serves_the_one_row_calls(monkeypatch) -> None:
-    from slipstream.kernels import gemv_int4
+    from slipstream.kernels.gemv import int4 as gemv_int4
 
     monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
     q, s, z = quantized(1024, 4096, 128, device="cuda", seed=5)

@@ -1,4 +1,4 @@
-"""Triton dequant-GEMV (kernels/gemv_int8.py) against its reference twin.
+"""Triton dequant-GEMV (kernels/gemv/int8.py) against its reference twin.
 
 CPU: Triton's interpreter with float32 activations (bf16 tl.dot is wrong in the interpreter).
 GPU (`-m gpu`): bf16 activations, INT8 and FP8 weights, the Llama-3.1-8B layer shapes.
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.kernels import gemv as _gemv
-from slipstream.kernels import gemv_fp8, gemv_int8
-from slipstream.kernels.gemv import GemvConfig
+from slipstream.kernels.gemv import dense as _gemv
+from slipstream.kernels.gemv import fp8 as gemv_fp8
+from slipstream.kernels.gemv import int8 as gemv_int8
+from slipstream.kernels.gemv.dense import GemvConfig
 from slipstream.quantization import utils
 
 
@@ -308,7 +309,7 @@ def test_gpu_tuned_gated_down_projection(monkeypatch: pytest.MonkeyPatch, wdtype
 def test_gpu_anchored_gated_activation_is_exact(monkeypatch: pytest.MonkeyPatch, wdtype, m):
     """SLIPSTREAM_TUNE_GATED's M=2-16 gated kernels compute SiLU·up in its load layout: the
     same bits as without (only where the math runs moves)."""
-    from slipstream.kernels import gemv
+    from slipstream.kernels.gemv import dense as gemv
 
     if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
@@ -355,7 +356,7 @@ def test_deeper_prefetch_has_the_bits_of_one_tile_ahead(depth: int, k: int, spli
     """The one-row GEMV with prefetch 2 / 3 (tiles requested that far ahead; past a split's end
     the last tile again, or masked where K is not a multiple of block_k) only moves loads: the
     bits of prefetch 1 for bf16 and the INT8 / FP8 dequant forms, plain, gated and gate-out."""
-    from slipstream.kernels import gemv
+    from slipstream.kernels.gemv import dense as gemv
 
     n = 46
     x = torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(k)).bfloat16()

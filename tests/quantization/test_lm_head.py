@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
-from slipstream.kernels.int4_common import w4_linear_reference
+from slipstream.kernels.gemv.int4_common import w4_linear_reference
 from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.quantization import fp8, utils
 from tests.helpers import make_tiny_checkpoint

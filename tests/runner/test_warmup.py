@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slipstream.kernels import paged_attention as pa
+from slipstream.kernels.attention import paged as pa
 from slipstream.runner.model_runner import _warmup_seqs, warmup_batches
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from slipstream.tokenizer.chat import Conversation, normalize_messages
+from slipstream.tokenizer.chat import Conversation
+from slipstream.tokenizer.messages import normalize_messages
 from slipstream.tokenizer.tokenizer import load_tokenizer
 from tests.tokenizer.tiny_tokenizer import make_tiny_tokenizer
 

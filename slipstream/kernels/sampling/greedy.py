@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import pdl
-from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 _CHUNK = 4096
 

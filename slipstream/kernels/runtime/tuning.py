@@ -62,7 +62,7 @@ def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
     result is the time the call adds beyond it (what a GEMV costs after attention)."""
     if idle_before_us <= 0:
         return _replay_us(call, arg_sets, min_calls, repeats)
-    from slipstream.kernels import pdl
+    from slipstream.kernels.runtime import pdl
 
     device = arg_sets[0][0].device
     both = _replay_us(lambda a: (pdl.spin(device, idle_before_us), call(a)), arg_sets, min_calls,

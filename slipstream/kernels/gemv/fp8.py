@@ -7,7 +7,7 @@ weight and activation bytes straight to FP8 tensor-core products (sm_90: QGMMA f
 memory): the weight is never converted in registers, ~1.2-2 instructions per weight in the main
 loop against the dequant GEMV's ~4.75. The weight tile is the product's M side ([BLOCK_N,
 BLOCK_K] @ [BLOCK_K, 16]), so the activation tile pads M at most to 16. Split-K and its
-in-kernel reduction are those of kernels/gemv.py.
+in-kernel reduction are those of kernels/gemv/dense.py.
 
 Measured on the H200 (benchmarks/results/2026-12-01-h200-s11): at 2-16 rows it beats the dequant
 kernels (M=4 per-layer GEMVs 88 vs 102 us, the FP8 LM head 126 vs 168 us; decode at batch 4-16
@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import pdl
-from slipstream.kernels.gemv import GemvConfig, _finish, _gemv_operands, _load_x, split_buffers
-from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.rotary_cache import _round_e4m3
+from slipstream.kernels.attention.rotary_cache import _round_e4m3
+from slipstream.kernels.gemv.dense import GemvConfig, _finish, _gemv_operands, _load_x, split_buffers
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 E4M3_MAX = 448.0
 _E4M3_MAX = tl.constexpr(E4M3_MAX)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slipstream.kernels.int4_common import (
+from slipstream.kernels.gemv.int4_common import (
     GemmTileConfig,
     dequant_tile,
     grouped_tile,

@@ -212,9 +212,9 @@ def measure_best(candidates: list[tuple[object, Callable[..., torch.Tensor]]],
                  label: str) -> object:
     """The fastest candidate `run(*args)` whose result matches `want` (bf16 accuracy relative to
     max|want|); a wrong or failing candidate (a miscompile, a tile that does not fit) is never
-    chosen. Timed like the other tuners (kernels/tuning.py: CUDA graph, L2-sized weight copies).
+    chosen. Timed like the other tuners (kernels/runtime/tuning.py: CUDA graph, L2-sized weight copies).
     `fallback` when none qualifies."""
-    from slipstream.kernels.tuning import graph_time_us, weight_copies
+    from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
     want = want.float()
     tol = 2e-2 * want.abs().max().item() + 1e-6
@@ -234,32 +234,3 @@ def measure_best(candidates: list[tuple[object, Callable[..., torch.Tensor]]],
             best, best_us = choice, us
     logger.info("%s: %s (%.1f us)", label, name(best), best_us)
     return best
-
-
-def cuda_one_row_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether an int4 call is one the CUDA C++ one-row GEMVs take (w4_stream.cu, w4_bulk.cu):
-    one bf16 row of x on CUDA, contiguous weights and a contiguous bf16 bias or none."""
-    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-            and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
-
-
-def cuda_one_row_operands(name: str, x: torch.Tensor, qweight: torch.Tensor,
-                          scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                          group_size: int) -> torch.Tensor:
-    """The CUDA C++ one-row GEMVs' operand checks (a ValueError naming `name` and the reason);
-    returns x contiguous and 16-byte aligned for their 128-bit loads."""
-    k = x.shape[-1]
-    if x.numel() != k or x.dtype != torch.bfloat16:
-        raise ValueError(f"{name}: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != qweight.shape[0]
-                             or not bias.is_contiguous()):
-        raise ValueError(f"{name}: bias must be contiguous bf16 [N], got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
-    packed_words(qweight, scales, zeros, group_size, k)  # the layout's shape and dtype checks
-    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
-        raise ValueError(f"{name}: qweight, scales and zeros must be contiguous")
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous().clone()
-    return x

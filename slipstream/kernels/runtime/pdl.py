@@ -71,7 +71,7 @@ def _spin_kernel(ns, USE_PDL: tl.constexpr = False):
 def spin(device: torch.device, us: float) -> None:
     """One program that waits for the kernel before it, then spins for `us` microseconds while
     letting the next kernel launch: a stand-in for a latency-bound kernel such as decode
-    attention, under which a GEMV may already request its weights (kernels/tuning.py)."""
+    attention, under which a GEMV may already request its weights (kernels/runtime/tuning.py)."""
     _spin_kernel[(1,)](int(us * 1000), num_warps=1, **launch_kwargs(device))
 
 

@@ -2,7 +2,7 @@
 
 The weight q [N, K] is INT8 (or FP8 E4M3) with one float32 scale per output channel. It is read
 once, converted in registers, and the scale is applied to each program's partial sum (the scale
-does not depend on k). Split-K and its in-kernel reduction are those of kernels/gemv.py.
+does not depend on k). Split-K and its in-kernel reduction are those of kernels/gemv/dense.py.
 """
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from collections.abc import Callable
 import torch
 import triton
 
-from slipstream.kernels import gemv as _gemv
-from slipstream.kernels import pdl
-from slipstream.kernels.gemv import (
+from slipstream.kernels.gemv import dense as _gemv
+from slipstream.kernels.gemv.dense import (
     MAX_M,
     GemvConfig,
     _gemv_operands,
@@ -24,9 +23,10 @@ from slipstream.kernels.gemv import (
     gate_out_ok,
     split_buffers,
 )
-from slipstream.kernels.gemv_fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
+from slipstream.kernels.gemv.fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.reference import silu_and_mul
-from slipstream.kernels.tuning import graph_time_us, idle_before_us, weight_copies
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.tuning import graph_time_us, idle_before_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
 
 
 def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
-    """FP8 weights: the tensor-core kernel with FP8 activations (kernels/gemv_fp8.py), tiles of
+    """FP8 weights: the tensor-core kernel with FP8 activations (kernels/gemv/fp8.py), tiles of
     64-256 weight rows (one or two warp groups) by 128-256 columns (~1.2-2 sm_90 instructions per
     weight against the dequant kernels' ~4.75)."""
     if weight_dtype != torch.float8_e4m3fn or not _FP8_ACT_GEMV:

@@ -11,7 +11,7 @@ is 128 + q (the nibble ORed under bf16's exponent of 128, exact); the mma sums (
 float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group.
 Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
 
-ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/mma_fragments.py) emulates
+ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/gemv/mma_fragments.py) emulates
 the instruction on the per-lane tensors, so the CPU tests check every address and index;
 only the PTX needs the GPU. A tuner candidate for 2-16 rows (H200, Llama-3.1-8B shapes: the
 fastest int4 GEMV at 4 and 16 rows, slower than the chained one-row kernel at one row);
@@ -25,15 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.int4_common import x_pairs, x_pairs_prmt
-from slipstream.kernels.mma_fragments import (
+from slipstream.kernels.gemv.int4_common import x_pairs, x_pairs_prmt
+from slipstream.kernels.gemv.mma_fragments import (
     lane_rows,
     mma,
     store_gate_out,
     store_lanes,
     tiles_per_warp,
 )
-from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 _MODE = os.environ.get("SLIPSTREAM_W4_MMA", "")
 ENABLED = _MODE != "0"

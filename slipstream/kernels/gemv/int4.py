@@ -5,7 +5,7 @@ int4_common), scales float16 and zeros uint8 [N, K/G]. The packed weight is stre
 unpacked in registers; each K chunk lies in one group, so its scale and zero apply per row and
 chunk. M == 1 accumulates FMAs on float32 (or, as a tuner candidate, takes the M <= 16 path);
 1 < M <= 16 runs a tensor-core product per chunk. Split-K and its in-kernel reduction are those
-of kernels/gemv.py; int4_linear is the entry point for int4_awq's apply.
+of kernels/gemv/dense.py; int4_linear is the entry point for int4_awq's apply.
 """
 from __future__ import annotations
 
@@ -17,15 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import (
-    gemv_int4_bulk,
-    gemv_int4_kwarps,
-    gemv_int4_mma,
-    gemv_int4_stream,
-    pdl,
-)
-from slipstream.kernels.gemm_int4 import w4_gemm, w4_linear_large
-from slipstream.kernels.gemv import (
+from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
+from slipstream.kernels.gemm.int4 import w4_gemm, w4_linear_large
+from slipstream.kernels.gemv import int4_mma as gemv_int4_mma
+from slipstream.kernels.gemv.dense import (
     MAX_M,
     GemvConfig,
     _counters,
@@ -39,7 +34,7 @@ from slipstream.kernels.gemv import (
     num_sms,
     rms_ok,
 )
-from slipstream.kernels.int4_common import (
+from slipstream.kernels.gemv.int4_common import (
     measure_best,
     packed_words,
     row_major,
@@ -48,9 +43,10 @@ from slipstream.kernels.int4_common import (
     x_pairs,
     x_pairs_prmt,
 )
-from slipstream.kernels.mma_fragments import tiles_per_warp
-from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.gemv.mma_fragments import tiles_per_warp
 from slipstream.kernels.reference import silu_and_mul
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
            "w4_gemv_gate_out", "w4_linear_large", "w4_linear_reference", "w4_linear_small",
@@ -376,7 +372,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
         one = (K > 0).to(tl.uint32)  # 1, unknown to the compiler (see _tail)
         squares = tl.zeros([CHUNK], tl.float32)
         n1, n2, n3 = _first_words(w_ptrs, k_lo, k_hi, CHUNK, PREFETCH)
-        pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/pdl.py)
+        pdl_wait(USE_PDL)  # the first weight tiles are already in flight (kernels/runtime/pdl.py)
         if RMS_KP:  # a K split: all of x for the statistic, reduced after the loop
             offs_all = tl.arange(0, RMS_KP)
             x_all = tl.load(x_ptr + offs_all, mask=offs_all < K, other=0.0)
@@ -767,15 +763,9 @@ class W4Config(GemvConfig):
     two_rows: bool = False
     four_rows: bool = False
     whole_k: bool = False  # M == 1 chained, split 1, _whole_k_fits: _w4_gemv_kernel's WHOLE_K
-    # M == 1, bf16 x: the mma kernel with K over the warps (gemv_int4_kwarps), block_n 16 or
-    # 32 rows a tile, at most persist programs an SM (_kwarps_ok says where it runs).
-    kwarps: bool = False
 
     def label(self) -> str:
         """A short name for logs and benchmark tables."""
-        if self.kwarps:
-            return (f"w4 mma k-warps n{self.block_n} warps {self.num_warps} "
-                    f"loop {self.persist}/SM")
         rows = "two-row" if self.two_rows else "four-row" if self.four_rows else ""
         kind = "dot" if self.dot else "mma" if self.mma else (rows or "fma") + (
             " bf16x2" if self.bit_convert or rows else "") + (
@@ -856,42 +846,7 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     # (Session 28 also tried loops of more warps an SM for down_proj's K = 14,336, n2 w8 / n2
     # w16 at 2 an SM and n8 w16 at 1, for more warps a scheduler than n2 w4's two: H200,
     # session 29, 13.6 / 14.8 / 15.4 us against n2 w4's 13.4. Removed.)
-    return (fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
-            + (KWARPS_CONFIGS if _KWARPS else []))
-
-
-# One row on tensor cores, K over a program's warps (gemv_int4_kwarps): 32 rows a tile (16 a
-# warp lost everywhere), persist programs an SM. Offline sm_90a SASS at K = 4,096: 1.9-2.0
-# instructions a weight (the chained loop: 2.9) at 102-127 registers. H200 (session 26),
-# graph-timed, best k-warps config against the chained kernel the tuner picked then (us):
-# gate_up plain 21.6 / 20.7, gate-out 22.4 / 23.3, with the norm 22.7 / 22.2; qkv with the
-# norm 7.2 / 7.4; o 5.2 / 4.7; down 14.8 / 14.2. Once the tuner measured each call as it runs
-# (_small_choice's kinds), the chained kernels took gate-out + norm at 22.0 and qkv + norm at
-# 7.0, so these win nowhere; they also compile per (N, K) and call kind, which pushed a cold
-# W1 start past its time limit. Off by default: SLIPSTREAM_W4_KWARPS=1 adds them.
-_KWARPS = os.environ.get("SLIPSTREAM_W4_KWARPS", "0") == "1"
-# (Session 28 let a warp take two or four groups a step, ~48 KB an SM in flight instead of ~32;
-# H200, session 29, two groups 4 warps at 3 an SM / the best one-group config, us: qkv 8.1 /
-# 6.7, o 7.7 / 5.2, gate_up 24.0 / 21.6, down 23.0 / 14.5. Removed.)
-KWARPS_CONFIGS = [W4Config(32, 128, 1, w, persist=p, kwarps=True)
-                  for w, p in [(16, 1), (8, 2), (4, 4), (4, 5)]]
-
-
-def _kwarps_ok(cfg: GemvConfig, x2: torch.Tensor, n: int, k: int, group_size: int,
-               gate_out: bool = False) -> bool:
-    """Whether a kwarps config runs the k-warps kernel for this call (gate-out: a gate and an up
-    tile of 16 rows each, with the config's warps)."""
-    tiles = 2 if gate_out else cfg.block_n // 16
-    return (getattr(cfg, "kwarps", False) and gemv_int4_kwarps.x_ok(x2)
-            and gemv_int4_kwarps.fits(n, k, group_size, cfg.num_warps, tiles, gate_out))
-
-
-def _kwarps_launch(cfg: GemvConfig, x2: torch.Tensor, words: torch.Tensor,
-                   scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
-                   out: torch.Tensor, gate_out: bool = False, rms_eps: float = 0.0) -> None:
-    gemv_int4_kwarps.launch(x2, words, scales, zeros, bias, out, cfg.num_warps,
-                            2 if gate_out else cfg.block_n // 16, cfg.persist,
-                            num_sms(x2.device), pdl.launch_kwargs(x2.device), gate_out, rms_eps)
+    return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
@@ -961,12 +916,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
                   HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl.launch_kwargs(x.device))
-    if getattr(cfg, "kwarps", False):
-        if not _kwarps_ok(cfg, x2, n, k, group_size):
-            raise ValueError(f"w4_gemv: {cfg.label()} does not take M={m} N={n} K={k} "
-                             f"G={group_size} {x2.dtype} x")
-        _kwarps_launch(cfg, x2, words, scales, zeros, bias, out, rms_eps=rms_eps)
-    elif getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
+    if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
                              prefetch=cfg.prefetch, block_k=cfg.block_k)
@@ -1047,7 +997,7 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     """w4_gemv with a config measured once per (M bucket, N, K, group, dtype) on CUDA. Off CUDA,
     and for an unmeasured shape during CUDA-graph capture, the default config runs."""
     out = _maybe_cuda_cpp(x, qweight, scales, zeros, group_size, bias)
-    if out is not None:  # opt-in CUDA C++ kernels (SLIPSTREAM_W4_STREAM=1, SLIPSTREAM_W4_BULK=1)
+    if out is not None:  # the CUDA C++ one-row kernel took the call
         return out
     cfg = _small_choice(x, qweight, scales, zeros, group_size, bias)
     return w4_gemv(x, qweight, scales, zeros, group_size, bias, cfg)
@@ -1056,14 +1006,10 @@ def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 def _maybe_cuda_cpp(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                     gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
-    """The opt-in CUDA C++ one-row kernels' output (the streaming one first), or None: the
-    Triton path runs."""
-    out = gemv_int4_stream.maybe_stream(x, qweight, scales, zeros, group_size, bias, gate_out,
-                                        rms_eps)
-    if out is None:
-        out = gemv_int4_bulk.maybe_bulk(x, qweight, scales, zeros, group_size, bias, gate_out,
-                                        rms_eps)
-    return out
+    """The CUDA C++ one-row kernel's output, or None where it does not take the call (then the
+    Triton path runs)."""
+    return gemv_int4_stream.maybe_stream(x, qweight, scales, zeros, group_size, bias, gate_out,
+                                         rms_eps)
 
 
 def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -1116,8 +1062,6 @@ def _runs(cfg: W4Config, xs: torch.Tensor, n: int, k: int, group_size: int, gate
           rms_eps: float) -> bool:
     """Whether a candidate config runs this call as itself (not as another kernel's fallback)."""
     m = xs.shape[0]
-    if cfg.kwarps and not _kwarps_ok(cfg, xs, n, k, group_size, gate_out):
-        return False
     if rms_eps and not rms_ok(m, n, k, cfg, xs.device):
         return False
     return not gate_out or (gate_out_ok(m, n, cfg) and (
@@ -1145,12 +1089,6 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
-    if getattr(config, "kwarps", False):
-        if not _kwarps_ok(config, x2, n, k, group_size, gate_out=True):
-            raise ValueError(f"w4_gemv_gate_out: {config.label()} does not take N={n} K={k}")
-        _kwarps_launch(config, x2, words, row_major(scales), row_major(zeros), bias, out,
-                       gate_out=True, rms_eps=rms_eps)
-        return out.view(*x.shape[:-1], n // 2)
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
@@ -1223,7 +1161,7 @@ def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 def w4_choices() -> dict[str, str]:
     """The per-shape choices made so far (both M ranges), for the start-up log."""
-    from slipstream.kernels import gemm_int4
+    from slipstream.kernels.gemm import int4 as gemm_int4
 
     out = {}
     for key, cfg in {**_SMALL_CHOICES, **gemm_int4._LARGE_CHOICES}.items():

@@ -1,5 +1,5 @@
 """mma.sync.m16n8k16 on per-lane tensors, for GEMV kernels that build the fragments in
-registers themselves (kernels/gemv_int4_mma.py).
+registers themselves (kernels/gemv/int4_mma.py).
 
 A per-lane tensor has 32 * NW elements, element i in lane i % 32 of warp i // 32 (Triton's
 layout for a 1-D tensor of that size: one element a thread). Lane (g, t) = (lane // 4,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv import _reduce_splits
+from slipstream.kernels.gemv.dense import _reduce_splits
 
 _OPERANDS = "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
 _MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS)

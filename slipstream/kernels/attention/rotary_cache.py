@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import pdl
-from slipstream.kernels.pdl import pdl_release, pdl_wait
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 # KV_QUANT constexpr: how values reach the cache (0: a cast, 1: fp8 e4m3, 2: int8); the
 # clamp limits below are kernels.reference.KV_QMAX.

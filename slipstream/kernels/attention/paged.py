@@ -18,20 +18,20 @@ import triton
 import triton.language as tl
 
 from slipstream.attention.backend import AttentionMetadata
-from slipstream.kernels import pdl
-from slipstream.kernels.gemv import num_sms
-from slipstream.kernels.l2_prefetch import OFF as PF_OFF
-from slipstream.kernels.l2_prefetch import PREFETCH as PF_ON
-from slipstream.kernels.l2_prefetch import prefetch_spans
-from slipstream.kernels.l2_spans import chunk_bytes as l2_prefetch_chunk
-from slipstream.kernels.l2_spans import supported as l2_supported
-from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.rotary_cache import (
+from slipstream.kernels.attention.l2_prefetch import OFF as PF_OFF
+from slipstream.kernels.attention.l2_prefetch import PREFETCH as PF_ON
+from slipstream.kernels.attention.l2_prefetch import prefetch_spans
+from slipstream.kernels.attention.l2_spans import chunk_bytes as l2_prefetch_chunk
+from slipstream.kernels.attention.l2_spans import supported as l2_supported
+from slipstream.kernels.attention.rotary_cache import (
     _check_cache,
     kv_quant_args,
     load_rotated,
     store_new_kv,
 )
+from slipstream.kernels.gemv.dense import num_sms
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
 # One K/V tile a split: a decode program's latency is its chain of tiles, each a gathered load
@@ -69,7 +69,7 @@ _SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
 # programs. Removed. SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N sets the threshold (0: always staged);
 # SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets the staged loops' stages for split decode
 # launches (1: plain loads everywhere, 111 registers; batch 8 at 4096 77.1 against 65.8 us).
-# L2 prefetch in split decode launches given a span table (kernels/l2_spans.py): rows of spare
+# L2 prefetch in split decode launches given a span table (kernels/attention/l2_spans.py): rows of spare
 # programs appended to the grid (SLIPSTREAM_L2_PREFETCH_ROWS, default 1: a row is kv_heads x
 # splits programs, 48 for Llama-3.1-8B at batch 1 and max_model_len 384), issuing before the
 # PDL wait, while the QKV GEMV still runs (H200 int4_awq batch-1 step: 1961.7 us after the wait,
@@ -217,7 +217,7 @@ def _paged_attn_kernel(
     # and the new token's row of the early tile is filled in from registers after the wait.
     pdl_release(USE_PDL)
     if not PRELOAD:
-        pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/pdl.py)
+        pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/runtime/pdl.py)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -381,7 +381,7 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
 def _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split,
                     USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
                     PF_EARLY: tl.constexpr, PF_EVICT_LAST: tl.constexpr):
-    """A spare program's L2 prefetch (kernels/l2_prefetch.py), after the PDL wait unless
+    """A spare program's L2 prefetch (kernels/attention/l2_prefetch.py), after the PDL wait unless
     PF_EARLY (the weights are never written, so the wait only keeps the QKV GEMV's bandwidth
     to itself); PRELOAD programs wait here, the others waited at the top."""
     spare = ((pid - attn_rows) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split

@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels import pdl
-from slipstream.kernels.pdl import pdl_release, pdl_wait
-from slipstream.kernels.weight_convert import weight_to_float
+from slipstream.kernels.gemv.weight_convert import weight_to_float
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 MAX_M = 16
 # The down projection's gated paths (SLIPSTREAM_TUNE_GATED=0 turns them off): the M=2-16 kernels
 # compute the gated activation in its load layout (_load_x ANCHOR), and the quantized GEMVs time
-# gated calls on their own (kernels/gemv_int8.py). H200, Llama-3.1-8B decode at batch 4: int8_wo
+# gated calls on their own (kernels/gemv/int8.py). H200, Llama-3.1-8B decode at batch 4: int8_wo
 # 665 -> 1117 tok/s, fp8 983 -> 1142, bf16 unchanged.
 TUNE_GATED = os.environ.get("SLIPSTREAM_TUNE_GATED", "1") != "0"
 
@@ -145,9 +145,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     flight). STAGES > 1 instead asks Triton to pipeline the loop (tl.range): tiles stream
     through shared memory by asynchronous copies, STAGES - 1 ahead, without the registers.
     Under PDL the first tile's loads are issued before waiting for the previous kernel
-    (kernels/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
-    kernels/gemv_int8.py): INT8 / FP8 weights converted per BIT_CONVERT
-    (kernels/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
+    (kernels/runtime/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
+    kernels/gemv/int8.py): INT8 / FP8 weights converted per BIT_CONVERT
+    (kernels/gemv/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
     PREFETCH, one tile spanning K, no split): the program's whole weight slice is requested
     before the wait, so a GEMV after a latency-bound kernel (attention) has its weights in
     registers when its input is ready; no loop, no tile requested ahead. RMS_EPS > 0 (not
@@ -265,7 +265,7 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
                    GATED: tl.constexpr = False, USE_PDL: tl.constexpr = False,
                    ANCHOR_GATED: tl.constexpr = False, HAS_SCALE: tl.constexpr = False):
     """1 < M <= 16: a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core product per step.
-    HAS_SCALE (the dequant GEMV, kernels/gemv_int8.py): INT8 / FP8 weights, exact in x's dtype,
+    HAS_SCALE (the dequant GEMV, kernels/gemv/int8.py): INT8 / FP8 weights, exact in x's dtype,
     converted per tile; the products scaled per output column (s_ptr) at the end."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
@@ -310,16 +310,16 @@ class GemvConfig:
     # M == 1 kernel only: keep two weight tiles in flight (2 or 3: that many tiles requested
     # ahead; the int4 few-row kernels take it too).
     prefetch: bool | int = False
-    # Dequant-GEMV (kernels/gemv_int8.py) at M == 1 only: convert int8 / fp8 weights by bit
+    # Dequant-GEMV (kernels/gemv/int8.py) at M == 1 only: convert int8 / fp8 weights by bit
     # tricks instead of conversion instructions (1; 2: int8 by byte permutes in inline PTX);
     # or run the tensor-core (tl.dot) kernel.
     bit_convert: int = 0
     dot: bool = False
-    # FP8 weights only (kernels/gemv_fp8.py): activations quantized to FP8 in the kernel and
+    # FP8 weights only (kernels/gemv/fp8.py): activations quantized to FP8 in the kernel and
     # FP8 tensor-core products, any M <= 16.
     fp8_act: bool = False
     # int4 weights converted straight into mma.sync fragments, 1-16 rows of bf16 x
-    # (kernels/gemv_int4_mma.py); block_n 16 or 32 rows per warp.
+    # (kernels/gemv/int4_mma.py); block_n 16 or 32 rows per warp.
     mma: bool = False
     # One-row int4 whole-K tiles only: at most this many programs an SM, each looping over tiles
     # with the next tile's weights in flight (gemv_int4's whole-K loop); 0: a program a tile.
@@ -498,7 +498,7 @@ def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
 def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cfg: GemvConfig, scale: torch.Tensor | None = None,
                    bit_convert: int = 0, rms_eps: float = 0.0) -> torch.Tensor:
-    """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv_int8.py)."""
+    """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv/int8.py)."""
     x2, weight, m, n, k = _gemv_operands(x, weight, False)
     if not gate_out_ok(m, n, cfg):
         raise ValueError(f"gate_out needs one row, an even N and a one-row config; got M={m}, "

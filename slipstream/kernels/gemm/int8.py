@@ -16,14 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv import _counters, _reduce_splits
-from slipstream.kernels.gemv_int8 import qgemv_reference
-from slipstream.kernels.int4_common import (
+from slipstream.kernels.gemv.dense import _counters, _reduce_splits
+from slipstream.kernels.gemv.int4_common import (
     GemmTileConfig,
     grouped_tile,
     large_m_bucket,
     measure_best,
 )
+from slipstream.kernels.gemv.int8 import qgemv_reference
 from slipstream.quantization.int8_wo import convert_linear
 
 

@@ -1,5 +1,5 @@
 """CUDA C++ kernels compiled at run time with NVRTC (the library every CUDA build of PyTorch
-ships), launched through the driver with programmatic dependent launch (kernels/pdl.py).
+ships), launched through the driver with programmatic dependent launch (kernels/runtime/pdl.py).
 
 For kernels Triton cannot express (warp-specialized producers, bulk asynchronous copies into a
 shared-memory ring). Sources live next to this file and include no CUDA headers, so NVRTC needs

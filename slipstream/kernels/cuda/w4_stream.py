@@ -4,7 +4,7 @@ int8 halves a group of 128 (gemv_int4_bulk.split_int8_x / w4_split_int8_referenc
 twin). Small blocks, x's split the only shared memory: unlike w4_bulk.cu's one block an SM,
 they share SMs with the kernels around them. Plain, with bias, with the folded RMSNorm
 (rms_eps) and as a gate-out; any K that is a multiple of 128 (down's 14336 too). CUDA only
-(NVRTC, kernels/cuda_launch.py).
+(NVRTC, kernels/cuda/launch.py).
 
 On by default on sm_90 and newer (it waits on PDL's griddepcontrol): maybe_stream routes
 int4_awq's one-row calls here instead of the Triton kernels' tuner. H200 W1 (int4_awq + int4
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.kernels.cuda_launch import compile_kernel
-from slipstream.kernels.gemv import num_sms
-from slipstream.kernels.int4_common import cuda_one_row_call, cuda_one_row_operands
+from slipstream.kernels.cuda.launch import compile_kernel
+from slipstream.kernels.gemv.dense import num_sms
+from slipstream.kernels.gemv.int4_common import packed_words
+from slipstream.quantization import utils as qu
 
 ENABLED = os.environ.get("SLIPSTREAM_W4_STREAM", "1") != "0"
 _log = logging.getLogger(__name__)
@@ -160,3 +161,61 @@ def maybe_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 _COMPILED: set[tuple] = set()  # maybe_stream's variants compiled by an eager call
 _BROKEN: set[int | None] = set()  # devices where the kernel failed to build
+
+
+def cuda_one_row_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether an int4 call is one w4_stream.cu takes:
+    one bf16 row of x on CUDA, contiguous weights and a contiguous bf16 bias or none."""
+    return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
+
+
+def cuda_one_row_operands(name: str, x: torch.Tensor, qweight: torch.Tensor,
+                          scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
+                          group_size: int) -> torch.Tensor:
+    """w4_stream.cu's operand checks (a ValueError naming `name` and the reason);
+    returns x contiguous and 16-byte aligned for their 128-bit loads."""
+    k = x.shape[-1]
+    if x.numel() != k or x.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: one bf16 row of x, got {x.dtype} {tuple(x.shape)}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() != qweight.shape[0]
+                             or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be contiguous bf16 [N], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    packed_words(qweight, scales, zeros, group_size, k)  # the layout's shape and dtype checks
+    if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
+        raise ValueError(f"{name}: qweight, scales and zeros must be contiguous")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous().clone()
+    return x
+
+
+def split_int8_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (xq int32 [..., K], step float32 [..., K/128]): w4_stream.cu's x numerics.
+    Per group of 128, xq = round(x / step) with step = max|x| / 32512, so that xq splits exactly
+    into int8 halves hi * 256 + lo, hi = (xq + 128) >> 8 (a 15-bit fixed point a group)."""
+    g = x.float().unflatten(-1, (-1, GROUP))
+    amax = g.abs().amax(-1)
+    step = torch.where(amax > 0, amax / 32512.0, torch.ones_like(amax))
+    inv = torch.where(amax > 0, 32512.0 / amax, torch.zeros_like(amax))
+    # float32 product then round-half-even: the kernel's __float2int_rn(v * inv)
+    xq = torch.round(g * inv[..., None]).to(torch.int32)
+    return xq.flatten(-2), step
+
+
+def w4_split_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor) -> torch.Tensor:
+    """The plain-torch twin of w4_gemv_stream's numerics: per row n and group g,
+    s[n,g] * step[g] * sum_k (q - z) xq, the sum exact in integers. Output in x's dtype."""
+    xq, step = split_int8_x(x)
+    # float64 holds every integer here exactly (|sum| < 2^26), and unlike int64 it has a
+    # matmul on CUDA
+    q = qu.unpack_int4_rows(qweight).to(torch.float64)  # [N, K]
+    n, k = q.shape
+    xg = xq.to(torch.float64).unflatten(-1, (-1, GROUP))
+    dots = torch.einsum("ngk,...gk->...ng", q.view(n, k // GROUP, GROUP), xg)
+    exact = dots - zeros.to(torch.float64) * xg.sum(-1)[..., None, :]
+    out = (scales.float() * step[..., None, :] * exact.float()).sum(-1)
+    return out.to(x.dtype)

@@ -3,7 +3,7 @@
 A batch-1 decode layer spends ~10 us in attention, which reads ~1 MB of K/V and leaves most
 SMs and nearly all of the HBM bandwidth unused, and then runs the o and gate/up GEMVs, which
 read the layer's next 25-200 MB of weights. Spare programs of the attention launch
-(kernels/paged_attention.py) ask the TMA unit to prefetch those weights into L2
+(kernels/attention/paged.py) ask the TMA unit to prefetch those weights into L2
 (`cp.async.bulk.prefetch.L2`, sm_90+: one
 instruction a span, fire-and-forget, nothing comes back to the SM), so the GEMVs that follow
 find part of their bytes in L2 instead of HBM. A prefetch is a hint: it changes no result.
@@ -12,7 +12,7 @@ The host side builds, once per layer before the decode graphs are captured, a ta
 (start address, bytes), each at most SPAN_BYTES, covering the tensors to prefetch in order
 up to a byte budget (SLIPSTREAM_L2_PREFETCH_MB). The addresses are fixed because weights never
 move after loading, so the table is safe inside a CUDA graph. The device side is
-kernels/l2_prefetch.py; this module needs no Triton.
+kernels/attention/l2_prefetch.py; this module needs no Triton.
 """
 from __future__ import annotations
 

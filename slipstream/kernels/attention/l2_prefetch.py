@@ -1,4 +1,4 @@
-"""The device side of the L2 prefetch (kernels/l2_spans.py explains it and builds the span
+"""The device side of the L2 prefetch (kernels/attention/l2_spans.py explains it and builds the span
 tables): each thread of a program issues one `cp.async.bulk.prefetch.L2` for its piece of a span.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.l2_spans import chunk_bytes
+from slipstream.kernels.attention.l2_spans import chunk_bytes
 
 
 def _span_asm(evict_last: bool) -> str:

@@ -1,5 +1,5 @@
 """In-register conversions of one-byte weights (INT8, FP8 E4M3) to float32 for the GEMV kernels
-(kernels/gemv.py): conversion instructions run at a fraction of the FMA rate, so the M == 1
+(kernels/gemv/dense.py): conversion instructions run at a fraction of the FMA rate, so the M == 1
 dequant GEMV can build the float bits directly (BIT_CONVERT)."""
 from __future__ import annotations
 
