@@ -14,18 +14,14 @@ import argparse
 import dataclasses
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "tests" / "kernels")]
+import torch
+import triton.testing
 
-import torch  # noqa: E402
-import triton.testing  # noqa: E402
-from attn_batch import make_batch  # noqa: E402
-
-from slipstream.kernels.attention import paged as pa  # noqa: E402
+from slipstream.bench.attn_batch import make_batch
+from slipstream.kernels.attention import paged as pa
 
 HQ, HKV, D = 32, 8, 128
 _KV_TYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}

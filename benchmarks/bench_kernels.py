@@ -11,27 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT), str(_ROOT / "tests" / "kernels")]
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
-from attn_batch import make_batch  # noqa: E402
-
-from slipstream.kernels import reference, triton_ops  # noqa: E402
-from slipstream.kernels.attention import paged as pa  # noqa: E402
-from slipstream.kernels.attention.rotary_cache import rotary_and_cache_write  # noqa: E402
-from slipstream.kernels.gemv import dense as gemv  # noqa: E402
-from slipstream.kernels.norm_act.activation import silu_and_mul  # noqa: E402
-from slipstream.kernels.norm_act.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from slipstream.bench.attn_batch import make_batch
+from slipstream.kernels import reference, triton_ops
+from slipstream.kernels.attention import paged as pa
+from slipstream.kernels.attention.rotary_cache import rotary_and_cache_write
+from slipstream.kernels.gemv import dense as gemv
+from slipstream.kernels.norm_act.activation import silu_and_mul
+from slipstream.kernels.norm_act.rms_norm import fused_add_rms_norm, rms_norm
 
 DEV, DT = "cuda", torch.bfloat16
 H, HQ, HKV, D, INTER, VOCAB, LAYERS = 4096, 32, 8, 128, 14336, 128256, 32

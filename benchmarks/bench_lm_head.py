@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies  # noqa: E402
-from slipstream.layers.embedding import LMHead  # noqa: E402
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
+from slipstream.layers.embedding import LMHead
 
 
 def time_head(fmt: str, m: int, vocab: int, hidden: int) -> dict:

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
+import triton.testing
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import triton.testing  # noqa: E402
-
-from slipstream.quantization.fp8 import _quantize_per_token_cuda  # noqa: E402
+from slipstream.quantization.fp8 import _quantize_per_token_cuda
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336), "lm_head": (128256, 4096)}

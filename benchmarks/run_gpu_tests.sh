@@ -3,10 +3,10 @@
 # pytest-xdist (-n WORKERS, default 8) except those marked gpu_alone (they fill the GPU on
 # purpose, so a neighbour could fail with them), which run afterwards by themselves. At the
 # deadline pytest gets SIGINT, not SIGTERM, so it still prints the failures and the slowest
-# tests so far (session 24 lost a failure's name to a plain timeout). PATHS picks the tests
+# tests so far (a plain timeout loses the failures' names). PATHS picks the tests
 # (default: all of tests/); BUDGET_S (default 540) is the whole call's deadline.
-# TEST_TIMEOUT_S (default 300) is one test's limit: raise it for slow cold tests (session 30:
-# two of test_norm_fold's GPU model tests failed in a 300 s run and passed alone in 94 s).
+# TEST_TIMEOUT_S (default 300) is one test's limit: raise it for slow cold tests (the GPU model
+# tests of tests/models/test_norm_fold.py compile every tuner candidate: up to ~240 s cold).
 #
 #   PATHS="tests/engine tests/models" bash benchmarks/run_gpu_tests.sh
 set -u

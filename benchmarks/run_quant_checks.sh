@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6 checks in one device call (~8 min): the GPU tests of the quantized paths and the
+# The quantized paths in one device call (~8 min): the GPU tests of the quantized paths and the
 # engine, then W2 for bf16 / fp8 / fp8 + fp8 KV cache and W1 for bf16 / int8_wo / fp8, each
 # group in one run (the bars compare within a run). SCALED_MM=1 adds bench_scaled_mm.py (FP8
 # GEMM scaling modes at W2 shapes), W4=1 bench_w4.py (int4 kernels per layer at M = 1 and 16);

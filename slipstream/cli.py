@@ -9,12 +9,15 @@ import logging
 import sys
 
 from slipstream.engine.args import EngineArgs
+from slipstream.sampling_params import SamplingParams
 
 _EPILOG = """examples:
   slipstream generate --prompt "def fibonacci(n):" --max-tokens 64
   slipstream chat
   slipstream serve --port 8000
+  slipstream bench latency --model llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256
   slipstream bench throughput --model llama-3.1-8b --load-format dummy --num-requests 1000
+  slipstream bench serve --base-url http://127.0.0.1:8000 --request-rate 2 --num-prompts 200
 """
 
 
@@ -47,8 +50,6 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(ns: argparse.Namespace):
-    from slipstream.sampling_params import SamplingParams
-
     return SamplingParams(
         n=ns.n, max_tokens=ns.max_tokens, temperature=ns.temperature, top_k=ns.top_k,
         top_p=ns.top_p, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
@@ -77,7 +78,8 @@ def _add_chat(sub) -> None:
 
 
 def _add_optional(sub) -> None:
-    """Subcommands that live in other modules (server, benchmarks)."""
+    """Subcommands that live in other modules (server, benchmarks), imported only when the
+    parser is built so that `import slipstream.cli` stays light."""
     try:
         from slipstream.serve.cli import add_serve_parser
     except ImportError:
@@ -100,7 +102,7 @@ def _add_optional(sub) -> None:
 
 
 def _make_llm(ns: argparse.Namespace):
-    from slipstream.llm import LLM
+    from slipstream.llm import LLM  # lazy: the engine loads for a run, not for --help
 
     args = EngineArgs.from_cli_args(ns)
     kwargs = {k: v for k, v in vars(args).items() if k != "model"}

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.quantization.modelopt import with_hf_quant_config
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -72,8 +74,6 @@ class ModelConfig:
         cfg_path = Path(path) / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
-        from slipstream.quantization.modelopt import with_hf_quant_config
-
         return ModelConfig.from_hf_dict(with_hf_quant_config(json.loads(cfg_path.read_text()), path))
 
 

@@ -20,7 +20,7 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     """An engine for offline batch generation.
 
-    >>> llm = LLM()                      # the embedded default code model
+    >>> llm = LLM()                      # the default model (SmolLM2, else the embedded one)
     >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text
     """
 
@@ -29,7 +29,7 @@ class LLM:
         kwargs.setdefault("decode_steps", 8)
         args = EngineArgs(model=model, **kwargs)
         self.engine_config = args.create_engine_config()
-        self.tokenizer = _maybe_load_tokenizer(self.engine_config.tokenizer_path)
+        self.tokenizer = maybe_load_tokenizer(self.engine_config.tokenizer_path)
         self.engine = EngineCore(self.engine_config)
         self.engine_config = self.engine.config
         self._inputs = InputProcessor(self.engine_config, self.tokenizer)
@@ -143,11 +143,14 @@ class LLM:
         return [r for r in results if r is not None]
 
 
-def _maybe_load_tokenizer(path: str | None):
+def maybe_load_tokenizer(path: str | None):
+    """The tokenizer of the checkpoint at `path`, or None where it has no tokenizer files."""
     from pathlib import Path
 
-    if path is None or not any((Path(path) / f).is_file()
-                               for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    from slipstream.tokenizer.gguf_tokenizer import gguf_tokenizer_file
+
+    if path is None or not (gguf_tokenizer_file(path) or any(
+            (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))):
         return None
     from slipstream.tokenizer.tokenizer import load_tokenizer
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny random Hugging Face checkpoints saved with save_pretrained.
+"""Shared test helpers: tiny random Hugging Face checkpoints saved with save_pretrained, and the
+error metrics every numerical test states its tolerance in.
 
 `make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")` -> a directory with config.json and
 model.safetensors (float32) that both transformers and slipstream can load.
@@ -109,3 +110,21 @@ def finish_after_abort(core, tokens: dict[str, list[int]], aborted: str) -> None
         for out in core.step():
             assert out.request_id != aborted
             tokens[out.request_id] += out.new_token_ids
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want|| (Frobenius norms, in float64): the whole-tensor relative error."""
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (in float64): the worst element against the tensor's scale."""
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+def skip_without_fp8() -> None:
+    """In a `gpu` test: skip unless the GPU has FP8 tensor cores (compute capability 8.9+)."""
+    import pytest
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")

@@ -27,7 +27,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_latency(bench_sub) -> None:
-    p = bench_sub.add_parser("latency", help="batch-B decode speed, TTFT, % of speed of light")
+    p = bench_sub.add_parser("latency", help="batch-B decode speed, TTFT, %% of speed of light")
     _add_engine_flags(p)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
@@ -58,7 +58,11 @@ def _add_throughput(bench_sub) -> None:
 
 def add_bench_parsers(subparsers) -> argparse._SubParsersAction:
     """Add `bench` with `latency` and `throughput`; returns bench's sub-subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: bench latency (batch-B decode), bench throughput (N requests "
+        "offline), bench serve (against a running server)",
+        description="Benchmarks. MODE is latency, throughput or serve; `slipstream bench MODE "
+        "--help` lists its flags.")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="MODE")
     bench_sub.required = True
     _add_latency(bench_sub)

@@ -43,7 +43,14 @@ def build_hf_model(model_dir: str | Path, dtype: str, device: str):
 
     if dtype not in _TORCH_DTYPES:
         raise ValueError(f"HF baseline dtype must be one of {_TORCH_DTYPES}, got {dtype!r}")
-    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+    from slipstream.models.gguf import gguf_hf_config, is_gguf_file
+
+    if is_gguf_file(model_dir):  # its metadata as the config.json it stands for
+        fields = gguf_hf_config(model_dir)
+        fields.pop("gguf")
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     torch_dtype = getattr(torch, dtype)
     # Building under the device context allocates and initialises the weights there: an 8B
     # model initialised on the host would take minutes.

@@ -5,16 +5,17 @@ The table is printed last because a GPU run's reply carries only the tail of its
 """
 from __future__ import annotations
 
-import datetime as _dt
+import datetime
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from slipstream import envs
 
 # Every field BENCHMARKS.md asks a throughput run to record (tests check these).
 THROUGHPUT_FIELDS = (
@@ -46,7 +47,7 @@ def summarize(values_s: list[float | None]) -> dict[str, float | None]:
 
 
 def _git_commit(repo: Path) -> tuple[str, bool | None]:
-    env_commit = os.environ.get("SLIPSTREAM_COMMIT")
+    env_commit = envs.COMMIT.get()
     if env_commit:
         return env_commit, None
     try:
@@ -86,7 +87,7 @@ def run_meta() -> dict[str, Any]:
         "git_dirty": dirty,
         "source_digest": source_digest(package_dir),
         "gpu": gpu,
-        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "transformers": tf_version,
         "python": sys.version.split()[0],
@@ -102,7 +103,8 @@ def write_json(result: dict[str, Any], path: str | Path | None) -> None:
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A number as the tables print it ("-" for None)."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -114,7 +116,7 @@ def format_table(rows: list[tuple[str, Any]], title: str) -> str:
     """Two-column table: metric | value."""
     width = max([len(k) for k, _ in rows] + [len(title)])
     lines = [f"== {title} ==", "-" * (width + 24)]
-    lines += [f"{k:<{width}}  {_fmt(v)}" for k, v in rows]
+    lines += [f"{k:<{width}}  {format_value(v)}" for k, v in rows]
     lines.append("-" * (width + 24))
     return "\n".join(lines)
 
@@ -122,7 +124,7 @@ def format_table(rows: list[tuple[str, Any]], title: str) -> str:
 def _stat_rows(name: str, stats: dict[str, Any] | None) -> list[tuple[str, Any]]:
     stats = stats or {}
     return [(f"{name} mean / median / p99 (ms)",
-             " / ".join(_fmt(stats.get(k)) for k in ("mean", "median", "p99")))]
+             " / ".join(format_value(stats.get(k)) for k in ("mean", "median", "p99")))]
 
 
 def throughput_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -143,10 +145,10 @@ def throughput_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
         rows += _stat_rows(name.upper(), r.get(f"{name}_ms"))
     rows += [("peak GPU memory (GiB)", r.get("peak_gpu_memory_gib")),
              ("KV blocks (total / peak used / util)",
-              f"{_fmt(kv.get('num_blocks'))} / {_fmt(kv.get('peak_used_blocks'))} / "
+              f"{format_value(kv.get('num_blocks'))} / {format_value(kv.get('peak_used_blocks'))} / "
               f"{'-' if util is None else f'{100 * util:.1f}%'}"),
              ("engine steps / peak running batch",
-              f"{_fmt(steps.get('num_steps'))} / {_fmt(steps.get('peak_running'))}")]
+              f"{format_value(steps.get('num_steps'))} / {format_value(steps.get('peak_running'))}")]
     if base:
         rows += [(f"baseline {base['name']} (batch {base['batch_size']}, "
                   f"{base['num_requests']} req) tok/s", base["output_tok_s"]),
@@ -176,7 +178,7 @@ def print_result(r: dict[str, Any]) -> None:
 
 
 def _median(r: dict[str, Any], key: str) -> str:
-    return _fmt((r.get(key) or {}).get("median"))
+    return format_value((r.get(key) or {}).get("median"))
 
 
 def summary_line(r: dict[str, Any]) -> list[str]:
@@ -188,8 +190,8 @@ def summary_line(r: dict[str, Any]) -> list[str]:
                 "-" if pct is None else f"{pct:.1f}% of SoL", _median(r, "ttft_ms"), "-"]
     ratio, base = r.get("ratio_vs_baseline"), r.get("baseline") or {}
     return [r["workload"], r["model"]["shape"], str(r.get("num_requests")),
-            _fmt(r.get("output_tok_s")), _fmt(r.get("total_tok_s")),
-            _fmt(base.get("output_tok_s")), "-" if ratio is None else f"{ratio:.2f}x HF",
+            format_value(r.get("output_tok_s")), format_value(r.get("total_tok_s")),
+            format_value(base.get("output_tok_s")), "-" if ratio is None else f"{ratio:.2f}x HF",
             _median(r, "ttft_ms"), _median(r, "tpot_ms")]
 
 

@@ -100,7 +100,7 @@ def make_prompts(args: argparse.Namespace) -> list[str] | list[list[int]]:
         return [[rng.randrange(hi // 30, hi) for _ in range(args.input_len)]
                 for _ in range(args.num_prompts)]
     if args.tokenizer:
-        from slipstream.tokenizer.tokenizer import load_tokenizer
+        from slipstream.tokenizer.tokenizer import load_tokenizer  # lazy: transformers, only here
 
         tok = load_tokenizer(args.tokenizer)
         special = set(tok.all_special_ids)
@@ -297,7 +297,7 @@ def serve_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
                       ("e2e_ms", "E2E")):
         s = r[key]
         rows.append((f"{name} mean / median / p99 (ms)",
-                     " / ".join(report._fmt(s.get(k)) for k in ("mean", "median", "p99"))))
+                     " / ".join(report.format_value(s.get(k)) for k in ("mean", "median", "p99"))))
     if r["goodput"]["req_s"] is not None:
         rows.append((f"goodput (req/s) {r['goodput']['slo_ms']}", r["goodput"]["req_s"]))
     return rows

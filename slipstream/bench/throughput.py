@@ -13,7 +13,11 @@ from typing import Any
 
 from slipstream.bench import report
 from slipstream.bench.datasets import BenchRequest, make_requests, random_requests
+from slipstream.bench.hf_baseline import run_hf_baseline
 from slipstream.bench.shapes import count_parameters, is_shape_name, load_config, resolve_model
+from slipstream.engine.args import EngineArgs
+from slipstream.llm import LLM
+from slipstream.sampling_params import SamplingParams
 
 # Engine flags always passed to LLM(...); every other EngineArgs field is passed when it differs
 # from its default (so the call stays small, and no engine flag is parsed and then dropped).
@@ -44,8 +48,6 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str | None, dtype: str,
     """The LLM(...) keyword arguments of this run."""
     import dataclasses
 
-    from slipstream.engine.args import EngineArgs
-
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     kwargs: dict[str, Any] = {"model": model_dir}
     for name in _ENGINE_KWARGS:
@@ -60,8 +62,6 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str | None, dtype: str,
 
 
 def build_llm(kwargs: dict[str, Any]):
-    from slipstream import LLM
-
     return LLM(**kwargs)
 
 
@@ -116,8 +116,6 @@ def peak_memory_gib(device: str) -> dict[str, float | None]:
 
 def sampling_params_for(requests: list[BenchRequest]):
     """Greedy, EOS ignored, exactly each request's output length (one object if all equal)."""
-    from slipstream import SamplingParams
-
     lengths = {r.output_len for r in requests}
     if len(lengths) == 1:
         return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=lengths.pop())
@@ -261,8 +259,6 @@ def _workload_label(args: argparse.Namespace, requests: list[BenchRequest]) -> s
 def run_baseline(args, model_dir, requests, dtype, device) -> dict[str, Any] | None:
     if args.baseline != "hf":
         return None
-    from slipstream.bench.hf_baseline import run_hf_baseline
-
     subset = requests[: args.hf_num_requests or len(requests)]
     print(f"[bench] HF baseline: {len(subset)} requests, static batches of "
           f"{args.hf_batch_size}", flush=True)

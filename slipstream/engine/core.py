@@ -11,21 +11,21 @@ import time
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
+from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
+from slipstream.runner.model_runner import ModelRunner
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
+from slipstream.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        from slipstream.runner.model_runner import ModelRunner
-        from slipstream.scheduler.scheduler import Scheduler
-
         self.config = config
         start = time.perf_counter()
         self.runner = ModelRunner(config)
@@ -60,8 +60,6 @@ class EngineCore:
         self._requests[request.request_id] = request
 
     def _validate(self, request: Request) -> None:
-        from slipstream.engine.frontend import validate_prompt_tokens
-
         validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
 

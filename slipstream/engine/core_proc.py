@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from slipstream import envs
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.outputs import EngineCoreOutput
@@ -226,6 +227,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     outbox.connect(output_addr)
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
+        # Inside the try: a failure to import the engine (torch, Triton) reaches the front end.
         from slipstream.engine.core import EngineCore
 
         _leave_a_core_for_the_front_end(config)
@@ -244,7 +246,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("SLIPSTREAM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOG_LEVEL.get(),
                         format="%(asctime)s engine %(levelname)s %(message)s")
     # The front end decides when we stop (shutdown message, or stdin EOF when it is gone); a
     # SIGINT/SIGTERM sent to every process (systemd, a terminal) must not cut a step short.

@@ -16,6 +16,7 @@ from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.outputs import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
 from slipstream.sampling_params import SamplingParams
+from slipstream.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -133,8 +134,6 @@ class OutputProcessor:
         arrive: making one decodes the prompt's tail, which add() would otherwise do for every
         prompt of an offline batch before the GPU starts (~0.1 ms each)."""
         if choice.detokenizer is None and self.tokenizer is not None:
-            from slipstream.tokenizer.detokenizer import IncrementalDetokenizer
-
             choice.detokenizer = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids,
                                                         state.params)
         return choice.detokenizer

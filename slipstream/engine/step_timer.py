@@ -1,22 +1,24 @@
 """Per-step time breakdown (schedule, prepare, forward, sample, update), behind a flag.
 
-Set SLIPSTREAM_STEP_TIMING=1 (or pass enabled=True). Phases on the GPU are synchronised before
-each reading, so timing perturbs the run: use it to find where time goes, not to benchmark.
+Set SLIPSTREAM_STEP_TIMING=1 (envs.STEP_TIMING) or pass enabled=True. Phases on the GPU are
+synchronised before each reading, so timing perturbs the run: use it to find where time goes,
+not to benchmark.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 
+from slipstream import envs
+
 
 class StepTimer:
     def __init__(self, device: str = "cpu", enabled: bool | None = None):
         if enabled is None:
-            enabled = os.environ.get("SLIPSTREAM_STEP_TIMING", "0") not in ("", "0")
+            enabled = envs.STEP_TIMING.get()
         self.enabled = enabled
         self._cuda = str(device).startswith("cuda")
         self.totals: dict[str, float] = defaultdict(float)

@@ -7,14 +7,15 @@ by kind, to see whether time goes to mixed (eager) steps, graph decode or the ho
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
+
+from slipstream import envs
 
 
 class StepTrace:
     def __init__(self, path: str | None = None):
-        path = path if path is not None else os.environ.get("SLIPSTREAM_STEP_TRACE", "")
+        path = path if path is not None else envs.STEP_TRACE.get()
         self._file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
         self._last = time.perf_counter()
 

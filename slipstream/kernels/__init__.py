@@ -1,28 +1,32 @@
-"""The kernel table: one set of fused ops per device, same signatures as kernels/reference.py."""
+"""The kernel table: one set of fused ops per device, same signatures as kernels/reference.py.
+
+get_ops picks the Triton table (kernels/triton_ops.py) on CUDA and the reference twins on the
+CPU; envs.KERNELS overrides the choice for debugging.
+"""
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
+from slipstream import envs
 from slipstream.kernels import reference
 
-_OP_NAMES = (
+OP_NAMES = (
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "write_kv_cache",
     "rotary_and_cache_write", "paged_attention",
 )
 
 
 def reference_ops() -> SimpleNamespace:
-    return SimpleNamespace(**{name: getattr(reference, name) for name in _OP_NAMES}, name="reference")
+    return SimpleNamespace(**{name: getattr(reference, name) for name in OP_NAMES}, name="reference")
 
 
 def get_ops(device: str, use_triton: bool | None = None) -> SimpleNamespace:
     """Reference ops on the CPU; Triton ops on CUDA when available (unless use_triton=False)."""
     if use_triton is None:
-        forced = os.environ.get("SLIPSTREAM_KERNELS", "auto")  # auto | reference | triton
+        forced = envs.KERNELS.get()  # auto | reference | triton
         use_triton = forced == "triton" or (forced == "auto" and str(device).startswith("cuda"))
     if not use_triton:
         return reference_ops()
-    from slipstream.kernels import triton_ops  # imported lazily: needs triton
+    from slipstream.kernels import triton_ops  # imported here: it needs Triton, the CPU path does not
 
     return triton_ops.ops()

@@ -1,23 +1,24 @@
 """The Triton op table: fast twins of kernels/reference.py, plus a `linear` chosen by measurement.
 
-ops() carries the names of kernels._OP_NAMES (an op whose kernel module fails to import falls
+ops() carries the names of kernels.OP_NAMES (an op whose kernel module fails to import falls
 back to its reference twin) and linear(x, weight, bias): for at most gemv.MAX_M rows it times a
 few Triton GEMV / skinny-GEMM configs against cuBLAS (torch F.linear) once per shape, keeps the
-fastest, and uses cuBLAS for every larger M. SLIPSTREAM_LINEAR=torch|triton forces one side.
+fastest, and uses cuBLAS for every larger M. envs.LINEAR (SLIPSTREAM_LINEAR=torch|triton) forces
+one side.
 """
 from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import _OP_NAMES, reference
+from slipstream import envs
+from slipstream.kernels import OP_NAMES, reference
 from slipstream.kernels.gemv import dense as _gemv
-from slipstream.kernels.runtime.tuning import graph_time_us, idle_before_us, weight_copies
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
     x = torch.randn((m, k), device=weight.device, dtype=dtype)
     expect = F.linear(x, weight, bias).float()
     arg_sets = weight_copies((x, weight) if bias is None else (x, weight, bias))
-    idle = idle_before_us(m)
-    best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets, idle_before_us=idle)
+    best_cfg, best_us = None, graph_time_us(lambda a: F.linear(*a), arg_sets)
     for cfg in _gemv.candidate_configs(m, n, k):
         try:
             got = _gemv.gemv(x, weight, bias, cfg).float()
@@ -69,8 +69,7 @@ def _measure(m: int, weight: torch.Tensor, bias: torch.Tensor | None,
             if not torch.allclose(got, expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()):
                 logger.warning("gemv config %s gave a wrong result for %s; skipped", cfg, (m, n, k))
                 continue
-            us = graph_time_us(lambda a, cfg=cfg: _gemv.gemv(*a, config=cfg), arg_sets,
-                               idle_before_us=idle)
+            us = graph_time_us(lambda a, cfg=cfg: _gemv.gemv(*a, config=cfg), arg_sets)
         except Exception as exc:  # e.g. out of shared memory for this tile
             logger.debug("gemv config %s failed for %s: %s", cfg, (m, n, k), exc)
             continue
@@ -87,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     On the CPU (and the interpreter) the automatic choice is torch; ask for impl="triton"
     explicitly to run the kernel there.
     """
-    impl = impl or os.environ.get("SLIPSTREAM_LINEAR", "auto")
+    impl = impl or envs.LINEAR.get()
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     small = 0 < m <= _gemv.MAX_M and _kernel_fits(x, weight, bias)
@@ -105,7 +104,7 @@ def linear_gated(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     when the measured choice for the shape is a Triton GEMV, the activation is computed inside
     it (one launch less per layer); otherwise act runs first."""
     m = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
-    impl = os.environ.get("SLIPSTREAM_LINEAR", "auto")
+    impl = envs.LINEAR.get()
     if (gate_up.is_cuda and impl != "torch" and 0 < m <= _gemv.MAX_M
             and _kernel_fits(gate_up, weight, bias)):
         cfg = _choice(m, weight, bias, gate_up)
@@ -141,7 +140,7 @@ def _one_row_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     ) -> _gemv.GemvConfig | None:
     """The measured config for one CUDA row of x (None: cuBLAS, or not one row)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (not x.is_cuda or m != 1 or os.environ.get("SLIPSTREAM_LINEAR", "auto") != "auto"
+    if (not x.is_cuda or m != 1 or envs.LINEAR.get() != "auto"
             or not _kernel_fits(x, weight, bias)):
         return None
     return _choice(m, weight, bias, x)
@@ -172,5 +171,5 @@ def linear_choices() -> dict[str, str]:
 
 def ops() -> SimpleNamespace:
     """The fused ops, same names and signatures as kernels.reference, plus `linear`."""
-    table = {name: _load_op(name) for name in _OP_NAMES}
+    table = {name: _load_op(name) for name in OP_NAMES}
     return SimpleNamespace(**table, linear=linear, name="triton")

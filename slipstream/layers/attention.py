@@ -21,7 +21,7 @@ def get_attention_backend(device: str, ops: SimpleNamespace):
     """The Triton backend on CUDA when it exists, else the reference one over `ops`."""
     if str(device).startswith("cuda"):
         try:
-            from slipstream.attention.triton_backend import TritonAttentionBackend
+            from slipstream.attention.triton_backend import TritonAttentionBackend  # Triton: optional
         except ImportError:
             logger.info("no Triton attention backend; using the reference backend on %s", device)
         else:

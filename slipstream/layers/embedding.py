@@ -5,7 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.quantization.base import _triton_ops
+from slipstream.quantization import fp8, int8_wo, utils
+from slipstream.quantization.base import linear_kernels
+from slipstream.quantization.int4_awq import int4_linear_kernel
+from slipstream.quantization.lm_head import int4_group
 
 
 class VocabEmbedding(nn.Module):
@@ -44,7 +47,7 @@ class LMHead(nn.Module):
         if self.quantized_linear is not None:
             logits = self._quantized_logits(hidden)
         elif hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
-            logits = _triton_ops().linear(hidden, self.weight)
+            logits = linear_kernels().linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         return logits.float() if float32 else logits
@@ -74,8 +77,6 @@ class LMHead(nn.Module):
         float table. Rows are padded with zeros to a multiple of 16 (what torch._scaled_mm
         takes). Above 16 tokens the int8 and int4 heads run chunk_rows rows at a time (their
         large-batch paths may dequantize the weight for cuBLAS), not the whole head."""
-        from slipstream.quantization import fp8, int8_wo, utils
-
         w = self.weight.data
         w = torch.cat([w, w.new_zeros(-w.shape[0] % 16, w.shape[1])])
         if method == "int4":
@@ -91,16 +92,12 @@ class LMHead(nn.Module):
         self.large_m_rows = chunk_rows if method in ("int8_wo", "int4") else 0
 
     def _quantize_int4(self, w: torch.Tensor) -> None:
-        from slipstream.quantization import utils
-        from slipstream.quantization.int4_awq import _int4_linear
-        from slipstream.quantization.lm_head import int4_group
-
         group = int4_group(w.shape[1])
         q, scale, zero = utils.quantize_int4_groupwise(w, group)
         self.weight = nn.Parameter(utils.pack_int4_rows(q), requires_grad=False)
         self.weight_scale = nn.Parameter(scale.half(), requires_grad=False)
         self.weight_zero = nn.Parameter(zero, requires_grad=False)
-        linear = _int4_linear() or _int4_dequantized_linear  # the latter: without Triton
+        linear = int4_linear_kernel() or _int4_dequantized_linear  # the latter: without Triton
         self.quantized_linear = lambda x, q_, s_, z_: linear(x, q_, s_, z_, group, None)
 
 
@@ -108,7 +105,5 @@ def _int4_dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: tor
                              zeros: torch.Tensor, group: int, bias: None) -> torch.Tensor:
     """The int4 head without Triton: its rows dequantized (in the chunks the head passes), then
     F.linear in float32, in x's dtype."""
-    from slipstream.quantization import utils
-
     w = utils.dequantize_int4_groupwise(utils.unpack_int4_rows(qweight), scales, zeros)
     return F.linear(x.float(), w).to(x.dtype)

@@ -6,7 +6,6 @@ the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
 
 import torch
@@ -26,11 +25,6 @@ from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMe
 logger = logging.getLogger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# At one decode row the gate/up projection writes SiLU(gate)·up (kernels/gemv/dense.py GATE_OUT) instead
-# of the down projection recomputing it per output tile (sm_90 SASS: that doubles the down GEMV's
-# loop). H200 W1: fp8 + FP8 head 353 -> 371 tok/s, int8_wo + head 339 -> 362, bf16 unchanged.
-# SLIPSTREAM_GATE_UP_ACT=0 turns it off.
-GATE_UP_ACT = os.environ.get("SLIPSTREAM_GATE_UP_ACT", "1") != "0"
 
 
 class BuildContext:
@@ -105,9 +99,10 @@ class LlamaMLP(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), new residual), the norm fused where the method can."""
-        if GATE_UP_ACT and x.is_cuda and x.numel() == x.shape[-1]:
+        if x.is_cuda and x.numel() == x.shape[-1]:
             # One decode row: the gate/up GEMV writes SiLU(gate)·up itself where it can, and
-            # the down projection reads it as a plain input (no per-tile recompute).
+            # the down projection reads it as a plain input instead of recomputing the
+            # activation in each of its output tiles (which doubles the down GEMV's loop).
             h, new_residual = (norm(x), x) if residual is None else norm(x, residual)
             act = self.gate_up_proj.forward_gate_out(h)
             if act is not None:
@@ -119,10 +114,10 @@ class LlamaMLP(nn.Module):
     def forward_folded_row(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """stream + forward(norm(stream)) for one row, norm folded into gate_up (norm_fold.py):
         the gate/up GEMV normalises and writes SiLU(gate)·up, the down GEMV adds the stream."""
-        act = self.gate_up_proj.forward_gate_out(stream, norm.eps) if GATE_UP_ACT else None
+        act = self.gate_up_proj.forward_gate_out(stream, norm.eps)
         if act is None:  # the method's kernel cannot normalise: the norm kernel first
             h = norm(stream)
-            act = self.gate_up_proj.forward_gate_out(h) if GATE_UP_ACT else None
+            act = self.gate_up_proj.forward_gate_out(h)
             if act is None:
                 return self.down_proj.forward_gated(self.gate_up_proj(h), self.act_fn) + stream
         return self.down_proj.forward_residual(act, stream)

@@ -23,6 +23,7 @@ from slipstream.config import EngineConfig
 from slipstream.dtypes import resolve_dtype
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
+from slipstream.models.gguf import is_gguf_file, iterate_gguf_weights
 from slipstream.models.llama import BuildContext
 from slipstream.models.quantize_as_loaded import (
     QuantizeAsLoaded,
@@ -30,6 +31,7 @@ from slipstream.models.quantize_as_loaded import (
     layer_hook_active,
 )
 from slipstream.models.registry import get_model_class
+from slipstream.models.sizes import weight_bytes
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.kv_cache import load_kv_scale
 from slipstream.quantization.utils import deferring_load_time_weights
@@ -69,6 +71,9 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     layers = QuantizeAsLoaded(model, config.device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed, layers)
+    elif is_gguf_file(config.model_path):  # tensors come in layer order already
+        load_weights(model, iterate_gguf_weights(config.model_path, checkpoint_name_map(model)),
+                     layers)
     else:
         files = safetensors_files(config.model_path)
         if layer_hook_active():  # a whole-layer calibration: one decoder layer at a time
@@ -88,8 +93,6 @@ def weights_estimate(config: EngineConfig, method: str | None = "as loaded") -> 
     """Bytes the model's weights will take on the device (quantized layers at their method's
     width; `method` overrides the configured one), or None for a config the size arithmetic
     does not cover."""
-    from slipstream.models.sizes import weight_bytes
-
     dtype = str(config.dtype).removeprefix("torch.")
     quantized_head = config.quant.lm_head if method == "as loaded" else None
     method = config.quant.method if method == "as loaded" else method

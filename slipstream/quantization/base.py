@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.quantization.utils import CHECKPOINT_FORMATS
+
 
 class QuantMethod(ABC):
     """Strategy object owned by one linear layer.
@@ -88,7 +90,9 @@ class QuantMethod(ABC):
 class UnquantizedLinearMethod(QuantMethod):
     """Plain weight [out, in] in the model dtype; apply is F.linear."""
 
-    folds_norm = True
+    # The checkpoint's weights are used bit for bit: folding a norm into them would round them
+    # once more, and greedy tokens could then differ from transformers'.
+    folds_norm = False
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
@@ -102,31 +106,32 @@ class UnquantizedLinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:  # small batches: a Triton GEMV when it measured faster than cuBLAS
-            return _triton_ops().linear(x, layer.weight, bias)
+            return linear_kernels().linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def apply_gated(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None,
                     act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if gate_up.is_cuda:
-            return _triton_ops().linear_gated(gate_up, layer.weight, bias, act)
+            return linear_kernels().linear_gated(gate_up, layer.weight, bias, act)
         return F.linear(act(gate_up), layer.weight, bias)
 
     def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        rms_eps: float = 0.0) -> torch.Tensor | None:
-        gate_out = getattr(_triton_ops(), "linear_gate_out", None) if x.is_cuda else None
+        gate_out = getattr(linear_kernels(), "linear_gate_out", None) if x.is_cuda else None
         return gate_out(x, layer.weight, bias, rms_eps) if gate_out is not None else None
 
     def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
-        linear_rms = getattr(_triton_ops(), "linear_rms", None) if x.is_cuda else None
+        linear_rms = getattr(linear_kernels(), "linear_rms", None) if x.is_cuda else None
         return linear_rms(x, layer.weight, bias, eps) if linear_rms is not None else None
 
 
-def _triton_ops():
+def linear_kernels():
     """kernels.triton_ops, or a stand-in with torch's linear when Triton cannot load."""
     global _TRITON_OPS
     if _TRITON_OPS is None:
         try:
+            # Lazy: Triton is an optional dependency, and CPU engines never need it.
             from slipstream.kernels import triton_ops as _TRITON_OPS
         except ImportError:  # no triton: cuBLAS for every shape
             _TRITON_OPS = SimpleNamespace(
@@ -168,8 +173,6 @@ def get_quant_method_factory(method: str | None, hf_config: dict | None = None) 
         except ImportError:
             pass
     if method not in _FACTORIES:
-        from slipstream.quantization.utils import CHECKPOINT_FORMATS
-
         known = sorted({*METHOD_NAMES, *_FACTORIES})
         raise ValueError(f"unknown quantization method {method!r}; choose one of "
                          f"{', '.join(known)} (or, for a pre-quantized checkpoint, its format: "

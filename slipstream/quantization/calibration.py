@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from slipstream.assets import DEFAULT_MODEL_HELDOUT_FILES
+from slipstream.layers.linear import LinearBase
+from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +166,6 @@ def collect_prompts(llm, texts: list[str], max_len: int = 512) -> CalibrationSta
 @torch.no_grad()
 def collect_linear_stats(llm, texts: list[str], max_len: int = 512) -> CalibrationStats:
     """Run each text through `llm` (an LLM) and return input stats per linear-layer name."""
-    from slipstream.layers.linear import LinearBase
-    from slipstream.sampling_params import SamplingParams
-
     model: nn.Module = llm.engine.runner.model
     vocab = llm.engine_config.model.vocab_size
     prompts = calibration_prompts(llm.tokenizer, texts, max_len, vocab)

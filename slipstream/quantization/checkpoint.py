@@ -16,18 +16,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from slipstream.dtypes import resolve_dtype
+from slipstream.layers.linear import LinearBase
 from slipstream.models.norm_fold import kept_norms
+from slipstream.models.quantize_as_loaded import before_each_layer
+from slipstream.quantization.awq import LayerByLayerAwq
 from slipstream.quantization.base import METHOD_NAMES
 from slipstream.quantization.calibration import (
     calibration_prompts,
     collect_linear_stats,
     load_calib_texts,
 )
+from slipstream.quantization.fp8 import MIN_CAPABILITY
+from slipstream.quantization.int4_awq import DEFAULT_GROUP
 from slipstream.quantization.kv_cache import (
     KV_CACHE_DTYPES,
     QUANT_KV_NAMES,
@@ -37,6 +43,7 @@ from slipstream.quantization.kv_cache import (
     set_kv_scales,
 )
 from slipstream.quantization.lm_head import head_format
+from slipstream.quantization.w8a8_sq import LayerByLayerSmoothQuant
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +72,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     has to fit; False loads the whole float model first (int4_awq: the same tensors; w8a8_sq:
     the same statistics up to float rounding; tested).
     """
+    # Lazy: the engine loads when a checkpoint is quantized, not for `slipstream --help`.
     from slipstream.llm import LLM
 
     if method not in METHODS:
@@ -128,20 +136,14 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
     SmoothQuant scales from the calibration prompts' float residual stream (kept between
     layers) and is quantized before the next one is read. The device holds the quantized layers,
     one float layer and the calibration activations, never the float model."""
-    from slipstream.llm import LLM, _maybe_load_tokenizer
-    from slipstream.models.quantize_as_loaded import before_each_layer
+    from slipstream.llm import LLM, maybe_load_tokenizer  # lazy, as in quantize_checkpoint
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    prompts = calibration_prompts(_maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
+    prompts = calibration_prompts(maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
                                   vocab)
     if method == "int4_awq":
-        from slipstream.quantization.awq import LayerByLayerAwq
-        from slipstream.quantization.int4_awq import DEFAULT_GROUP
-
         hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True)
     else:
-        from slipstream.quantization.w8a8_sq import LayerByLayerSmoothQuant
-
         hook = LayerByLayerSmoothQuant(prompts, **dict(options or {}))
     with before_each_layer(hook):
         llm = LLM(**engine_args)
@@ -159,8 +161,6 @@ def streams_calibration(method: str, options: dict | None) -> bool:
 
 def _default_options(options: dict | None) -> bool:
     """Whether `options` only repeat int4_awq's defaults (group 128, AWQ on)."""
-    from slipstream.quantization.int4_awq import DEFAULT_GROUP
-
     defaults = {"group_size": DEFAULT_GROUP, "awq": True}
     options = dict(options or {})
     return set(options) <= set(defaults) and all(options[k] == defaults[k] for k in options)
@@ -176,14 +176,11 @@ def quantizes_at_load(method: str, module, options: dict | None, device: str) ->
     if module is None or getattr(module, "NEEDS_CALIBRATION", False) or options:
         return False
     if method == "fp8" and torch.device(device).type == "cuda":
-        from slipstream.quantization.fp8 import MIN_CAPABILITY
         return torch.cuda.get_device_capability(torch.device(device)) >= MIN_CAPABILITY
     return True
 
 
 def _quantize_linears(model: nn.Module, module, options: dict) -> None:
-    from slipstream.layers.linear import LinearBase
-
     with torch.no_grad():
         for layer in model.modules():
             if isinstance(layer, LinearBase):
@@ -209,8 +206,6 @@ def calibrate_kv_scales(llm, texts: list[str], max_len: int,
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter under its HF checkpoint name; fused layers split into their shards."""
-    from slipstream.layers.linear import LinearBase
-
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
@@ -338,8 +333,6 @@ def save_kv_scales_only(src_dir: str | Path, output_dir: str | Path,
 
 def _names_in(src: Path, names: set[str]) -> set[str]:
     """Which of `names` the source's weight files hold (other than our own scales file)."""
-    from safetensors import safe_open
-
     found: set[str] = set()
     for f in src.glob("*.safetensors"):
         if f.name != KV_SCALES_FILE:
@@ -358,8 +351,6 @@ def _write_config(dst: Path, config: dict, kv_cache_dtype: str | None) -> None:
 
 def _float_names(model: nn.Module) -> set[str]:
     """Parameters not owned by a linear layer's quant method."""
-    from slipstream.layers.linear import LinearBase
-
     owned = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, LinearBase)
              for p, _ in m.named_parameters() if p != "bias"}
     return {n for n, _ in model.named_parameters() if n not in owned}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from slipstream.assets import default_model_path
 from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
 from slipstream.quantization.kv_cache import QUANT_KV_NAMES
 from slipstream.quantization.lm_head import FORMAT_NAMES, cli_choice
@@ -81,8 +82,6 @@ def run_quantize(ns: argparse.Namespace) -> int:
         raise SystemExit("--num-calib-samples must be at least 1")
     model = ns.model
     if model is None:
-        from slipstream.assets import default_model_path
-
         model = str(default_model_path())
     out = quantize_checkpoint(model, ns.method, ns.output, calib_data=ns.calib_data,
                               num_calib_samples=ns.num_calib_samples,

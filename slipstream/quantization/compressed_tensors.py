@@ -381,6 +381,7 @@ def _hashable(value):
 
 def packed_modules_of(hf_config: dict) -> dict[str, list[str]]:
     """The model's fused layer -> checkpoint modules map (empty when the class is unknown)."""
+    # Lazy: the model classes import the layers, which import the quantization package.
     from slipstream.models.registry import get_model_class
 
     archs = hf_config.get("architectures") or []

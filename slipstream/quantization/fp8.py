@@ -174,7 +174,7 @@ def _scaled_mm_quantized(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch
                          scale: torch.Tensor) -> torch.Tensor:
     # Row-wise scaling: scale_a [M, 1], scale_b [1, N], both float32; weight^T is column-major.
     # Fast accumulation (no periodic promotion to float32 on Hopper), as the FP8 GEMMs of other
-    # engines run: 5-15% faster at W2 shapes (bench_scaled_mm.py, H200).
+    # engines run; faster at batched-decode shapes (benchmarks/bench_scaled_mm.py).
     return torch._scaled_mm(xq, qweight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
                             out_dtype=torch.bfloat16, use_fast_accum=True)
 
@@ -189,7 +189,7 @@ def _quantized_linear(xq: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
 def _fused_norm_quant():
     """kernels.norm_act.quant_act.rms_norm_quant_fp8, or None when Triton cannot load."""
     try:
-        from slipstream.kernels.norm_act.quant_act import rms_norm_quant_fp8
+        from slipstream.kernels.norm_act.quant_act import rms_norm_quant_fp8  # Triton: optional
     except ImportError:
         return None
     return rms_norm_quant_fp8
@@ -198,7 +198,7 @@ def _fused_norm_quant():
 def _fused_silu_quant():
     """kernels.norm_act.quant_act.silu_and_mul_quant_fp8, or None when Triton cannot load."""
     try:
-        from slipstream.kernels.norm_act.quant_act import silu_and_mul_quant_fp8
+        from slipstream.kernels.norm_act.quant_act import silu_and_mul_quant_fp8  # Triton: optional
     except ImportError:
         return None
     return silu_and_mul_quant_fp8
@@ -207,7 +207,7 @@ def _fused_silu_quant():
 def _quantize_per_token_cuda(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-launch Triton quantizer when Triton loads, else the torch twin."""
     try:
-        from slipstream.kernels.norm_act.quant_act import quantize_per_token_fp8
+        from slipstream.kernels.norm_act.quant_act import quantize_per_token_fp8  # Triton: optional
     except ImportError:
         return quantize_per_token(x2, FP8_DTYPE)
     return quantize_per_token_fp8(x2)

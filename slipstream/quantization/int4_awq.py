@@ -14,7 +14,6 @@ columns in the same order first. The per-format unpacking helpers: int4_layouts.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +41,6 @@ DEFAULT_GROUP = 128
 ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
 _CT_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 NEEDS_CALIBRATION = True
-# At one decode row the int4 gate/up GEMV writes SiLU(gate)·up itself (apply_gate_out), one
-# launch less per layer: W1 320.3 -> 332.7 tok/s on the H200. SLIPSTREAM_W4_GATE_OUT=0: off.
-W4_GATE_OUT = os.environ.get("SLIPSTREAM_W4_GATE_OUT", "1") == "1"
 # AWQ runs the model on the prompts itself: the engine pass of collect_linear_stats is not needed.
 collect_calibration = collect_prompts
 
@@ -197,7 +193,7 @@ class Int4LinearMethod(QuantMethod):
         return q.contiguous(), scales, zeros.contiguous(), perm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        fn = _int4_linear()
+        fn = int4_linear_kernel()
         if fn is None:  # no Triton: dequantize and multiply
             return F.linear(x, dequantize_layer(layer, x.dtype), bias)
         perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
@@ -208,12 +204,12 @@ class Int4LinearMethod(QuantMethod):
 
     def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        rms_eps: float = 0.0) -> torch.Tensor | None:
-        """One decode row on CUDA (W4_GATE_OUT): the W4 GEMV writes silu_and_mul of the
-        [gate | up] product (kernels/gemv_int4.w4_linear_small_gate_out); else None. rms_eps:
-        of x / rms(x), where the measured config is the one-row kernel (gemv.rms_ok)."""
-        if not (W4_GATE_OUT and x.is_cuda and x.numel() == x.shape[-1]):
+        """One decode row on CUDA: the W4 GEMV writes silu_and_mul of the [gate | up] product
+        (kernels.gemv.int4.w4_linear_small_gate_out), one launch less per layer; else None.
+        rms_eps: of x / rms(x), where the measured config is the one-row kernel."""
+        if not (x.is_cuda and x.numel() == x.shape[-1]):
             return None
-        from slipstream.kernels.gemv.int4 import w4_linear_small_gate_out
+        from slipstream.kernels.gemv.int4 import w4_linear_small_gate_out  # Triton: CUDA only
 
         perm = layer._buffers.get(ACT_ORDER_PERM)
         if perm is not None:
@@ -225,11 +221,11 @@ class Int4LinearMethod(QuantMethod):
     def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
         """apply(x / rms(x)) in one W4 GEMV launch for one decode row on CUDA, where the
-        measured config is the one-row kernel (kernels/gemv_int4.w4_linear_small_rms); else
+        measured config is the one-row kernel (kernels.gemv.int4.w4_linear_small_rms); else
         None."""
         if not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers:
             return None
-        from slipstream.kernels.gemv.int4 import w4_linear_small_rms
+        from slipstream.kernels.gemv.int4 import w4_linear_small_rms  # Triton: CUDA only
 
         group = x.shape[-1] // layer.scales.shape[1]
         return w4_linear_small_rms(x, layer.qweight, layer.scales, layer.zeros, group, bias, eps)
@@ -252,11 +248,11 @@ class Int4LinearMethod(QuantMethod):
 _INT4_LINEAR: list = []
 
 
-def _int4_linear():
+def int4_linear_kernel():
     """kernels.gemv.int4.int4_linear (W4A16 GEMV / GEMM on CUDA, the float32 reference twin
     elsewhere), or None when Triton cannot load."""
     if not _INT4_LINEAR:
-        try:
+        try:  # lazy: Triton is an optional dependency, and CPU engines never need it
             from slipstream.kernels.gemv.int4 import int4_linear
         except ImportError:
             int4_linear = None
@@ -289,6 +285,10 @@ def make_method(group_size: int = DEFAULT_GROUP, awq: bool = True) -> Int4Linear
 
 @register_quant_method("int4_awq")
 def make_int4(hf_config: dict):
+    if "gguf" in (hf_config or {}):  # a GGUF file: its Q4_0 / Q4_1 blocks at group 32
+        from slipstream.quantization.gguf_int4 import gguf_int4_methods
+
+        return gguf_int4_methods(hf_config)
     prequantized = qu.check_checkpoint_method("int4_awq", hf_config)
     qc = qu.quant_config_of(hf_config)
     if prequantized and compressed_tensors.is_compressed_tensors(qc):

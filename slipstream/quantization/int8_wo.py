@@ -50,7 +50,7 @@ class PerChannelMethod(QuantMethod):
                        rms_eps: float = 0.0) -> torch.Tensor | None:
         if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
             return None
-        from slipstream.kernels.gemv.int8 import qlinear_small_gate_out
+        from slipstream.kernels.gemv.int8 import qlinear_small_gate_out  # Triton: CUDA only
 
         return qlinear_small_gate_out(x, layer.weight, layer.weight_scale, bias, rms_eps)
 
@@ -58,7 +58,7 @@ class PerChannelMethod(QuantMethod):
                   bias: torch.Tensor | None) -> torch.Tensor | None:
         if not x.is_cuda or _qlinear_small() is None or not self._one_row_gemv_applies(x):
             return None
-        from slipstream.kernels.gemv.int8 import qlinear_small_rms
+        from slipstream.kernels.gemv.int8 import qlinear_small_rms  # Triton: CUDA only
 
         return qlinear_small_rms(x, layer.weight, layer.weight_scale, bias, eps)
 

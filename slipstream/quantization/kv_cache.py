@@ -219,8 +219,10 @@ def calibrate_kv_amax(model: nn.Module, prompts: list[list[int]], *, dtype: torc
 
 
 def _load_tokenizer(path: str | None):
-    if path is None or not any((Path(path) / f).is_file()
-                               for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    from slipstream.tokenizer.gguf_tokenizer import gguf_tokenizer_file
+
+    if path is None or not (gguf_tokenizer_file(path) or any(
+            (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))):
         return None
     return load_tokenizer(path)
 

@@ -3,10 +3,8 @@
 True takes the quantization method's own one-byte format (FP8 with `fp8`, INT8 weight-only
 otherwise: ~0.01% perplexity on the default model). A name asks for a format: "int8", "fp8"
 (with the `fp8` method: the GPU must run it) or "int4" (groups of 128, round-to-nearest, through
-the int4_awq kernels: half the bytes of INT8. On the H200 the Llama-3.1-8B head's one-row GEMV
-takes 70.8 us against INT8's 117.5, benchmarks/results/2026-12-02-h200-s30. On the default
-model it costs held-out perplexity: int4_awq +0.95% -> +2.23%,
-benchmarks/results/2026-12-02-cpu-s30).
+the int4_awq kernels: half the bytes of INT8, so a faster one-row GEMV, at a cost in perplexity;
+docs/performance-log.md has the figures).
 """
 from __future__ import annotations
 

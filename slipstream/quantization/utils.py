@@ -17,7 +17,7 @@ from slipstream.quantization import compressed_tensors, modelopt
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 INT8_MAX = 127.0
-_TINY = 1e-12  # all-zero rows/tokens get scale _TINY instead of 0 (no division by zero)
+TINY = 1e-12  # all-zero rows/tokens get scale TINY instead of 0 (no division by zero)
 
 
 # Rows are quantized in chunks of at most this many weights: the float32 temporaries of a large
@@ -37,7 +37,7 @@ def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = w.new_empty(w.shape[0], dtype=torch.float32)
     for rows in _row_chunks(*w.shape):
         wf = w[rows].float()
-        scale[rows] = (wf.abs().amax(dim=1) / INT8_MAX).clamp_min(_TINY)
+        scale[rows] = (wf.abs().amax(dim=1) / INT8_MAX).clamp_min(TINY)
         q[rows] = torch.round(wf / scale[rows, None]).clamp_(-INT8_MAX, INT8_MAX)
     return q, scale
 
@@ -48,7 +48,7 @@ def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale = w.new_empty(w.shape[0], dtype=torch.float32)
     for rows in _row_chunks(*w.shape):
         wf = w[rows].float()
-        scale[rows] = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(_TINY)
+        scale[rows] = (wf.abs().amax(dim=1) / FP8_MAX).clamp_min(TINY)
         q[rows] = (wf / scale[rows, None]).clamp_(-FP8_MAX, FP8_MAX)
     return q, scale
 
@@ -63,7 +63,7 @@ def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
     """Dynamic per-row (token) activation quantization: (q [M, K], scale float32 [M, 1])."""
     qmax = FP8_MAX if qdtype == FP8_DTYPE else INT8_MAX
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(_TINY)
+    scale = (x.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(TINY)
     y = (x / scale).clamp_(-qmax, qmax)
     if qdtype == torch.int8:
         y = torch.round(y)

@@ -15,6 +15,7 @@ from torch import nn
 
 from slipstream.models.quantize_as_loaded import layer_hook_active
 from slipstream.quantization import utils as qu
+from slipstream.quantization.awq import layer_inputs
 from slipstream.quantization.base import register_quant_method
 from slipstream.quantization.int8_wo import Int8WeightOnlyMethod, method_factory
 
@@ -117,8 +118,6 @@ class LayerByLayerSmoothQuant:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, index: int, layer: nn.Module) -> None:
-        from slipstream.quantization.awq import layer_inputs
-
         if index != self.next_layer:
             raise RuntimeError(f"SmoothQuant: decoder layer {index} arrived before layer "
                                f"{self.next_layer} (layers must be calibrated in order)")

@@ -28,7 +28,7 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 
 def _pdl_enabled(device: torch.device) -> bool:
     try:
-        from slipstream.kernels.runtime import pdl
+        from slipstream.kernels.runtime import pdl  # Triton: optional
     except ImportError:  # no Triton
         return False
     return pdl.enabled(device)
@@ -220,7 +220,7 @@ def _staging_buffer(numel: int, device: torch.device) -> torch.Tensor:
 def _greedy_ops(device: torch.device):
     """(argmax_and_advance, argmax_rows) for the device, resolved once."""
     if device.type == "cuda":
-        from slipstream.kernels.sampling.greedy import argmax_and_advance, argmax_rows
+        from slipstream.kernels.sampling.greedy import argmax_and_advance, argmax_rows  # Triton
 
         return argmax_and_advance, argmax_rows
     return argmax_and_advance_reference, lambda x, out: torch.argmax(x, dim=-1, out=out)

@@ -14,6 +14,10 @@ from torch import nn
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
+from slipstream.kernels.attention.l2_spans import budget_bytes
+from slipstream.models.loader import load_model
+from slipstream.quantization.kv_cache import check_kv_cache_device, prepare_kv_scales, resolve_kv_cache_dtype
+from slipstream.runner.cuda_graphs import DecodeGraphs
 from slipstream.runner.input_batch import (
     HostBatch,
     ModelInputs,
@@ -23,6 +27,9 @@ from slipstream.runner.input_batch import (
     put_fed_tokens,
 )
 from slipstream.runner.launched import LaunchedTokens
+from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
+from slipstream.sampling.logprobs import top_logprobs
+from slipstream.sampling.sampler import Sampler, warm_up_greedy
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -53,16 +60,12 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------
     def load_model(self) -> None:
-        from slipstream.models.loader import load_model
-
         self.model = load_model(self.config)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         """float32 / bfloat16 / float16, or 1-byte fp8 (e4m3) / int8 with per-layer scales.
         "auto": the checkpoint's kv_cache_dtype if its config names one, else the model dtype."""
-        from slipstream.quantization.kv_cache import check_kv_cache_device, resolve_kv_cache_dtype
-
         dtype = resolve_kv_cache_dtype(self.config.cache.kv_cache_dtype, self.config.dtype,
                                        self.config.model.hf_config)
         check_kv_cache_device(dtype, self.device)
@@ -73,8 +76,6 @@ class ModelRunner:
         or a calibration run now (int8). Once, before any cache is allocated (it needs memory)."""
         if self._kv_scales_ready or self.model is None:
             return
-        from slipstream.quantization.kv_cache import prepare_kv_scales
-
         prepare_kv_scales(self.model, self.config, self.kv_cache_dtype)
         self._kv_scales_ready = True
 
@@ -190,8 +191,6 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" and not self.config.enforce_eager
         if not use_graphs and sched.decode_steps <= 1:
             return
-        from slipstream.runner.cuda_graphs import DecodeGraphs
-
         self._graphs = DecodeGraphs(
             self.model, self.kv_caches, self.device, max_batch_size=sched.max_num_seqs,
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
@@ -210,8 +209,6 @@ class ModelRunner:
         attach = getattr(self.model, "attach_l2_prefetch", None)
         if attach is None:
             return
-        from slipstream.kernels.attention.l2_spans import budget_bytes
-
         per_layer = attach(budget_bytes(self.device, self.config.quant.method))
         logger.info("L2 prefetch in decode attention: %.1f MiB a layer%s", per_layer / 2**20,
                     "" if per_layer else " (off)")
@@ -219,8 +216,6 @@ class ModelRunner:
     def _capture_prefill_graphs(self) -> None:
         """Graphs for prefill steps of up to max_prefill_graph_tokens (capped by the step's
         token budget and max_model_len: the padding sequence must fit a block table)."""
-        from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
-
         sched = self.config.scheduler
         limit = min(self.config.max_prefill_graph_tokens, sched.max_num_tokens,
                     sched.max_model_len)
@@ -239,8 +234,6 @@ class ModelRunner:
         attention kernel takes about a second)."""
         if self.model is None:
             return
-        from slipstream.sampling.sampler import warm_up_greedy
-
         max_len = self.config.scheduler.max_model_len
         for batch in warmup_batches(self.block_size):
             need = sum(_blocks_for(start + n, self.block_size) for n, start in batch)
@@ -382,8 +375,6 @@ class ModelRunner:
 
     def _get_sampler(self):
         if self._sampler is None:
-            from slipstream.sampling.sampler import Sampler
-
             self._sampler = Sampler(seed=self.config.seed)
         return self._sampler
 
@@ -398,8 +389,6 @@ class ModelRunner:
         k = req.sampling_params.prompt_logprobs
         if k is None or req.num_output_tokens > 0 or seq.start_pos >= req.num_prompt_tokens:
             return []
-        from slipstream.sampling.logprobs import top_logprobs
-
         entries: list[dict[int, float] | None] = [None] if seq.start_pos == 0 else []
         start = seq.start_pos
         n = min(start + seq.num_tokens, req.num_prompt_tokens - 1) - start

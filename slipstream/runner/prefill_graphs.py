@@ -1,8 +1,8 @@
 """CUDA graphs for short prefill steps: captured once per padded token count at start-up.
 
 An eager forward of a short prompt launches ~20 kernels a layer from Python, and the host issues
-them slower than the GPU runs them: on the H200 a 128-token Llama-3.1-8B prefill took 25-50 ms
-of host time for ~5 ms of GPU work. A flat batch of at most `max_seqs` sequences and
+them slower than the GPU runs them (a 128-token Llama-3.1-8B prefill spends several times its GPU
+time issuing kernels). A flat batch of at most `max_seqs` sequences and
 `max_tokens` tokens is therefore replayed from a graph captured for the next token count up:
 a new prompt alone, or beside the decodes of running requests (a step that would otherwise
 stall each of them for the eager forward).

@@ -202,7 +202,7 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _cuda_argmax():
     try:
-        from slipstream.kernels.sampling.greedy import argmax_rows
+        from slipstream.kernels.sampling.greedy import argmax_rows  # Triton: optional
     except ImportError:  # no Triton
         return lambda logits: logits.argmax(dim=-1)
     return argmax_rows

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from slipstream import envs
 from slipstream.engine.args import EngineArgs
 from slipstream.sampling_params import MAX_LOGPROBS
 
@@ -28,7 +29,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("SLIPSTREAM_API_KEY"),
+    g.add_argument("--api-key", default=envs.API_KEY.get() or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $SLIPSTREAM_API_KEY)")
     g.add_argument("--served-model-name", default=None,
@@ -52,9 +53,12 @@ def run_serve(args: argparse.Namespace) -> int:
     """Serve until a signal (returns 0) or until the engine dies (returns 1)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("SLIPSTREAM_LOG_LEVEL", args.log_level.upper())
+    # The engine process reads its level from the environment it inherits (envs.LOG_LEVEL),
+    # which has no CRITICAL: ERROR is the closest it takes.
+    engine_level = "ERROR" if args.log_level == "critical" else args.log_level.upper()
+    os.environ.setdefault(envs.LOG_LEVEL.name, engine_level)
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    from slipstream.serve.server import serve
+    from slipstream.serve.server import serve  # lazy: fastapi and uvicorn load to serve, not for --help
 
     try:
         return asyncio.run(serve(config, args))

@@ -96,7 +96,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load the tokenizer in a local model directory (no network, no remote code)."""
+    """Load the tokenizer in a local model directory or GGUF file (no network, no remote code)."""
+    from slipstream.tokenizer.gguf_tokenizer import gguf_tokenizer_file, load_gguf_tokenizer
+
+    if (gguf := gguf_tokenizer_file(path)) is not None:
+        return load_gguf_tokenizer(gguf)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path!s} does not exist")

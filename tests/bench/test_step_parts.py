@@ -1,30 +1,20 @@
-"""benchmarks/bench_step_parts.py on the CPU (eager, no graph): every part is timed on a tiny
-model, a part's patch replaces the layer's forward while active, and the class patches are
-restored afterwards (the full forward runs the real attention and norms again)."""
+"""slipstream.bench.step_parts (benchmarks/bench_step_parts.py) on the CPU (eager, no graph):
+every part is timed on a tiny model, a part's patch replaces the layer's forward while active,
+and the class patches are restored afterwards (the full forward runs the real attention and
+norms again)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
+from slipstream.bench import step_parts as bench
 from slipstream.layers.attention import Attention
 from slipstream.layers.norm import RMSNorm
 from tests.helpers import make_tiny_checkpoint
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_step_parts.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_step_parts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_parts_take_their_kernels_out_and_restore(tmp_path, monkeypatch):
-    bench = _script()
     path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
     calls = {"attention": 0, "norm": 0}
     attention, norm = Attention.forward, RMSNorm.forward
@@ -60,7 +50,6 @@ def test_projection_parts_skip_the_product_and_restore(tmp_path):
     from slipstream.engine.args import EngineArgs
     from slipstream.models.loader import load_model
 
-    bench = _script()
     path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
     model = load_model(EngineArgs(model=str(path), device="cpu",
                                   dtype="float32").create_engine_config())

@@ -11,35 +11,30 @@ import pytest
 from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.request import Request
-from tests.helpers import finish_after_abort, make_tiny_checkpoint
+from tests.helpers import finish_after_abort
 
 KV_BLOCK_BYTES = 16 * 2 * 2 * 16 * 4 * 2  # block 16 x (K, V) x 2 KV heads x dim 16 x fp32 x 2 layers
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize("flags,device,want", [
     ([], "cuda", True), ([], "cpu", False), (["--async-scheduling"], "cpu", True),
     (["--no-async-scheduling"], "cuda", False)])
-def test_default_is_on_with_cuda_only(ckpt, flags, device, want) -> None:
+def test_default_is_on_with_cuda_only(tiny_llama_dir, flags, device, want) -> None:
     """A CPU runs each step as it is launched: leaving it unread would only delay its tokens
     (a batch-1 request's first token would arrive with its last), so the default is CUDA-only."""
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model", str(ckpt), "--device", device, *flags])
+    ns = parser.parse_args(["--model", str(tiny_llama_dir), "--device", device, *flags])
     cfg = EngineArgs.from_cli_args(ns).create_engine_config()
     assert cfg.scheduler.async_scheduling is want
 
 
-def _engine(ckpt, async_scheduling: bool, device: str = "cpu", **kwargs) -> tuple[LLM, list]:
+def _engine(tiny_llama_dir, async_scheduling: bool, device: str = "cpu", **kwargs) -> tuple[LLM, list]:
     """An LLM that counts the steps it leaves unread (launch_sampled)."""
     # A fixed KV budget: tests make two engines in one process (a profiled one gets what's left).
     kwargs = {"max_num_seqs": 6, "max_num_tokens": 64, "max_model_len": 128,
               "kv_cache_memory": 64 << 20, **kwargs}
-    llm = LLM(str(ckpt), dtype="float32", device=device, async_scheduling=async_scheduling,
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device=device, async_scheduling=async_scheduling,
               **kwargs)
     runner, launches = llm.engine.runner, []
     launch = runner.launch_sampled
@@ -81,32 +76,32 @@ def _assert_clean(llm) -> None:
 
 
 @pytest.mark.parametrize("decode_steps", [1, 8])
-def test_async_steps_give_the_same_tokens(ckpt, decode_steps: int) -> None:
+def test_async_steps_give_the_same_tokens(tiny_llama_dir, decode_steps: int) -> None:
     prompts, params = _workload()
-    want = _run(_engine(ckpt, False, decode_steps=decode_steps)[0], prompts, params)
-    llm, launches = _engine(ckpt, True, decode_steps=decode_steps)
+    want = _run(_engine(tiny_llama_dir, False, decode_steps=decode_steps)[0], prompts, params)
+    llm, launches = _engine(tiny_llama_dir, True, decode_steps=decode_steps)
     assert _run(llm, prompts, params) == want
     assert {"stop", "length"} <= {reason for _, reason in want}
     assert sum(launches) >= 20  # steps fed from an unread step
     _assert_clean(llm)
 
 
-def test_async_steps_that_sample_nothing(ckpt) -> None:
+def test_async_steps_that_sample_nothing(tiny_llama_dir) -> None:
     """A long prompt alone, chunked 32 tokens a step: its first steps sample no token."""
     prompts = [list(range(3, 103))]
     params = [SamplingParams(temperature=0.7, seed=5, max_tokens=6)]
-    want = _run(_engine(ckpt, False, max_num_tokens=32, decode_steps=1)[0], prompts, params)
-    llm, launches = _engine(ckpt, True, max_num_tokens=32, decode_steps=1)
+    want = _run(_engine(tiny_llama_dir, False, max_num_tokens=32, decode_steps=1)[0], prompts, params)
+    llm, launches = _engine(tiny_llama_dir, True, max_num_tokens=32, decode_steps=1)
     assert _run(llm, prompts, params) == want
     assert len(launches) >= 8  # 4 chunks, then the decodes
     _assert_clean(llm)
 
 
-def test_async_steps_under_preemption(ckpt) -> None:
+def test_async_steps_under_preemption(tiny_llama_dir) -> None:
     prompts, params = _workload(seed=1)
     small = dict(kv_cache_memory=20 * KV_BLOCK_BYTES, max_num_seqs=8)
-    want = _run(_engine(ckpt, False, **small)[0], prompts, params)
-    llm, launches = _engine(ckpt, True, **small)
+    want = _run(_engine(tiny_llama_dir, False, **small)[0], prompts, params)
+    llm, launches = _engine(tiny_llama_dir, True, **small)
     # A request preempted while its token is on the device keeps that token (seeded samples
     # would otherwise be drawn again, differently).
     assert _run(llm, prompts, params) == want
@@ -114,23 +109,23 @@ def test_async_steps_under_preemption(ckpt) -> None:
     _assert_clean(llm)
 
 
-def test_steps_with_logprobs_or_penalties_are_read_at_once(ckpt) -> None:
+def test_steps_with_logprobs_or_penalties_are_read_at_once(tiny_llama_dir) -> None:
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
               SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)]
-    plain = _engine(ckpt, False)[0].generate(prompts, params, use_tqdm=False)
-    llm, launches = _engine(ckpt, True)
+    plain = _engine(tiny_llama_dir, False)[0].generate(prompts, params, use_tqdm=False)
+    llm, launches = _engine(tiny_llama_dir, True)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert got[0].outputs[0].logprobs == plain[0].outputs[0].logprobs
     assert launches == []
 
 
-def test_abort_while_a_step_is_unread(ckpt) -> None:
+def test_abort_while_a_step_is_unread(tiny_llama_dir) -> None:
     prompts = [[4, 5, 6], [7, 8], [9, 10, 11, 12]]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = _run(_engine(ckpt, False)[0], prompts, [params] * 3)
-    llm, _ = _engine(ckpt, True, decode_steps=1)
+    want = _run(_engine(tiny_llama_dir, False)[0], prompts, [params] * 3)
+    llm, _ = _engine(tiny_llama_dir, True, decode_steps=1)
     core = llm.engine
     for i, p in enumerate(prompts):
         core.add_request(Request(f"r{i}", p, params, eos_token_ids=(2,)))
@@ -144,13 +139,13 @@ def test_abort_while_a_step_is_unread(ckpt) -> None:
     _assert_clean(llm)
 
 
-def test_first_token_is_not_held_by_a_multi_step_decode(ckpt) -> None:
+def test_first_token_is_not_held_by_a_multi_step_decode(tiny_llama_dir) -> None:
     """Offline engines decode 8 steps per read: the step after an unread prefill decodes one
     step, so the first token comes back alone, as soon as the prefill is read (it used to come
     back with the 8 decode tokens after it: W1's TTFT was a prefill plus 8 decode steps)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = _run(_engine(ckpt, False)[0], [[4, 5, 6]], [params])[0][0]
-    llm, _ = _engine(ckpt, True, decode_steps=8)
+    want = _run(_engine(tiny_llama_dir, False)[0], [[4, 5, 6]], [params])[0][0]
+    llm, _ = _engine(tiny_llama_dir, True, decode_steps=8)
     core = llm.engine
     core.add_request(Request("r", [4, 5, 6], params, eos_token_ids=(2,)))
     per_step = []
@@ -164,7 +159,7 @@ def test_first_token_is_not_held_by_a_multi_step_decode(ckpt) -> None:
     _assert_clean(llm)
 
 
-def test_prefix_cache_hashes_only_read_tokens(ckpt) -> None:
+def test_prefix_cache_hashes_only_read_tokens(tiny_llama_dir) -> None:
     """A follow-up prompt that repeats a finished request's output hits the cached blocks of
     that output exactly as often with async steps (a block hashed while its tokens were still
     placeholders would never match)."""
@@ -172,7 +167,7 @@ def test_prefix_cache_hashes_only_read_tokens(ckpt) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     hits = []
     for async_scheduling in (False, True):
-        llm, _ = _engine(ckpt, async_scheduling, max_num_tokens=128, decode_steps=1)
+        llm, _ = _engine(tiny_llama_dir, async_scheduling, max_num_tokens=128, decode_steps=1)
         out = llm.generate(first, params, use_tqdm=False)[0].outputs[0].token_ids
         before = llm.get_stats()["prefix_cache_hits"]
         llm.generate([first[0] + out[:36] + [7]], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -181,12 +176,12 @@ def test_prefix_cache_hashes_only_read_tokens(ckpt) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_async_steps_give_the_same_tokens(ckpt) -> None:
+def test_gpu_async_steps_give_the_same_tokens(tiny_llama_dir) -> None:
     prompts, params = _workload(num=40, seed=2)
     for decode_steps in (1, 8):
-        want = _run(_engine(ckpt, False, device="cuda", decode_steps=decode_steps)[0],
+        want = _run(_engine(tiny_llama_dir, False, device="cuda", decode_steps=decode_steps)[0],
                     prompts, params)
-        llm, launches = _engine(ckpt, True, device="cuda", decode_steps=decode_steps)
+        llm, launches = _engine(tiny_llama_dir, True, device="cuda", decode_steps=decode_steps)
         assert _run(llm, prompts, params) == want
         assert sum(launches) >= 20
         _assert_clean(llm)

@@ -11,7 +11,6 @@ import random
 import pytest
 
 from slipstream import LLM, SamplingParams
-from tests.helpers import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
@@ -32,16 +31,16 @@ def _run(path, monkeypatch, kernels: str, **kwargs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fast_path_greedy_equals_reference_float32(arch, tmp_path, monkeypatch):
-    path = make_tiny_checkpoint(tmp_path, arch)
+def test_fast_path_greedy_equals_reference_float32(arch, tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint(arch)
     ref = _run(path, monkeypatch, "reference", dtype="float32", enforce_eager=True)
     fast = _run(path, monkeypatch, "triton", dtype="float32", enforce_eager=False)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in ref]
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_bf16_logprobs_close_to_float32(arch, tmp_path, monkeypatch):
-    path = make_tiny_checkpoint(tmp_path, arch)
+def test_bf16_logprobs_close_to_float32(arch, tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint(arch)
     ref = _run(path, monkeypatch, "reference", dtype="float32", enforce_eager=True)
     fast = _run(path, monkeypatch, "triton", dtype="bfloat16", enforce_eager=False)
     for r, f in zip(ref, fast):
@@ -52,20 +51,20 @@ def test_bf16_logprobs_close_to_float32(arch, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def test_folded_norms_batch1_greedy_equals_reference_float32(arch, tmp_path, monkeypatch):
-    """SLIPSTREAM_FOLD_NORMS at batch 1 (every decode step one row: norms inside the QKV and
+def test_folded_norms_batch1_greedy_equals_reference_float32(arch, tiny_checkpoint, monkeypatch):
+    """Norms folded into every projection at batch 1 (every decode step one row: norms inside the QKV and
     gate/up GEMVs, residual adds in the o and down GEMVs, CUDA graphs) against the unfolded
     reference ops."""
-    from slipstream.models import norm_fold
+    from slipstream.quantization.base import UnquantizedLinearMethod
 
-    path = make_tiny_checkpoint(tmp_path, arch)
+    path = tiny_checkpoint(arch)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = _prompts(3, 1)
     runs = []
-    for kernels, fold in [("reference", "off"), ("triton", "all")]:
+    for kernels, fold in [("reference", False), ("triton", True)]:
         monkeypatch.setenv("SLIPSTREAM_KERNELS", kernels)
-        monkeypatch.setattr(norm_fold, "FOLD_NORMS", fold)
+        monkeypatch.setattr(UnquantizedLinearMethod, "folds_norm", fold)
         llm = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=1, max_model_len=1024,
-                  kv_cache_memory=256 << 20, enforce_eager=fold == "off")
+                  kv_cache_memory=256 << 20, enforce_eager=not fold)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]

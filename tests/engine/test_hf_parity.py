@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from tests.helpers import make_tiny_checkpoint
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MAX_NEW = 12
@@ -43,8 +42,8 @@ def greedy(max_new: int = MAX_NEW) -> SamplingParams:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def checkpoint(request, tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+def checkpoint(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
 
 
 def test_greedy_matches_hf_mixed_lengths(checkpoint):
@@ -57,8 +56,8 @@ def test_greedy_matches_hf_mixed_lengths(checkpoint):
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_chunked_prefill_preemption_and_prefix_hits(arch, tmp_path):
-    path = make_tiny_checkpoint(tmp_path, arch)
+def test_chunked_prefill_preemption_and_prefix_hits(arch, tiny_checkpoint):
+    path = tiny_checkpoint(arch)
     shared = random_prompts(1, 500, seed=7, lengths=(48,))[0]
     prompts = random_prompts(5, 500, seed=2) + [shared + [5, 6], shared + [9]]
     expected = hf_greedy(path, prompts, MAX_NEW)

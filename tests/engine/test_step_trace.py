@@ -5,11 +5,10 @@ import json
 
 from slipstream import LLM, SamplingParams
 from slipstream.engine.step_trace import summarize
-from tests.helpers import make_tiny_checkpoint
 
 
-def test_trace_lines_and_summary(tmp_path, monkeypatch):
-    ckpt = make_tiny_checkpoint(tmp_path / "m", "LlamaForCausalLM")
+def test_trace_lines_and_summary(tiny_llama_dir, tmp_path, monkeypatch):
+    ckpt = tiny_llama_dir
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("SLIPSTREAM_STEP_TRACE", str(trace))
     llm = LLM(str(ckpt), dtype="float32", device="cpu", max_num_tokens=64, decode_steps=4)

@@ -211,14 +211,10 @@ def test_fused_rope_decode_with_l2_prefetch_rows_interpreter(monkeypatch, cfg: A
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("early", [False, True])
-def test_gpu_l2_prefetch_rows_in_graph_after_the_qkv_gemv(monkeypatch, early: bool) -> None:
-    """The spare prefetch programs under PDL in a CUDA graph (after the PDL wait, or before it
-    with SLIPSTREAM_L2_PREFETCH_EARLY): output and cache bytes equal an eager run without them,
-    replay after replay, and the prefetched weights are unchanged."""
-    from slipstream.kernels.attention import paged as pa
-
-    monkeypatch.setattr(pa, "_PF_EARLY", early)
+def test_gpu_l2_prefetch_rows_in_graph_after_the_qkv_gemv() -> None:
+    """The spare prefetch programs under PDL in a CUDA graph (issued before the PDL wait):
+    output and cache bytes equal an eager run without them, replay after replay, and the
+    prefetched weights are unchanged."""
     table, weights = _weights_table("cuda")
     before = [w.clone() for w in weights]
     cfg = _replay_after_qkv_gemv(

@@ -57,28 +57,16 @@ def test_chunks_cover_a_span() -> None:
         assert c % 16 == 0 and c * 32 * warps >= SPAN_BYTES
 
 
-def test_budget_from_the_environment(monkeypatch) -> None:
-    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
-    assert budget_bytes() == 0 and budget_bytes(torch.device("cpu")) == 0  # no L2 to warm
-    monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "1.5")
-    assert budget_bytes() == 3 << 19
-    monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "0")
-    assert budget_bytes() == 0
-    monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "lots")
-    with pytest.raises(ValueError, match="SLIPSTREAM_L2_PREFETCH_MB"):
-        budget_bytes()
+def test_no_budget_without_an_l2_to_warm() -> None:
+    assert budget_bytes() == 0 and budget_bytes(torch.device("cpu")) == 0
 
 
-def test_int4_awq_goes_without_unless_asked(monkeypatch) -> None:
-    """The H200 step A/B (l2_spans.NO_PREFETCH_METHODS): int4_awq's default budget is 0 on a
-    device that could prefetch; SLIPSTREAM_L2_PREFETCH_MB still turns it on."""
+def test_int4_awq_goes_without(monkeypatch) -> None:
+    """l2_spans.NO_PREFETCH_METHODS: int4_awq's budget is 0 on a device that could prefetch."""
     from slipstream.kernels.attention import l2_spans
 
-    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
     monkeypatch.setattr(l2_spans, "supported", lambda device: True)
     assert budget_bytes(torch.device("cuda"), "int4_awq") == 0
-    monkeypatch.setenv("SLIPSTREAM_L2_PREFETCH_MB", "1.5")
-    assert budget_bytes(torch.device("cuda"), "int4_awq") == 3 << 19
 
 
 def test_standalone_launch_records_every_span_once() -> None:
@@ -90,14 +78,13 @@ def test_standalone_launch_records_every_span_once() -> None:
     table = span_table([[w]], 3 << 20, torch.device("cpu"))
     before = table.clone()
     for programs in (1, 5, 64):  # fewer, and more, programs than the table's 24 spans
-        _prefetch_kernel[(programs,)](table, table.shape[0], 512, MODE=RECORD, EVICT_LAST=False)
+        _prefetch_kernel[(programs,)](table, table.shape[0], 512, MODE=RECORD)
     assert torch.equal(table[:, 0], before[:, 0])
     assert torch.equal(table[:, 1], before[:, 1] + 3 * RECORD_MARK)
 
 
 @pytest.mark.gpu
-def test_gpu_default_budget_is_half_the_l2(monkeypatch) -> None:
-    monkeypatch.delenv("SLIPSTREAM_L2_PREFETCH_MB", raising=False)
+def test_gpu_default_budget_is_half_the_l2() -> None:
     dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     want = l2 // 2 if torch.cuda.get_device_capability(dev) >= (9, 0) else 0
@@ -112,7 +99,7 @@ def test_gpu_standalone_prefetch_runs_and_changes_nothing() -> None:
     w = [torch.randn(4096, 1024, device="cuda"), torch.randn(1000, device="cuda")[1:]]
     before = [t.clone() for t in w]
     table = span_table([w], 64 << 20, torch.device("cuda"))
-    for warps, evict_last in ((1, False), (4, True), (8, False)):
-        prefetch(table, num_warps=warps, evict_last=evict_last)
+    for warps in (1, 4, 8):
+        prefetch(table, num_warps=warps)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(w, before, strict=True))

@@ -43,9 +43,9 @@ def test_graph_chain_matches_without_pdl(monkeypatch):
     norm_w = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(pdl, "_ENV_ON", False)
+    monkeypatch.setenv("SLIPSTREAM_PDL", "0")
     expect = _chain(x, weights, norm_w)
-    monkeypatch.setattr(pdl, "_ENV_ON", True)
+    monkeypatch.setenv("SLIPSTREAM_PDL", "1")
     _chain(x, weights, norm_w)  # compile the PDL variants outside the capture
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import _OP_NAMES, get_ops, triton_ops
+from slipstream.kernels import OP_NAMES, get_ops, triton_ops
 from slipstream.kernels.gemv import dense as gemv
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
@@ -45,7 +45,7 @@ def test_gemv_split_k(cfg: gemv.GemvConfig, m: int) -> None:
     out = gemv.gemv(x, w, b, cfg)
     _assert_close(out, x, w, b)
     # The last program to arrive resets each tile counter: the next call starts from zero.
-    for buf in gemv._COUNTERS.values():
+    for buf in gemv.COUNTERS.values():
         assert int(buf.abs().sum()) == 0
     # Fixed-order reduction: bitwise the same on a second run.
     torch.testing.assert_close(gemv.gemv(x, w, b, cfg), out, atol=0, rtol=0)
@@ -111,7 +111,7 @@ def test_measured_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_op_table_names() -> None:
     table = get_ops("cpu", use_triton=True)
     assert table.name == "triton"
-    for name in _OP_NAMES + ("linear",):
+    for name in OP_NAMES + ("linear",):
         fn = getattr(table, name)
         assert callable(fn) and fn.__module__.startswith("slipstream.kernels.")
         assert fn.__module__ != "slipstream.kernels.reference", f"{name} fell back"
@@ -226,7 +226,7 @@ def test_gate_out_launches_the_path_the_tuner_timed(monkeypatch) -> None:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(kwargs)
 
-    monkeypatch.setattr(gemv, "_gemv_kernel", Recorder())
+    monkeypatch.setattr(gemv, "gemv_kernel", Recorder())
     x, w = torch.randn(1, 256), torch.randn(64, 256)
     for cfg in [gemv.GemvConfig(block_n=4, block_k=256, split_k=1, prefetch=True),
                 gemv.GemvConfig(block_n=8, block_k=64, split_k=2, prefetch=True)]:

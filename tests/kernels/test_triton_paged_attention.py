@@ -4,6 +4,8 @@ Interpreter runs use float32 (tl.dot is exact there); GPU runs use bf16 over con
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from attn_batch import make_batch
@@ -70,25 +72,20 @@ def test_split_tile_loops(cfg: AttnConfig) -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
-def test_split_decode_defaults(monkeypatch) -> None:
-    """Split decode launches give splits of at most 2 tiles the one-stage loop
-    (SLIPSTREAM_ATTN_SHORT_CHAIN_TILES, the module constant, sets the count; 0 turns it off)
-    and read the first tile before the PDL wait (SLIPSTREAM_ATTN_PRELOAD=0 turns that off);
-    prefill chunks and unsplit decode take neither."""
+def test_split_decode_defaults() -> None:
+    """Split decode launches give splits of at most _SHORT_CHAIN_TILES tiles the one-stage loop
+    and read the first tile before the PDL wait (preload); prefill chunks and unsplit decode
+    take neither. The staged loops (short_chain 0) and other chain lengths give the same
+    result."""
     from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert default.num_splits > 1 and default.short_chain == 2 and default.preload
-    monkeypatch.setattr(pa, "_PRELOAD", False)
-    assert not pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).preload
-    monkeypatch.setattr(pa, "_PRELOAD", True)
-    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 0)
-    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 0
-    _check(q, kc, vc, meta)
-    monkeypatch.setattr(pa, "_SHORT_CHAIN_TILES", 3)
-    assert pa.choose_config(meta, 2, 4, 64, q.device, q.dtype).short_chain == 3
+    assert default.num_splits > 1 and default.short_chain == pa._SHORT_CHAIN_TILES == 2
+    assert default.preload
+    for chain in (0, 3):
+        _check(q, kc, vc, meta, dataclasses.replace(default, short_chain=chain))
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
     cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
@@ -99,23 +96,19 @@ def test_split_decode_defaults(monkeypatch) -> None:
     assert cfg.num_splits == 1 and cfg.short_chain == 0 and not cfg.preload
 
 
-def test_split_stages_knob(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_SPLIT_STAGES (the module constant) sets the stages of split decode
-    launches only; the plain loops' result unchanged."""
+def test_split_decode_one_stage() -> None:
+    """Split decode with one-stage loops (an explicit config): the result unchanged. The
+    automatic choice keeps prefill's two stages."""
     from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
-                                 block_size=16, dtype=torch.bfloat16, seed=6)
+                                 block_size=16, dtype=torch.float32, seed=6)
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.bfloat16, seed=6)[3]
-    before = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages
-    monkeypatch.setattr(pa, "_SPLIT_STAGES", 1)
+    assert pa.choose_config(prefill, 2, 4, 64, q.device, torch.bfloat16).num_stages == 2
     cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert cfg.num_splits > 1 and cfg.num_stages == 1
-    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_stages == before == 2
-    q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
-                                 block_size=16, dtype=torch.float32, seed=6)
-    _check(q, kc, vc, meta, pa.choose_config(meta, 2, 4, 64, q.device, q.dtype))
+    assert cfg.num_splits > 1
+    _check(q, kc, vc, meta, dataclasses.replace(cfg, num_stages=1))
 
 
 def test_decode_only_auto_splits() -> None:
@@ -130,9 +123,9 @@ def test_decode_only_auto_splits() -> None:
     assert int(pa._COUNTERS[("cpu", None)].abs().sum()) == 0
 
 
-def test_longer_splits_knob(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (the module constant): fewer, longer splits for a short
-    decode, none once one covers the context; the result unchanged."""
+def test_longer_splits(monkeypatch) -> None:
+    """_MIN_TOKENS_PER_SPLIT (the module constant): longer splits give fewer of them for a
+    short decode, none once one covers the context; the result unchanged."""
     from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
@@ -145,26 +138,19 @@ def test_longer_splits_knob(monkeypatch) -> None:
     assert splits[64] >= splits[128] > splits[512] == 1  # (64: also capped by the SM count)
 
 
-def test_split_tile_knob(monkeypatch) -> None:
-    """SLIPSTREAM_ATTN_SPLIT_BLOCK_N / _SPLIT_WARPS (the module constants; 8 warps by default):
-    split decode launches take the shorter tile (a short context covers more splits) and the
-    warp count; the result unchanged."""
+def test_split_tile_and_warps() -> None:
+    """Split decode launches take _SPLIT_WARPS (8) warps, prefill does not; a shorter tile and
+    fewer warps (an explicit config) give the same result."""
     from slipstream.kernels.attention import paged as pa
 
     q, kc, vc, meta = make_batch([1], [300], num_kv_heads=2, group=4, head_dim=64,
                                  block_size=16, dtype=torch.float32, seed=6)
     default = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert default.num_splits > 1 and default.num_warps == 8  # split decode: 8 warps (H200)
-    monkeypatch.setattr(pa, "_MIN_TOKENS_PER_SPLIT", 16)
-    monkeypatch.setattr(pa, "_SPLIT_BLOCK_N", 16)
-    monkeypatch.setattr(pa, "_SPLIT_WARPS", 2)
-    cfg = pa.choose_config(meta, 2, 4, 64, q.device, q.dtype)
-    assert cfg.block_n == 16 and cfg.num_splits > 1 and cfg.num_warps == 2
-    _check(q, kc, vc, meta)
+    assert default.num_splits > 1 and default.num_warps == pa._SPLIT_WARPS == 8
+    _check(q, kc, vc, meta, dataclasses.replace(default, block_n=16, num_warps=2))
     prefill = make_batch([40], [300], num_kv_heads=2, group=4, head_dim=64, block_size=16,
                          dtype=torch.float32, seed=6)[3]
-    cfg = pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype)
-    assert cfg.block_n != 16 and cfg.num_warps != 2  # decode only
+    assert pa.choose_config(prefill, 2, 4, 64, q.device, q.dtype).num_warps != 8  # decode only
 
 
 def test_causal_boundary_sweep() -> None:

@@ -15,7 +15,7 @@ from slipstream.runner.input_batch import prepare_inputs
 from slipstream.runner.model_runner import ModelRunner
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import ScheduledSeq
-from tests.helpers import load_hf_model, make_tiny_checkpoint
+from tests.helpers import load_hf_model, max_rel_err
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
@@ -58,27 +58,23 @@ def hf_logits(path, prompt: list[int]) -> torch.Tensor:
         return load_hf_model(path)(torch.tensor([prompt])).logits[0].float()
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("arch,overrides", CASES,
                          ids=[f"{a}-{'-'.join(o) or 'base'}" for a, o in CASES])
-def test_prompt_logits_match_transformers(tmp_path, arch, overrides):
-    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+def test_prompt_logits_match_transformers(tiny_checkpoint, arch, overrides):
+    path = tiny_checkpoint(arch, **overrides)
     runner = make_runner(path)
     prompt = torch.randint(0, 512, (45,), generator=torch.Generator().manual_seed(1)).tolist()
     ours = full_logits(runner, prompt, block_ids=list(range(12)))
     ref = hf_logits(path, prompt)
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
-    assert rel_err(ours, ref) < REL_TOL
+    assert max_rel_err(ours, ref) < REL_TOL
 
 
-def test_rope_scaling_changes_logits(tmp_path):
+def test_rope_scaling_changes_logits(tiny_checkpoint):
     """Guards the test above: with llama3 scaling dropped our logits must move."""
     import dataclasses
 
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", rope_scaling=LLAMA3)
+    path = tiny_checkpoint("LlamaForCausalLM", rope_scaling=LLAMA3)
     runner = make_runner(path)
     assert runner.config.model.rope_scaling["rope_type"] == "llama3"
     prompt = list(range(3, 48))
@@ -88,13 +84,13 @@ def test_rope_scaling_changes_logits(tmp_path):
     plain = ModelRunner(unscaled_cfg)
     plain.load_model()
     plain.initialize_kv_cache(64)
-    assert rel_err(full_logits(plain, prompt, list(range(12))), scaled) > 1e-2
+    assert max_rel_err(full_logits(plain, prompt, list(range(12))), scaled) > 1e-2
 
 
-def test_l2_prefetch_tables_cover_o_then_gate_up(tmp_path):
+def test_l2_prefetch_tables_cover_o_then_gate_up(tiny_llama_dir):
     """attach_l2_prefetch: each layer's attention gets spans over all of its o_proj, then the same
     leading share of its gate/up tensors, within the budget; 0 detaches."""
-    runner = make_runner(make_tiny_checkpoint(tmp_path, "LlamaForCausalLM"))
+    runner = make_runner(tiny_llama_dir)
     model = runner.model
     layer = model.model.layers[0]
     o_w, gu_w = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from slipstream.engine.args import EngineArgs
 from slipstream.models.loader import build_model, load_model
 from slipstream.models.registry import get_model_class, supported_architectures
-from tests.helpers import load_hf_model, make_tiny_checkpoint
+from tests.helpers import load_hf_model
 
 
 def engine_config(path, **kw):
@@ -19,8 +19,8 @@ def engine_config(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "Qwen2ForCausalLM")
+def qwen2_dir(tiny_checkpoint):
+    return tiny_checkpoint("Qwen2ForCausalLM")
 
 
 def copy_with_tensors(src, dst, edit):

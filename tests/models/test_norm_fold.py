@@ -1,4 +1,4 @@
-"""RMSNorm weights folded into the projections they feed (SLIPSTREAM_FOLD_NORMS): the network
+"""RMSNorm weights folded into the projections they feed (models/norm_fold.py): the network
 computes the same function; a batch-1 decode then runs its layers without norm kernels
 (LlamaDecoderLayer._forward_folded_row); methods that quantize at load quantize the folded
 weight; calibrated and pre-quantized methods keep their norms."""
@@ -13,6 +13,7 @@ from slipstream.models import llama, norm_fold
 from slipstream.models.loader import load_model
 from slipstream.models.quantize_as_loaded import before_each_layer
 from slipstream.quantization import int4_awq
+from slipstream.quantization.base import UnquantizedLinearMethod
 from tests.engine.test_hf_parity import greedy, hf_greedy, random_prompts
 from tests.helpers import make_tiny_checkpoint
 
@@ -25,10 +26,14 @@ def checkpoint(tmp_path_factory):
 
 
 def _load(path, fold: bool | str, monkeypatch, **kw):
-    mode = {True: "all", False: "off"}.get(fold, fold)
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", mode)
+    """fold True: unquantized layers fold too; False: nothing folds; "auto": the default."""
+    monkeypatch.setattr(UnquantizedLinearMethod, "folds_norm", fold is True)
     kw.setdefault("dtype", "float32")
-    return load_model(EngineArgs(model=str(path), device="cpu", **kw).create_engine_config())
+    config = EngineArgs(model=str(path), device="cpu", **kw).create_engine_config()
+    if fold is False:
+        with norm_fold.kept_norms():
+            return load_model(config)
+    return load_model(config)
 
 
 def _norms(model) -> list:
@@ -53,7 +58,7 @@ def test_fold_moves_each_norm_weight_into_its_projection(checkpoint, monkeypatch
 
 
 def test_auto_folds_only_weights_that_are_rounded_at_load(checkpoint, monkeypatch):
-    """The default (`auto`): an unquantized model keeps its checkpoint weights bit for bit;
+    """The default: an unquantized model keeps its checkpoint weights bit for bit;
     a method that quantizes at load gets the fold."""
     plain = _load(checkpoint, False, monkeypatch)
     auto = _load(checkpoint, "auto", monkeypatch)
@@ -64,21 +69,10 @@ def test_auto_folds_only_weights_that_are_rounded_at_load(checkpoint, monkeypatc
     assert all(n.folded for n in _norms(quant))
 
 
-@pytest.mark.parametrize("value,mode", [("auto", "auto"), ("1", "all"), ("ALL", "all"),
-                                        ("0", "off"), ("off", "off")])
-def test_fold_setting_values(value, mode):
-    assert norm_fold._mode(value) == mode
-
-
-def test_fold_setting_rejects_unknown_values():
-    with pytest.raises(ValueError, match="SLIPSTREAM_FOLD_NORMS='yes'"):
-        norm_fold._mode("yes")
-
-
 def test_batch1_decode_with_folded_norms_matches_transformers(checkpoint, monkeypatch):
     """Greedy tokens equal HF's, one prompt at a time (each decode step is one row: the folded
     path, with the reference ops' fallbacks on the CPU); the path is checked to have run."""
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "all")
+    monkeypatch.setattr(UnquantizedLinearMethod, "folds_norm", True)
     calls = []
     folded_row = llama.LlamaDecoderLayer._forward_folded_row
 
@@ -140,7 +134,7 @@ _IN_GEMV_NORM = {  # method -> (kernel module, its one-row RMS entry point, its 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", list(_IN_GEMV_NORM))
 def test_gpu_quantized_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch, method):
-    """Load-time quantization with folded norms (the default, `auto`; int4_awq: round-to-
+    """Load-time quantization with folded norms (the default; int4_awq: round-to-
     nearest), batch 1, float32 on the GPU: the GEMVs that normalise their own input (QKV, and
     gate/up writing SiLU(gate)·up) give the tokens the same folded model gives through the norm
     kernels (the entry points refusing rms_eps)."""
@@ -150,7 +144,6 @@ def test_gpu_quantized_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch
         pytest.skip("FP8 needs compute capability 8.9+")
     module_name, rms_name, gate_out_name = _IN_GEMV_NORM[method]
     kernels = importlib.import_module(f"slipstream.kernels.{module_name}")
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "auto")
     rms, gate_out = getattr(kernels, rms_name), getattr(kernels, gate_out_name)
     normalised = []
 

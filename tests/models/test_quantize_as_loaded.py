@@ -25,10 +25,10 @@ def engine_config(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def llama_dir(tiny_checkpoint):
     # 128 wide: int4_awq's group size divides it
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "LlamaForCausalLM",
-                                num_hidden_layers=3, hidden_size=128, intermediate_size=256)
+    return tiny_checkpoint("LlamaForCausalLM",
+                           num_hidden_layers=3, hidden_size=128, intermediate_size=256)
 
 
 def _unquantized_layers(model) -> set[int]:
@@ -77,9 +77,9 @@ def test_dummy_weights_are_the_quantized_16_bit_dummy_weights(llama_dir, method,
                                                               monkeypatch):
     """Same seed, same values as before the change: the 16-bit dummy model, quantized (norms
     unfolded: test_norm_fold.py checks the folded weights)."""
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
-    plain = load_model(engine_config(llama_dir, load_format="dummy"))
-    quant = load_model(engine_config(llama_dir, load_format="dummy", quantization=method))
+    with norm_fold.kept_norms():
+        plain = load_model(engine_config(llama_dir, load_format="dummy"))
+        quant = load_model(engine_config(llama_dir, load_format="dummy", quantization=method))
     for (name, a), (_, b) in zip(plain.named_modules(), quant.named_modules(), strict=True):
         if isinstance(a, LinearBase):
             q, scale = quantize(a.weight.data)
@@ -115,8 +115,6 @@ def test_gpu_peak_memory_stays_below_the_16_bit_model(tmp_path):
     """32 layers of 1024 x 4096 (16.8M linear weights each): 1.07 GB of bf16 linear weights, which
     the old load-then-quantize held all at once. Quantizing as loaded peaks at the fp8 weights
     (0.54 GB) plus about one layer in bf16 and its float32 temporaries (~0.14 GB)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     layers = 32
     d = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", hidden_size=1024, intermediate_size=4096,
                              num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8,
@@ -171,8 +169,6 @@ def test_gpu_a_model_too_big_for_the_gpu_says_so(monkeypatch, tmp_path):
     error sizes it and suggests quantizing at load instead of a bare allocator message. The
     up-front estimate check is switched off to run out of memory for real (the error a model
     the estimate misjudges would get)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     import json
 
     from slipstream.bench.shapes import shape_config

@@ -1,19 +1,9 @@
-"""Quantization tests: the Triton kernels run in Triton's interpreter when there is no GPU
-(TRITON_INTERPRET must be set before triton loads); `-m gpu` tests need CUDA."""
+"""Quantization tests: shared prompts and output poisoning (Triton's interpreter and the `gpu`
+skip are set up in tests/conftest.py)."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.reference import silu_and_mul
 from slipstream.quantization import utils as qu
 
@@ -28,7 +28,7 @@ def check_gate_out(got: torch.Tensor, product: torch.Tensor) -> None:
     product (each operand rounded to bf16 first), and the split-K counters are back at zero."""
     assert got.shape == (1, product.shape[-1] // 2) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), silu_and_mul(product.float()), atol=1e-5, rtol=1e-2)
-    for buf in _COUNTERS.values():
+    for buf in COUNTERS.values():
         assert int(buf.abs().sum()) == 0
 
 

@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.fp8 import Fp8LinearMethod
 from slipstream.quantization.utils import FP8_DTYPE, FP8_MAX, detect_quant_method, quantize_fp8_per_channel
-from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import (
     compressed_tensors_config,
     greedy_and_scores,
@@ -45,11 +44,6 @@ INT4_PACKED = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 
 def ct_config(weights: dict | None = None, activations: dict | None = DYNAMIC_TOKEN,
               ignore: list[str] | None = None, fmt: str = "float-quantized", **extra) -> dict:
     return compressed_tensors_config(weights or FP8_WEIGHTS, activations, ignore, fmt, **extra)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ct"), "LlamaForCausalLM")
 
 
 def _quantize(w: torch.Tensor, strategy: str, scale_dtype: torch.dtype
@@ -101,10 +95,10 @@ def write_pair(src: Path, dst: Path, *, strategy: str = "channel", static: bool 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])  # auto-detected, explicit
 @pytest.mark.parametrize("activations", ["dynamic", None])  # W8A8 per token, W8A16
-def test_channel_fp8_matches_fp8_checkpoint(tiny, prompts, tmp_path, quantization,
+def test_channel_fp8_matches_fp8_checkpoint(tiny_llama_dir, prompts, tmp_path, quantization,
                                             activations) -> None:
     ct = ct_config(activations=DYNAMIC_TOKEN if activations else None)
-    ct_dir, fp8_dir = write_pair(tiny, tmp_path, scale_dtype=torch.bfloat16, ct=ct)
+    ct_dir, fp8_dir = write_pair(tiny_llama_dir, tmp_path, scale_dtype=torch.bfloat16, ct=ct)
     assert detect_quant_method(json.loads((ct_dir / "config.json").read_text())) == "fp8"
     llm = load_llm(ct_dir, quantization)
     qkv = quantized_layers(llm)["model.layers.0.self_attn.qkv_proj"]
@@ -117,8 +111,8 @@ def test_channel_fp8_matches_fp8_checkpoint(tiny, prompts, tmp_path, quantizatio
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(fp8_dir), prompts)
 
 
-def test_tensor_fp8_static_matches_fp8_static_checkpoint(tiny, prompts, tmp_path) -> None:
-    ct_dir, fp8_dir = write_pair(tiny, tmp_path, strategy="tensor", static=True)
+def test_tensor_fp8_static_matches_fp8_static_checkpoint(tiny_llama_dir, prompts, tmp_path) -> None:
+    ct_dir, fp8_dir = write_pair(tiny_llama_dir, tmp_path, strategy="tensor", static=True)
     llm = load_llm(ct_dir)
     layers = quantized_layers(llm)
     gate_up = layers["model.layers.1.mlp.gate_up_proj"]
@@ -141,16 +135,16 @@ def _as_float(layer: torch.nn.Module, weight: torch.Tensor) -> None:
     layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
 
 
-def test_ignored_layers_stay_float(tiny, prompts, tmp_path) -> None:
+def test_ignored_layers_stay_float(tiny_llama_dir, prompts, tmp_path) -> None:
     ignore = ["lm_head", r"re:model\.layers\.0\.self_attn\.[qkv]_proj$", r"re:.*\.1\.mlp\.down",
               "model.layers.1.self_attn.o_proj", "model.embed_tokens"]
     float_modules = {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
                      "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj",
                      "model.layers.1.self_attn.o_proj"}
-    ct_dir, fp8_dir = write_pair(tiny, tmp_path, ct=ct_config(ignore=ignore),
+    ct_dir, fp8_dir = write_pair(tiny_llama_dir, tmp_path, ct=ct_config(ignore=ignore),
                                  keep_float=float_modules)
     llm = load_llm(ct_dir)
-    original = load_file(str(tiny / "model.safetensors"))
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))
     floats = {"model.layers.0.self_attn.qkv_proj": torch.cat(
                   [original[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
               "model.layers.1.mlp.down_proj": original["model.layers.1.mlp.down_proj.weight"],
@@ -173,16 +167,16 @@ def test_ignored_layers_stay_float(tiny, prompts, tmp_path) -> None:
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(want, prompts)
 
 
-def test_partly_ignored_fused_layer_is_an_error(tiny, tmp_path) -> None:
+def test_partly_ignored_fused_layer_is_an_error(tiny_llama_dir, tmp_path) -> None:
     ct = ct_config(ignore=["lm_head", "model.layers.0.self_attn.k_proj"])
-    ct_dir, _ = write_pair(tiny, tmp_path, ct=ct, keep_float={"model.layers.0.self_attn.k_proj"})
+    ct_dir, _ = write_pair(tiny_llama_dir, tmp_path, ct=ct, keep_float={"model.layers.0.self_attn.k_proj"})
     with pytest.raises(ValueError, match=r"only some of the modules fused into "
                                          r"model\.layers\.0\.self_attn\.qkv_proj"):
         load_llm(ct_dir)
 
 
-def test_quantized_lm_head_is_an_error(tiny, tmp_path) -> None:
-    ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(ignore=[]))
+def test_quantized_lm_head_is_an_error(tiny_llama_dir, tmp_path) -> None:
+    ct_dir, _ = write_pair(tiny_llama_dir, tmp_path, ct=ct_config(ignore=[]))
     with pytest.raises(ValueError, match="quantizes lm_head"):
         load_llm(ct_dir)
 
@@ -228,35 +222,35 @@ def test_same_scheme_in_two_groups_loads() -> None:
     assert detect_quant_method(llama_hf_config(qc)) == "fp8"
 
 
-def test_int4_config_never_loads_fp8_tensors(tiny, tmp_path) -> None:
+def test_int4_config_never_loads_fp8_tensors(tiny_llama_dir, tmp_path) -> None:
     int4 = {**INT4_PACKED, "group_size": 32}  # divides the tiny model's K: the tensors decide
-    ct_dir, _ = write_pair(tiny, tmp_path, ct=ct_config(int4, None, fmt="pack-quantized"))
+    ct_dir, _ = write_pair(tiny_llama_dir, tmp_path, ct=ct_config(int4, None, fmt="pack-quantized"))
     with pytest.raises(ValueError, match=r"unexpected tensor '.*_proj\.weight'"):
         load_llm(ct_dir)  # int4_awq (W4A16) expects weight_packed, not float8 weights
     with pytest.raises(ValueError, match="already quantized with 'int4_awq'"):
         load_llm(ct_dir, "fp8")
 
 
-def test_explicit_other_method_is_the_mismatch_error(tiny, tmp_path) -> None:
-    ct_dir, _ = write_pair(tiny, tmp_path)
+def test_explicit_other_method_is_the_mismatch_error(tiny_llama_dir, tmp_path) -> None:
+    ct_dir, _ = write_pair(tiny_llama_dir, tmp_path)
     with pytest.raises(ValueError, match="already quantized with 'fp8'"):
         load_llm(ct_dir, "int8_wo")
 
 
 # --- FP8_BLOCK (llm-compressor's block preset) -----------------------------------------------------
 
-def test_block_fp8_matches_hf_block_checkpoint(tiny, prompts, tmp_path, caplog) -> None:
+def test_block_fp8_matches_hf_block_checkpoint(tiny_llama_dir, prompts, tmp_path, caplog) -> None:
     """Block scales stored as `weight_scale` (compressed-tensors) load like the same values as
     `weight_scale_inv` in an HF `weight_block_size` checkpoint: requantized per channel at load.
     Per-token-group activations (group 128) run per token, as every fp8 layer does."""
     from tests.quantization.test_fp8_checkpoints import BLOCK, write_block_checkpoints
 
-    hf_path, _ = write_block_checkpoints(tiny, tmp_path / "hf")
+    hf_path, _ = write_block_checkpoints(tiny_llama_dir, tmp_path / "hf")
     tensors = {name.replace(".weight_scale_inv", ".weight_scale"): t
                for name, t in load_file(str(hf_path / "model.safetensors")).items()}
     weights = {**FP8_WEIGHTS, "strategy": "block", "block_structure": list(BLOCK)}
     acts = {**DYNAMIC_TOKEN, "strategy": "group", "group_size": 128}
-    ct_path = save_checkpoint(tiny, tmp_path / "ct", tensors, ct_config(weights, acts))
+    ct_path = save_checkpoint(tiny_llama_dir, tmp_path / "ct", tensors, ct_config(weights, acts))
     assert detect_quant_method(json.loads((ct_path / "config.json").read_text())) == "fp8"
     with caplog.at_level("WARNING"):
         llm = load_llm(ct_path)

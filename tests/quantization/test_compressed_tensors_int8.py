@@ -24,7 +24,6 @@ from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.int8_wo import Int8WeightOnlyMethod, unpack_int8_cols
 from slipstream.quantization.utils import detect_quant_method, quantize_int8_per_channel
 from slipstream.quantization.w8a8_sq import W8A8SmoothQuantMethod
-from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import (
     compressed_tensors_config,
     greedy_and_scores,
@@ -46,11 +45,6 @@ INT8_STATIC_TENSOR = {**INT8_TOKEN, "strategy": "tensor", "dynamic": False, "obs
 def ct_config(weights: dict | None = None, activations: dict | None = INT8_TOKEN,
               ignore: list[str] | None = None, fmt: str = "int-quantized") -> dict:
     return compressed_tensors_config({**INT8_WEIGHTS, **(weights or {})}, activations, ignore, fmt)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ct8"), "LlamaForCausalLM")
 
 
 def pack_int8_cols(q: torch.Tensor) -> torch.Tensor:
@@ -124,19 +118,19 @@ def _check_qkv(llm, ct_dir: Path, method_type: type) -> None:
 
 @pytest.mark.parametrize("quantization", [None, "w8a8_sq"])  # auto-detected, explicit
 @pytest.mark.parametrize("fmt", ["int-quantized", "naive-quantized"])
-def test_w8a8_matches_w8a8_sq_checkpoint(tiny, prompts, tmp_path, quantization, fmt) -> None:
-    ct_dir, ref_dir = write_pair(tiny, tmp_path, ct_config(fmt=fmt), w8a8_sq.checkpoint_config())
+def test_w8a8_matches_w8a8_sq_checkpoint(tiny_llama_dir, prompts, tmp_path, quantization, fmt) -> None:
+    ct_dir, ref_dir = write_pair(tiny_llama_dir, tmp_path, ct_config(fmt=fmt), w8a8_sq.checkpoint_config())
     assert detect_quant_method(_config_of(ct_dir)) == "w8a8_sq"
     llm = load_llm(ct_dir, quantization)
     _check_qkv(llm, ct_dir, W8A8SmoothQuantMethod)
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(load_llm(ref_dir), prompts)
 
 
-def test_w8a8_static_input_scales_load_unused(tiny, prompts, tmp_path, caplog) -> None:
+def test_w8a8_static_input_scales_load_unused(tiny_llama_dir, prompts, tmp_path, caplog) -> None:
     """Static per-tensor activations: the input_scale tensors land (one per fused shard) and the
     layers still quantize their inputs per token, like the w8a8_sq checkpoint."""
     ct = ct_config(activations=INT8_STATIC_TENSOR)
-    ct_dir, ref_dir = write_pair(tiny, tmp_path, ct, w8a8_sq.checkpoint_config(),
+    ct_dir, ref_dir = write_pair(tiny_llama_dir, tmp_path, ct, w8a8_sq.checkpoint_config(),
                                  scale_dtype=torch.float16)
     with caplog.at_level("INFO", logger="slipstream.quantization.compressed_tensors"):
         llm = load_llm(ct_dir)
@@ -149,8 +143,8 @@ def test_w8a8_static_input_scales_load_unused(tiny, prompts, tmp_path, caplog) -
 
 
 @pytest.mark.parametrize("fmt", ["pack-quantized", "int-quantized", "naive-quantized"])
-def test_w8a16_matches_int8_wo_checkpoint(tiny, prompts, tmp_path, fmt) -> None:
-    ct_dir, ref_dir = write_pair(tiny, tmp_path, ct_config(activations=None, fmt=fmt),
+def test_w8a16_matches_int8_wo_checkpoint(tiny_llama_dir, prompts, tmp_path, fmt) -> None:
+    ct_dir, ref_dir = write_pair(tiny_llama_dir, tmp_path, ct_config(activations=None, fmt=fmt),
                                  int8_wo.checkpoint_config(), scale_dtype=torch.float32)
     assert detect_quant_method(_config_of(ct_dir)) == "int8_wo"
     llm = load_llm(ct_dir)
@@ -175,7 +169,7 @@ def _as_float(layer: torch.nn.Module, weight: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w8a16 packed"])
-def test_ignored_layers_stay_float(tiny, prompts, tmp_path, scheme) -> None:
+def test_ignored_layers_stay_float(tiny_llama_dir, prompts, tmp_path, scheme) -> None:
     ignore = ["lm_head", r"re:model\.layers\.0\.self_attn\.[qkv]_proj$",
               "model.layers.1.mlp.down_proj"]
     float_modules = frozenset({"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
@@ -185,9 +179,9 @@ def test_ignored_layers_stay_float(tiny, prompts, tmp_path, scheme) -> None:
     else:
         ct = ct_config(activations=None, ignore=ignore, fmt="pack-quantized")
         ref, method = int8_wo.checkpoint_config(), Int8WeightOnlyMethod
-    ct_dir, ref_dir = write_pair(tiny, tmp_path, ct, ref, keep_float=float_modules)
+    ct_dir, ref_dir = write_pair(tiny_llama_dir, tmp_path, ct, ref, keep_float=float_modules)
     llm = load_llm(ct_dir)
-    original = load_file(str(tiny / "model.safetensors"))
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))
     floats = {"model.layers.0.self_attn.qkv_proj": torch.cat(
                   [original[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]),
               "model.layers.1.mlp.down_proj": original["model.layers.1.mlp.down_proj.weight"]}
@@ -228,9 +222,10 @@ def test_unsupported_int8_schemes_are_clear_errors(case) -> None:
     assert "supported: " in str(err.value) and "INT8 W8A8" in str(err.value)
 
 
-def test_explicit_other_method_is_the_mismatch_error(tiny, tmp_path) -> None:
-    w8a8_dir, _ = write_pair(tiny, tmp_path / "a", ct_config(), w8a8_sq.checkpoint_config())
-    w8a16_dir, _ = write_pair(tiny, tmp_path / "b", ct_config(activations=None, fmt="pack-quantized"),
+def test_explicit_other_method_is_the_mismatch_error(tiny_llama_dir, tmp_path) -> None:
+    w8a8_dir, _ = write_pair(tiny_llama_dir, tmp_path / "a", ct_config(), w8a8_sq.checkpoint_config())
+    w8a16_dir, _ = write_pair(tiny_llama_dir, tmp_path / "b",
+                              ct_config(activations=None, fmt="pack-quantized"),
                               int8_wo.checkpoint_config())
     for path, found, other in ((w8a8_dir, "w8a8_sq", "int8_wo"), (w8a8_dir, "w8a8_sq", "fp8"),
                                (w8a16_dir, "int8_wo", "w8a8_sq")):

@@ -22,7 +22,6 @@ from slipstream.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from slipstream.quantization.base import UnquantizedLinearMethod, get_quant_method_factory
 from slipstream.quantization.int4_awq import ACT_ORDER_PERM, Int4LinearMethod, dequantize_layer
 from slipstream.quantization.utils import detect_quant_method
-from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import (
     compressed_tensors_config,
     llama_hf_config,
@@ -140,9 +139,8 @@ def write_pair(src: Path, dst: Path, *, symmetric: bool = True, act_order: bool 
 # --- the engine side -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ct-w4"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.quantization.int4_awq import ACT_ORDER_PERM
-from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import quantized_layers, save_checkpoint
 from tests.quantization.test_compressed_tensors_int8 import ct_config as int8_config
 from tests.quantization.test_compressed_tensors_w4 import w4_config
@@ -26,9 +25,8 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("dummy"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

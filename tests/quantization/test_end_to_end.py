@@ -18,17 +18,16 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.quantization.cli import add_quantize_parser
 from slipstream.quantization.utils import detect_quant_method
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import skip_without_fp8
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
+def tiny(tiny_checkpoint) -> Path:
     # K = 128 and 256: whole INT4 groups of 128.
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("q"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +105,9 @@ def test_quantize_cli_output_reloads(tiny, prompts, tmp_path, method, monkeypatc
     assert torch.equal(written, source)  # the norms as they were: nothing folded into the file
     # Same quantized numbers as quantizing at load time with the norms kept (the CLI writes the
     # source's norms; a load-time fold quantizes W * gamma instead): the same greedy tokens.
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
-    assert _greedy(reloaded, prompts) == _greedy(_llm(tiny, method), prompts)
+    with norm_fold.kept_norms():
+        unfolded = _llm(tiny, method)
+    assert _greedy(reloaded, prompts) == _greedy(unfolded, prompts)
 
 
 def test_quantize_cli_rejects_kv_cache_dtype(tiny, tmp_path) -> None:
@@ -325,21 +325,24 @@ def test_gpu_streamed_awq_writes_the_same_checkpoint(tiny, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8", "int8_wo"])
 def test_gpu_gate_up_act_decodes_the_same_tokens(monkeypatch, tiny, prompts, quantization):
-    """GATE_UP_ACT (on by default): at batch 1 the gate/up GEMV writes SiLU(gate)·up and the down
-    projection reads it plainly; greedy tokens (CUDA graphs, bf16) equal the other path's. Norms
+    """At batch 1 the gate/up GEMV writes SiLU(gate)·up and the down projection reads it
+    plainly; greedy tokens (CUDA graphs, bf16) equal the two-step path's. Norms
     unfolded: with them folded the two paths also differ in where x is normalised (bf16
     rounding); test_norm_fold.py / test_gpu_e2e.py check the folded paths in float32."""
-    from slipstream.models import llama, norm_fold
+    from slipstream.layers.linear import MergedColumnParallelLinear
+    from slipstream.models import norm_fold
 
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
+    gate_out = MergedColumnParallelLinear.forward_gate_out
 
-    if quantization == "fp8" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
+    if quantization == "fp8":
+        skip_without_fp8()
 
     def tokens(flag: bool) -> list[list[int]]:
-        monkeypatch.setattr(llama, "GATE_UP_ACT", flag)
-        llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization=quantization,
-                  kv_cache_memory=64 << 20, max_num_seqs=1)
+        monkeypatch.setattr(MergedColumnParallelLinear, "forward_gate_out",
+                            gate_out if flag else lambda *a, **k: None)
+        with norm_fold.kept_norms():
+            llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization=quantization,
+                      kv_cache_memory=64 << 20, max_num_seqs=1)
         return [list(o.outputs[0].token_ids) for o in
                 llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
 
@@ -348,19 +351,20 @@ def test_gpu_gate_up_act_decodes_the_same_tokens(monkeypatch, tiny, prompts, qua
 
 @pytest.mark.gpu
 def test_gpu_w4_gate_out_decodes_the_same_tokens(monkeypatch, tiny, prompts):
-    """int4_awq with W4_GATE_OUT (SLIPSTREAM_W4_GATE_OUT=1): at batch 1 the W4 gate/up GEMV
+    """int4_awq: at batch 1 the W4 gate/up GEMV
     writes SiLU(gate)·up; greedy tokens (CUDA graphs, bf16) equal those of the two-step path
     (norms unfolded, as in the test above)."""
-    from slipstream.models import llama, norm_fold
+    from slipstream.models import norm_fold
     from slipstream.quantization import int4_awq
 
-    monkeypatch.setattr(llama, "GATE_UP_ACT", True)
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
+    gate_out = int4_awq.Int4LinearMethod.apply_gate_out
 
     def tokens(flag: bool) -> list[list[int]]:
-        monkeypatch.setattr(int4_awq, "W4_GATE_OUT", flag)
-        llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization="int4_awq",
-                  kv_cache_memory=64 << 20, max_num_seqs=1)
+        monkeypatch.setattr(int4_awq.Int4LinearMethod, "apply_gate_out",
+                            gate_out if flag else lambda *a, **k: None)
+        with norm_fold.kept_norms():
+            llm = LLM(str(tiny), device="cuda", dtype="bfloat16", quantization="int4_awq",
+                      kv_cache_memory=64 << 20, max_num_seqs=1)
         return [list(o.outputs[0].token_ids) for o in
                 llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
 

@@ -10,7 +10,7 @@ import torch
 
 from slipstream.kernels.gemm import int8 as gemm_int8
 from slipstream.kernels.gemm.int8 import W8GemmConfig
-from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.gemv.int8 import qgemv_reference
 from slipstream.quantization import utils
 from slipstream.quantization.int8_wo import convert_linear
@@ -45,7 +45,7 @@ def test_w8_gemm_matches_reference(cfg, k: int, with_bias: bool) -> None:
     assert out.shape == (2, 25, n) and out.dtype == torch.float32
     want = qgemv_reference(x.reshape(50, k), q, s, b)
     torch.testing.assert_close(out.reshape(50, n), want, atol=1e-4, rtol=1e-4)
-    for buf in _COUNTERS.values():  # split-K arrival counters are left at zero
+    for buf in COUNTERS.values():  # split-K arrival counters are left at zero
         assert int(buf.abs().sum()) == 0
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 from slipstream.kernels.gemm import int4 as gemm_int4
 from slipstream.kernels.gemv import int4 as gemv_int4
 from slipstream.kernels.gemv import int4_common
-from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.gemv.int4 import W4Config
 from slipstream.quantization import utils as qu
 from tests.quantization.gemv_helpers import quantized, rel, rms_normed
@@ -78,7 +78,7 @@ def test_w4_gemv_split_k(cfg: W4Config, m: int) -> None:
     x, b = torch.randn(m, k), torch.randn(n)
     out = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
     _check(out, x, packed, b, group)
-    for buf in _COUNTERS.values():  # the last program to arrive resets every tile counter
+    for buf in COUNTERS.values():  # the last program to arrive resets every tile counter
         assert int(buf.abs().sum()) == 0
     torch.testing.assert_close(gemv_int4.w4_gemv(x, *packed, group, b, cfg), out, atol=0, rtol=0)
 
@@ -158,7 +158,7 @@ def test_w4_two_rows_kernel_equals_the_one_row_kernel_per_row(split: int, prefet
         want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
         torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
     assert rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
-    for buf in _COUNTERS.values():
+    for buf in COUNTERS.values():
         assert int(buf.abs().sum()) == 0
     for bad in (torch.randn(3, k).bfloat16(), torch.randn(2, k)):
         with pytest.raises(ValueError, match="two rows"):
@@ -184,7 +184,7 @@ def test_w4_four_rows_kernel_equals_the_one_row_kernel_per_row(m: int, split: in
     for r in range(m):
         want = gemv_int4.w4_gemv(x[r:r + 1], *packed, group, b, one_row)
         torch.testing.assert_close(got[r:r + 1], want, atol=0, rtol=0)
-    for buf in _COUNTERS.values():
+    for buf in COUNTERS.values():
         assert int(buf.abs().sum()) == 0
     assert rel(got, gemv_int4.w4_linear_reference(x.double(), *packed, group, b.double())) < 8e-3
     odd = torch.empty(m * k + 1, dtype=torch.bfloat16)[1:].view(m, k).copy_(x)
@@ -233,7 +233,7 @@ def test_w4_gate_out_equals_product_then_activation(cfg: W4Config, with_bias: bo
     want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, group, b, cfg).float())
     assert got.shape == (1, n // 2) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 1e-2)
-    for buf in _COUNTERS.values():  # split-K tile counters back at zero
+    for buf in COUNTERS.values():  # split-K tile counters back at zero
         assert int(buf.abs().sum()) == 0
     with pytest.raises(ValueError, match="one row"):
         gemv_int4.w4_gemv_gate_out(torch.randn(2, k).to(dtype), *packed, group, b, cfg)
@@ -300,8 +300,6 @@ def test_layout_errors() -> None:
 
 
 def test_measure_best_skips_wrong_and_failing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from slipstream.kernels.runtime import tuning
-
     want = torch.ones(4)
     times = {"fast_wrong": 0.1, "slow": 2.0, "fast": 1.0}
     called: list[str] = []
@@ -310,7 +308,7 @@ def test_measure_best_skips_wrong_and_failing(monkeypatch: pytest.MonkeyPatch) -
         call(arg_sets[0])
         return times[called[-1]]
 
-    monkeypatch.setattr(tuning, "graph_time_us", fake_time)
+    monkeypatch.setattr(int4_common, "graph_time_us", fake_time)
 
     def fast_wrong(x):
         called.append("fast_wrong")
@@ -338,7 +336,7 @@ def test_w4_choices_for_the_startup_log(monkeypatch: pytest.MonkeyPatch) -> None
     small = (1, 4096, 4096, 128, torch.bfloat16, False, 0)
     large = (256, 4096, 4096, 128, torch.bfloat16, True, 0)
     monkeypatch.setitem(gemv_int4._SMALL_CHOICES, small, W4Config(128, 128, 0, 2, 1, True))
-    monkeypatch.setitem(gemm_int4._LARGE_CHOICES, large, gemm_int4.CUBLAS)
+    monkeypatch.setitem(gemm_int4.LARGE_CHOICES, large, gemm_int4.CUBLAS)
     assert gemv_int4.w4_choices() == {
         "M<=1 N=4096 K=4096 G=128 bfloat16": "w4 fma prefetch n128 k128 split auto warps 2",
         "M<=256 N=4096 K=4096 G=128 bfloat16 +bias": gemm_int4.CUBLAS}
@@ -402,15 +400,14 @@ def test_gpu_w4_gate_out_equals_two_steps(n: int, k: int, monkeypatch) -> None:
     silu_and_mul, for every one-row candidate (and the measured wrapper, with the config
     measured for the gate-out call: it may differ from the plain product's). The CUDA C++
     kernel, which would serve the wrapper first, has its own tests (test_gemv_int4_stream)."""
-    from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
     from slipstream.kernels.norm_act.activation import silu_and_mul
 
-    monkeypatch.setattr(gemv_int4_stream, "ENABLED", False)
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GEMV", "0")
 
     packed = quantized(n, k, 128, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     for cfg in gemv_int4.candidate_w4_configs(1, x.dtype):
-        if cfg.dot or cfg.mma:  # mma (SLIPSTREAM_W4_MMA=1): test_gemv_int4_mma, to a tolerance
+        if cfg.dot or cfg.mma:  # mma: test_gemv_int4_mma, to a tolerance
             continue
         got = gemv_int4.w4_gemv_gate_out(x, *packed, 128, None, cfg)
         want = silu_and_mul(gemv_int4.w4_gemv(x, *packed, 128, None, cfg))
@@ -490,7 +487,7 @@ def test_w4_whole_k_equals_the_chained_loop(group: int, k: int, gate_out: bool,
     path = gemv_int4._one_row_path(whole, x, group, n, k, 1)
     assert (path["WHOLE_K"], path["WHOLE_KP"]) == (k, 512)
     assert gemv_int4._one_row_path(whole, x, group, n, 64 * 1024, 1)["WHOLE_K"] == 0
-    # word offsets past int32 (_I32_OFFSETS): the chained loop instead
+    # word offsets past int32 (_whole_k_fits): the chained loop instead
     assert gemv_int4._one_row_path(whole, x, group, 2**25, k, 1)["WHOLE_K"] == 0
     loop = dataclasses.replace(whole, whole_k=False, persist=0)
     if gate_out:

@@ -11,7 +11,7 @@ import triton.language as tl
 from slipstream.kernels.gemv import int4 as gemv_int4
 from slipstream.kernels.gemv import int4_mma as gemv_int4_mma
 from slipstream.kernels.gemv import mma_fragments
-from slipstream.kernels.gemv.dense import _COUNTERS
+from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.gemv.int4 import W4Config
 from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
 
@@ -110,7 +110,7 @@ def test_w4_mma_kernel_matches_the_reference(m: int, tiles: int, split: int, pre
     # bf16 output rounding (the interpreter truncates: up to 2^-8 relative); a wrong fragment,
     # pair or zero correction is off by tens of percent.
     assert rel(got, want) < 8e-3
-    for buf in _COUNTERS.values():  # split-K tile counters back at zero
+    for buf in COUNTERS.values():  # split-K tile counters back at zero
         assert int(buf.abs().sum()) == 0
 
 
@@ -131,14 +131,11 @@ def test_w4_mma_falls_back_where_it_does_not_apply() -> None:
                           W4Config(48, 128, 0, 1, mma=True))
 
 
-def test_mma_candidates_only_when_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemv_int4_mma, "ENABLED", False)
-    assert not any(c.mma for m in (1, 2, 4, 16) for c in gemv_int4.candidate_w4_configs(m))
-    monkeypatch.setattr(gemv_int4_mma, "ENABLED", True)
+def test_mma_candidates_from_min_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     for m in (2, 4, 8, 16):
         assert any(c.mma for c in gemv_int4.candidate_w4_configs(m, torch.bfloat16))
     assert not any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
-    monkeypatch.setattr(gemv_int4_mma, "MIN_ROWS", 1)  # SLIPSTREAM_W4_MMA=1
+    monkeypatch.setattr(gemv_int4_mma, "MIN_ROWS", 1)
     assert any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.bfloat16))
     assert not any(c.mma for c in gemv_int4.candidate_w4_configs(1, torch.float16))
     assert W4Config(64, 128, 0, 4, mma=True).label().startswith("w4 mma n64")
@@ -152,9 +149,7 @@ def test_gpu_w4_mma_kernel(n: int, k: int) -> None:
     """The PTX kernel on the Llama-3.1-8B shapes, 1-16 rows, every candidate tile: within bf16
     rounding of the reference, run twice (split-K counters back at zero)."""
     packed = quantized(n, k, 128, "cuda")
-    cfgs = gemv_int4._mma_configs(16, torch.bfloat16) if gemv_int4_mma.ENABLED else [
-        W4Config(16 * tiles * w, 128, sk, w, 1, pf, mma=True)
-        for tiles, w, sk, pf in [(1, 4, 0, False), (2, 4, 0, True), (2, 8, 2, True)]]
+    cfgs = gemv_int4._mma_configs(16, torch.bfloat16)
     for m in (1, 2, 3, 8, 11, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         want = gemv_int4.w4_linear_reference(x.float(), *packed, 128)

@@ -1,6 +1,6 @@
 """The register-streaming CUDA C++ one-row int4 GEMV (kernels/cuda/w4_stream.cu).
 
-CPU: its configs (which K each splits, what the default picks) and the opt-in switch. GPU: every
+CPU: its configs (which K each splits, what the default picks) and its switch (on by default). GPU: every
 variant and config against the float reference and the split-int8 twin, eager and replayed in
 a CUDA graph, and the switch serving int4_awq's one-row calls (down's K 14336 included)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 
-from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
+from slipstream import envs
 from slipstream.kernels.cuda.w4_stream import (
     StreamConfig,
     config_ok,
@@ -33,15 +33,13 @@ from tests.quantization.gemv_helpers import (
 
 
 def test_config_parse_and_split_rules() -> None:
-    assert StreamConfig.parse("8:4:2:2:1") == StreamConfig(8, 4, 2, 2, 1, 1)
-    assert StreamConfig.parse("8:4:2:2:0:0").ring == 0  # weights in registers
+    assert StreamConfig.parse("8:4:2:2") == StreamConfig(8, 4, 2, 2)
     assert config_ok(StreamConfig(8, 1, 4), 4096)       # 32 groups a warp, 4 at a time
     assert config_ok(StreamConfig(8, 8, 2), 14336)      # 112 groups: 14 a warp
     assert not config_ok(StreamConfig(8, 8, 4), 14336)  # 14 is not a multiple of 4
     assert not config_ok(StreamConfig(8, 3, 1), 4096)   # warps a tile must divide the block
     assert not config_ok(StreamConfig(32, 2, 1), 4096)  # 16 shared tiles: 15 named barriers
     assert config_ok(StreamConfig(16, 1, 1), 4096)      # unshared tiles need none
-    assert shared_bytes(4096, 8, 4) - shared_bytes(4096, 8) == 8 * 4 * 1024  # the rings
     assert supported(4096, 14336, 128) and not supported(4096, 4096, 64)
     assert not supported(4104, 4096, 128)               # 16-row tiles
 
@@ -51,16 +49,11 @@ def test_default_config_splits_each_tile_over_eight_warps() -> None:
     # Llama-3.1-8B's shapes: 16 warps a block, two tiles, two groups in flight, in registers
     for n, k in [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]:
         cfg = default_config(n, k, False, sms)
-        assert cfg == StreamConfig(16, 8, 2, 1, 0, 0) and config_ok(cfg, k)
+        assert cfg == StreamConfig(16, 8, 2, 1) and config_ok(cfg, k)
     # fewer groups than 8 a row: fewer warps a tile; an odd share: one group a chunk
     assert default_config(16, 128 * 4, False, sms).ksplit == 4
-    assert default_config(16, 128 * 7, False, sms) == StreamConfig(16, 1, 1, 1, 0, 0)
+    assert default_config(16, 128 * 7, False, sms) == StreamConfig(16, 1, 1, 1)
     assert config_ok(default_config(16, 128 * 7, False, sms), 128 * 7)
-
-
-def test_default_config_env_override(monkeypatch) -> None:
-    monkeypatch.setenv("SLIPSTREAM_W4_STREAM_CONFIG", "4:2:2:4:1")
-    assert default_config(4096, 4096, False, 132) == StreamConfig(4, 2, 2, 4, 1)
 
 
 def test_shared_memory_is_small() -> None:
@@ -70,26 +63,20 @@ def test_shared_memory_is_small() -> None:
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False)])
-def test_switch_is_on_unless_set_to_zero(value, on) -> None:
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "SLIPSTREAM_W4_STREAM"}
+def test_switch_is_on_unless_set_to_zero(monkeypatch, value, on) -> None:
+    """envs.CUDA_GEMV, read at each call (maybe_stream)."""
+    monkeypatch.delenv("SLIPSTREAM_CUDA_GEMV", raising=False)
     if value is not None:
-        env["SLIPSTREAM_W4_STREAM"] = value
-    code = "from slipstream.kernels import gemv_int4_stream as m; print(m.ENABLED)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == str(on)
+        monkeypatch.setenv("SLIPSTREAM_CUDA_GEMV", value)
+    assert envs.CUDA_GEMV.get() is on
 
 
 def test_maybe_stream_leaves_cpu_and_unsupported_calls_to_triton(monkeypatch) -> None:
-    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GEMV", "1")
     q, s, z = quantized(64, 1024, 128)
     x = torch.randn(1, 1024).bfloat16()
     assert maybe_stream(x, q, s, z, 128, None) is None  # CUDA only: the caller's path runs
-    monkeypatch.setattr(gemv_int4_stream, "ENABLED", False)
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GEMV", "0")
     assert maybe_stream(x, q, s, z, 128, None) is None
 
 
@@ -103,10 +90,10 @@ def test_bad_input_is_refused_with_a_reason() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,spec", [
-    (4096, 4096, "8:1:2:2:0"), (4096, 4096, "8:1:4:2:0"), (6144, 4096, "8:4:2:2:0"),
-    (4096, 4096, "8:8:2:2:1"), (4096, 14336, "8:8:2:2:0"), (4096, 14336, "8:4:7:1:0"),
-    (1024, 2048, "4:2:2:4:0"), (48, 1024, "8:1:8:2:0"), (4096, 4096, "8:8:4:2:0:0"),
-    (6144, 4096, "16:16:2:1:1:1"),
+    (4096, 4096, "8:1:2:2"), (4096, 4096, "8:1:4:2"), (6144, 4096, "8:4:2:2"),
+    (4096, 4096, "8:8:2:2"), (4096, 14336, "8:8:2:2"), (4096, 14336, "8:4:7:1"),
+    (1024, 2048, "4:2:2:4"), (48, 1024, "8:1:8:2"), (4096, 4096, "8:8:4:2"),
+    (6144, 4096, "16:16:2:1"), (4096, 4096, "16:8:2:1"),
 ])
 def test_stream_gemv_matches_the_reference(n, k, spec) -> None:
     q, s, z = quantized(n, k, 128, device="cuda", seed=n + k)
@@ -119,7 +106,7 @@ def test_stream_gemv_matches_the_reference(n, k, spec) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["8:1:2:2:0", "8:4:2:2:0"])
+@pytest.mark.parametrize("spec", ["8:1:2:2", "8:4:2:2"])
 @pytest.mark.parametrize("bias,rms_eps,gate_out", [
     (True, 0.0, False), (False, 1e-5, False), (False, 0.0, True), (True, 1e-5, True),
 ])
@@ -140,7 +127,7 @@ def test_stream_gemv_in_a_cuda_graph() -> None:
 def test_maybe_stream_serves_the_one_row_calls(monkeypatch) -> None:
     from slipstream.kernels.gemv import int4 as gemv_int4
 
-    monkeypatch.setattr(gemv_int4_stream, "ENABLED", True)
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GEMV", "1")
     q, s, z = quantized(1024, 4096, 128, device="cuda", seed=5)
     x = torch.randn(1, 4096, device="cuda").bfloat16()
     want = w4_linear_reference(x, q, s, z, 128)

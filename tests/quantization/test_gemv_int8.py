@@ -238,7 +238,7 @@ def test_int8_and_fp8_linear_gpu(m: int) -> None:
 
 
 def test_gated_choice_logic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gemv.TUNE_GATED: a gated call's choice times act-then-plain against each candidate
+    """A gated call's choice times act-then-plain against each candidate
     run gated, skips wrong results, and keeps the fastest."""
     from slipstream.kernels.reference import silu_and_mul
 
@@ -274,7 +274,6 @@ def test_qlinear_small_runs_the_gated_choice(monkeypatch: pytest.MonkeyPatch) ->
         calls.append(x.shape)
         return silu_and_mul(x)
 
-    monkeypatch.setattr(gemv_int8, "_TUNE_GATED", True)
     monkeypatch.setattr(gemv_int8, "_gated_choice", lambda *a: gemv_int8._UNFUSED)
     assert _rel(gemv_int8.qlinear_small(gate_up, q, s, gated=True, act=act), want) < 1e-5
     assert calls == [(2, 600)]  # the activation ran first, then the plain product
@@ -288,13 +287,12 @@ def test_qlinear_small_runs_the_gated_choice(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("m", [1, 4, 16])
 def test_gpu_tuned_gated_down_projection(monkeypatch: pytest.MonkeyPatch, wdtype, m) -> None:
-    """gemv.TUNE_GATED on the GPU: the gated call's own measured choice (fused or
+    """On the GPU the gated call's own measured choice (fused or
     act-then-plain) gives the product of act(gate_up), within the method's tolerance."""
     from slipstream.kernels.reference import silu_and_mul
 
     if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
-    monkeypatch.setattr(gemv_int8, "_TUNE_GATED", True)
     k, n = 14336, 4096
     gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
     q, s = _qweight(n, k, wdtype, "cuda")
@@ -307,8 +305,8 @@ def test_gpu_tuned_gated_down_projection(monkeypatch: pytest.MonkeyPatch, wdtype
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
 @pytest.mark.parametrize("m", [2, 7, 16])
 def test_gpu_anchored_gated_activation_is_exact(monkeypatch: pytest.MonkeyPatch, wdtype, m):
-    """SLIPSTREAM_TUNE_GATED's M=2-16 gated kernels compute SiLU·up in its load layout: the
-    same bits as without (only where the math runs moves)."""
+    """The M=2-16 gated kernels compute SiLU·up in its load layout (ANCHOR_GATED, on for
+    CUDA): the same bits as without (only where the math runs moves)."""
     from slipstream.kernels.gemv import dense as gemv
 
     if wdtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
@@ -322,9 +320,15 @@ def test_gpu_anchored_gated_activation_is_exact(monkeypatch: pytest.MonkeyPatch,
     else:
         q, s = _qweight(n, k, wdtype, "cuda")
         run = lambda: gemv_int8.qgemv(gate_up, q, s, None, cfg, gated=True)  # noqa: E731
-    plain = run()
-    monkeypatch.setattr(gemv, "TUNE_GATED", True)
-    assert torch.equal(run(), plain)
+    anchored = run()
+    real = gemv.skinny_kernel
+
+    class Unanchored:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: real[grid](*a, **{**kw, "ANCHOR_GATED": False})
+
+    monkeypatch.setattr(gemv, "skinny_kernel", Unanchored())
+    assert torch.equal(run(), anchored)
 
 
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])

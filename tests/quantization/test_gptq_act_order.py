@@ -17,7 +17,6 @@ from slipstream.quantization import int4_awq
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.int4_awq import ACT_ORDER_PERM, dequantize_layer
-from tests.helpers import make_tiny_checkpoint
 
 GROUP = 32
 GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
@@ -194,9 +193,8 @@ def _greedy(path: Path, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_act_order_llama_generates_like_its_dequantized_float_model(tmp_path) -> None:
-    tiny = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", hidden_size=128,
-                                intermediate_size=256)
+def test_act_order_llama_generates_like_its_dequantized_float_model(tiny_checkpoint, tmp_path) -> None:
+    tiny = tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     quantized, dequantized = tmp_path / "gptq-act-order", tmp_path / "dequantized"
     _write_act_order_and_dequantized(tiny, quantized, dequantized)
     prompts = [[5, 17, 99, 300], [7, 8, 9, 10, 11]]
@@ -204,7 +202,6 @@ def test_act_order_llama_generates_like_its_dequantized_float_model(tmp_path) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_act_order_layer_matches_dequantized_float_math(m: int) -> None:
     """The permutation buffer moves to the GPU with the layer, and the gather feeds every int4

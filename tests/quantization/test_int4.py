@@ -18,7 +18,7 @@ from slipstream.quantization import utils as qu
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.calibration import stdlib_calib_texts
 from slipstream.quantization.int4_awq import awq_search, dequantize_layer
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import rel_err
 
 GROUP = 64
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -60,9 +60,8 @@ def test_awq_search_beats_round_to_nearest_with_outlier_channels() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("int4"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 def _write_layout(src: Path, dst: Path, layout: str, group: int = GROUP) -> Path:
@@ -117,8 +116,8 @@ def test_prequantized_layouts_load_like_load_time_rtn(tiny, tmp_path, layout,
     from slipstream.quantization import int4_awq
 
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", GROUP)
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")
-    assert got == _greedy(tiny, "int4_awq", prompts)
+    with norm_fold.kept_norms():
+        assert got == _greedy(tiny, "int4_awq", prompts)
 
 
 def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> None:
@@ -127,7 +126,6 @@ def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> N
     from slipstream.models import norm_fold
     from slipstream.quantization import int4_awq
 
-    monkeypatch.setattr(norm_fold, "FOLD_NORMS", "off")  # the files hold the unfolded weights
     prompts = [[5, 17, 99, 300], [7, 8, 9, 10, 11]]
     path = _write_layout(tiny, tmp_path / "gptq_per_channel", "gptq", group=-1)
     llm = LLM(str(path), kv_cache_memory=16 << 20)
@@ -136,7 +134,8 @@ def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> N
     assert not down.quant_method.act_order  # one group: nothing to reorder
     got = _greedy(path, None, prompts)
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", -1)
-    assert got == _greedy(tiny, "int4_awq", prompts)
+    with norm_fold.kept_norms():  # the files hold the unfolded weights
+        assert got == _greedy(tiny, "int4_awq", prompts)
 
 
 # --- AWQ on a decoder layer: block output error, clipping, exact folding ----------------------------
@@ -145,10 +144,10 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 
 
 @pytest.fixture(scope="module")
-def tiny_gqa(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("awq"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=32)
+def tiny_gqa(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM",
+                           hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32)
 
 
 def _layer0(path: Path):
@@ -169,10 +168,6 @@ def _quantized_output(layer, h, cos_sin) -> torch.Tensor:
     return out
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm()).item()
-
-
 @torch.no_grad()
 def test_awq_reduces_block_output_error_vs_rtn_with_activation_outliers(tiny_gqa) -> None:
     layer, cos_sin = _layer0(tiny_gqa)
@@ -191,7 +186,7 @@ def test_awq_reduces_block_output_error_vs_rtn_with_activation_outliers(tiny_gqa
     assert any(not torch.equal(s, torch.ones_like(s)) for s in scales.values())
     applied = awq.fold_layer(layer, "p", scales, None)
     # Folding alone keeps the float function (GQA o_proj included: v rows absorb its scale).
-    assert _rel_err(awq.layer_inputs(layer, h, cos_sin)[1], want) < 1e-5
+    assert rel_err(awq.layer_inputs(layer, h, cos_sin)[1], want) < 1e-5
     scaled = (_quantized_output(layer, h, cos_sin) - want).pow(2).mean().item()
     awq.clip_layer(layer, grams, applied, GROUP)
     clipped = (_quantized_output(layer, h, cos_sin) - want).pow(2).mean().item()
@@ -241,7 +236,7 @@ def test_fold_with_gqa_o_proj_and_bf16_norms_is_exact(tiny_gqa) -> None:
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         assert torch.equal(norm.weight.data, norm.weight.data.bfloat16().float())
     assert not torch.equal(applied["self_attn.qkv_proj"], scales["self_attn.qkv_proj"])
-    assert _rel_err(awq.layer_inputs(layer, h, cos_sin)[1], want) < 1e-5
+    assert rel_err(awq.layer_inputs(layer, h, cos_sin)[1], want) < 1e-5
 
 
 def test_stdlib_calibration_skips_excluded_files_and_takes_the_middle(tmp_path) -> None:

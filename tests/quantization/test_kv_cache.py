@@ -23,7 +23,7 @@ from slipstream.kernels import reference
 from slipstream.quantization import kv_cache
 from slipstream.quantization.cli import add_quantize_parser
 from slipstream.runner.model_runner import ModelRunner
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import rel_err
 
 KV_MEMORY = 16 << 20
 F8, I8 = torch.float8_e4m3fn, torch.int8
@@ -86,7 +86,7 @@ def test_paged_attention_over_quantized_cache_close_to_float(dtype, max_rel) -> 
                              k_scale=ks, v_scale=vs)
     want = reference.paged_attention(q, kc, vc, meta, 0.2)
     got = reference.paged_attention(q, kq, vq, meta, 0.2, k_scale=ks, v_scale=vs)
-    assert (got - want).norm() / want.norm() < max_rel
+    assert rel_err(got, want) < max_rel
 
 
 # ---- names, checks, sizes ----------------------------------------------------------------
@@ -230,9 +230,8 @@ def test_prefix_cache_reuse_with_int8_cache(llms) -> None:
 
 # ---- checkpoints: loading scales, `slipstream quantize --kv-cache-dtype` ---------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("kv"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 def _layers(llm: LLM):

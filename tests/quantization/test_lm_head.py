@@ -14,7 +14,7 @@ from slipstream.engine.args import EngineArgs
 from slipstream.kernels.gemv.int4_common import w4_linear_reference
 from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.quantization import fp8, utils
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import rel_err
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
 
@@ -51,7 +51,7 @@ def test_quantized_head_is_the_methods_linear(method: str, m: int) -> None:
     torch.testing.assert_close(logits, want)
     # Within the weight rounding of the float head: a real quantization, not a different matrix.
     exact = F.linear(x, w)
-    assert float((logits - exact).norm() / exact.norm()) < (0.06 if method == "fp8" else 0.01)
+    assert rel_err(logits, exact) < (0.06 if method == "fp8" else 0.01)
 
 
 @pytest.mark.parametrize(("hidden", "group"), [(128, 128), (64, 64)])  # 64: one group a row
@@ -72,7 +72,7 @@ def test_int4_head_is_int4_awqs_linear(hidden: int, group: int, m: int) -> None:
     want = w4_linear_reference(x, head.weight, head.weight_scale, head.weight_zero, group)[:, :300]
     torch.testing.assert_close(logits, want.float(), rtol=1e-5, atol=1e-5)
     exact = F.linear(x, w)  # within int4's rounding of the float head, not another matrix
-    assert 0.01 < float((logits - exact).norm() / exact.norm()) < 0.15
+    assert 0.01 < rel_err(logits, exact) < 0.15
 
 
 def test_int4_head_without_triton(monkeypatch) -> None:
@@ -105,13 +105,13 @@ def test_tied_head_gets_its_own_copy() -> None:
 
 @pytest.mark.parametrize(("method", "choice"), [("fp8", True), ("int8_wo", True),
                                               ("int4_awq", True), ("int4_awq", "int4")])
-def test_engine_with_quantized_head(method: str, choice, tmp_path) -> None:
+def test_engine_with_quantized_head(method: str, choice, tiny_checkpoint) -> None:
     """Tiny Llama with tied embeddings: the head is quantized (int4_awq: in INT8, or INT4 when
     named), the embedding is not, and the logprob of the float head's first greedy token stays
     within the head's rounding of the float head's (measured here: 0.005 / 0.017 nats for
     int8, 0.035 / 0.09 for fp8 with its activation rounding on the CPU, 0.37 for int4)."""
     int4 = {"hidden_size": 128, "intermediate_size": 256} if method == "int4_awq" else {}
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True, **int4)
+    path = tiny_checkpoint("LlamaForCausalLM", tie_word_embeddings=True, **int4)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [42] * 9}]
     plain = LLM(str(path), quantization=method, kv_cache_memory=16 << 20)
     quant = LLM(str(path), quantization=method, quantize_lm_head=choice, kv_cache_memory=16 << 20)
@@ -137,10 +137,10 @@ def test_engine_with_quantized_head(method: str, choice, tmp_path) -> None:
 @pytest.mark.parametrize(("quantization", "head"), [("fp8", "fp8"), ("int8_wo", "int8_wo"),
                                                    ("int4_awq", "int8_wo"), ("w8a8_sq", "int8_wo"),
                                                    (None, None)])
-def test_head_format_per_method(quantization, head, tmp_path) -> None:
+def test_head_format_per_method(quantization, head, tiny_llama_dir) -> None:
     """fp8 keeps an FP8 head; the integer methods an INT8 weight-only one (an int4 head would
     move the logits much more); an unquantized model has nothing to say which."""
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    path = tiny_llama_dir
     args = EngineArgs(model=str(path), quantization=quantization, quantize_lm_head=True)
     if head is None:
         with pytest.raises(ValueError, match="quantize_lm_head needs a quantization method"):
@@ -154,9 +154,9 @@ def test_head_format_per_method(quantization, head, tmp_path) -> None:
 @pytest.mark.parametrize(("quantization", "choice", "head"), [
     ("int4_awq", "int4", "int4"), ("fp8", "int4", "int4"), ("fp8", "int8", "int8_wo"),
     ("int8_wo", "INT4", "int4"), ("fp8", "fp8", "fp8"), ("int4_awq", False, None)])
-def test_head_format_named(quantization, choice, head, tmp_path) -> None:
+def test_head_format_named(quantization, choice, head, tiny_llama_dir) -> None:
     """A format named takes the place of the method's own: int8 and int4 with any method."""
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    path = tiny_llama_dir
     args = EngineArgs(model=str(path), quantization=quantization, quantize_lm_head=choice)
     assert args.create_engine_config().quant.lm_head == head
 
@@ -165,8 +165,8 @@ def test_head_format_named(quantization, choice, head, tmp_path) -> None:
     ("int8_wo", "fp8", "an fp8 LM head needs quantization='fp8'"),
     ("int4_awq", "int3", "unknown format 'int3'"),
     (None, "int4", "quantize_lm_head needs a quantization method")])
-def test_head_format_refused(quantization, choice, error, tmp_path) -> None:
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+def test_head_format_refused(quantization, choice, error, tiny_llama_dir) -> None:
+    path = tiny_llama_dir
     args = EngineArgs(model=str(path), quantization=quantization, quantize_lm_head=choice)
     with pytest.raises(ValueError, match=error):
         args.create_engine_config()
@@ -187,14 +187,14 @@ def test_cli_flag() -> None:
         parser.parse_args(["--quantize-lm-head", "int2"])
 
 
-def test_quantized_checkpoint_carries_the_choice(tmp_path) -> None:
+def test_quantized_checkpoint_carries_the_choice(tiny_llama_dir, tmp_path) -> None:
     """`slipstream quantize --quantize-lm-head` records it; LLM(OUTPUT) follows it unless told
     otherwise. The head itself is stored float (the engine quantizes what it reads)."""
     import json
 
     from slipstream.quantization.checkpoint import quantize_checkpoint
 
-    src = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    src = tiny_llama_dir
     out = quantize_checkpoint(src, "int8_wo", tmp_path / "out", quantize_lm_head=True)
     assert json.loads((out / "config.json").read_text())["quantize_lm_head"] is True
     head = LLM(str(out), kv_cache_memory=16 << 20).engine.runner.model.lm_head
@@ -231,9 +231,9 @@ def test_gpu_quantized_head(method: str, m: int) -> None:
     # bf16 output; fp8 may also round the activations to FP8 (per token at M=64; per token
     # and slice in the small-batch tensor-core GEMV, which the tuner picks at M=4 on the H200).
     tol = 4e-2 if method == "fp8" else 1e-2
-    assert float((got - want).norm() / want.norm()) < tol
+    assert rel_err(got, want) < tol
     exact = F.linear(x.float(), w)
-    assert float((got - exact).norm() / exact.norm()) < (6e-2 if method == "fp8" else 1e-2)
+    assert rel_err(got, exact) < (6e-2 if method == "fp8" else 1e-2)
 
 
 @pytest.mark.gpu
@@ -248,6 +248,6 @@ def test_gpu_int4_head(m: int) -> None:
     got = head(x)
     want = w4_linear_reference(x.float(), head.weight, head.weight_scale, head.weight_zero,
                                128)[:, :vocab]
-    assert got.shape == (m, vocab) and float((got - want).norm() / want.norm()) < 1e-2
+    assert got.shape == (m, vocab) and rel_err(got, want) < 1e-2
     exact = F.linear(x.float(), w)
-    assert float((got - exact).norm() / exact.norm()) < 0.15
+    assert rel_err(got, exact) < 0.15

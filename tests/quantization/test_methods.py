@@ -9,10 +9,7 @@ from slipstream.layers.linear import ColumnParallelLinear, QKVParallelLinear
 from slipstream.quantization import utils
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.fp8 import fp8_linear_reference
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+from tests.helpers import rel_err, skip_without_fp8
 
 
 def test_int8_per_channel_round_trip() -> None:
@@ -29,7 +26,7 @@ def test_fp8_per_channel_round_trip() -> None:
     w = torch.randn(32, 128)
     q, s = utils.quantize_fp8_per_channel(w)
     assert q.dtype == utils.FP8_DTYPE
-    assert _rel(utils.dequantize_per_channel(q, s), w) < 0.04  # E4M3: 3 mantissa bits
+    assert rel_err(utils.dequantize_per_channel(q, s), w) < 0.04  # E4M3: 3 mantissa bits
 
 
 @pytest.mark.parametrize("qdtype,bound", [(torch.int8, 0.01), (utils.FP8_DTYPE, 0.04)])
@@ -39,7 +36,7 @@ def test_per_token_round_trip(qdtype: torch.dtype, bound: float) -> None:
     q, s = utils.quantize_per_token(x, qdtype)
     back = q.float() * s
     assert torch.isfinite(back).all() and back[3].abs().max() == 0
-    assert _rel(back, x) < bound
+    assert rel_err(back, x) < bound
 
 
 def test_int4_groupwise_round_trip_and_packing() -> None:
@@ -84,7 +81,7 @@ def test_int8_wo_apply_matches_dequantized(fused: bool) -> None:
     x = torch.randn(5, 64)
     deq = utils.dequantize_per_channel(layer.weight, layer.weight_scale)
     torch.testing.assert_close(layer(x), F.linear(x, deq, layer.bias), rtol=1e-5, atol=1e-5)
-    assert _rel(layer(x), F.linear(x, w, layer.bias)) < 0.01  # vs the unquantized layer
+    assert rel_err(layer(x), F.linear(x, w, layer.bias)) < 0.01  # vs the unquantized layer
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -99,7 +96,7 @@ def test_fp8_apply_matches_dequantized(fused: bool) -> None:
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fp8_linear_reference(x, layer.weight, layer.weight_scale),
                                want - layer.bias, rtol=1e-5, atol=1e-5)
-    assert _rel(layer(x), F.linear(x, w, layer.bias)) < 0.06
+    assert rel_err(layer(x), F.linear(x, w, layer.bias)) < 0.06
 
 
 @pytest.mark.gpu
@@ -111,8 +108,7 @@ def test_gpu_fp8_gated_down_projection(m: int) -> None:
     from slipstream.layers.activation import SiluAndMul
     from slipstream.layers.linear import RowParallelLinear
 
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
+    skip_without_fp8()
     with torch.device("cuda"):
         layer = RowParallelLinear(1024, 256, bias=False, params_dtype=torch.bfloat16,
                                   quant_method=get_quant_method_factory("fp8", {})("down"))
@@ -125,7 +121,7 @@ def test_gpu_fp8_gated_down_projection(m: int) -> None:
     if m > 16:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     else:  # the gated GEMV keeps activations in bf16 (W8A16 at decode sizes)
-        assert _rel(got.float(), want.float()) < 2e-2
+        assert rel_err(got.float(), want.float()) < 2e-2
 
 
 @pytest.mark.gpu
@@ -139,8 +135,7 @@ def test_gpu_fp8_normed_projection(m: int, with_residual: bool) -> None:
     from slipstream.kernels import get_ops
     from slipstream.layers.norm import RMSNorm
 
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability 8.9+")
+    skip_without_fp8()
     with torch.device("cuda"):
         layer = QKVParallelLinear(1024, 64, 8, 2, bias=False, params_dtype=torch.bfloat16,
                                   quant_method=get_quant_method_factory("fp8", {})("qkv"))
@@ -158,7 +153,7 @@ def test_gpu_fp8_normed_projection(m: int, with_residual: bool) -> None:
     got, got_res = layer.forward_normed(x, residual, norm)
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
     assert (got != want).float().mean().item() < 0.01
-    assert _rel(got.float(), want.float()) < 2e-3
+    assert rel_err(got.float(), want.float()) < 2e-3
 
 
 def test_unknown_and_mismatched_methods_are_errors() -> None:

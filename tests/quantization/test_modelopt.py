@@ -24,7 +24,6 @@ from slipstream.quantization.utils import (
     check_checkpoint_method,
     detect_quant_method,
 )
-from tests.helpers import make_tiny_checkpoint
 from tests.quantization.checkpoint_io import greedy_and_scores, llama_hf_config, load_llm, quantized_layers
 from tests.quantization.test_fp8_checkpoints import per_channel, write_checkpoint
 
@@ -34,11 +33,6 @@ FLOAT_MODULES = frozenset({"model.layers.1.mlp.gate_proj", "model.layers.1.mlp.u
                            "model.layers.1.mlp.down_proj"})
 FLAT = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": None,
         "ignore": IGNORE, "producer": {"name": "modelopt", "version": "0.31.0"}}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("modelopt"), "LlamaForCausalLM")
 
 
 def _per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +56,14 @@ def same_values_per_channel(module: str, w: torch.Tensor) -> dict[str, torch.Ten
     return {"weight": q, "weight_scale": scale.expand(w.shape[0]).clone()}
 
 
-def _reference(tiny: Path, out: Path) -> Path:
+def _reference(tiny_llama_dir: Path, out: Path) -> Path:
     qc = {"quant_method": "fp8", "activation_scheme": "dynamic",
           "modules_to_not_convert": sorted(FLOAT_MODULES)}
-    return write_checkpoint(tiny, out, qc, same_values_per_channel)
+    return write_checkpoint(tiny_llama_dir, out, qc, same_values_per_channel)
 
 
-def test_modelopt_fp8_matches_per_channel_checkpoint(tiny, prompts, tmp_path) -> None:
-    path = write_checkpoint(tiny, tmp_path / "modelopt", FLAT, modelopt_layer)
+def test_modelopt_fp8_matches_per_channel_checkpoint(tiny_llama_dir, prompts, tmp_path) -> None:
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "modelopt", FLAT, modelopt_layer)
     assert detect_quant_method(json.loads((path / "config.json").read_text())) == "fp8"
     llm = load_llm(path)
     for name, layer in quantized_layers(llm).items():
@@ -84,14 +78,14 @@ def test_modelopt_fp8_matches_per_channel_checkpoint(tiny, prompts, tmp_path) ->
     want = torch.cat([ckpt[f"model.layers.0.self_attn.{p}_proj.weight_scale"].expand(n)
                       for p, n in zip("qkv", qkv.output_sizes)])
     assert torch.equal(qkv.weight_scale.cpu(), want)  # each shard's scalar over its own rows
-    reference = load_llm(_reference(tiny, tmp_path / "reference"))
+    reference = load_llm(_reference(tiny_llama_dir, tmp_path / "reference"))
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(reference, prompts)
 
 
-def _legacy_export(tiny: Path, out: Path, kv_scales: dict[str, float]) -> Path:
+def _legacy_export(tiny_llama_dir: Path, out: Path, kv_scales: dict[str, float]) -> Path:
     """An older ModelOpt export: no quantization_config in config.json, the settings in
     hf_quant_config.json, FP8 KV-cache scales on k_proj / v_proj."""
-    path = write_checkpoint(tiny, out, None, modelopt_layer)
+    path = write_checkpoint(tiny_llama_dir, out, None, modelopt_layer)
     tensors = load_file(str(path / "model.safetensors"))
     tensors.update({name: torch.tensor(v) for name, v in kv_scales.items()})
     save_file(tensors, str(path / "model.safetensors"))
@@ -102,12 +96,12 @@ def _legacy_export(tiny: Path, out: Path, kv_scales: dict[str, float]) -> Path:
     return path
 
 
-def test_legacy_hf_quant_config_with_fp8_kv_cache(tiny, prompts, tmp_path) -> None:
+def test_legacy_hf_quant_config_with_fp8_kv_cache(tiny_llama_dir, prompts, tmp_path) -> None:
     scales = {}
     for layer in range(2):
         scales[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = 0.05 + 0.01 * layer
         scales[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = 0.02 + 0.01 * layer
-    llm = load_llm(_legacy_export(tiny, tmp_path / "legacy", scales))
+    llm = load_llm(_legacy_export(tiny_llama_dir, tmp_path / "legacy", scales))
     assert llm.engine.runner.kv_cache_dtype == torch.float8_e4m3fn  # "auto" follows the checkpoint
     for i, (_, attn) in enumerate(attention_layers(llm.engine.runner.model)):
         assert attn.k_scale.item() == pytest.approx(0.05 + 0.01 * i)
@@ -117,7 +111,7 @@ def test_legacy_hf_quant_config_with_fp8_kv_cache(tiny, prompts, tmp_path) -> No
                       Fp8LinearMethod)
     # The same as slipstream's own layout of those values: the flat config, the scales under
     # self_attn, kv_cache_dtype recorded in config.json.
-    ours = write_checkpoint(tiny, tmp_path / "ours", FLAT, modelopt_layer)
+    ours = write_checkpoint(tiny_llama_dir, tmp_path / "ours", FLAT, modelopt_layer)
     tensors = load_file(str(ours / "model.safetensors"))
     tensors.update({name.replace("k_proj.", "").replace("v_proj.", ""): torch.tensor(v)
                     for name, v in scales.items()})
@@ -155,16 +149,16 @@ def test_kv_scale_names(name, targets) -> None:
     assert _split_scale_name(name) == ("model.layers.3.self_attn", targets)
 
 
-def test_per_channel_per_token_checkpoint(tiny, prompts, tmp_path) -> None:
+def test_per_channel_per_token_checkpoint(tiny_llama_dir, prompts, tmp_path) -> None:
     """FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, no input scales; the same function
     as a `quant_method: fp8` per-channel checkpoint of the same values."""
     qc = {**FLAT, "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
-    path = write_checkpoint(tiny, tmp_path / "pcpt", qc, per_channel(FLOAT_MODULES))
+    path = write_checkpoint(tiny_llama_dir, tmp_path / "pcpt", qc, per_channel(FLOAT_MODULES))
     llm = load_llm(path)
     qkv = quantized_layers(llm)["model.layers.0.self_attn.qkv_proj"]
     assert isinstance(qkv.quant_method, Fp8LinearMethod)
     assert not qkv.quant_method.static_input_scale and "input_scale" not in qkv._parameters
     fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic",
            "modules_to_not_convert": sorted(FLOAT_MODULES)}
-    reference = load_llm(write_checkpoint(tiny, tmp_path / "fp8", fp8, per_channel(FLOAT_MODULES)))
+    reference = load_llm(write_checkpoint(tiny_llama_dir, tmp_path / "fp8", fp8, per_channel(FLOAT_MODULES)))
     assert greedy_and_scores(llm, prompts) == greedy_and_scores(reference, prompts)

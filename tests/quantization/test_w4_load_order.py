@@ -1,5 +1,5 @@
 """Where ptxas puts the whole-K int4 loop's loads (sm_90a, compiled here without a GPU by the
-Triton wheel's own ptxas: benchmarks/sass_loop.py, in a process of its own since the tests run
+Triton wheel's own ptxas: tools/sass_loop.py, in a process of its own since the tests run
 Triton's interpreter).
 
 The loop keeps the next tile's words in flight during this tile's products: it turns two
@@ -24,7 +24,7 @@ def _loop_ops(*args: str) -> list[str]:
     """The loop kernel's sm_90a opcodes in order (sass_loop.py w4loop ARGS --ops: its main
     loop's)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "benchmarks/sass_loop.py", "w4loop", *args, "--ops"],
+    run = subprocess.run([sys.executable, "tools/sass_loop.py", "w4loop", *args, "--ops"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if run.returncode and "ptxas" in run.stderr.lower() and "not found" in run.stderr.lower():
         pytest.skip("no ptxas in this Triton")

@@ -18,7 +18,7 @@ from slipstream.quantization import w8a8_sq as sq
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.calibration import collect_linear_stats, stdlib_calib_texts
 from slipstream.quantization.utils import detect_quant_method
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import make_tiny_checkpoint, rel_err
 from tests.quantization.test_end_to_end import _greedy, _run_cli, _score
 
 PROMPT_LP = SamplingParams(max_tokens=1, prompt_logprobs=0)
@@ -42,9 +42,8 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("sq"), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+def tiny(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
 
 
 # --- the migration is exact before quantization ---------------------------------------------------
@@ -117,7 +116,7 @@ def test_apply_matches_dequantized_float_math(dtype) -> None:
     assert torch.allclose(y.float(), want.float(), atol=tol, rtol=tol)
     # ... and W8A8 is a close approximation of the float layer.
     exact = F.linear(x, w, bias)
-    assert ((y.float() - exact).norm() / exact.norm()).item() < 0.05
+    assert rel_err(y.float(), exact) < 0.05
 
 
 # --- through LLM ------------------------------------------------------------------------------------

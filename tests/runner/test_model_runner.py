@@ -15,7 +15,7 @@ from slipstream.engine.request import Request
 from slipstream.runner.model_runner import CPU_DEFAULT_KV_BYTES, ModelRunner
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
-from tests.helpers import load_hf_model, make_tiny_checkpoint
+from tests.helpers import load_hf_model, max_rel_err
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -23,8 +23,8 @@ REL_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "Qwen3ForCausalLM")
+def ckpt(tiny_checkpoint):
+    return tiny_checkpoint("Qwen3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +48,6 @@ def runner(ckpt):
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float()
-
-
-def rel_err(a, b) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def shuffled_blocks(n: int, seed: int, pool: list[int]) -> list[int]:
@@ -79,10 +75,10 @@ def test_chunked_prefill_over_shuffled_blocks(runner, hf):
         logits, _ = runner.forward_logits(SchedulerOutput([seq]))
         start += size
         assert logits.shape == (1, 512)
-        assert rel_err(logits[0], ref[start - 1]) < REL_TOL, f"chunk ending at {start}"
+        assert max_rel_err(logits[0], ref[start - 1]) < REL_TOL, f"chunk ending at {start}"
     one_shot = make_runner(runner.config.model_path)
     whole = ScheduledSeq(Request("w", prompt, SamplingParams()), prompt, 0, list(range(12)), True)
-    assert rel_err(logits, one_shot.forward_logits(SchedulerOutput([whole]))[0]) < REL_TOL
+    assert max_rel_err(logits, one_shot.forward_logits(SchedulerOutput([whole]))[0]) < REL_TOL
 
 
 def test_mixed_prefill_and_decode_batch(runner, hf):
@@ -103,7 +99,7 @@ def test_mixed_prefill_and_decode_batch(runner, hf):
     ]))
     assert inputs.meta.num_tokens == 1 + 13 + 20
     for row, prompt in enumerate((p_b, p_a, p_c)):
-        assert rel_err(logits[row], hf_logits(hf, prompt)[-1]) < REL_TOL
+        assert max_rel_err(logits[row], hf_logits(hf, prompt)[-1]) < REL_TOL
 
 
 def test_decode_steps_match_transformers(runner, hf):
@@ -116,7 +112,7 @@ def test_decode_steps_match_transformers(runner, hf):
         logits, inputs = runner.forward_logits(
             SchedulerOutput([ScheduledSeq(req, [tokens[pos]], pos, blocks, True)]))
         assert inputs.meta.is_pure_decode
-        assert rel_err(logits[0], ref[pos]) < REL_TOL
+        assert max_rel_err(logits[0], ref[pos]) < REL_TOL
 
 
 def test_execute_model_greedy_samples_only_needs_sample(runner, hf):
@@ -190,4 +186,4 @@ def test_cuda_profiled_budget_and_parity(ckpt):
     prompt = prompt_of(45, 11)
     seq = ScheduledSeq(Request("g", prompt, SamplingParams()), prompt, 0, list(range(12)), True)
     ours = gpu.forward_logits(SchedulerOutput([seq]))[0].cpu()
-    assert rel_err(ours, cpu.forward_logits(SchedulerOutput([seq]))[0]) < 1e-3
+    assert max_rel_err(ours, cpu.forward_logits(SchedulerOutput([seq]))[0]) < 1e-3

@@ -44,13 +44,12 @@ def test_warmup_seqs_use_separate_blocks() -> None:
     assert all(len(s.request.prompt_token_ids) == s.start_pos + s.num_tokens for s in seqs)
 
 
-def test_engine_start_runs_the_greedy_choices(tmp_path, monkeypatch) -> None:
+def test_engine_start_runs_the_greedy_choices(tiny_llama_dir, monkeypatch) -> None:
     """Start-up runs the sampler's greedy argmax and the multi-step argmax + advance once (their
     Triton kernels compile then, not on a first greedy request)."""
     from slipstream import LLM
     from slipstream.runner import cuda_graphs
     from slipstream.sampling import sampler
-    from tests.helpers import make_tiny_checkpoint
 
     calls = []
     real_argmax, real_ops = sampler._argmax, cuda_graphs._greedy_ops
@@ -61,7 +60,7 @@ def test_engine_start_runs_the_greedy_choices(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(sampler, "_argmax", lambda x: (calls.append("argmax"), real_argmax(x))[1])
     monkeypatch.setattr(cuda_graphs, "_greedy_ops", counting_ops)
-    path = make_tiny_checkpoint(tmp_path, "LlamaForCausalLM")
+    path = tiny_llama_dir
     LLM(str(path), kv_cache_memory=16 << 20)  # decode_steps 8: the multi-step path exists
     assert "argmax" in calls and "advance" in calls
     calls.clear()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.serve.conftest import API_KEY, MAX_MODEL_LEN, MODEL
+from tests.serve.server import API_KEY, MAX_MODEL_LEN, MODEL
 
 C = "/v1/completions"
 CHAT = "/v1/chat/completions"

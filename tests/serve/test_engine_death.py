@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-from tests.serve.conftest import MODEL, free_port, start_server, stop_server
+from tests.serve.server import MODEL, free_port, start_server, stop_server
 
 LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
 
@@ -40,8 +40,8 @@ def _check_token_id_serving(base_url: str) -> None:
     assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
 
 
-def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path):
-    bare = _without_tokenizer(tiny_model_dir, tmp_path / "bare")
+def test_engine_death_fails_requests_and_exits_nonzero(tiny_chat_model_dir, tmp_path):
+    bare = _without_tokenizer(tiny_chat_model_dir, tmp_path / "bare")
     handle = start_server(bare, tmp_path / "server.log", api_key=None)
     try:
         _check_token_id_serving(handle.base_url)
@@ -92,11 +92,11 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model_dir, tmp_path)
         stop_server(handle)
 
 
-def test_engine_start_failure_exits_nonzero(tiny_model_dir, tmp_path):
+def test_engine_start_failure_exits_nonzero(tiny_chat_model_dir, tmp_path):
     """A checkpoint the engine cannot load: the server says why and exits 1, no hang."""
     broken = tmp_path / "broken"
     broken.mkdir()
-    shutil.copy(tiny_model_dir / "config.json", broken / "config.json")
+    shutil.copy(tiny_chat_model_dir / "config.json", broken / "config.json")
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     port = free_port()
     proc = subprocess.run(

@@ -11,7 +11,7 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from tests.serve.conftest import API_KEY  # noqa: E402
+from tests.serve.server import API_KEY  # noqa: E402
 
 MAX_EXAMPLES = 15
 MAX_TOKENS = 4

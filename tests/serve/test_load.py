@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tests.serve.conftest import MODEL
+from tests.serve.server import MODEL
 
 
 def _metric(text: str, name: str) -> float:

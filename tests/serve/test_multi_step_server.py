@@ -11,15 +11,15 @@ import httpx
 import pytest
 
 from slipstream import LLM, SamplingParams
-from tests.serve.conftest import MAX_MODEL_LEN, MODEL, start_server, stop_server
+from tests.serve.server import MAX_MODEL_LEN, MODEL, start_server, stop_server
 from tests.serve.test_load import _cancel_mid_stream, wait_engine_idle
 
 
 @pytest.fixture(scope="module", params=[["--decode-steps", "8"], ["--async-scheduling"]],
                 ids=["decode-steps-8", "async-scheduling"])
-def multi_step_server(request, tiny_model_dir, tmp_path_factory):
+def multi_step_server(request, tiny_chat_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve_logs") / "multi_step.log"
-    handle = start_server(tiny_model_dir, log_path, extra=request.param)
+    handle = start_server(tiny_chat_model_dir, log_path, extra=request.param)
     yield handle
     assert stop_server(handle) == 0, handle.log_tail()
 
@@ -42,11 +42,11 @@ async def _greedy(client: httpx.AsyncClient, prompt: str, max_tokens: int, strea
     return text
 
 
-def test_greedy_text_matches_the_single_step_engine(multi_step_server, tiny_model_dir):
+def test_greedy_text_matches_the_single_step_engine(multi_step_server, tiny_chat_model_dir):
     rng = random.Random(3)
     prompts = [f"prompt {i}: " + "ab" * rng.randint(0, 8) for i in range(24)]
     lengths = [rng.randint(1, 40) for _ in prompts]
-    offline = LLM(str(tiny_model_dir), device="cpu", dtype="float32", decode_steps=1,
+    offline = LLM(str(tiny_chat_model_dir), device="cpu", dtype="float32", decode_steps=1,
                   max_model_len=MAX_MODEL_LEN)
     want = [o.outputs[0].text for o in offline.generate(
         prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],

@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 
-from tests.serve.conftest import MAX_MODEL_LEN, MODEL
+from tests.serve.server import MAX_MODEL_LEN, MODEL
 
 PROMPT = "hello world, the quick brown fox"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]

@@ -1,5 +1,6 @@
-"""The device side of the L2 prefetch (kernels/attention/l2_spans.py explains it and builds the span
-tables): each thread of a program issues one `cp.async.bulk.prefetch.L2` for its piece of a span.
+"""The device side of the L2 prefetch (kernels/attention/l2_spans.py explains it and builds the
+span tables): each thread of a program issues one `cp.async.bulk.prefetch.L2` for its piece of a
+span. A hint with no result, so no reference twin; RECORD mode lets the interpreter check coverage.
 """
 from __future__ import annotations
 
@@ -9,17 +10,11 @@ import triton.language as tl
 
 from slipstream.kernels.attention.l2_spans import chunk_bytes
 
-
-def _span_asm(evict_last: bool) -> str:
-    """PTX: thread t prefetches bytes [t * chunk, (t + 1) * chunk) of the span ($1 address, $2
-    bytes, $3 chunk), clipped to its end; threads past the end issue nothing. evict_last: the
-    lines are marked last to evict (an A/B variant)."""
-    policy = "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;" if evict_last else ""
-    prefetch = ("cp.async.bulk.prefetch.L2.global.L2::cache_hint [a], sz, pol;" if evict_last
-                else "cp.async.bulk.prefetch.L2.global [a], sz;")
-    return f"""{{
+# PTX: thread t prefetches bytes [t * chunk, (t + 1) * chunk) of the span ($1 address, $2 bytes,
+# $3 chunk), clipped to its end; threads past the end issue nothing.
+_SPAN_ASM = tl.constexpr("""{
         .reg .u32 t, sz;
-        .reg .u64 off, rem, a, pol;
+        .reg .u64 off, rem, a;
         .reg .pred p;
         mov.u32 t, %tid.x;
         mul.wide.u32 off, t, $3;
@@ -29,26 +24,16 @@ def _span_asm(evict_last: bool) -> str:
         min.u64 rem, rem, a;
         cvt.u32.u64 sz, rem;
         add.u64 a, $1, off;
-        {policy}
-        @p {prefetch}
+        @p cp.async.bulk.prefetch.L2.global [a], sz;
         mov.u32 $0, 0;
-        }}"""
-
-
-_SPAN_ASM = tl.constexpr(_span_asm(False))
-_SPAN_ASM_EVICT_LAST = tl.constexpr(_span_asm(True))
+        }""")
 
 
 @triton.jit
-def _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST: tl.constexpr):
+def _bulk_prefetch_span(addr, nbytes, chunk):
     """Each thread of the program prefetches its `chunk` bytes of [addr, addr + nbytes)."""
-    if EVICT_LAST:
-        done = tl.inline_asm_elementwise(_SPAN_ASM_EVICT_LAST, "=r,l,l,r", [addr, nbytes, chunk],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        done = tl.inline_asm_elementwise(_SPAN_ASM, "=r,l,l,r", [addr, nbytes, chunk],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    return done
+    return tl.inline_asm_elementwise(_SPAN_ASM, "=r,l,l,r", [addr, nbytes, chunk],
+                                     dtype=tl.int32, is_pure=False, pack=1)
 
 
 # prefetch_spans' MODE: what a program does with each span it is given.
@@ -58,8 +43,7 @@ _MARK = tl.constexpr(RECORD_MARK)
 
 
 @triton.jit
-def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, MODE: tl.constexpr,
-                   EVICT_LAST: tl.constexpr = False):
+def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, MODE: tl.constexpr):
     """Spans program, program + num_programs, ... of the table, each split over the program's
     threads in `chunk`-byte pieces (chunk * threads >= SPAN_BYTES). MODE: PREFETCH; OFF
     compiles to nothing (the interpreter has no inline PTX); RECORD (tests, the interpreter)
@@ -69,24 +53,21 @@ def prefetch_spans(table_ptr, n_spans, program, num_programs, chunk, MODE: tl.co
         for i in range(program, n_spans, num_programs):
             addr = tl.load(table_ptr + 2 * i)
             nbytes = tl.load(table_ptr + 2 * i + 1)
-            _bulk_prefetch_span(addr, nbytes, chunk, EVICT_LAST)
+            _bulk_prefetch_span(addr, nbytes, chunk)
     elif MODE == 2:
         for i in range(program, n_spans, num_programs):
             tl.atomic_add(table_ptr + 2 * i + 1, _MARK)
 
 
 @triton.jit
-def _prefetch_kernel(table_ptr, n_spans, chunk, MODE: tl.constexpr, EVICT_LAST: tl.constexpr):
-    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, MODE,
-                   EVICT_LAST)
+def _prefetch_kernel(table_ptr, n_spans, chunk, MODE: tl.constexpr):
+    prefetch_spans(table_ptr, n_spans, tl.program_id(0), tl.num_programs(0), chunk, MODE)
 
 
-def prefetch(table: torch.Tensor, programs: int = 132, num_warps: int = 4,
-             evict_last: bool = False) -> None:
+def prefetch(table: torch.Tensor, programs: int = 132, num_warps: int = 4) -> None:
     """Prefetch a span table's bytes into L2 by a launch of its own (benchmarks and tests; the
     decode step does it inside the attention launch). No-op off CUDA."""
     if not table.is_cuda or table.numel() == 0:
         return
     _prefetch_kernel[(min(programs, table.shape[0]),)](
-        table, table.shape[0], chunk_bytes(num_warps), MODE=PREFETCH, EVICT_LAST=evict_last,
-        num_warps=num_warps)
+        table, table.shape[0], chunk_bytes(num_warps), MODE=PREFETCH, num_warps=num_warps)

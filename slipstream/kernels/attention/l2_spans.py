@@ -10,52 +10,37 @@ find part of their bytes in L2 instead of HBM. A prefetch is a hint: it changes 
 
 The host side builds, once per layer before the decode graphs are captured, a table of spans
 (start address, bytes), each at most SPAN_BYTES, covering the tensors to prefetch in order
-up to a byte budget (SLIPSTREAM_L2_PREFETCH_MB). The addresses are fixed because weights never
+up to a byte budget (budget_bytes). The addresses are fixed because weights never
 move after loading, so the table is safe inside a CUDA graph. The device side is
 kernels/attention/l2_prefetch.py; this module needs no Triton.
 """
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable
 
 import torch
 
-# The default budget: half the GPU's L2 (25 MB on the H100 / H200), which leaves room for the
-# GEMVs' own streaming reads; 48 MB measured slower than none. H200, Llama-3.1-8B batch-1 step at
-# context 256 (bench_step_parts, issued before the PDL wait), int4_awq + head: 0 / 8 / 16 / 24 MB
-# 1969.5 / 1950.1 / 1945.4 / 1943.2 us; fp8 + head 2285.6 / 2278.1 / 2291.1 / 2274.6 (noise);
-# bf16 4032.5 with none, 4015.4 with 32 MB. A one-row int4 GEMV is barely faster from L2 (down
-# 14.3 -> 14.0 us with its weights already there: instruction- and latency-bound), so the gain
-# is mostly o_proj's (int4 6.4 -> 5.5 us, bf16 10.4 -> 9.3).
+# The budget: half the GPU's L2 (25 MB on the H100 / H200), which leaves room for the GEMVs' own
+# streaming reads (a budget near the whole L2 was slower than none). The gain is mostly
+# o_proj's: a one-row int4 GEMV is instruction- and latency-bound, barely faster from L2.
 L2_SHARE = 0.5
-# Weight formats whose decode step runs faster without the prefetch. H200, session 28, the same
-# step A/B in one process (bench_step_parts, context 256, quantized head): int4_awq 1837.3 us
-# with 25 MB against 1821.1 with none (8 MB of o alone: 1829.4); fp8 2267.2 against 2301.3 and
-# bf16 4010.2 against 4032.1 keep it. The one-row int4 GEMVs now request their next tiles
-# early enough that the prefetch's extra HBM traffic costs them more than o_proj gains.
+# Weight formats whose decode step runs faster without the prefetch: the one-row int4 GEMVs
+# request their next tiles early enough that the prefetch's extra HBM traffic costs them more
+# than o_proj gains.
 NO_PREFETCH_METHODS = frozenset({"int4_awq"})
 SPAN_BYTES = 128 * 1024  # one program's share: split over its threads, a bulk prefetch each
 _ALIGN = 16  # cp.async.bulk: 16-byte aligned addresses, sizes a multiple of 16
 
 
 def budget_bytes(device: torch.device | None = None, method: str | None = None) -> int:
-    """SLIPSTREAM_L2_PREFETCH_MB if set (0 turns the prefetch off), else L2_SHARE of the
-    device's L2; 0 off CUDA, below compute capability 9.0 (the bulk prefetch is sm_90's) and
-    for a quantization method in NO_PREFETCH_METHODS."""
-    raw = os.environ.get("SLIPSTREAM_L2_PREFETCH_MB")
-    if raw is None:
-        if device is None or device.type != "cuda" or not supported(device):
-            return 0
-        if method in NO_PREFETCH_METHODS:
-            return 0
-        return int(L2_SHARE * torch.cuda.get_device_properties(device).L2_cache_size)
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"SLIPSTREAM_L2_PREFETCH_MB must be a number of MB, got {raw!r}") from None
-    return max(int(mb * 2**20), 0)
+    """L2_SHARE of the device's L2; 0 off CUDA, below compute capability 9.0 (the bulk
+    prefetch is sm_90's) and for a quantization method in NO_PREFETCH_METHODS."""
+    if device is None or device.type != "cuda" or not supported(device):
+        return 0
+    if method in NO_PREFETCH_METHODS:
+        return 0
+    return int(L2_SHARE * torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def supported(device: torch.device) -> bool:

@@ -1,16 +1,18 @@
 """Triton paged attention for the flat mixed batch: prefill chunks and decode tokens in one launch.
 
-Same semantics as paged_attention in kernels/reference.py. Each program takes one tile of query
-rows (BLOCK_Q tokens x the GROUP query heads that share one KV head, so every K/V tile is loaded
-once per group), walks the sequence's K/V through its block table with an online softmax, and
-for long contexts with few programs splits the KV range across programs (flash-decoding); the
-last split of a tile to finish merges the partial results. Metadata is read from device tensors only.
-fp8 / int8 caches are read as stored values: k_scale folds into the score scale and v_scale into
-the output, so the inner loop only adds a widening cast.
+Same semantics as paged_attention in kernels/reference.py (its twin). Bound by reading K/V at
+long contexts and large batches, by the latency of its chain of tiles at batch 1.
+
+Each program takes one tile of query rows (BLOCK_Q tokens x the GROUP query heads that share one
+KV head, so every K/V tile is loaded once per group), walks the sequence's K/V through its block
+table with an online softmax, and for long contexts with few programs splits the KV range
+across programs (flash-decoding); the last split of a tile to finish merges the partial
+results. Metadata is read from device tensors only. fp8 / int8 caches are read as stored
+values: k_scale folds into the score scale and v_scale into the output, so the inner loop only
+adds a widening cast.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +26,7 @@ from slipstream.kernels.attention.l2_prefetch import prefetch_spans
 from slipstream.kernels.attention.l2_spans import chunk_bytes as l2_prefetch_chunk
 from slipstream.kernels.attention.l2_spans import supported as l2_supported
 from slipstream.kernels.attention.rotary_cache import (
-    _check_cache,
+    check_cache,
     kv_quant_args,
     load_rotated,
     store_new_kv,
@@ -34,53 +36,23 @@ from slipstream.kernels.runtime import pdl
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
-# One K/V tile a split: a decode program's latency is its chain of tiles, each a gathered load
-# (addresses from the block table) then its math. SLIPSTREAM_ATTN_TOKENS_PER_SPLIT (an A/B
-# knob) asks for longer splits: fewer programs, a chain of tiles each, and no merge at all when
-# one split covers the context.
-_MIN_TOKENS_PER_SPLIT = int(os.environ.get("SLIPSTREAM_ATTN_TOKENS_PER_SPLIT", "64"))
+# A decode program's latency is its chain of K/V tiles (each a gathered load, then its math):
+# at least one 64-token tile a split keeps the chain short and the merge cheap.
+_MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 _MAX_SCRATCH_BYTES = 256 << 20
-# Split decode with fused RoPE reads each program's first K/V tile before the PDL wait, while
-# the QKV projection still runs (AttnConfig.preload). H200 W1 (session 23, one machine, off / on
-# / off, with the one-stage short splits below): bf16 241.8 / 244.9 / 241.5 tok/s, fp8 + head 419.0 /
-# 424.2 / 418.8, int4_awq + head 491.4 / 498.0 / 490.6; batch-1 steps at context 256 int4 -33.8
-# us, fp8 -44.5. Batches of one program a sequence were never measured with it: they keep the
-# plain start. SLIPSTREAM_ATTN_PRELOAD=0 turns it off.
-_PRELOAD = os.environ.get("SLIPSTREAM_ATTN_PRELOAD", "1") != "0"
-# Tile length of split decode launches (0: the default below); with a shorter tile a short
-# context spreads over more programs (an A/B knob, SLIPSTREAM_ATTN_SPLIT_BLOCK_N=32 with
-# SLIPSTREAM_ATTN_TOKENS_PER_SPLIT=32: 8 splits at context 256 instead of 4).
-_SPLIT_BLOCK_N = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_BLOCK_N", "0"))
-# Warps of split decode launches (few sequences, the KV range across programs): 8. The H200
-# batch-1 fp8 step at context 256 (A/B in one process): 4 warps 2438 us, 8 warps 2412, 2 warps
-# 2525; SLIPSTREAM_ATTN_SPLIT_WARPS=N sets another count.
-_SPLIT_WARPS = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_WARPS", "8"))
-# Split decode (few sequences, a short chain of tiles a program) is latency-bound: at batch 1
-# on the H200 the int4 W1 step spent 10.8 us a layer in it. A split of at most
-# SHORT_CHAIN_TILES tiles (W1: one 64-token tile a split up to ~2k tokens) loads them plainly
-# in one loop, skipping the prologue and epilogue of the staged loops' cp.async pipeline, which
-# longer splits keep. Decided per program at run time, so one captured graph serves short and
-# long contexts. H200 (session 23, in context, one process), step at context 256 / 4096:
-# fp8 batch 1 2424.0 -> 2382.2 / 2808.7 -> 2780.4 us, bf16 4191.9 -> 4134.2 / 4531.0 -> 4496.4.
-# A loop loading each tile into registers before the previous tile's math (session 22's
-# default) matched it at 256 (fp8 2398.4, bf16 4124.7) but lost at long splits (4096: 2934.3,
-# 4677.8; batch 32 at 2048: 130.9 against 93.0 us): 150-158 registers halve the resident
-# programs. Removed. SLIPSTREAM_ATTN_SHORT_CHAIN_TILES=N sets the threshold (0: always staged);
-# SLIPSTREAM_ATTN_SPLIT_STAGES=N (an A/B knob) sets the staged loops' stages for split decode
-# launches (1: plain loads everywhere, 111 registers; batch 8 at 4096 77.1 against 65.8 us).
-# L2 prefetch in split decode launches given a span table (kernels/attention/l2_spans.py): rows of spare
-# programs appended to the grid (SLIPSTREAM_L2_PREFETCH_ROWS, default 1: a row is kv_heads x
-# splits programs, 48 for Llama-3.1-8B at batch 1 and max_model_len 384), issuing before the
-# PDL wait, while the QKV GEMV still runs (H200 int4_awq batch-1 step: 1961.7 us after the wait,
-# 1947.7 before; SLIPSTREAM_L2_PREFETCH_EARLY=0 waits first). SLIPSTREAM_L2_PREFETCH_EVICT_LAST=1
-# marks the lines last to evict (an A/B knob: 1962.2 us, no gain).
-_PF_ROWS = int(os.environ.get("SLIPSTREAM_L2_PREFETCH_ROWS", "1"))
-_PF_EARLY = os.environ.get("SLIPSTREAM_L2_PREFETCH_EARLY", "1") != "0"
-_PF_EVICT_LAST = os.environ.get("SLIPSTREAM_L2_PREFETCH_EVICT_LAST", "0") == "1"
+# Warps of split decode launches (few sequences, the KV range across programs): 8 beat 2 and 4.
+_SPLIT_WARPS = 8
+# A split of at most this many tiles loads them plainly in one loop, skipping the prologue and
+# epilogue of the staged loops' cp.async pipeline, which longer splits keep (latency-bound
+# batch-1 decode). Decided per program at run time, so one captured graph serves short and long
+# contexts.
+_SHORT_CHAIN_TILES = 2
+# Rows of spare programs appended to split decode launches given a span table, to prefetch the
+# next GEMVs' weights into L2 (kernels/attention/l2_spans.py); a row is kv_heads x splits
+# programs.
+_PF_ROWS = 1
 _PF_CPU_MODE = PF_OFF  # the spare row's prefetch_spans MODE off CUDA (tests set RECORD)
-_SHORT_CHAIN_TILES = int(os.environ.get("SLIPSTREAM_ATTN_SHORT_CHAIN_TILES", "2"))
-_SPLIT_STAGES = int(os.environ.get("SLIPSTREAM_ATTN_SPLIT_STAGES", "0"))
 
 
 @triton.jit
@@ -101,8 +73,7 @@ def _quantized_to_f16(v, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
     """A K or V tile of an fp8 / int8 cache as fp16, exactly. The PTX versions are marked impure
     so Triton converts the tile before it goes through shared memory into the product's layout:
     otherwise it keeps V in 8 bits there and reads it back one byte per value (sm_90 has no 8-bit
-    transposed ldmatrix), which made an fp8 cache slower than bf16 (offline SASS per 64-token
-    tile: fp8 1,493 -> 710 instructions, int8 1,529 -> 903; bf16 645)."""
+    transposed ldmatrix), which made an fp8 cache slower than bf16."""
     if not ASM_CVT:  # the interpreter runs no PTX
         return v.to(tl.float16)
     elif KV_QUANT == 1:  # one conversion instruction per pair
@@ -207,8 +178,7 @@ def _paged_attn_kernel(
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, PF_EARLY: tl.constexpr = False,
-    PF_EVICT_LAST: tl.constexpr = False,
+    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -223,12 +193,11 @@ def _paged_attn_kernel(
     split = tl.program_id(2)
     if pid >= attn_rows:  # spare rows (PREFETCH): the next GEMVs' weights into L2, no attention
         _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split, USE_PDL,
-                        PRELOAD, PREFETCH, PF_EARLY, PF_EVICT_LAST)
+                        PRELOAD, PREFETCH)
         return
     if DECODE:
         # At most one query token per sequence: program pid serves sequence pid. The search
-        # below is a chain of log2(num_seqs) dependent loads before the first KV load (2% of
-        # the kernel at batch 512 with a bf16 cache, 10% with fp8).
+        # below is a chain of log2(num_seqs) dependent loads before the first KV load.
         s = pid
     else:
         s = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
@@ -379,19 +348,14 @@ def _write_own_kv(kc_head, vc_head, kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, k
 
 @triton.jit
 def _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split,
-                    USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr,
-                    PF_EARLY: tl.constexpr, PF_EVICT_LAST: tl.constexpr):
-    """A spare program's L2 prefetch (kernels/attention/l2_prefetch.py), after the PDL wait unless
-    PF_EARLY (the weights are never written, so the wait only keeps the QKV GEMV's bandwidth
-    to itself); PRELOAD programs wait here, the others waited at the top."""
+                    USE_PDL: tl.constexpr, PRELOAD: tl.constexpr, PREFETCH: tl.constexpr):
+    """A spare program's L2 prefetch (kernels/attention/l2_prefetch.py), issued before the PDL
+    wait while the QKV GEMV still runs (the weights are never written); PRELOAD programs wait
+    here, the others waited at the top."""
     spare = ((pid - attn_rows) * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
     n_spare = (tl.num_programs(0) - attn_rows) * tl.num_programs(1) * tl.num_programs(2)
-    if PF_EARLY:
-        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH, PF_EVICT_LAST)
-        _wait_if(PRELOAD, USE_PDL)
-    else:
-        _wait_if(PRELOAD, USE_PDL)
-        prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH, PF_EVICT_LAST)
+    prefetch_spans(pf_ptr, pf_spans, spare, n_spare, pf_chunk, PREFETCH)
+    _wait_if(PRELOAD, USE_PDL)
 
 
 @triton.jit
@@ -433,8 +397,8 @@ class AttnConfig:
     num_splits: int
     num_warps: int
     num_stages: int
-    # Decode with fused RoPE only: the first K/V tile read before the PDL wait (the kernel's
-    # PRELOAD; chosen for split decode launches, _PRELOAD).
+    # Decode with fused RoPE only: the first K/V tile read before the PDL wait, while the QKV
+    # projection still runs (the kernel's PRELOAD; choose_config sets it for split decode).
     preload: bool = False
     # Split launches: splits of at most short_chain tiles load them plainly in one loop, longer
     # ones run the staged loops (_SHORT_CHAIN_TILES).
@@ -470,27 +434,20 @@ def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_d
         while splits > 1 and scratch > _MAX_SCRATCH_BYTES:
             splits //= 2
             scratch //= 2
-    if decode and splits > 1 and _SPLIT_BLOCK_N:
-        block_n = _SPLIT_BLOCK_N
     num_warps = 4 if block_m <= 64 else 8
-    if decode and splits > 1 and _SPLIT_WARPS:
+    if decode and splits > 1:
         num_warps = _SPLIT_WARPS
     if decode and splits == 1 and dtype != torch.float32:
         # Many short programs (one per sequence and KV head): two warps each let more of them
-        # share an SM. Measured on the H200 at batch 64-512, contexts 192-1000: 3-10% faster
-        # than four warps with bf16 caches, 19-25% with fp8 caches.
+        # share an SM.
         num_warps = 2
     stages = 1 if dtype == torch.float32 else 3 if decode else 2
     if decode and splits == 1 and kv_dtype.itemsize == 1 and head_dim <= 128:
         # fp8 / int8 caches (converted in registers, then through shared memory): no
-        # asynchronous-copy pipeline, 32-token tiles. H200 sweep at batch 512: ctx 192
-        # 115 -> 96 us, ctx 1000 473 -> 438 us (128-token tiles: 415 / 120 us).
+        # asynchronous-copy pipeline, 32-token tiles.
         block_n, stages = 32, 1
     split_decode = decode and splits > 1
-    if split_decode and _SPLIT_STAGES:
-        stages = _SPLIT_STAGES
-    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages,
-                      _PRELOAD and split_decode,
+    return AttnConfig(block_m, block_n, max(splits, 1), num_warps, stages, split_decode,
                       short_chain=_SHORT_CHAIN_TILES if split_decode else 0)
 
 
@@ -518,7 +475,7 @@ def paged_attention(
     as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
     device scalars; None = 1.0). `config` overrides the tile choice (tests, tuning). `rope`:
     decode batches only (one query token per sequence), see RopeInput. `l2_prefetch`: a span
-    table (kernels/l2_spans.span_table) that a spare row of programs prefetches into L2, in
+    table (kernels/attention/l2_spans.span_table) that a spare row of programs prefetches into L2, in
     split decode launches with `rope` (few sequences: the launch leaves SMs and HBM idle).
     """
     if q.stride(-1) != 1:
@@ -545,8 +502,8 @@ def paged_attention(
                                device=q.device)
     else:
         part_out = part_lse = out  # unused by the kernel without SPLIT_KV
-    # Direct indexing measured faster at batch 64-512 without splits; with splits (few
-    # sequences) the W1 batch-1 step was 1-3% slower with it, so the search stays there.
+    # Direct indexing (program = sequence) helps many-sequence batches without splits; with
+    # splits (few sequences) it was slower, so the search stays there.
     decode = meta.max_query_len <= 1 and splits == 1
     attn_rows = meta.num_seqs if decode else num_tokens // block_q + meta.num_seqs
     spare = l2_prefetch is not None and rope is not None and splits > 1 and _PF_ROWS > 0 and (
@@ -569,8 +526,7 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_kwargs(q.device),
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
-        PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF, PF_EARLY=_PF_EARLY,
-        PF_EVICT_LAST=_PF_EVICT_LAST,
+        PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF,
     )
     return out
 
@@ -581,8 +537,8 @@ def _rope_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     rope, q stands in for the unread tensors."""
     if rope is None:
         return (q, q, q, q, q, 0, 0, 0, 0, 0)
-    _check_cache(k_cache)  # the new K/V row is addressed by its flat slot
-    _check_cache(v_cache)
+    check_cache(k_cache)  # the new K/V row is addressed by its flat slot
+    check_cache(v_cache)
     k, v = rope.k, rope.v
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()

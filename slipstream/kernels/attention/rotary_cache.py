@@ -20,7 +20,7 @@ _KV_QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}
 
 
 @triton.jit
-def _round_e4m3(y):
+def round_e4m3(y):
     """y (float32, |y| <= 448) rounded to the nearest e4m3 value, ties to even, in exact float32
     steps: the cast to fp8 after it is exact, so the GPU and Triton's interpreter (whose fp32 ->
     fp8 cast mis-rounds at binade edges) store the same bits as torch's cast."""
@@ -41,7 +41,7 @@ def _quantize(x, scale, KV_QUANT: tl.constexpr):
     """Values to store for x in a KV_QUANT cache (float32 x / scale, clamped; fp8 rounded to
     nearest even, int8 half up), or x itself for a plain cache. = quantize_kv (reference)."""
     if KV_QUANT == 1:
-        return _round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0))
+        return round_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0))
     elif KV_QUANT == 2:
         y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -127.0), 127.0)
         return tl.floor(y + 0.5)
@@ -200,7 +200,7 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, q_out_ptr, k_out_pt
                     2 * BLOCK_HALF, KV_QUANT)
 
 
-def _check_cache(cache: torch.Tensor) -> None:
+def check_cache(cache: torch.Tensor) -> None:
     # Flat slot addressing needs blocks and rows laid out back to back, unit stride on head_dim.
     if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(3) != 1:
         raise ValueError("KV cache must be contiguous in its block and head_dim dims")
@@ -258,8 +258,8 @@ def write_kv_cache(
 
     fp8 / int8 caches store k / k_scale and v / v_scale (device scalars; None = 1.0).
     """
-    _check_cache(k_cache)
-    _check_cache(v_cache)
+    check_cache(k_cache)
+    check_cache(v_cache)
     k, v = _heads_view(k), _heads_view(v)
     num_tokens, n_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -284,8 +284,8 @@ def rotary_and_cache_write(
     q, k, v may be strided views (e.g. slices of the fused QKV output); one program per token.
     fp8 / int8 caches get k_rot / k_scale and v / v_scale, as in write_kv_cache.
     """
-    _check_cache(k_cache)
-    _check_cache(v_cache)
+    check_cache(k_cache)
+    check_cache(v_cache)
     q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)

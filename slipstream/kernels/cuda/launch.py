@@ -1,8 +1,8 @@
 """CUDA C++ kernels compiled at run time with NVRTC (the library every CUDA build of PyTorch
 ships), launched through the driver with programmatic dependent launch (kernels/runtime/pdl.py).
 
-For kernels Triton cannot express (warp-specialized producers, bulk asynchronous copies into a
-shared-memory ring). Sources live next to this file and include no CUDA headers, so NVRTC needs
+For kernels Triton cannot express (kernels/cuda/w4_stream.cu: per-warp register streaming on the
+int8 tensor cores). Sources live next to this file and include no CUDA headers, so NVRTC needs
 no include path. Compiled modules are cached per (source, defines, device).
 """
 from __future__ import annotations
@@ -77,6 +77,8 @@ class CudaKernel:
 def compile_kernel(source: str, name: str, defines: tuple[tuple[str, int], ...], device: int,
                    shared_mem: int) -> CudaKernel:
     """NVRTC-compile kernels/<source> with -D defines for `device` and load `name`."""
+    # Imported here: a private torch API that some builds lack; the ImportError reaches
+    # w4_stream.maybe_stream, which falls back to the Triton kernels.
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
 
     text = (Path(__file__).parent / source).read_text()

@@ -4,25 +4,25 @@
 // fp16 s, uint8 z). RMS: of x / rms(x) (a folded RMSNorm). GATE_OUT: a [gate | up] weight of 2I
 // rows, out[j] = SiLU(gate_j) * up_j (a tile holds gate rows 8t..8t+7 and the same up rows).
 //
-// Unlike w4_bulk.cu (one block an SM, a producer warp, a 200 KB shared ring) every warp loads
-// its own weights into registers, DEPTH groups ahead, and the block needs only x's split in
-// shared memory (K / 2 bytes): small blocks that share an SM with the kernels around them.
+// Every warp loads its own weights into registers, DEPTH groups ahead, and the block needs only
+// x's split in shared memory (K / 2 bytes): small blocks that share an SM with the kernels
+// around them. Bounded by the weights' HBM stream; the registers a warp holds in flight set
+// how much of it is hidden.
 //
 // A warp takes 16-row tiles; KSPLIT warps of a block share one tile, each K / KSPLIT, and meet
 // in shared memory. An item is one group (128 k) of the warp's tile: lane (g, t) loads 16 bytes
 // of rows g and g + 8 (words 4t..4t+3 of the group, k = 32t .. 32t + 31).
 //
-// Math (as w4_bulk.cu's XQ 2): x of each group as integers xq = round(x / step), |xq| <= 127 *
+// Math: x of each group as integers xq = round(x / step), |xq| <= 127 *
 // 256, split exactly into int8 halves hi * 256 + lo. Even nibbles masked to bytes (q), odd ones
 // in place (16 q), on u8 x s8 mma m16n8k32 (no shifts). B's columns 0-3 hold hi, 4-7 lo, so one
 // product gives both: lanes t = 0, 1 hold the hi sums, t = 2, 3 the lo sums, each added to its
 // own float sum with its weight (256 or 1), and the halves meet once a tile (a shuffle).
 //
 // Compile-time constants: K (a multiple of 128 * KSPLIT), WARPS, KSPLIT, DEPTH, MINB (blocks an
-// SM for the register budget), PF (1: L2 256-byte prefetch hint on weight loads), ASYNC (1:
-// a per-warp cp.async ring in shared memory instead of registers; no faster on the H200), BIAS,
-// RMS, GATE_OUT. Written without CUDA headers so that NVRTC compiles it as is. The small helpers
-// (mma_u8, the conversions, weight_row) repeat w4_bulk.cu's: NVRTC gets no include path here.
+// SM for the register budget), BIAS, RMS, GATE_OUT. Written without CUDA headers so that NVRTC
+// compiles it as is (it gets no include path). The plain-torch twin of its numerics is
+// w4_split_int8_reference in kernels/cuda/w4_stream.py.
 
 #ifndef K
 #define K 4096
@@ -38,12 +38,6 @@
 #endif
 #ifndef MINB
 #define MINB 2
-#endif
-#ifndef PF
-#define PF 0
-#endif
-#ifndef ASYNC
-#define ASYNC 0  // 1: weights through a per-warp shared ring (cp.async) instead of registers
 #endif
 #ifndef BIAS
 #define BIAS 0
@@ -65,9 +59,6 @@
 #define SQ_OFF XS_BYTES
 #define PART_OFF (SQ_OFF + NG * 8)
 #define SQUARES_OFF (PART_OFF + 2 * WARPS * ROWS * 4)
-#define RING_OFF ((SQUARES_OFF + WARPS * 4 + 127) / 128 * 128)
-#define RING_BYTES (ASYNC ? WARPS * DEPTH * 1024 : 0)  // a warp's DEPTH groups of 16 rows
-#define SMEM_BYTES (RING_OFF + RING_BYTES)
 
 static_assert(NG % KSPLIT == 0, "K must split evenly over a tile's warps");
 static_assert(WARPS % KSPLIT == 0, "a block holds whole tiles");
@@ -83,42 +74,8 @@ struct W16 {  // 16 bytes of a weight row
 
 __device__ __forceinline__ W16 load_weights(const unsigned char* p) {
   W16 r;
-#if PF
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.a), "=r"(r.b), "=r"(r.c), "=r"(r.d) : "l"(p));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.a), "=r"(r.b), "=r"(r.c), "=r"(r.d) : "l"(p));
-#endif
-  return r;
-}
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 r;
-  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16 bytes global -> shared, asynchronous, L2 only (each lane later reads back its own bytes).
-__device__ __forceinline__ void copy_async(u32 dst, const unsigned char* src) {
-#if PF
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-
-__device__ __forceinline__ W16 lds16(u32 addr) {
-  W16 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.a), "=r"(r.b), "=r"(r.c), "=r"(r.d) : "r"(addr) : "memory");
   return r;
 }
 
@@ -241,23 +198,12 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
     ps = scales + row * NG + grp;
     pz = zeros + row * NG + grp;
   };
-#if ASYNC
-  // slot j of this warp's ring: rows g and g + 8, this lane's 16 bytes of each
-  const u32 ring = smem_addr(smem + RING_OFF) + warp * DEPTH * 1024 + g * 64 + t * 16;
-#else
   W16 ring_l[DEPTH], ring_h[DEPTH];
-#endif
   u16 ring_sl[DEPTH], ring_sh[DEPTH];
   unsigned char ring_zl[DEPTH], ring_zh[DEPTH];
   auto fill = [&](int j) {  // slot j <- item j of the chunk at the cursor
-#if ASYNC
-    copy_async(ring + j * 1024, pw + j * 64);
-    copy_async(ring + j * 1024 + 512, pw + d_rows * (K / 2) + j * 64);
-    copy_commit();
-#else
     ring_l[j] = load_weights(pw + j * 64);
     ring_h[j] = load_weights(pw + d_rows * (K / 2) + j * 64);
-#endif
     ring_sl[j] = ps[j];
     ring_sh[j] = ps[d_rows * NG + j];
     ring_zl[j] = pz[j];
@@ -309,17 +255,10 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
       const unsigned char* xs0 = smem + grp0 * 256 + t * 64 + half_off;
 #pragma unroll
       for (int j = 0; j < DEPTH; ++j) {
-#if ASYNC
-        copy_wait<DEPTH - 1>();  // this lane's copies of item j (the oldest of DEPTH) landed
-        const W16 wl = lds16(ring + j * 1024), wh = lds16(ring + j * 1024 + 512);
-#else
         const W16 wl = ring_l[j], wh = ring_h[j];
-#endif
         const float s_lo = f16_to_f32(ring_sl[j]), s_hi = f16_to_f32(ring_sh[j]);
         const int z_lo = ring_zl[j], z_hi = ring_zh[j];
-#if !ASYNC
         fill(j);  // this slot's next item, a chunk on
-#endif
         const uint4* xs = reinterpret_cast<const uint4*>(xs0 + j * 256);
         const uint4 x01 = xs[0], x23 = xs[1];  // words 0, 1 then 2, 3: (even, odd) each
         int ev[4] = {0, 0, 0, 0}, od[4] = {0, 0, 0, 0};
@@ -338,9 +277,6 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
         const int d_hi = (ev[2] + (od[2] >> 4)) * weight - z_hi * zq;
         acc_lo += s_lo * st.x * (float)d_lo;
         acc_hi += s_hi * st.x * (float)d_hi;
-#if ASYNC
-        fill(j);  // after the products used the slot's bytes: its next item, a chunk on
-#endif
       }
     }
     // the warp's share of the tile's rows is done
@@ -388,7 +324,4 @@ w4_gemv_stream(const u16* x,  // not __restrict__: the kernel before writes it (
     acc_lo = 0.f;
     acc_hi = 0.f;
   }
-#if ASYNC
-  copy_wait<0>();  // no copy may land after the block's shared memory is handed on
-#endif
 }

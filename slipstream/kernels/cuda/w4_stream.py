@@ -1,31 +1,30 @@
-"""One-row int4_awq GEMV in CUDA C++ (w4_stream.cu): every warp streams its own 16-row tiles
-into registers a chunk of groups ahead and sums on the int8 tensor cores, x an exact split into
-int8 halves a group of 128 (gemv_int4_bulk.split_int8_x / w4_split_int8_reference are the
-twin). Small blocks, x's split the only shared memory: unlike w4_bulk.cu's one block an SM,
-they share SMs with the kernels around them. Plain, with bias, with the folded RMSNorm
-(rms_eps) and as a gate-out; any K that is a multiple of 128 (down's 14336 too). CUDA only
-(NVRTC, kernels/cuda/launch.py).
+"""One-row int4_awq GEMV in CUDA C++ (w4_stream.cu), bound by streaming the weights from HBM.
+
+Every warp streams its own 16-row tiles into registers a chunk of groups ahead and sums on the
+int8 tensor cores, x an exact split into int8 halves a group of 128 (split_int8_x /
+w4_split_int8_reference are its plain-torch twin). Small blocks, x's split the only shared
+memory, so they share SMs with the kernels around them. Plain, with bias, with the folded
+RMSNorm (rms_eps) and as a gate-out; any K that is a multiple of 128. CUDA only (NVRTC,
+kernels/cuda/launch.py).
 
 On by default on sm_90 and newer (it waits on PDL's griddepcontrol): maybe_stream routes
-int4_awq's one-row calls here instead of the Triton kernels' tuner. H200 W1 (int4_awq + int4
-head, one machine): 628.1 tok/s against 568.2 on the Triton kernels. SLIPSTREAM_W4_STREAM=0
-turns it off; benchmarks/probe_w4_stream.py times configs against the Triton kernels. If NVRTC
-cannot compile it, a warning says so and the Triton kernels serve every call.
+int4_awq's one-row calls here instead of the Triton kernels' tuner; envs.CUDA_GEMV
+(SLIPSTREAM_CUDA_GEMV=0) turns it off. If NVRTC cannot compile it, a warning says so and the
+Triton kernels serve every call.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from slipstream import envs
 from slipstream.kernels.cuda.launch import compile_kernel
 from slipstream.kernels.gemv.dense import num_sms
 from slipstream.kernels.gemv.int4_common import packed_words
 from slipstream.quantization import utils as qu
 
-ENABLED = os.environ.get("SLIPSTREAM_W4_STREAM", "1") != "0"
 _log = logging.getLogger(__name__)
 ROWS = 16
 GROUP = 128
@@ -34,29 +33,24 @@ GROUP = 128
 @dataclass(frozen=True)
 class StreamConfig:
     """warps a block; ksplit warps share a tile (K / ksplit each); depth groups a warp has in
-    flight; min_blocks an SM (the register budget); pf: the L2 256-byte prefetch hint; ring:
-    1 = weights through a per-warp shared-memory ring (cp.async), 0 = in registers (what
-    default_config picks; the field defaults keep the probes' five-field specs of session 32)."""
+    flight (in registers); min_blocks an SM (the register budget)."""
     warps: int = 8
     ksplit: int = 1
     depth: int = 2
     min_blocks: int = 2
-    pf: int = 0
-    ring: int = 1
 
     @classmethod
     def parse(cls, spec: str) -> StreamConfig:
-        """'warps:ksplit:depth:min_blocks:pf[:ring]' (the probe's and the env override's
-        form)."""
+        """'warps:ksplit:depth:min_blocks' (the form benchmarks and tests write)."""
         return cls(*(int(v) for v in spec.split(":")))
 
 
-def shared_bytes(k: int, warps: int, depth: int = 0) -> int:
-    """x's split (256 bytes a group), each group's (step, sum), partial rows, squares, then
-    (the cp.async form) each warp's ring of `depth` 16-row groups."""
+def shared_bytes(k: int, warps: int) -> int:
+    """x's split (256 bytes a group), each group's (step, sum), partial rows and squares,
+    rounded up to 128 bytes."""
     ng = k // GROUP
     head = ng * 256 + ng * 8 + 2 * warps * ROWS * 4 + warps * 4
-    return -(-head // 128) * 128 + warps * depth * 1024
+    return -(-head // 128) * 128
 
 
 def config_ok(cfg: StreamConfig, k: int) -> bool:
@@ -73,20 +67,15 @@ def supported(n: int, k: int, group_size: int, gate_out: bool = False) -> bool:
 
 def default_config(n: int, k: int, gate_out: bool, sms: int) -> StreamConfig:
     """16 warps a block (one block an SM's register budget), each 16-row tile over 8 of them
-    (K / 8 a warp, two tiles a block), two groups in flight a warp in registers: H200, graph-
-    timed at Llama-3.1-8B's shapes, the fastest of the configs tried (benchmarks/results/
-    2026-12-02-h200-s32). Fewer warps a tile where K has fewer groups; one group a chunk
-    where a warp's share is odd. SLIPSTREAM_W4_STREAM_CONFIG=warps:ksplit:depth:min_blocks:
-    pf:ring overrides it."""
-    env = os.environ.get("SLIPSTREAM_W4_STREAM_CONFIG")
-    if env:
-        return StreamConfig.parse(env)
+    (K / 8 a warp, two tiles a block), two groups in flight a warp: the fastest of the configs
+    tried at Llama-3.1-8B's shapes (docs/history/kernels.md). Fewer warps a tile where K has
+    fewer groups; one group a chunk where a warp's share is odd."""
     ng = k // GROUP
     ksplit = 8
     while ng % ksplit:
         ksplit //= 2
     depth = 2 if (ng // ksplit) % 2 == 0 else 1
-    return StreamConfig(16, ksplit, depth, 1, 0, 0)
+    return StreamConfig(16, ksplit, depth, 1)
 
 
 def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -108,11 +97,10 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"a multiple of depth; at most 15 shared tiles a block)")
     x = cuda_one_row_operands("w4_gemv_stream", x, qweight, scales, zeros, bias, GROUP)
     defines = (("K", k), ("WARPS", cfg.warps), ("KSPLIT", cfg.ksplit), ("DEPTH", cfg.depth),
-               ("MINB", cfg.min_blocks), ("PF", cfg.pf), ("ASYNC", cfg.ring),
-               ("BIAS", int(bias is not None)), ("RMS", int(rms_eps > 0)),
-               ("GATE_OUT", int(gate_out)))
+               ("MINB", cfg.min_blocks), ("BIAS", int(bias is not None)),
+               ("RMS", int(rms_eps > 0)), ("GATE_OUT", int(gate_out)))
     kernel = compile_kernel("w4_stream.cu", "w4_gemv_stream", defines, x.device.index or 0,
-                            shared_bytes(k, cfg.warps, cfg.depth * cfg.ring))
+                            shared_bytes(k, cfg.warps))
     n_out = n // 2 if gate_out else n
     if out is None:
         out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype, device=x.device)
@@ -128,11 +116,11 @@ def w4_gemv_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def maybe_stream(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                  gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
-    """w4_gemv_stream for int4_awq's one-row calls unless SLIPSTREAM_W4_STREAM=0, on sm_90+,
-    when the shape fits; else None (the caller's Triton path). Compiled on the first eager call: a shape first
-    seen during a CUDA-graph capture stays on the Triton path."""
+    """w4_gemv_stream for int4_awq's one-row calls (unless envs.CUDA_GEMV is off) on sm_90+,
+    when the shape fits; else None (the caller's Triton path). Compiled on the first eager
+    call: a shape first seen during a CUDA-graph capture stays on the Triton path."""
     k = x.shape[-1]
-    if not (ENABLED and cuda_one_row_call(x, qweight, scales, zeros, bias)):
+    if not (envs.CUDA_GEMV.get() and cuda_one_row_call(x, qweight, scales, zeros, bias)):
         return None
     if x.device.index in _BROKEN or torch.cuda.get_device_capability(x.device)[0] < 9:
         return None

@@ -147,7 +147,7 @@ def w4_dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 CUBLAS = "dequantize+cuBLAS"
-_LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = {}
+LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = {}
 
 
 def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -159,7 +159,7 @@ def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     m = x.numel() // k if k else 0
     bucket = large_m_bucket(m)
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
-    choice = _LARGE_CHOICES.get(key)
+    choice = LARGE_CHOICES.get(key)
     if choice is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return w4_gemm(x, qweight, scales, zeros, group_size, bias)
@@ -171,7 +171,7 @@ def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         want = w4_linear_reference(xs, qweight, scales, zeros, group_size, bias)
         choice = measure_best(cands, (xs, qweight, scales, zeros), want, CUBLAS,
                               f"w4 M<={bucket} N={qweight.shape[0]} K={k}")
-        _LARGE_CHOICES[key] = choice
+        LARGE_CHOICES[key] = choice
     if choice == CUBLAS:
         return w4_dequant_linear(x, qweight, scales, zeros, group_size, bias)
     return w4_gemm(x, qweight, scales, zeros, group_size, bias, choice)

@@ -3,9 +3,9 @@
 Each [BLOCK_N, BLOCK_K] int8 weight tile is converted to x's dtype in registers (exact: every
 int8 value is a bf16 / fp16 number) and fed to tl.dot with x's tile, float32 accumulation; the
 per-output-channel scale multiplies the accumulator once, at the end. The alternative it replaces
-converts the whole weight first (reads one byte and writes two per weight: ~150 us for the
-28672 x 4096 gate_up on the H200, longer than a 256-token prefill's product) and needs that
-[N, K] temporary. int8_linear_large measures, once per (M bucket, N, K), these tiles against
+converts the whole weight first (reads one byte and writes two per weight: longer than a
+256-token prefill's product) and needs that [N, K] temporary. Twin: the dequantized weight
+through F.linear. int8_linear_large measures, once per (M bucket, N, K), these tiles against
 convert + cuBLAS and keeps the faster.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv.dense import _counters, _reduce_splits
+from slipstream.kernels.gemv.dense import counters, reduce_splits
 from slipstream.kernels.gemv.int4_common import (
     GemmTileConfig,
     grouped_tile,
@@ -35,9 +35,9 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
                     DOT_PREC: tl.constexpr, SWAP_AB: tl.constexpr = False,
                     SPLIT: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] output tile over program_id(1)'s share of K (all of it without
-    SPLIT; with it the last split to finish adds the float32 partials, gemv._reduce_splits).
-    The weight tile's conversion is Triton's own (byte permutes and a subtraction written in
-    PTX measured no faster on the H200: M=32-64 slower, larger M the same)."""
+    SPLIT; with it the last split to finish adds the float32 partials, gemv.reduce_splits).
+    The weight tile's conversion is Triton's own (hand-written PTX byte permutes were no
+    faster)."""
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = tl.minimum(offs_m, M - 1).to(tl.int64)  # rows past the end re-read the last one
@@ -68,7 +68,7 @@ def _w8_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, 
         acc = tl.trans(acc)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     ws_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    acc, done = _reduce_splits(acc, ws_ptrs, mask, M * N, cnt_ptr + tl.program_id(0),
+    acc, done = reduce_splits(acc, ws_ptrs, mask, M * N, cnt_ptr + tl.program_id(0),
                                tl.program_id(1), split_k, SPLIT)
     if done:
         acc = acc * tl.load(s_ptr + rows).to(tl.float32)[None, :]
@@ -99,9 +99,8 @@ def default_gemm_config(m: int) -> W8GemmConfig:
 
 def candidate_gemm_configs(m: int) -> list[W8GemmConfig]:
     """The tiles int8_linear_large measures per (M bucket, N, K): the winners of
-    `bench_w8_gemm.py --sweep` on the H200 (Llama-3.1-8B shapes, M 32 / 64 / 256 / 2048)."""
+    `bench_w8_gemm.py --sweep` (Llama-3.1-8B shapes, M 32 / 64 / 256 / 2048)."""
     if m <= 64:  # memory-bound: narrow tiles for more programs; K split where they are few
-        # (H200 split-K sweep: M=32 down 41.7 -> 24.9 us, o 14.4 -> 12.3; M=64 down 48.2 -> 37.8)
         tiles = [(16, 64, 256, 4, 4), (32, 64, 256, 4, 4), (32, 256, 128, 8, 3),
                  (64, 64, 256, 4, 3), (64, 128, 128, 4, 4, 8, True),
                  (32, 64, 256, 4, 4, 8, False, 2), (32, 64, 256, 4, 4, 8, False, 4),
@@ -137,7 +136,7 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         split, k_per_split = 1, k_steps * block_k
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     ws = torch.empty(split * m * n if split > 1 else 1, dtype=torch.float32, device=x.device)
-    cnt = _counters(x.device, tiles) if split > 1 else ws
+    cnt = counters(x.device, tiles) if split > 1 else ws
     _w8_gemm_kernel[(tiles, split)](
         x2, w, scale.reshape(-1), bias if bias is not None else out, out, ws, cnt, m, n, k,
         x2.stride(0), w.stride(0), out.stride(0), k_per_split, split, BLOCK_M=cfg.block_m,

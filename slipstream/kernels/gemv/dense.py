@@ -7,7 +7,6 @@ order (deterministic), applies the bias, writes the output and resets the counte
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -19,19 +18,14 @@ from slipstream.kernels.runtime import pdl
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 MAX_M = 16
-# The down projection's gated paths (SLIPSTREAM_TUNE_GATED=0 turns them off): the M=2-16 kernels
-# compute the gated activation in its load layout (_load_x ANCHOR), and the quantized GEMVs time
-# gated calls on their own (kernels/gemv/int8.py). H200, Llama-3.1-8B decode at batch 4: int8_wo
-# 665 -> 1117 tok/s, fp8 983 -> 1142, bf16 unchanged.
-TUNE_GATED = os.environ.get("SLIPSTREAM_TUNE_GATED", "1") != "0"
 
 
 @triton.jit
-def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+def finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Write part ([BLOCK_M, BLOCK_N] float32) to the output, reducing over the K splits."""
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    part, done = _reduce_splits(part, ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask,
+    part, done = reduce_splits(part, ws_ptr + offs_m[:, None] * N + offs_n[None, :], mask,
                                 M * N, cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:
@@ -41,7 +35,7 @@ def _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs
 
 
 @triton.jit
-def _reduce_splits(part, ws_ptrs, mask, split_stride, cnt_ptr, pid_k, split_k,
+def reduce_splits(part, ws_ptrs, mask, split_stride, cnt_ptr, pid_k, split_k,
                    SPLIT: tl.constexpr):
     """Split-K without a second launch: (the sum over every split of this tile's part, whether
     this program holds it). Each program stores its part at ws_ptrs + pid_k * split_stride;
@@ -64,11 +58,11 @@ def _reduce_splits(part, ws_ptrs, mask, split_stride, cnt_ptr, pid_k, split_k,
 
 
 @triton.jit
-def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
+def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
     """Weight rows of program pid_n's tile. Rows past N re-read row N-1 (no mask needed).
     GATE_OUT (a [gate | up] weight of N = 2I rows): the tile's first half is gate rows
     j0 .. j0 + BLOCK_N/2 - 1 and its second half the matching up rows I + j0 .., so that the
-    program can write SiLU(gate)·up for its BLOCK_N/2 columns (_finish_gate_out)."""
+    program can write SiLU(gate)·up for its BLOCK_N/2 columns (finish_gate_out)."""
     r = tl.arange(0, BLOCK_N)
     if GATE_OUT:
         half = N // 2
@@ -80,15 +74,15 @@ def _tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GATE_OUT: tl.constexpr):
 
 
 @triton.jit
-def _finish_gate_out(part, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
+def finish_gate_out(part, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
                      SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """M == 1, GATE_OUT: part [BLOCK_N] holds the tile's gate then up sums (_tile_rows); write
+    """M == 1, GATE_OUT: part [BLOCK_N] holds the tile's gate then up sums (tile_rows); write
     SiLU(gate)·up for its BLOCK_N/2 columns, each operand rounded to the output dtype first:
     the values silu_and_mul computes from the stored gate/up projection. Split-K partials are
-    reduced as in _finish (workspace: BLOCK_N floats per tile and split)."""
+    reduced as in finish (workspace: BLOCK_N floats per tile and split)."""
     HALF: tl.constexpr = BLOCK_N // 2
     v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    part, done = _reduce_splits(part, ws_ptr + v, v >= 0, tl.num_programs(0) * BLOCK_N,
+    part, done = reduce_splits(part, ws_ptr + v, v >= 0, tl.num_programs(0) * BLOCK_N,
                                 cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:
@@ -102,7 +96,7 @@ def _finish_gate_out(part, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_
 
 
 @triton.jit
-def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+def load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr,
             ANCHOR: tl.constexpr = False):
     """A tile of the GEMV input. GATED: the input is the gate/up projection's [gate | up]
     output (up at gate_off past gate) and the tile is silu(gate) * up, rounded to the input
@@ -130,7 +124,7 @@ def _load_x(ptrs, mask, gate_off, GATED: tl.constexpr, EVEN_K: tl.constexpr,
 
 # M and the split count are runtime values (no recompile per batch size or shape).
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+def gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                  stride_wn, stride_om, k_per_split, split_k, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr = False,
@@ -145,7 +139,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     flight). STAGES > 1 instead asks Triton to pipeline the loop (tl.range): tiles stream
     through shared memory by asynchronous copies, STAGES - 1 ahead, without the registers.
     Under PDL the first tile's loads are issued before waiting for the previous kernel
-    (kernels/runtime/pdl.py). GATE_OUT: see _tile_rows. HAS_SCALE (the dequant GEMV,
+    (kernels/runtime/pdl.py). GATE_OUT: see tile_rows. HAS_SCALE (the dequant GEMV,
     kernels/gemv/int8.py): INT8 / FP8 weights converted per BIT_CONVERT
     (kernels/gemv/weight_convert.py), the sums scaled per output column (s_ptr). WHOLE_K (with
     PREFETCH, one tile spanning K, no split): the program's whole weight slice is requested
@@ -162,7 +156,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)
+    rows = tile_rows(pid_n, N, BLOCK_N, GATE_OUT)
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -170,7 +164,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
     if WHOLE_K:
         w = _load_w_tile(w_ptrs, 0, 0, K, offs_k, EVEN_K, BLOCK_K)
         pdl_wait(USE_PDL)
-        x = _load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
+        x = load_x(x_ptr + offs_k, offs_k < K, K, GATED, EVEN_K)
         if RMS_EPS > 0:  # reduced before the products: x's float32 copy is not kept alive
             square_sum = tl.sum(x.to(tl.float32) * x.to(tl.float32))
         acc = _tile_product(w, x, BIT_CONVERT)
@@ -187,10 +181,10 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, 
             scale = scale * 1048576.0  # 2^20: with x's 2^100, undoes the 2^-120
         sums = sums * scale
     if GATE_OUT:
-        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
+        finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, N, split_k,
                          SPLIT, HAS_BIAS, BLOCK_N)
     else:
-        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1),
+        finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, tl.arange(0, 1),
                 offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -199,7 +193,7 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
             PREFETCH: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
             EVEN_K: tl.constexpr, BIT_CONVERT: tl.constexpr, USE_PDL: tl.constexpr,
             SQUARES: tl.constexpr, FULL_KP: tl.constexpr = 0):
-    """_gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES): the float32
+    """gemv_kernel's loop over the program's K range (see its PREFETCH / STAGES): the float32
     products [BLOCK_N, BLOCK_K] and (SQUARES) the sum of x's squares, over the range or
     (FULL_KP > 0: K rounded up to a power of two) over all of x, read after the PDL wait and
     reduced after the loop. The PDL wait comes after the first prefetched tiles are requested."""
@@ -229,7 +223,7 @@ def _k_loop(w_ptrs, x_ptr, offs_k, k_lo, k_hi, K, BLOCK_N: tl.constexpr, BLOCK_K
                 n1 = ahead
         else:
             w = _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K, BLOCK_K)
-        x = _load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
+        x = load_x(x_ptr + k + offs_k, k + offs_k < k_hi, K, GATED, EVEN_K)
         acc += _tile_product(w, x, BIT_CONVERT)
         if SQUARES and not FULL_KP:
             squares += x.to(tl.float32) * x.to(tl.float32)
@@ -258,7 +252,7 @@ def _load_w_tile(w_ptrs, k, k_lo, k_hi, offs_k, EVEN_K: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
-def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
+def skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm,
                    stride_wn, stride_om, k_per_split, split_k, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -288,13 +282,13 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N
             w = tl.load(w_ptrs + k)
         else:
             w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
-        x = _load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K, ANCHOR_GATED)
+        x = load_x(x_ptrs + k, k_ok[None, :], K, GATED, EVEN_K, ANCHOR_GATED)
         if HAS_SCALE:
             w = w.to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + rows)[None, :]
-    _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+    finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -323,11 +317,10 @@ class GemvConfig:
     mma: bool = False
     # One-row int4 whole-K tiles only: at most this many programs an SM, each looping over tiles
     # with the next tile's weights in flight (gemv_int4's whole-K loop); 0: a program a tile.
-    # (The bf16 / int8 / fp8 twin lost 1.2-1.8x at every Llama-3.1-8B shape on the H200.)
     persist: int = 0
 
 
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -341,16 +334,16 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
+def counters(device: torch.device, n: int) -> torch.Tensor:
     """Arrival counters shared by every call on a device; each call leaves them at zero.
 
     Shared, so two split-K calls must not run concurrently on different streams.
     """
     key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
+    buf = COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
+        COUNTERS[key] = buf
     return buf
 
 
@@ -378,7 +371,7 @@ def candidate_configs(m: int, n: int, k: int) -> list[GemvConfig]:
     return [GemvConfig(bn, bk, sk, w, st) for bn, bk, sk, w, st in tiles]
 
 
-def _split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
+def choose_split_k(cfg: GemvConfig, n: int, k: int, device: torch.device) -> tuple[int, int]:
     """(split_k, k_per_split): enough programs for ~4 resident per SM, K chunks a BLOCK_K multiple."""
     k_tiles = triton.cdiv(k, cfg.block_k)
     split = cfg.split_k
@@ -402,9 +395,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     this eps whose weight was folded into `weight`), bias added after.
     """
     if gate_out:
-        return _gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape),
+        return gemv_gate_out(x, weight, bias, config or default_config(1, *weight.shape),
                               rms_eps=rms_eps)
-    x2, weight, m, n, k = _gemv_operands(x, weight, gated)
+    x2, weight, m, n, k = gemv_operands(x, weight, gated)
     if rms_eps and (m != 1 or gated):
         raise ValueError(f"rms_eps needs one row of a plain input; got M={m}, gated={gated}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -420,12 +413,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight, b, out, ws, cnt, m, n, k, x2.stride(0), weight.stride(0),
             out.stride(0), per_split, split)
     if m == 1:
-        _gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split, rms_eps), **common,
+        gemv_kernel[(n_tiles, split)](*args, **one_row_path(cfg, k, split, rms_eps), **common,
                                        **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        _skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
-                                         ANCHOR_GATED=gated and x.is_cuda and TUNE_GATED,
+        skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
+                                         ANCHOR_GATED=gated and x.is_cuda,
                                          **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)
 
@@ -437,11 +430,11 @@ def whole_k(cfg: GemvConfig, k: int, split: int) -> bool:
 
 
 def one_row_path(cfg: GemvConfig, k: int, split: int, rms_eps: float = 0.0) -> dict:
-    """_gemv_kernel's loop constexprs for a config. Every launch of a config (the plain product
+    """gemv_kernel's loop constexprs for a config. Every launch of a config (the plain product
     the tuner times, and gate_out, which reuses the plain product's choice) takes them from here,
     so they run the code that was timed: a whole-K tile sent down the loop path instead keeps a
-    [BLOCK_N, K] float32 accumulator and two weight tiles live (register spills; the H200's
-    int8 W1 decode fell from ~360 to 10 tok/s). rms_eps: see gemv; with a K split every program
+    [BLOCK_N, K] float32 accumulator and two weight tiles live (register spills, many times
+    slower). rms_eps: see gemv; with a K split every program
     reads all of x for the statistic (RMS_KP), which must fit beside the loop (rms_ok)."""
     if rms_eps and split > 1 and not split_rms_fits(cfg, k):
         raise ValueError(f"rms_eps with a K split holds all of x in every program: K={k} is too "
@@ -452,10 +445,9 @@ def one_row_path(cfg: GemvConfig, k: int, split: int, rms_eps: float = 0.0) -> d
 
 
 # With a K split, a program holds all of x for the statistic until its loop ends: at most this
-# many elements a thread (64 bf16: 32 registers; K = 4,096 with two warps). sm_90a ptxas, K =
-# 4,096: +8 to +40 registers (int8 4 x 1024 / 2 warps: 134 -> 168), no spills; not yet timed
-# against the norm kernel it saves. SLIPSTREAM_RMS_SPLIT=0: split configs run the norm kernel.
-_RMS_X_PER_THREAD = 64 if os.environ.get("SLIPSTREAM_RMS_SPLIT", "1") != "0" else 0
+# many elements a thread (64 bf16: 32 registers; K = 4,096 with two warps), which ptxas fits
+# without spills.
+_RMS_X_PER_THREAD = 64
 
 
 def rms_ok(m: int, n: int, k: int, cfg: GemvConfig | None, device: torch.device) -> bool:
@@ -464,7 +456,7 @@ def rms_ok(m: int, n: int, k: int, cfg: GemvConfig | None, device: torch.device)
     an x that fits in registers beside the loop."""
     if m != 1 or cfg is None or cfg.dot or cfg.fp8_act or getattr(cfg, "mma", False):
         return False
-    return _split_k(cfg, n, k, device)[0] == 1 or split_rms_fits(cfg, k)
+    return choose_split_k(cfg, n, k, device)[0] == 1 or split_rms_fits(cfg, k)
 
 
 def split_rms_fits(cfg: GemvConfig, k: int) -> bool:
@@ -475,12 +467,12 @@ def split_rms_fits(cfg: GemvConfig, k: int) -> bool:
 def split_buffers(cfg: GemvConfig, m: int, n: int, k: int, out: torch.Tensor):
     """(split, k_per_split, n_tiles, workspace, counters) of a launch over [m, n] outputs;
     without a split the output stands in for the unused workspace and counters."""
-    split, per_split = _split_k(cfg, n, k, out.device)
+    split, per_split = choose_split_k(cfg, n, k, out.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if split == 1:
         return split, per_split, n_tiles, out, out
     ws = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
-    return split, per_split, n_tiles, ws, _counters(out.device, n_tiles)
+    return split, per_split, n_tiles, ws, counters(out.device, n_tiles)
 
 
 def call_kind(gate_out: bool, rms_eps: float) -> str:
@@ -495,17 +487,17 @@ def gate_out_ok(m: int, n: int, cfg: GemvConfig | None) -> bool:
             and cfg.block_n >= 2)
 
 
-def _gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def gemv_gate_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    cfg: GemvConfig, scale: torch.Tensor | None = None,
                    bit_convert: int = 0, rms_eps: float = 0.0) -> torch.Tensor:
     """gemv(gate_out=True); with scale, the dequant GEMV's (kernels/gemv/int8.py)."""
-    x2, weight, m, n, k = _gemv_operands(x, weight, False)
+    x2, weight, m, n, k = gemv_operands(x, weight, False)
     if not gate_out_ok(m, n, cfg):
         raise ValueError(f"gate_out needs one row, an even N and a one-row config; got M={m}, "
                          f"N={n}, {cfg}")
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(cfg, n, k, x.device)
-    _gemv_kernel[(n_tiles, split)](
+    gemv_kernel[(n_tiles, split)](
         x2, weight, weight if scale is None else scale, bias if bias is not None else out, out,
         ws, cnt, 1, n, k, x2.stride(0), weight.stride(0), out.stride(0), per_split, split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, EVEN_K=k % cfg.block_k == 0,
@@ -519,13 +511,13 @@ def gate_out_launch(cfg: GemvConfig, n: int, k: int, device: torch.device):
     """(split, k_per_split, tiles, workspace, counters) of a gate_out launch: tiles of
     block_n / 2 output columns, split-K chosen as for the plain product of that many tiles."""
     n_tiles = triton.cdiv(n // 2, cfg.block_n // 2)
-    split, per_split = _split_k(cfg, n, k, device)
+    split, per_split = choose_split_k(cfg, n, k, device)
     ws = torch.empty((split, n_tiles * cfg.block_n), dtype=torch.float32, device=device)
-    cnt = _counters(device, n_tiles) if split > 1 else ws
+    cnt = counters(device, n_tiles) if split > 1 else ws
     return split, per_split, n_tiles, ws, cnt
 
 
-def _gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool
+def gemv_operands(x: torch.Tensor, weight: torch.Tensor, gated: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
     """(x as [M, K or 2K] and the weight, both with unit column stride, M, N, K), checking the
     shapes."""

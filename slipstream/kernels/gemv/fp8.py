@@ -9,10 +9,9 @@ loop against the dequant GEMV's ~4.75. The weight tile is the product's M side (
 BLOCK_K] @ [BLOCK_K, 16]), so the activation tile pads M at most to 16. Split-K and its
 in-kernel reduction are those of kernels/gemv/dense.py.
 
-Measured on the H200 (benchmarks/results/2026-12-01-h200-s11): at 2-16 rows it beats the dequant
-kernels (M=4 per-layer GEMVs 88 vs 102 us, the FP8 LM head 126 vs 168 us; decode at batch 4-16
-1.5-1.7x faster end to end); at one row the activation slice's load -> quantize -> product chain
-leaves it slower than the dequant GEMV (qkv 14.1 vs 8.8 us), so the tuner keeps that one there.
+At 2-16 rows it beats the dequant kernels; at one row the activation slice's load -> quantize
+-> product chain leaves it slower than the dequant GEMV, so the tuner keeps that one there.
+Twin: fp8_dot_gemv_reference.
 """
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.attention.rotary_cache import _round_e4m3
-from slipstream.kernels.gemv.dense import GemvConfig, _finish, _gemv_operands, _load_x, split_buffers
+from slipstream.kernels.attention.rotary_cache import round_e4m3
+from slipstream.kernels.gemv.dense import GemvConfig, finish, gemv_operands, load_x, split_buffers
 from slipstream.kernels.runtime import pdl
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
@@ -43,7 +42,7 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N re-read row N-1: no mask
     offs_m = tl.arange(0, BLOCK_M)
-    x_rows = tl.minimum(offs_m, M - 1)  # rows past M repeat row M-1; _finish drops them
+    x_rows = tl.minimum(offs_m, M - 1)  # rows past M repeat row M-1; finish drops them
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -63,13 +62,13 @@ def _fp8_dot_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr
         x_next = _x_slice(x_ptrs, k + BLOCK_K, k_hi, offs_k, K, GATED, EVEN_K, BLOCK_K)
         x_scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-30) / _E4M3_MAX  # per row of this slice
         xs = x / x_scale[:, None]
-        if ROUND_IN_FLOAT:  # the interpreter's cast mis-rounds at binade edges (see _round_e4m3)
-            xs = _round_e4m3(xs)
+        if ROUND_IN_FLOAT:  # the interpreter's cast mis-rounds at binade edges (see round_e4m3)
+            xs = round_e4m3(xs)
         xq = xs.to(tl.float8e4nv)
         acc += tl.dot(w, tl.trans(xq)) * x_scale[None, :]
     scale = tl.load(s_ptr + rows)
     part = tl.trans(acc * scale[:, None])  # [BLOCK_M, BLOCK_N]
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+    finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -79,9 +78,9 @@ def _x_slice(x_ptrs, k, k_hi, offs_k, K, GATED: tl.constexpr, EVEN_K: tl.constex
     """The [BLOCK_M, BLOCK_K] activation slice at column k of this program's K range (past
     the end, EVEN_K re-reads the last slice and otherwise masks: the prefetch after the last)."""
     if EVEN_K:
-        return _load_x(x_ptrs + tl.minimum(k, k_hi - BLOCK_K), None, K, GATED, EVEN_K)
+        return load_x(x_ptrs + tl.minimum(k, k_hi - BLOCK_K), None, K, GATED, EVEN_K)
     else:
-        return _load_x(x_ptrs + k, (k + offs_k < k_hi)[None, :], K, GATED, EVEN_K)
+        return load_x(x_ptrs + k, (k + offs_k < k_hi)[None, :], K, GATED, EVEN_K)
 
 
 def fp8_dot_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -90,7 +89,7 @@ def fp8_dot_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     most 16 rows of x, activations quantized per (row, block_k slice); output in x's dtype."""
     if qweight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8_dot_gemv: weight dtype {qweight.dtype} is not float8_e4m3fn")
-    x2, qweight, m, n, k = _gemv_operands(x, qweight, gated)
+    x2, qweight, m, n, k = gemv_operands(x, qweight, gated)
     scale = scale.float().contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:

@@ -10,29 +10,29 @@ of kernels/gemv/dense.py; int4_linear is the entry point for int4_awq's apply.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.cuda import w4_stream as gemv_int4_stream
+from slipstream.kernels.cuda import w4_stream
+from slipstream.kernels.gemm import int4 as gemm_int4
 from slipstream.kernels.gemm.int4 import w4_gemm, w4_linear_large
 from slipstream.kernels.gemv import int4_mma as gemv_int4_mma
 from slipstream.kernels.gemv.dense import (
     MAX_M,
     GemvConfig,
-    _counters,
-    _finish,
-    _finish_gate_out,
-    _split_k,
-    _tile_rows,
     call_kind,
+    choose_split_k,
+    counters,
+    finish,
+    finish_gate_out,
     gate_out_launch,
     gate_out_ok,
     num_sms,
     rms_ok,
+    tile_rows,
 )
 from slipstream.kernels.gemv.int4_common import (
     measure_best,
@@ -155,14 +155,6 @@ def _chained_dot_asm(rows: int = 1) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-# Whole-K tiles address their words, scales and zeros with int32 element offsets (rows x
-# stride + column) added to the 64-bit base once a load, instead of int64 row offsets:
-# offline sm_90a SASS of the tile loop's step, n4 2 warps K 4096: 772 -> 737 instructions
-# (3.02 -> 2.88 a weight), n8 4 warps 862 -> 807, down (n2 4 warps, K 14336) 732 -> 721 at 168
-# registers instead of 138. H200 W1 (session 26, one machine): int4_awq + head 516.3 tok/s
-# against 510.7 with int64 offsets; SLIPSTREAM_W4_I32_OFFSETS=0 restores them for an A/B. A
-# weight needs fewer than 2^31 words (rows x K / 8), which _whole_k_fits checks.
-_I32_OFFSETS = tl.constexpr(os.environ.get("SLIPSTREAM_W4_I32_OFFSETS", "1") != "0")
 _CHAINED_ASM = tl.constexpr(_chained_dot_asm())
 _CHAINED_TWO_ROWS_ASM = tl.constexpr(_chained_dot_asm(2))
 _CHAINED_FOUR_ROWS_ASM = tl.constexpr(_chained_dot_asm(4))
@@ -335,7 +327,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pairs (_bf16x2_word_dot: ~19 instructions per word instead of ~36; 2: its PTX); CHAIN
     (with BF16X2, CHUNK >= 32): four words of a row per packed sum (_chained_row_dot) and x
     pairs by PRMT (x_pairs_prmt). GATE_OUT: a [gate | up] weight, the program writes
-    SiLU(gate)·up (gemv._tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
+    SiLU(gate)·up (gemv.tile_rows). WHOLE_K (= K; with CHAIN, no split; WHOLE_KP: K rounded
     up to a power of two): the program's whole weight slice, scales and zeros are requested
     before the PDL wait, then one chained product over all of K: no loop, every byte in flight
     at once. RMS_EPS > 0:
@@ -348,7 +340,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = _tile_rows(pid_n, N, BLOCK_N, GATE_OUT)  # past N: row N-1 again, no mask
+    rows = tile_rows(pid_n, N, BLOCK_N, GATE_OUT)  # past N: row N-1 again, no mask
     offs_w = tl.arange(0, WORDS)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)  # K is a multiple of CHUNK: no K mask either
@@ -426,10 +418,10 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     if RMS_EPS > 0:
         sums = sums * _inv_rms(squares, K, RMS_EPS)
     if GATE_OUT:
-        _finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+        finish_gate_out(sums, rows, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                          N, split_k, SPLIT, HAS_BIAS, BLOCK_N)
     else:
-        _finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
+        finish(sums[None, :], ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k,
                 tl.arange(0, 1), offs_n, M, N, stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -449,13 +441,9 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
     The loop turns two buffers, each consumed and then refilled with the tile two on (past the
     program's last tile: the last again, no branch). Written as one buffer rotating (the next
     tile requested at the top of each step), ptxas issued the requests after the step's
-    products (sm_90a, n4 w2: the word loads at instructions 664-685 of 757), so each step
-    waited out a whole load latency; session 27 fenced the products behind a CTA barrier
-    (`early`: H200, Nsight Compute on gate_up's n4 loop 29.7 -> 22.9 us, long-scoreboard stalls
-    1.89 -> 0.30 an instruction). Here a refill is written after its buffer's products and
-    before the other buffer's, where ptxas keeps it, with neither the fence's 40 LOP3 nor the
-    rotation's 38 IMAD.MOV a step (n4 w2 gate-out: 765 instructions a tile against the fenced
-    loop's 837, the same 168 registers; test_w4_load_order checks the placement)."""
+    products, so each step waited out a whole load latency. Here a refill is written after its
+    buffer's products and before the other buffer's, where ptxas keeps it, without a fence or
+    a rotation's register moves (test_w4_load_order checks the placement)."""
     pdl_release(USE_PDL)
     pid = tl.program_id(0)
     step = tl.num_programs(0)
@@ -488,7 +476,7 @@ def _loop_tile_loads(w_ptr, s_ptr, z_ptr, it, n_it, pid, step, N, stride_wn, str
     """(rows, words, zeros, scales) of the program's it-th tile (past its last: the last
     again, unused, so that no branch guards the request)."""
     tile = pid + tl.minimum(it, tl.maximum(n_it - 1, 0)) * step
-    rows = _tile_rows(tile, N, BLOCK_N, GATE_OUT)
+    rows = tile_rows(tile, N, BLOCK_N, GATE_OUT)
     w, z8, s = _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn, GROUP,
                              K, KP)
     return rows, w, z8, s
@@ -502,11 +490,11 @@ def _loop_tile_out(buf, tile, x, inv_rms, bias_ptr, out_ptr, N, GROUP: tl.conste
     rows, w, z8, s = buf
     sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
     if GATE_OUT:
-        _finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
+        finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
                          False, HAS_BIAS, BLOCK_N)
     else:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        _finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
+        finish(sums[None, :], out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0,
                 tl.arange(0, 1), offs_n, 1, N, 0, 1, False, HAS_BIAS)
 
 
@@ -518,15 +506,14 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
     WP: tl.constexpr = KP // 8
     offs = tl.arange(0, WP)
     ok = offs < K // 8
-    if _I32_OFFSETS:  # element offsets in int32, one 64-bit add a load (see _I32_OFFSETS)
-        rows = rows.to(tl.int32)
+    # int32 element offsets (rows x stride + column) added to the 64-bit base once a load take
+    # fewer instructions a weight than int64 row offsets; _whole_k_fits keeps a weight under
+    # 2^31 words.
+    rows = rows.to(tl.int32)
     w = tl.load(w_ptr + (rows[:, None] * stride_wn + offs[None, :]), mask=ok[None, :], other=0)
     # The runs' zeros and scales gathered as one flat [rows x runs] vector, then reshaped: that
     # lands in the words' own layout. A [rows, runs] gather got a layout of its own from
-    # Triton 3.6 (the H200 image's), which then moved every word tile into it through shared
-    # memory (sm_90a, gate_up's n4 loop: 255 registers and 19 barriers a step, against 106 and
-    # 5 this way; 3.9 gives the same code either way). H200 W1 int4_awq + head, one machine:
-    # 535.1 tok/s against 524.9 (session 27).
+    # Triton 3.6, which then moved every word tile into it through shared memory.
     RUNS: tl.constexpr = WP // 4
     BLOCK_N: tl.constexpr = rows.shape[0]
     flat = tl.arange(0, BLOCK_N * RUNS)
@@ -702,7 +689,7 @@ def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
     else:
         part = tl.trans(tl.join(tl.sum(acc0, 1), tl.sum(acc1, 1)))
         offs_m = tl.arange(0, 2)
-    _finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+    finish(part, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -742,7 +729,7 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
         acc += t * (16.0 * s)[None, :] - sx[:, None] * (s * (16.0 + z))[None, :]
-    _finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
+    finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
 
@@ -794,8 +781,8 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
             (128, 4, 4, 1)]]
     if m > 1:
         mma = _mma_configs(m, dtype)
-        # With the mma tiles (bf16 x) two dot tiles are enough: on the H200 at 2-16 rows the
-        # mma or few-row kernels won every Llama-3.1-8B projection by 10-45%.
+        # With the mma tiles (bf16 x) two dot tiles are enough: at 2-16 rows the mma or
+        # few-row kernels win every Llama-3.1-8B projection.
         dots = dot[:2] if mma else dot + [W4Config(128, 64, 0, 4, dot=True)]
         return dots + _few_rows_configs(m, dtype) + mma
     fma = [W4Config(bn, 128, 0, w, 1, pf) for bn, w, pf in
@@ -804,58 +791,33 @@ def candidate_w4_configs(m: int, dtype: torch.dtype = torch.bfloat16) -> list[W4
     if dtype != torch.bfloat16:
         return fma + splits + dot[:2]
     # bf16 x: packed bf16 products, four words per packed sum (bit_convert 2; per-word sums where
-    # a chunk row has fewer than four words). H200, Llama-3.1-8B shapes: the 256-thread tile of
-    # two rows per thread wins every projection (qkv 9.0 -> 8.4 us, o 7.5 -> 7.2, gate_up
-    # 29.9 -> 27.0, down 16.5 -> 14.8 against the per-word sums' best); split_k is a runtime
-    # value, so the split variants cost only their timing.
+    # a chunk row has fewer than four words); split_k is a runtime value, so the split variants
+    # cost only their timing.
     chained = [W4Config(bn, 128, sk, w, 1, True, bit_convert=2) for bn, w, sks in
                [(128, 8, (0, 2, 4, 8, 16)), (64, 4, (0, 2, 8, 16)), (32, 2, (2, 16)),
                 (128, 2, (0,)), (128, 4, (0,))] for sk in sks]
-    # Two or three chunks requested ahead: Nsight Compute on the H200 read the gate_up GEMV at
-    # 42% of the DRAM bandwidth with 58% of its stall cycles waiting on loads, one chunk (8 KB a
-    # block, ~32 KB an SM) ahead: too few bytes in flight to cover the memory latency. H200:
-    # gate_up 27.0 -> 25.7 us (n64, three ahead), down 15.1 -> 14.7 (n128, two ahead).
+    # Two or three chunks requested ahead: with one, too few bytes are in flight to cover the
+    # memory latency (the loads are latency-bound).
     chained += [W4Config(bn, 128, sk, w, 1, pf, bit_convert=2) for bn, w, sk, pf in
                 [(128, 8, 0, 2), (128, 8, 2, 2), (64, 4, 0, 2), (64, 4, 0, 3)]]
     # A program's whole weight slice requested at once, before the PDL wait (WHOLE_K; where
-    # it does not fit, _whole_k_fits, these run the chained loop without a split): the int8 /
-    # fp8 whole-K tiles lifted W1 2-4% (H200); Nsight Compute read the int4 loops as
-    # load-latency bound. sm_90a ptxas at K = 4096: 80-217 registers; at 14,336 (2 rows, 4
-    # warps) 168, (4, 8) 128; no spills.
+    # it does not fit, _whole_k_fits, these run the chained loop without a split): more bytes
+    # in flight for loads that are latency-bound. No spills at Llama-3.1-8B's K.
     whole = [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True) for bn, w in
              [(8, 4), (16, 4), (16, 8), (32, 8), (2, 4), (4, 8)]]
-    # (Session 27 also fenced these tiles' products behind all of x's loads, which ptxas
-    # spreads through them: H200, session 28, plain products qkv 5.8 -> 6.5 us, o 5.0 -> 5.6,
-    # gate_up 19.2 -> 19.9, and never picked for a call kind. Removed.)
     # The same tiles from a few programs an SM, each looping with the next tile's weights in
-    # flight (_w4_whole_k_loop_kernel). H200 (session 23), graph-timed at one row against W1's
-    # choices: gate_up 22.6 -> 21.3 us with n8 at 2 an SM (gate-out 23.2 -> 22.3), down 14.4
-    # (chained n128) -> 13.1 with n2 at 2, qkv 7.1 -> 6.7 with n8 at 2; o slower (4.5 -> 5.4).
-    # Two programs an SM beat more (n8 at 4: 23.0, at 5: 26.8); n16 (182 registers) ran 5x
-    # slower, n16 w8 and n4 w8 lost too, n4 at 8 won nowhere (21.4 / 8.7 / 7.6): not candidates.
-    # Not yet timed (session 24, offline sm_90a SASS at K = 4,096): n4 with 2 warps holds two
-    # quads of each row a thread, so the rows' cross-thread sums cost half as much a weight:
-    # 3.02 instructions a weight against n8 w4's 3.37, 128 registers; at 4 an SM it keeps the
-    # same bytes in flight and warps an SM as n8 w4 at 2.
+    # flight (_w4_whole_k_loop_kernel): two programs an SM beat more.
     whole += [W4Config(bn, 128, 1, w, 1, True, bit_convert=2, whole_k=True, persist=p)
               for bn, w, p in [(8, 4, 2), (2, 4, 2), (4, 2, 4), (4, 2, 6)]]
-    # (Session 28: the H200 picked n4 at 6 an SM, its products fenced behind the next tile's
-    # loads, for gate_up's gate-out + norm, 20.6 us, and n2 w4 fenced for down, 13.6-13.7: the
-    # loop's two buffers now give that order without the fence, _w4_whole_k_loop_kernel. The
-    # loop's tiles hold 168 registers for n4 w2 since, so 8 an SM no longer fit.)
-    # (Session 28 also tried loops of more warps an SM for down_proj's K = 14,336, n2 w8 / n2
-    # w16 at 2 an SM and n8 w16 at 1, for more warps a scheduler than n2 w4's two: H200,
-    # session 29, 13.6 / 14.8 / 15.4 us against n2 w4's 13.4. Removed.)
     return fma + splits + chained + whole + _mma_configs(m, dtype) + dot[:2]
 
 
 def _mma_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     """The tensor-core fragment kernel's tiles for bf16 x, MIN_ROWS-16 rows: 16 or 32 rows a
-    warp, one group a step with or without PREFETCH, or 2-4 groups a step (block_k 256 / 512).
-    H200, Llama-3.1-8B shapes at 4 and 16 rows: each of these won a projection or came within
-    3%; two or four groups a step won the qkv, o and gate_up ones (M=16 o 15.2 -> 12.0 us, M=4
-    qkv 11.9 -> 10.1), explicit split counts (2, 4) lost everywhere to the shape's own."""
-    if (not gemv_int4_mma.ENABLED or dtype != torch.bfloat16
+    warp, one group a step with or without PREFETCH, or 2-4 groups a step (block_k 256 / 512):
+    each won a Llama-3.1-8B projection at 4 or 16 rows or came close; no explicit split counts
+    (they lost everywhere to the shape's own)."""
+    if (dtype != torch.bfloat16
             or not gemv_int4_mma.MIN_ROWS <= m <= gemv_int4_mma.MAX_ROWS):
         return []
     return [W4Config(16 * tiles * w, bk, 0, w, 1, pf, mma=True)
@@ -873,8 +835,7 @@ def _few_rows_configs(m: int, dtype: torch.dtype) -> list[W4Config]:
     if m == 4:
         return [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, four_rows=True)
                 for bn, w, sk in [(128, 8, 0), (64, 4, 0), (64, 2, 0), (128, 4, 0), (128, 8, 2)]]
-    # Four words per packed sum (bit_convert 2; per-word sums where x is not 8-byte aligned):
-    # H200 at M=2, gate_up 38.8 -> 36.3 us, down 22.4 -> 19.3 against the per-word sums' tiles.
+    # Four words per packed sum (bit_convert 2; per-word sums where x is not 8-byte aligned).
     return [W4Config(bn, 128, sk, w, 1, True, bit_convert=2, two_rows=True)
             for bn, w, sk in [(128, 8, 0), (128, 8, 2), (64, 4, 0), (64, 4, 8), (64, 2, 0),
                               (128, 4, 0)]]
@@ -905,10 +866,10 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         raise ValueError(f"rms_eps needs one row and a one-row config (with a K split, an x "
                          f"that fits: gemv.split_rms_fits); got M={m}, {cfg}")
     chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
-    split, per_split = _split_k(cfg, n, k, x.device)
+    split, per_split = choose_split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    cnt = _counters(x.device, n_tiles) if split > 1 else out
+    cnt = counters(x.device, n_tiles) if split > 1 else out
     scales, zeros = row_major(scales), row_major(zeros)
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, m, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
@@ -943,7 +904,7 @@ def _one_row_path(cfg: GemvConfig, x2: torch.Tensor, chunk: int, n: int, k: int,
                   rms_eps: float = 0.0) -> dict:
     """_w4_gemv_kernel's path constexprs for a config. The plain product (which the tuner times)
     and the gate-out launch (which reuses its choice) both take them from here, so they run the
-    same code (kernels/gemv.one_row_path: a path mismatch there cost 36x on the H200)."""
+    same code (as kernels/gemv/dense.one_row_path)."""
     chain = _chained(cfg, x2, chunk)
     whole = getattr(cfg, "whole_k", False) and chain and split == 1 and _whole_k_fits(cfg, n, k)
     return dict(PREFETCH=cfg.prefetch, STAGES=cfg.num_stages, BF16X2=_bf16x2_mode(cfg, x2),
@@ -956,7 +917,7 @@ def _whole_k_fits(cfg: GemvConfig, n: int, k: int) -> bool:
     """Whether a whole-K tile holds at most 64 words (512 nibbles) a thread, K rounded up to a
     power of two: sm_90a ptxas, 80-217 registers and no spills for every such candidate at
     Llama-3.1-8B's K = 4,096 and 14,336; and the weight's word offsets fit in int32
-    (_I32_OFFSETS)."""
+    (_whole_k_tile)."""
     return (cfg.block_n * triton.next_power_of_2(k) // 8 <= 64 * 32 * cfg.num_warps
             and n * triton.next_power_of_2(k) // 8 < 2**31)
 
@@ -1008,7 +969,7 @@ def _maybe_cuda_cpp(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
                     gate_out: bool = False, rms_eps: float = 0.0) -> torch.Tensor | None:
     """The CUDA C++ one-row kernel's output, or None where it does not take the call (then the
     Triton path runs)."""
-    return gemv_int4_stream.maybe_stream(x, qweight, scales, zeros, group_size, bias, gate_out,
+    return w4_stream.maybe_stream(x, qweight, scales, zeros, group_size, bias, gate_out,
                                          rms_eps)
 
 
@@ -1017,13 +978,13 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   gate_out: bool = False, rms_eps: float = 0.0) -> W4Config | None:
     """w4_linear_small's measured config for x's row count (None: not measurable now). One row
     is measured as it will run: the plain product, with the in-GEMV norm (rms_eps > 0), as a
-    gate-out, or both, each among the configs that run it (H200: the chained loop's gate-out
-    costs 2.6 us more than its product at gate_up, the k-warps kernel's 0.8)."""
+    gate-out, or both, each among the configs that run it (a config's gate-out need not rank
+    as its plain product does)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     n = qweight.shape[0]
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
-    if gemv_int4_mma.ENABLED and 4 < m <= gemv_int4_mma.NARROW_ROWS:
+    if 4 < m <= gemv_int4_mma.NARROW_ROWS:
         bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
     kind = call_kind(gate_out, rms_eps)
     key = (bucket, n, k, group_size, x.dtype, bias is not None, x.device.index) + (
@@ -1161,10 +1122,8 @@ def w4_linear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 def w4_choices() -> dict[str, str]:
     """The per-shape choices made so far (both M ranges), for the start-up log."""
-    from slipstream.kernels.gemm import int4 as gemm_int4
-
     out = {}
-    for key, cfg in {**_SMALL_CHOICES, **gemm_int4._LARGE_CHOICES}.items():
+    for key, cfg in {**_SMALL_CHOICES, **gemm_int4.LARGE_CHOICES}.items():
         m, n, k, g, dt, b = key[:6]
         kind = f" {key[7]}" if len(key) > 7 else ""  # one row: gate-out and / or rms
         label = cfg.label() if hasattr(cfg, "label") else str(cfg)

@@ -1,5 +1,6 @@
-"""Shared pieces of the W4A16 kernels (gemv_int4, gemm_int4): in-register nibble unpacking, the
-layout checks, the plain-torch reference twin and the measured choice among candidates.
+"""Shared pieces of the W4A16 kernels (kernels/gemv/int4.py, kernels/gemm/int4.py): in-register
+nibble unpacking, the layout checks, the plain-torch reference twin (w4_linear_reference) and
+the measured choice among candidates.
 
 Packed words: qweight uint8 [N, K/2] (even k in the low nibble) read as int32 [N, K/8]; nibble i
 (bits 4i..4i+3) of word j is k = 8j + i. Nibbles become floats by the exponent trick: 4 bits
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 from slipstream.quantization import utils as qu
 
 logger = logging.getLogger(__name__)
@@ -214,8 +216,6 @@ def measure_best(candidates: list[tuple[object, Callable[..., torch.Tensor]]],
     max|want|); a wrong or failing candidate (a miscompile, a tile that does not fit) is never
     chosen. Timed like the other tuners (kernels/runtime/tuning.py: CUDA graph, L2-sized weight copies).
     `fallback` when none qualifies."""
-    from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
-
     want = want.float()
     tol = 2e-2 * want.abs().max().item() + 1e-6
     name = lambda c: c.label() if hasattr(c, "label") else str(c)  # noqa: E731

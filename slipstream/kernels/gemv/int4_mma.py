@@ -13,13 +13,10 @@ Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
 
 ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/gemv/mma_fragments.py) emulates
 the instruction on the per-lane tensors, so the CPU tests check every address and index;
-only the PTX needs the GPU. A tuner candidate for 2-16 rows (H200, Llama-3.1-8B shapes: the
-fastest int4 GEMV at 4 and 16 rows, slower than the chained one-row kernel at one row);
-SLIPSTREAM_W4_MMA=1 adds it at one row too, SLIPSTREAM_W4_MMA=0 leaves it out.
+only the PTX needs the GPU. A tuner candidate for MIN_ROWS-16 rows (the fastest int4 GEMV at
+4 and 16 rows; at one row the chained FMA kernel of kernels/gemv/int4.py is faster).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -35,9 +32,7 @@ from slipstream.kernels.gemv.mma_fragments import (
 )
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
-_MODE = os.environ.get("SLIPSTREAM_W4_MMA", "")
-ENABLED = _MODE != "0"
-MIN_ROWS = 1 if _MODE == "1" else 2  # at one row the chained FMA kernel is faster
+MIN_ROWS = 2  # at one row the chained FMA kernel is faster
 NARROW_ROWS = 8  # one n8 mma step per A fragment
 MAX_ROWS = 16  # two above NARROW_ROWS (WIDE)
 GROUP_SIZE = 128  # the group the kernel steps by (each lane reads four words of a row per group)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -18,28 +17,23 @@ from slipstream.kernels.gemv import dense as _gemv
 from slipstream.kernels.gemv.dense import (
     MAX_M,
     GemvConfig,
-    _gemv_operands,
     call_kind,
     gate_out_ok,
+    gemv_operands,
     split_buffers,
 )
 from slipstream.kernels.gemv.fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.reference import silu_and_mul
 from slipstream.kernels.runtime import pdl
-from slipstream.kernels.runtime.tuning import graph_time_us, idle_before_us, weight_copies
+from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
 
 QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-# SLIPSTREAM_FP8_ACT_GEMV=0 keeps small-batch FP8 layers on bf16 activations (no activation
-# rounding; Llama-3.1-8B fp8 decode at batch 4-16 was 1.5-1.7x slower that way on the H200).
-_FP8_ACT_GEMV = os.environ.get("SLIPSTREAM_FP8_ACT_GEMV", "1") != "0"
-_WHOLE_K_GEMV = os.environ.get("SLIPSTREAM_WHOLE_K_GEMV", "1") != "0"  # 0: no whole-K candidates
-# gemv.TUNE_GATED (SLIPSTREAM_TUNE_GATED=0 turns it off): the down projection's gated calls get
-# their own measured choice, fused (SiLU·up computed as the kernel loads x) or unfused (the
-# activation kernel, then the plain GEMV); sm_90 SASS shows the fused loop at 2.2x the plain
-# one's instructions at M=1 (every N tile recomputes SiLU over its K range).
-_TUNE_GATED = _gemv.TUNE_GATED
+# The down projection's gated calls get their own measured choice, fused (SiLU·up computed as
+# the kernel loads x) or unfused (the activation kernel, then the plain GEMV): the fused loop
+# runs 2.2x the plain one's instructions at M=1 (every N tile recomputes SiLU over its K range),
+# so neither wins every shape.
 
 
 def default_qconfig(m: int) -> GemvConfig:
@@ -80,7 +74,7 @@ def candidate_qconfigs(m: int, weight_dtype: torch.dtype = torch.int8,
 def _whole_k_configs(k: int | None, bit_convert: int) -> list[GemvConfig]:
     """One-row tiles holding a program's whole weight slice in registers, requested before the
     PDL wait (gemv.whole_k): K up to 4,096 one-byte weights, 4-8 rows a program (16-32 KB)."""
-    if k is None or k > 4096 or not _WHOLE_K_GEMV:
+    if k is None or k > 4096:
         return []
     block_k = max(triton.next_power_of_2(k), 16)
     return [GemvConfig(bn, block_k, 1, w, 1, True, bit_convert=bit_convert)
@@ -91,7 +85,7 @@ def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
     """FP8 weights: the tensor-core kernel with FP8 activations (kernels/gemv/fp8.py), tiles of
     64-256 weight rows (one or two warp groups) by 128-256 columns (~1.2-2 sm_90 instructions per
     weight against the dequant kernels' ~4.75)."""
-    if weight_dtype != torch.float8_e4m3fn or not _FP8_ACT_GEMV:
+    if weight_dtype != torch.float8_e4m3fn:
         return []
     return [GemvConfig(bn, bk, 0, w, st, fp8_act=True) for bn, bk, w, st in
             [(64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 4),
@@ -105,10 +99,10 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None, gated: bool = False,
                   act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """qgemv with a config measured once per (M bucket, N, K, dtypes) on CUDA. gated (see
-    qgemv): the plain product's measured config; with gemv.TUNE_GATED and `act` (the
+    qgemv): the plain product's measured config; with `act` (the
     activation the gated kernel computes), a choice measured for the gated call itself, which
     may be to run act first and then the plain product."""
-    if gated and act is not None and _TUNE_GATED:
+    if gated and act is not None:
         cfg = _gated_choice(x, qweight, scale, bias, act)
         if cfg is _UNFUSED:
             return qlinear_small(act(x), qweight, scale, bias)
@@ -142,8 +136,8 @@ def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 
 
 # One-row gate-out / in-GEMV norm calls, measured as they run, each among the configs that run
-# them (int4 session 26: the gate-out of gate_up's chained loop cost 2.6 us more than its
-# product, so the plain product's pick need not be theirs). None: no candidate runs the call.
+# them (a config's gate-out need not rank as its plain product does, so the plain product's
+# pick need not be theirs). None: no candidate runs the call.
 _KIND_QCHOICES: dict[tuple, GemvConfig | None] = {}
 
 
@@ -203,9 +197,9 @@ def _measure_kind(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
 def _fastest_correct(cands: list, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None, fallback):
     """(config, us) of the fastest candidate whose call(x, qweight, scale[, bias]) matches its
-    oracle (cands: (config, call, want)), graph-timed over L2-sized weight copies after an
-    idle spin as a GEMV after attention runs; (fallback, inf) when none does. A miscompiled or
-    failing config (e.g. out of shared memory for its tile) is never chosen."""
+    oracle (cands: (config, call, want)), graph-timed over L2-sized weight copies; (fallback,
+    inf) when none does. A miscompiled or failing config (e.g. out of shared memory for its
+    tile) is never chosen."""
     args = (x, qweight, scale) if bias is None else (x, qweight, scale, bias)
     arg_sets = weight_copies(args)
     best, best_us = fallback, float("inf")
@@ -214,8 +208,7 @@ def _fastest_correct(cands: list, x: torch.Tensor, qweight: torch.Tensor, scale:
             if not torch.allclose(call(*args).float(), want, rtol=2e-2,
                                   atol=2e-2 * want.abs().max().item()):
                 continue
-            us = graph_time_us(lambda a, call=call: call(*a), arg_sets,
-                               idle_before_us=idle_before_us(x.shape[0]))
+            us = graph_time_us(lambda a, call=call: call(*a), arg_sets)
         except Exception:  # e.g. out of shared memory for this tile
             continue
         if us < best_us:
@@ -314,7 +307,7 @@ def qgemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     one launch of the M == 1 kernel (gemv.gate_out_ok configs); rms_eps: see qgemv."""
     if qweight.dtype not in QUANT_WEIGHT_DTYPES:
         raise ValueError(f"qgemv_gate_out needs an int8 / fp8 weight; got {qweight.dtype}")
-    return _gemv._gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
+    return _gemv.gemv_gate_out(x, qweight, bias, cfg, scale.float().contiguous(),
                                 _bit_convert_mode(cfg, qweight.dtype, x.is_cuda), rms_eps)
 
 
@@ -330,7 +323,7 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         raise TypeError(f"qgemv: weight dtype {qweight.dtype} is not one of {QUANT_WEIGHT_DTYPES}")
     if config is not None and config.fp8_act and not rms_eps:
         return fp8_dot_gemv(x, qweight, scale, bias, config, gated=gated)
-    x2, qweight, m, n, k = _gemv_operands(x, qweight, gated)
+    x2, qweight, m, n, k = gemv_operands(x, qweight, gated)
     if rms_eps and (m != 1 or gated or (config is not None and (config.dot or config.fp8_act))):
         raise ValueError(f"rms_eps needs one row of a plain input and a one-row config; got "
                          f"M={m}, gated={gated}, {config}")
@@ -348,13 +341,13 @@ def qgemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
             out.stride(0), per_split, split)
     if m == 1 and not cfg.dot:
         bit_convert = _bit_convert_mode(cfg, qweight.dtype, x.is_cuda)
-        _gemv._gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split, rms_eps),
+        _gemv.gemv_kernel[(n_tiles, split)](*args, **_gemv.one_row_path(cfg, k, split, rms_eps),
                                              HAS_SCALE=True, BIT_CONVERT=bit_convert, **common,
                                              **pdl.launch_kwargs(x.device))
     else:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"
-        anchor = gated and x.is_cuda and _gemv.TUNE_GATED
-        _gemv._skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
+        anchor = gated and x.is_cuda
+        _gemv.skinny_kernel[(n_tiles, split)](*args, BLOCK_M=16, DOT_PREC=prec, **common,
                                                ANCHOR_GATED=anchor, HAS_SCALE=True,
                                                **pdl.launch_kwargs(x.device))
     return out.view(*x.shape[:-1], n)

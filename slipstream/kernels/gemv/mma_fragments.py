@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from slipstream.kernels.gemv.dense import _reduce_splits
+from slipstream.kernels.gemv.dense import reduce_splits
 
 _OPERANDS = "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
 _MMA_BF16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 " + _OPERANDS)
@@ -119,7 +119,7 @@ def store_gate_out(g0, g1, g2, g3, u0, u1, u2, u3, j, t, M, N, ws_ptr, cnt_ptr, 
     part = tl.join(gate, quad(u0, u1, u2, u3))
     rows = tl.join(col, col + half)  # weight rows: gate, up
     both = tl.join(mask, mask)
-    part, done = _reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
+    part, done = reduce_splits(part, ws_ptr + rows, both, tl.num_programs(0) * (32 * NW),
                                 cnt_ptr + pid_n, pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:
@@ -151,7 +151,7 @@ def store_lanes(a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10,
             pw, rw, cw = tl.join(pw, p1), tl.join(rw, r1), tl.join(cw, c1)
         part, rows, cols = tl.join(part, pw), tl.join(rows, rw), tl.join(cols, cw)
     mask = (cols < M) & (rows < N)
-    part, done = _reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
+    part, done = reduce_splits(part, ws_ptr + cols * N + rows, mask, M * N, cnt_ptr + pid_n,
                                 pid_k, split_k, SPLIT)
     if done:
         if HAS_BIAS:

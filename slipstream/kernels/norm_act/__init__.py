@@ -1,0 +1,1 @@
+"""RMSNorm, the gated-MLP activation and per-token FP8 activation quantization."""

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slipstream.quantization.utils import _TINY, FP8_DTYPE, FP8_MAX
+from slipstream.quantization.utils import FP8_DTYPE, FP8_MAX, TINY
 
 _BLOCK = 1024
 _ONE_PASS_MAX = 16384
@@ -69,7 +69,7 @@ def _quantize_rows(x: torch.Tensor, k: int, silu: bool) -> tuple[torch.Tensor, t
         # 16 warps hold 16K values in registers (32 a thread); longer rows take two passes.
         launch = (dict(BLOCK=block, ONE_PASS=True, num_warps=min(max(block // 512, 1), 16))
                   if block <= _ONE_PASS_MAX else dict(BLOCK=_BLOCK, ONE_PASS=False, num_warps=4))
-        _row_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX, TINY=_TINY,
+        _row_fp8_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=FP8_MAX, TINY=TINY,
                               SILU=silu, **launch)
     return q, scale
 
@@ -134,5 +134,5 @@ def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
         block = triton.next_power_of_2(k)
         _norm_fp8_kernel[(m,)](x, r, weight, q, scale, ro, x.stride(0), r.stride(0), q.stride(0),
                                ro.stride(0), k, eps, HAS_RES=residual is not None, QMAX=FP8_MAX,
-                               TINY=_TINY, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
+                               TINY=TINY, BLOCK=block, num_warps=min(max(block // 512, 1), 16))
     return q, scale, res_out

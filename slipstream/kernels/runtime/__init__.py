@@ -1,0 +1,1 @@
+"""Launch machinery shared by the kernels: programmatic dependent launch and tuner timing."""

@@ -4,28 +4,21 @@ A candidate is timed inside a CUDA graph of back-to-back calls (no Python launch
 them, like the decode graph), cycling through enough copies of the weights that none is served
 from L2 (in a real step every layer's weights are different bytes). The GPU is spun up to its
 working clock first, and the median of several replays is kept: single do_bench runs at start-up
-picked different configs from run to run.
+picked different configs from run to run. Bounded by graph replay: each timing costs a capture
+and a few replays per candidate, which is why the tuners keep their candidate lists short.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from slipstream.kernels.runtime import pdl
+
 L2_FLUSH_BYTES = 128 << 20  # over twice the H100/H200 L2 (50 MB)
-# One-row GEMVs timed after a latency-bound kernel of this many microseconds (0: back to back).
-# In a decode step most GEMVs follow attention or a norm, during which DRAM is idle and a
-# GEMV launched under PDL may already request its weights; back-to-back timing cannot see that.
-IDLE_BEFORE_US = float(os.environ.get("SLIPSTREAM_TUNE_IDLE_US", "0"))
 _SPUN_UP: set[int | None] = set()
-
-
-def idle_before_us(m: int) -> float:
-    """The idle time a candidate for m activation rows is timed after (one row only)."""
-    return IDLE_BEFORE_US if m == 1 else 0.0
 
 
 def weight_copies(tensors: Sequence[torch.Tensor], min_bytes: int = L2_FLUSH_BYTES,
@@ -59,11 +52,10 @@ def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
     """Median microseconds per call of `call(args)` replayed in a CUDA graph over arg_sets.
 
     idle_before_us > 0: each call follows a kernel that spins that long (pdl.spin), and the
-    result is the time the call adds beyond it (what a GEMV costs after attention)."""
+    result is the time the call adds beyond it (what a GEMV costs after attention, whose idle
+    DRAM a GEMV launched under PDL can already use; the start-up tuners time back to back)."""
     if idle_before_us <= 0:
         return _replay_us(call, arg_sets, min_calls, repeats)
-    from slipstream.kernels.runtime import pdl
-
     device = arg_sets[0][0].device
     both = _replay_us(lambda a: (pdl.spin(device, idle_before_us), call(a)), arg_sets, min_calls,
                       repeats)

@@ -1,0 +1,1 @@
+"""Token choice on the device."""

@@ -1,6 +1,6 @@
 """Greedy token choice on the device: row argmax, and the multi-step decode advance fused in.
 
-torch.argmax over a 128k vocabulary row runs as one slow reduction (27 us on the H200 per
+torch.argmax over a 128k vocabulary row runs as one slow reduction (tens of microseconds per
 decode step); here each program reduces a chunk and a second launch reduces the chunks. The
 second launch can also feed the token back as the next step's input and advance position,
 sequence length and KV slot, which otherwise take half a dozen small launches per step.

@@ -1,0 +1,224 @@
+"""GGUF checkpoints: greedy output equals transformers' own GGUF loader token for token (float and
+quantized tensor types, tied embeddings, Llama's permuted q/k), config / tokenizer / chat
+template / EOS from the metadata, and clear errors for files the engine cannot load.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.engine.args import EngineArgs
+from slipstream.models.gguf import iterate_gguf_weights, unpermute_rows
+from slipstream.tokenizer.tokenizer import load_tokenizer
+from tests.models.tiny_gguf import BOS, EOS, EOT, PAD, tiny_tokenizer_parts, write_tiny_gguf
+from tests.tokenizer.tiny_tokenizer import CHAT_TEMPLATE
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")  # transformers' GGUF loader needs it
+
+PROMPTS = ["hello world, the quick brown fox", "def main():\n", "Les élèves 你好 😀"]
+MAX_NEW = 10
+
+
+def engine_config(path, **kw):
+    return EngineArgs(model=str(path), device="cpu", dtype="float32", **kw).create_engine_config()
+
+
+def hf_gguf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    """transformers' GGUF loader (float32) as the reference, never stopping early."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return _greedy(model, prompts, max_new)
+
+
+def _greedy(model, prompts, max_new):
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def slipstream_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def hf_token_ids(path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_llama_greedy_matches_transformers_gguf(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path, qtype)
+    prompts = hf_token_ids(path)
+    assert slipstream_greedy(path, prompts) == hf_gguf_greedy(path, prompts)
+
+
+@pytest.mark.parametrize("arch,qtype,overrides", [
+    ("LlamaForCausalLM", "Q8_0", {"tie_word_embeddings": True}),
+    ("Qwen2ForCausalLM", "Q4_0", {}),
+    # transformers reads no head_dim from a qwen3 GGUF: its default (128) must be the real one.
+    ("Qwen3ForCausalLM", "Q8_0", {"tie_word_embeddings": True, "head_dim": 128}),
+])
+def test_other_shapes_match_transformers_gguf(tmp_path, arch, qtype, overrides):
+    path = write_tiny_gguf(tmp_path, qtype, arch=arch, **overrides)
+    prompts = hf_token_ids(path)
+    assert slipstream_greedy(path, prompts) == hf_gguf_greedy(path, prompts)
+
+
+def test_f32_gguf_equals_its_source_checkpoint(tmp_path):
+    """Independent of transformers' GGUF loader: the F32 file runs as the HF checkpoint it was
+    written from (the q/k permute undone exactly)."""
+    from tests.helpers import load_hf_model
+
+    path = write_tiny_gguf(tmp_path, "F32")
+    prompts = [[5, 17, 300, 42], list(range(3, 40))]
+    expected = _greedy(load_hf_model(tmp_path / "hf" / "tiny-LlamaForCausalLM"), prompts, MAX_NEW)
+    assert slipstream_greedy(path, prompts) == expected
+
+
+def test_tied_embeddings_when_the_file_has_no_output_tensor(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q8_0", tie_word_embeddings=True)
+    config = engine_config(path)
+    assert config.model.tie_word_embeddings
+    names = [name for name, _ in iterate_gguf_weights(path, _llama_hf_names(2))]
+    assert "lm_head.weight" not in names
+
+
+def test_config_tokenizer_chat_template_and_eos_from_metadata(tmp_path):
+    import json
+
+    path = write_tiny_gguf(tmp_path, "Q4_0", eot=True)
+    hf_cfg = json.loads((tmp_path / "hf" / "tiny-LlamaForCausalLM" / "config.json").read_text())
+    model = engine_config(path).model
+    assert model.architecture == "LlamaForCausalLM"
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings", "bos_token_id"):
+        assert getattr(model, field) == hf_cfg[field], field
+    assert model.rms_norm_eps == pytest.approx(hf_cfg["rms_norm_eps"])
+    assert not model.tie_word_embeddings
+    ids = tiny_tokenizer_parts(tmp_path / "again")["ids"]
+    assert model.eos_token_ids == (ids[EOS], ids[EOT])  # end-of-turn stops generation too
+    tok = load_tokenizer(path)
+    assert (tok.bos_token_id, tok.pad_token_id) == (ids[BOS], ids[PAD])
+    assert tok.eos_token_ids[:2] == (ids[EOS], ids[EOT])
+    assert tok.hf.chat_template == CHAT_TEMPLATE
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|user|>hi<|end|><|assistant|>"
+    assert tok.decode(tok.encode(PROMPTS[2])) == PROMPTS[2]
+
+
+def test_llm_on_a_gguf_file_chats_with_its_template(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q8_0", eot=True)
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4),
+                   use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("<|user|>hi<|end|><|assistant|>")
+    assert out.outputs[0].token_ids
+
+
+def test_a_directory_holding_one_gguf_file(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    config = engine_config(tmp_path)
+    assert config.model_path == str(path) and config.tokenizer_path == str(path)
+    assert load_tokenizer(tmp_path).path == str(path)
+
+
+def test_weights_come_in_layer_order(tmp_path):
+    """The writer puts lm_head first (safetensors order); the iterator yields the embedding,
+    the layers in order, then the rest, as whole-layer load-time quantization needs."""
+    path = write_tiny_gguf(tmp_path, "Q8_0")
+    names = [name for name, _ in iterate_gguf_weights(path, _llama_hf_names(2))]
+    assert names[0] == "model.embed_tokens.weight"
+    layers = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
+    assert layers == sorted(layers) and set(layers) == {0, 1}
+    assert set(names[-2:]) == {"model.norm.weight", "lm_head.weight"}
+
+
+def test_unpermute_rows_inverts_llama_cpp_permute():
+    heads, head_dim, k = 3, 8, 5
+    w = torch.arange(heads * head_dim * k, dtype=torch.float32).reshape(heads * head_dim, k)
+    permuted = w.reshape(heads, 2, head_dim // 2, k).transpose(1, 2).reshape(w.shape)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(unpermute_rows(permuted, heads), w)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'.*llama"):
+        engine_config(path)
+
+
+def test_two_gguf_files_in_a_directory_is_an_error(tmp_path):
+    write_tiny_gguf(tmp_path, "Q8_0", name="a")
+    write_tiny_gguf(tmp_path / "b", "Q4_0", name="b").rename(tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"2 GGUF files \(a.gguf, b.gguf\)"):
+        engine_config(tmp_path)
+
+
+def test_missing_and_wrong_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model not found"):
+        engine_config(tmp_path / "absent.gguf")
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        engine_config(tmp_path / "weights.bin")
+    (tmp_path / "broken.gguf").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        engine_config(tmp_path / "broken.gguf")
+
+
+def test_rope_freqs_tensor_is_skipped_with_a_warning(tmp_path, caplog):
+    """Llama 3.x files carry long-context RoPE factors; transformers ignores them as well."""
+    import gguf
+
+    src = write_tiny_gguf(tmp_path / "src", "F32")
+    reader = gguf.GGUFReader(str(src))
+    path = tmp_path / "with-rope-freqs.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.add_tensor("rope_freqs.weight", torch.ones(8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.WARNING):
+        names = [n for n, _ in iterate_gguf_weights(path, _llama_hf_names(2))]
+    assert len(names) == len(reader.tensors)
+    assert "rope_freqs.weight" in caplog.text
+
+
+def _llama_hf_names(layers: int) -> list[str]:
+    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                 "post_attention_layernorm"]
+    names = [f"model.layers.{i}.{n}.weight" for i in range(layers) for n in per_layer]
+    return ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *names]
