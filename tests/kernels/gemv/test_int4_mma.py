@@ -13,7 +13,7 @@ from slipstream.kernels.gemv import int4_mma as gemv_int4_mma
 from slipstream.kernels.gemv import mma_fragments
 from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.gemv.int4 import W4Config
-from tests.quantization.gemv_helpers import check_gate_out, quantized, rel
+from tests.kernels.gemv.gemv_helpers import check_gate_out, quantized, rel
 
 
 @triton.jit

@@ -23,7 +23,7 @@ from slipstream.kernels.cuda.w4_stream import (
 )
 from slipstream.kernels.gemv.int4_common import w4_linear_reference
 from slipstream.kernels.reference import silu_and_mul
-from tests.quantization.gemv_helpers import (
+from tests.kernels.gemv.gemv_helpers import (
     fused_variant,
     quantized,
     rel,

@@ -20,7 +20,7 @@ from slipstream.kernels.gemv import int4_common
 from slipstream.kernels.gemv.dense import COUNTERS
 from slipstream.kernels.gemv.int4 import W4Config
 from slipstream.quantization import utils as qu
-from tests.quantization.gemv_helpers import quantized, rel, rms_normed
+from tests.kernels.gemv.gemv_helpers import quantized, rel, rms_normed
 
 
 def _check(got, x, packed, bias, group, tol=1e-5) -> None:

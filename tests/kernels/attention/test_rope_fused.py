@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_batch import make_batch
 
 from slipstream.kernels import reference
 from slipstream.kernels.attention.paged import AttnConfig, RopeInput, paged_attention
+from tests.kernels.attention.attn_batch import make_batch
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
