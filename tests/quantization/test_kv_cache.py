@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.assets import default_model_path
+from slipstream.bench.attn_batch import make_batch
 from slipstream.kernels import reference
 from slipstream.quantization import kv_cache
 from slipstream.quantization.cli import add_quantize_parser
@@ -73,8 +74,6 @@ def test_fp8_round_trip_relative_error_of_e4m3() -> None:
 @pytest.mark.parametrize("dtype,max_rel", [(I8, 0.02), (F8, 0.05)])
 def test_paged_attention_over_quantized_cache_close_to_float(dtype, max_rel) -> None:
     """write_kv_cache then paged_attention with amax scales: close to the float cache."""
-    from tests.kernels.attention.attn_batch import make_batch
-
     q, kc, vc, meta = make_batch([1, 5, 1], [30, 12, 64], num_kv_heads=2, group=2, head_dim=32,
                                  block_size=16, dtype=torch.float32, seed=4)
     ks = kc.abs().amax() / reference.KV_QMAX[dtype]

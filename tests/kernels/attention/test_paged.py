@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from slipstream.bench.attn_batch import make_batch
 from slipstream.kernels import reference
 from slipstream.kernels.attention.paged import AttnConfig, paged_attention
-from tests.kernels.attention.attn_batch import make_batch
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 ATOL, RTOL = 2e-5, 2e-5  # float32 online softmax vs float32 two-pass softmax

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.bench.attn_batch import make_batch
 from slipstream.kernels import reference
 from slipstream.kernels.attention.paged import AttnConfig, RopeInput, paged_attention
-from tests.kernels.attention.attn_batch import make_batch
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
