@@ -13,7 +13,7 @@ source benchmarks/device_env.sh
 
 timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 8 \
   tests/kernels/norm_act/test_quant_act.py tests/quantization/test_methods.py \
-  tests/kernels/gemv/test_int4.py tests/runner \
+  tests/kernels/gemv/test_int4_gemv.py tests/runner \
   tests/models tests/engine > "$RESULTS/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$RESULTS/gpu_tests.log")"
 grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head

@@ -59,9 +59,13 @@ def sampling_params_from_args(ns: argparse.Namespace):
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="complete one or more prompts and print the text",
-                       description="Complete prompts with a local model (default: embedded model).")
+                       description="Complete prompts with a local model (default: the default "
+                                   "model, SmolLM2-135M-Instruct where installed).")
     p.add_argument("--prompt", action="append", default=[],
                    help="prompt text (repeatable); reads stdin when none is given")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model's chat template "
+                        "and print only the reply")
     EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run_generate)
@@ -113,11 +117,16 @@ def run_generate(ns: argparse.Namespace) -> int:
     prompts = ns.prompt or [sys.stdin.read()]
     params = sampling_params_from_args(ns)
     llm = _make_llm(ns)
-    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+    if ns.chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outs = llm.chat(conversations, params, use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for out in outs:
         for completion in out.outputs:
             if len(out.outputs) > 1:
                 print(f"--- sample {completion.index} ---")
-            print(f"{out.prompt}{completion.text}")
+            print(completion.text if ns.chat else f"{out.prompt}{completion.text}")
     return 0
 
 
