@@ -11,7 +11,7 @@ per-kernel spans cannot show. The outputs of the reduced graphs are meaningless;
 
     python benchmarks/bench_step_parts.py --quantization fp8 --quantize-lm-head --ctx 256 \
         [--output-json F]
-    python benchmarks/bench_step_parts.py --attn-variants _PRELOAD=0,_PRELOAD=0+_MIN_TOKENS_PER_SPLIT=128
+    python benchmarks/bench_step_parts.py --attn-variants _MIN_TOKENS_PER_SPLIT=128,_SPLIT_WARPS=4
 
 --attn-variants times the whole step again under each setting of kernels/attention/paged.py's
 module knobs (`+` joins several; integers, 0 / 1 for flags), in the same process and graphs'
