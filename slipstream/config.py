@@ -140,6 +140,8 @@ class EngineConfig:
     tokenizer_path: str | None = None
     # Prefill steps of at most this many tokens (up to 64 sequences) replay a CUDA graph (0: never).
     max_prefill_graph_tokens: int = 512
+    # CPU engine: torch's intra-op threads (None: physical cores less busy ones; runner/cpu_threads.py).
+    cpu_threads: int | None = None
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

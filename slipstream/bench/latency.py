@@ -15,6 +15,7 @@ from slipstream.bench.datasets import random_requests
 from slipstream.bench.shapes import kv_bytes_per_token, load_config, weight_bytes
 from slipstream.bench.throughput import (
     build_llm,
+    cpu_thread_count,
     engine_kwargs,
     engine_settings,
     model_info,
@@ -111,6 +112,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     bandwidth = measure_copy_bandwidth(device)  # before the engine takes the memory
+    threads = cpu_thread_count(args, device)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch_size
     kwargs = engine_kwargs(args, model_dir, dtype,
@@ -131,7 +133,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "workload": args.label or f"latency b{args.batch_size} {args.input_len}/{args.output_len}",
         "model": model_info(shape, model_dir, cfg), "dtype": dtype,
         "quantization": getattr(args, "quantization", None),
-        "engine": engine_settings(llm, kwargs, device),
+        "engine": {**engine_settings(llm, kwargs, device), "cpu_threads": threads},
         "batch_size": args.batch_size, "input_len": args.input_len,
         "output_len": args.output_len, "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup,

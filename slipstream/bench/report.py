@@ -136,6 +136,7 @@ def throughput_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
         ("max batch / max tokens / block / graphs",
          f"{eng['max_batch_size']} / {eng['max_num_tokens']} / {eng['block_size']} / "
          f"{'on' if eng['cuda_graphs'] else 'off'}"),
+        *([("CPU threads", eng["cpu_threads"])] if eng.get("cpu_threads") else []),
         ("requests", r["num_requests"]),
         ("input / output tokens", f"{r['total_input_tokens']} / {r['total_output_tokens']}"),
         ("wall time (s)", r["wall_time_s"]),
@@ -162,6 +163,7 @@ def latency_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
         ("workload", r["workload"]), ("model / dtype", f"{r['model']['shape']} / {r['dtype']}"),
         ("batch / in / out", f"{r['batch_size']} / {r['input_len']} / {r['output_len']}"),
         ("cuda graphs", "on" if eng["cuda_graphs"] else "off"),
+        *([("CPU threads", eng["cpu_threads"])] if eng.get("cpu_threads") else []),
         ("iterations", r["num_iters"]),
         *_stat_rows("TTFT", r.get("ttft_ms")),
         *_stat_rows("E2E", r.get("e2e_ms")),

@@ -116,10 +116,21 @@ def resolve_model(model: str | None) -> tuple[str | None, str]:
     """`--model` value -> (model directory or None for the default, shape label for reports)."""
     if is_shape_name(model):
         return str(materialize_shape(model)), model.lower()
-    if model is None:
-        return None, "default"
+    if model is None:  # the engine's default model (SmolLM2 GGUF, else the embedded one)
+        from slipstream.assets.smollm2 import default_model
+
+        return str(default_model()), "default"
     return model, Path(model).name or model
 
 
 def load_config(model_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    """The checkpoint's config.json; a GGUF file (or a directory holding one): its metadata as
+    the config.json it stands for."""
+    from slipstream.models.gguf import gguf_hf_config, is_gguf_file, resolve_model_path
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        resolved = resolve_model_path(str(path))
+        if is_gguf_file(resolved):
+            return gguf_hf_config(resolved)
+    return json.loads((path / "config.json").read_text())

@@ -61,6 +61,16 @@ def engine_kwargs(args: argparse.Namespace, model_dir: str | None, dtype: str,
     return kwargs
 
 
+def cpu_thread_count(args: argparse.Namespace, device: str) -> int | None:
+    """On a CPU: the engine's thread choice (runner/cpu_threads.py), made now so a baseline run
+    in this process uses the same count; None elsewhere."""
+    if not device.startswith("cpu"):
+        return None
+    from slipstream.runner.cpu_threads import configure_cpu_threads
+
+    return configure_cpu_threads(getattr(args, "cpu_threads", None))
+
+
 def build_llm(kwargs: dict[str, Any]):
     return LLM(**kwargs)
 
@@ -276,6 +286,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
                              vocab_size=vocab, seed=args.seed or 0)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    threads = cpu_thread_count(args, device)  # before the baseline: both run on the same count
     baseline = run_baseline(args, model_dir, requests, dtype, device) if model_dir else None
     needed_len = max(r.input_len + r.output_len for r in requests)
     if args.max_num_seqs is None:
@@ -286,6 +297,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     warmup_engine(llm, requests, vocab, args.seed or 0, args.warmup_requests)
     outputs, wall, steps = timed_run(llm, requests)
     settings = engine_settings(llm, kwargs, device)
+    settings["cpu_threads"] = threads
     memory = peak_memory_gib(device)
     counts = token_counts(outputs, requests, wall)
     result: dict[str, Any] = {

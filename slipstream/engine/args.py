@@ -50,6 +50,9 @@ class EngineArgs:
     # None: on with CUDA, off elsewhere (a CPU runs each step as it is launched, so leaving it
     # unread would only delay its tokens).
     async_scheduling: bool | None = None
+    # CPU engine: torch's intra-op thread count. None: OMP_NUM_THREADS or a torch.set_num_threads()
+    # made before start-up if any, else the physical cores less those other processes keep busy.
+    cpu_threads: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -93,6 +96,7 @@ class EngineArgs:
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
             max_prefill_graph_tokens=self.max_prefill_graph_tokens,
+            cpu_threads=self.cpu_threads,
             tokenizer_path=self.tokenizer or str(model_path),
         )
 
@@ -151,6 +155,9 @@ class EngineArgs:
                        help="schedule and launch each step before reading the previous step's "
                             "tokens (fed on the device) when no request needs them on the host "
                             "(default: on with CUDA)")
+        g.add_argument("--cpu-threads", type=int, default=None,
+                       help="CPU engine: torch threads (default: OMP_NUM_THREADS if set, else "
+                            "the physical cores less those other processes keep busy)")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -176,6 +183,9 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
     if not isinstance(args.max_prefill_graph_tokens, int) or args.max_prefill_graph_tokens < 0:
         raise ValueError("max_prefill_graph_tokens must be a non-negative integer, got "
                          f"{args.max_prefill_graph_tokens!r}")
+    if args.cpu_threads is not None and (not isinstance(args.cpu_threads, int)
+                                         or args.cpu_threads < 1):
+        raise ValueError(f"cpu_threads must be a positive integer, got {args.cpu_threads!r}")
     if max_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_len}")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:

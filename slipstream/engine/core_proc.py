@@ -193,18 +193,18 @@ class EngineLoop:
 
 
 def _leave_a_core_for_the_front_end(config: EngineConfig) -> None:
-    """On a CPU engine, run torch on all cores but one (unless OMP_NUM_THREADS says otherwise).
+    """On a CPU engine, run torch on the free physical cores but one (runner/cpu_threads.py;
+    --cpu-threads or OMP_NUM_THREADS win).
 
     The front end detokenizes while the engine steps; if torch's OpenMP team spans every core,
     each parallel region waits for a thread the OS has parked behind the front end, and a 10 ms
     step becomes hundreds of milliseconds.
     """
-    if not config.device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+    if not config.device.startswith("cpu"):
         return
-    import torch
+    from slipstream.runner.cpu_threads import configure_cpu_threads
 
-    cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), cores - 1)))
+    configure_cpu_threads(config.cpu_threads, reserve=1)
 
 
 def _watch_parent() -> None:

@@ -1,7 +1,8 @@
 """The kernel table: one set of fused ops per device, same signatures as kernels/reference.py.
 
-get_ops picks the Triton table (kernels/triton_ops.py) on CUDA and the reference twins on the
-CPU; envs.KERNELS overrides the choice for debugging.
+get_ops picks the Triton table (kernels/triton_ops.py) on CUDA and, on the CPU, the reference
+twins with a batched paged attention (kernels/cpu.py); envs.KERNELS overrides the choice for
+debugging ("reference": the plain twins, the test oracle, everywhere).
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def get_ops(device: str, use_triton: bool | None = None) -> SimpleNamespace:
         forced = envs.KERNELS.get()  # auto | reference | triton
         use_triton = forced == "triton" or (forced == "auto" and str(device).startswith("cuda"))
     if not use_triton:
+        if envs.KERNELS.get() == "auto":
+            from slipstream.kernels.cpu import cpu_ops
+
+            return cpu_ops()
         return reference_ops()
     from slipstream.kernels import triton_ops  # imported here: it needs Triton, the CPU path does not
 

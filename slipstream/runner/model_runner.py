@@ -57,6 +57,10 @@ class ModelRunner:
         self._use_graph_replay = False
         self._kv_scales_ready = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
+        if self.device.type == "cpu":  # once per process: the server's engine process set it
+            from slipstream.runner.cpu_threads import configure_cpu_threads
+
+            configure_cpu_threads(config.cpu_threads)
 
     # ---- set-up --------------------------------------------------------------------------
     def load_model(self) -> None:

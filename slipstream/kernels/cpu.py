@@ -1,0 +1,149 @@
+"""The CPU kernel table: the reference twins (kernels/reference.py) with a faster paged attention.
+
+reference.paged_attention stays the simple oracle the Triton kernels are tested against: one
+Python iteration per sequence, GQA by repeat_interleave, einsum and softmax in float32. On a CPU
+that loop is most of a batched decode step (32 sequences x 30 layers of small ops). Here:
+
+- decode sequences (one query token each) attend in one batched scaled_dot_product_attention
+  over K/V gathered with one index_select per layer, padded to the longest sequence and masked;
+- the gather indices and the mask are built once per step (cached on the step's metadata) and
+  reused by every layer;
+- a sequence with several query tokens (a prefill chunk) gets one SDPA call of its own (causal,
+  bottom-right aligned when it has a cached prefix).
+
+Math in float32 as in the oracle (fp8 / int8 caches dequantized the same way); results equal the
+oracle's to float32 rounding (tests/kernels/attention/test_cpu_paged_attention.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.attention.backend import AttentionMetadata
+from slipstream.kernels import reference
+
+_PLAN_ATTR = "_cpu_attention_plan"
+
+
+@dataclass
+class _Plan:
+    """Per-step gather plan, shared by every layer of the step."""
+
+    block_size: int
+    # Decode sequences (query length 1): their query rows, flat K/V slots [Sd, Lmax] and mask.
+    dec_rows: torch.Tensor | None
+    dec_rows_identity: bool  # rows 0..Sd-1 in order: no gather / scatter of q and out
+    dec_slots: torch.Tensor | None  # [Sd * Lmax] int64
+    dec_mask: torch.Tensor | None  # [Sd, 1, 1, Lmax] bool, True = attend; None: no padding
+    dec_len: int
+    # Other sequences: (q_lo, q_hi, seq_len, block ids [n_blocks] int64).
+    others: list[tuple[int, int, int, torch.Tensor]]
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    dec_seqs, dec_rows, others = [], [], []
+    for s in range(meta.num_seqs):
+        q_lo, q_hi = qsl[s], qsl[s + 1]
+        if q_hi == q_lo:
+            continue
+        if q_hi - q_lo == 1:
+            dec_seqs.append(s)
+            dec_rows.append(q_lo)
+        else:
+            n_blocks = (lens[s] + block_size - 1) // block_size
+            others.append((q_lo, q_hi, lens[s], meta.block_tables[s, :n_blocks].long()))
+    if not dec_seqs:
+        return _Plan(block_size, None, False, None, None, 0, others)
+    dec_lens = [lens[s] for s in dec_seqs]
+    max_len = max(dec_lens)
+    n_blocks = (max_len + block_size - 1) // block_size
+    seqs = torch.tensor(dec_seqs, dtype=torch.long, device=device)
+    tables = meta.block_tables.index_select(0, seqs)[:, :n_blocks].long()  # [Sd, nb]
+    pos = torch.arange(n_blocks * block_size, device=device)
+    slots = (tables * block_size).repeat_interleave(block_size, dim=1) + pos % block_size
+    slots = slots[:, :max_len]
+    mask = None
+    if min(dec_lens) != max_len:
+        valid = pos[:max_len].unsqueeze(0) < torch.tensor(dec_lens, device=device).unsqueeze(1)
+        slots = slots.masked_fill(~valid, 0)
+        mask = valid[:, None, None, :]
+    identity = dec_rows == list(range(len(dec_rows)))
+    return _Plan(block_size, torch.tensor(dec_rows, dtype=torch.long, device=device), identity,
+                 slots.reshape(-1).contiguous(), mask, max_len, others)
+
+
+def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    plan = meta.__dict__.get(_PLAN_ATTR)
+    if plan is None or plan.block_size != block_size:
+        plan = _build_plan(meta, block_size, device)
+        meta.__dict__[_PLAN_ATTR] = plan
+    return plan
+
+
+def _as_float(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return x if x.dtype == torch.float32 and scale is None else reference.dequantize_kv(x, scale)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as reference.paged_attention: q [T, Hq, D] -> [T, Hq, D]."""
+    num_blocks, block_size, hkv, d = k_cache.shape
+    plan = _plan_for(meta, block_size, q.device)
+    hq = q.shape[1]
+    gqa = hq != hkv
+    out = torch.empty_like(q) if plan.others or not plan.dec_rows_identity \
+        or plan.dec_rows is None or plan.dec_rows.numel() != q.shape[0] else None
+    k_flat = k_cache.view(num_blocks * block_size, hkv, d)
+    v_flat = v_cache.view(num_blocks * block_size, hkv, d)
+    if plan.dec_rows is not None:
+        sd = plan.dec_rows.numel()
+        qd = q[:sd] if plan.dec_rows_identity else q.index_select(0, plan.dec_rows)
+        qd = qd.float().unsqueeze(2)  # [Sd, Hq, 1, D]
+        k = _as_float(k_flat.index_select(0, plan.dec_slots), k_scale)
+        v = _as_float(v_flat.index_select(0, plan.dec_slots), v_scale)
+        k = k.view(sd, plan.dec_len, hkv, d).transpose(1, 2)  # [Sd, Hkv, L, D]
+        v = v.view(sd, plan.dec_len, hkv, d).transpose(1, 2)
+        res = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.dec_mask, scale=scale,
+                                             enable_gqa=gqa).squeeze(2).to(q.dtype)
+        if out is None:
+            return res
+        if plan.dec_rows_identity:
+            out[:sd] = res
+        else:
+            out.index_copy_(0, plan.dec_rows, res)
+    for q_lo, q_hi, seq_len, blocks in plan.others:
+        lq = q_hi - q_lo
+        k = _as_float(k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], k_scale)
+        v = _as_float(v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], v_scale)
+        qs = q[q_lo:q_hi].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+        ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if lq == seq_len:
+            res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+        else:  # queries at the last lq positions: bottom-right causal mask
+            q_pos = torch.arange(seq_len - lq, seq_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
+            res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                 enable_gqa=gqa)
+        out[q_lo:q_hi] = res.squeeze(0).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def cpu_ops() -> SimpleNamespace:
+    """The CPU table: the reference twins, paged_attention replaced by the batched one."""
+    ops = vars(reference_table()).copy()
+    ops.update(paged_attention=paged_attention, name="cpu")
+    return SimpleNamespace(**ops)
+
+
+def reference_table() -> SimpleNamespace:
+    from slipstream.kernels import reference_ops
+
+    return reference_ops()
