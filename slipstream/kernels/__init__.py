@@ -22,16 +22,18 @@ def reference_ops() -> SimpleNamespace:
 
 
 def get_ops(device: str, use_triton: bool | None = None) -> SimpleNamespace:
-    """Reference ops on the CPU; Triton ops on CUDA when available (unless use_triton=False)."""
+    """Triton ops on CUDA; on a CPU the reference twins with the batched attention; the plain
+    reference twins where SLIPSTREAM_KERNELS=reference (or use_triton=False off the CPU)."""
+    forced = envs.KERNELS.get()  # auto | reference | triton
+    on_cuda = str(device).startswith("cuda")
     if use_triton is None:
-        forced = envs.KERNELS.get()  # auto | reference | triton
-        use_triton = forced == "triton" or (forced == "auto" and str(device).startswith("cuda"))
-    if not use_triton:
-        if envs.KERNELS.get() == "auto":
-            from slipstream.kernels.cpu import cpu_ops
+        use_triton = forced == "triton" or (forced == "auto" and on_cuda)
+    if use_triton:
+        from slipstream.kernels import triton_ops  # imported here: it needs Triton, the CPU does not
 
-            return cpu_ops()
-        return reference_ops()
-    from slipstream.kernels import triton_ops  # imported here: it needs Triton, the CPU path does not
+        return triton_ops.ops()
+    if forced == "auto" and not on_cuda:
+        from slipstream.kernels.cpu import cpu_ops
 
-    return triton_ops.ops()
+        return cpu_ops()
+    return reference_ops()

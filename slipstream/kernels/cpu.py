@@ -12,7 +12,7 @@ that loop is most of a batched decode step (32 sequences x 30 layers of small op
   bottom-right aligned when it has a cached prefix).
 
 Math in float32 as in the oracle (fp8 / int8 caches dequantized the same way); results equal the
-oracle's to float32 rounding (tests/kernels/attention/test_cpu_paged_attention.py).
+oracle's to float32 rounding (tests/kernels/attention/test_cpu_paged.py).
 """
 from __future__ import annotations
 
