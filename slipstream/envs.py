@@ -82,5 +82,12 @@ DEFAULT_MODEL = EnvVar("SLIPSTREAM_DEFAULT_MODEL", str, "auto",
 COMMIT = EnvVar("SLIPSTREAM_COMMIT", str, "",
                 "Git commit recorded in benchmark JSON where the tree has no .git folder.")
 
+# Other programs' variables that slipstream also reads.
+OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", str, "",
+                         "OpenMP's thread count; when set, a CPU engine leaves torch's threads "
+                         "as it made them instead of choosing from the free cores.")
+OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", str, "",
+                        "The key `slipstream bench serve` sends when --api-key is not given.")
+
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, API_KEY, STEP_TRACE, STEP_TIMING, KERNELS, LINEAR, PDL,
-                           CUDA_GEMV, DEFAULT_MODEL, COMMIT)
+                           CUDA_GEMV, DEFAULT_MODEL, COMMIT, OMP_NUM_THREADS, OPENAI_API_KEY)

@@ -11,6 +11,7 @@ from slipstream.engine.core import EngineCore
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
+from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -141,20 +142,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
-
-
-def maybe_load_tokenizer(path: str | None):
-    """The tokenizer of the checkpoint at `path`, or None where it has no tokenizer files."""
-    from pathlib import Path
-
-    from slipstream.tokenizer.gguf_tokenizer import gguf_tokenizer_file
-
-    if path is None or not (gguf_tokenizer_file(path) or any(
-            (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))):
-        return None
-    from slipstream.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(path)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:

@@ -102,6 +102,20 @@ def load_hf_model(path: Path):
         path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def greedy_ids(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """A transformers model's greedy continuation of each prompt, one at a time, never stopping
+    early (slipstream's side runs with ignore_eos)."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new, pad_token_id=0)
+        outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
 def finish_after_abort(core, tokens: dict[str, list[int]], aborted: str) -> None:
     """Abort `aborted` on an EngineCore, then step it dry, adding every request's new tokens to
     `tokens`; the aborted request must never produce output again."""

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 from slipstream import envs
+from slipstream.assets import default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ def smollm2_gguf_path() -> Path | None:
 def default_model() -> Path:
     """The model used when none is given: SmolLM2's GGUF file if installed, else the embedded
     model's directory (with a warning saying how to install the real one)."""
-    from slipstream.assets import default_model_path
-
     if envs.DEFAULT_MODEL.get() == "embedded":  # the test suite sets it
         return default_model_path()
     found = smollm2_gguf_path()

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from slipstream import envs
 from slipstream.bench import report
 
 _WORDS = ("time year people way day man thing woman life child world school state family "
@@ -53,7 +53,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", default=envs.OPENAI_API_KEY.get() or None)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--input-len", type=int, default=128, help="prompt length (tokens with "
                    "--tokenizer, else words)")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.attention.backend import AttentionMetadata
-from slipstream.kernels import reference
+from slipstream.kernels import OP_NAMES, reference
 
 _PLAN_ATTR = "_cpu_attention_plan"
 
@@ -138,12 +138,5 @@ def paged_attention(
 
 def cpu_ops() -> SimpleNamespace:
     """The CPU table: the reference twins, paged_attention replaced by the batched one."""
-    ops = vars(reference_table()).copy()
-    ops.update(paged_attention=paged_attention, name="cpu")
-    return SimpleNamespace(**ops)
-
-
-def reference_table() -> SimpleNamespace:
-    from slipstream.kernels import reference_ops
-
-    return reference_ops()
+    ops = {name: getattr(reference, name) for name in OP_NAMES}
+    return SimpleNamespace(**{**ops, "paged_attention": paged_attention}, name="cpu")

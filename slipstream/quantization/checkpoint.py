@@ -44,6 +44,7 @@ from slipstream.quantization.kv_cache import (
 )
 from slipstream.quantization.lm_head import head_format
 from slipstream.quantization.w8a8_sq import LayerByLayerSmoothQuant
+from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
     SmoothQuant scales from the calibration prompts' float residual stream (kept between
     layers) and is quantized before the next one is read. The device holds the quantized layers,
     one float layer and the calibration activations, never the float model."""
-    from slipstream.llm import LLM, maybe_load_tokenizer  # lazy, as in quantize_checkpoint
+    from slipstream.llm import LLM  # lazy, as in quantize_checkpoint
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = calibration_prompts(maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,7 +22,7 @@ from slipstream.quantization.calibration import calibration_prompts, load_calib_
 from slipstream.runner.input_batch import prepare_inputs
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import ScheduledSeq
-from slipstream.tokenizer.tokenizer import load_tokenizer
+from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -218,21 +217,12 @@ def calibrate_kv_amax(model: nn.Module, prompts: list[list[int]], *, dtype: torc
     return [(k, v) for k, v in values]
 
 
-def _load_tokenizer(path: str | None):
-    from slipstream.tokenizer.gguf_tokenizer import gguf_tokenizer_file
-
-    if path is None or not (gguf_tokenizer_file(path) or any(
-            (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))):
-        return None
-    return load_tokenizer(path)
-
-
 def startup_calibration_prompts(config) -> list[list[int]]:
     """The built-in calibration set (stdlib excerpts) as token ids for this engine's model;
     seeded random ids when weights are dummy or there is no tokenizer."""
     texts = load_calib_texts(None, STARTUP_CALIB_SAMPLES)
     max_len = min(STARTUP_CALIB_LEN, config.scheduler.max_model_len)
-    tokenizer = None if config.load_format == "dummy" else _load_tokenizer(config.tokenizer_path)
+    tokenizer = None if config.load_format == "dummy" else maybe_load_tokenizer(config.tokenizer_path)
     return calibration_prompts(tokenizer, texts, max_len, config.model.vocab_size,
                                seed=config.seed)
 

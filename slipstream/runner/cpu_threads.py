@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from slipstream import envs
+
 logger = logging.getLogger(__name__)
 
 _chosen: int | None = None  # what we set in this process, once
@@ -117,7 +119,7 @@ def choose_threads(requested: int | None = None, reserve: int = 0) -> tuple[int 
         if requested < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {requested}")
         return requested, "cpu_threads"
-    env = os.environ.get("OMP_NUM_THREADS")
+    env = envs.OMP_NUM_THREADS.get()
     if env:
         return None, f"OMP_NUM_THREADS={env}"
     current = torch.get_num_threads()

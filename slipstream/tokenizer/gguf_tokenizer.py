@@ -10,7 +10,7 @@ from slipstream.models.gguf import GGUF_SUFFIX, eos_token_ids, is_gguf_file
 from slipstream.tokenizer.tokenizer import Tokenizer
 
 # A directory holding any of these is a Hugging Face tokenizer, whatever else it holds.
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def gguf_tokenizer_file(path: str | Path | None) -> Path | None:
@@ -21,7 +21,7 @@ def gguf_tokenizer_file(path: str | Path | None) -> Path | None:
     p = Path(path)
     if is_gguf_file(p):
         return p
-    if not p.is_dir() or any((p / f).is_file() for f in _HF_TOKENIZER_FILES):
+    if not p.is_dir() or any((p / f).is_file() for f in HF_TOKENIZER_FILES):
         return None
     found = [f for f in p.iterdir() if f.name.lower().endswith(GGUF_SUFFIX) and f.is_file()]
     return found[0] if len(found) == 1 else None

@@ -111,6 +111,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(hf, _eos_token_ids(path, hf), str(path))
 
 
+def maybe_load_tokenizer(path: str | Path | None) -> Tokenizer | None:
+    """The tokenizer of the checkpoint at `path`, or None where it has no tokenizer files."""
+    from slipstream.tokenizer.gguf_tokenizer import HF_TOKENIZER_FILES, gguf_tokenizer_file
+
+    if path is None or not (gguf_tokenizer_file(path) or any(
+            (Path(path) / f).is_file() for f in HF_TOKENIZER_FILES)):
+        return None
+    return load_tokenizer(path)
+
+
 def _eos_token_ids(path: Path, hf: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """generation_config.json's EOS ids (config.json's when it is absent), then the
     tokenizer's own, without duplicates: generation stops at any of them."""

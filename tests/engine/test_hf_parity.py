@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
+from tests.helpers import greedy_ids
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MAX_NEW = 12
@@ -21,15 +22,7 @@ def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # never stop early: ours runs with ignore_eos
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return greedy_ids(model, prompts, max_new)
 
 
 def random_prompts(n: int, vocab: int, seed: int, lengths=(1, 3, 17, 40, 75, 130)) -> list[list[int]]:

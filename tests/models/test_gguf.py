@@ -13,6 +13,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
 from slipstream.models.gguf import iterate_gguf_weights, unpermute_rows
 from slipstream.tokenizer.tokenizer import load_tokenizer
+from tests.helpers import greedy_ids, load_hf_model
 from tests.models.tiny_gguf import BOS, EOS, EOT, PAD, tiny_tokenizer_parts, write_tiny_gguf
 from tests.tokenizer.tiny_tokenizer import CHAT_TEMPLATE
 
@@ -33,19 +34,7 @@ def hf_gguf_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> li
 
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    return _greedy(model, prompts, max_new)
-
-
-def _greedy(model, prompts, max_new):
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new, pad_token_id=0)
-        outs.append(gen[0, len(p):].tolist())
-    return outs
+    return greedy_ids(model, prompts, max_new)
 
 
 def slipstream_greedy(path, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
@@ -84,11 +73,9 @@ def test_other_shapes_match_transformers_gguf(tmp_path, arch, qtype, overrides):
 def test_f32_gguf_equals_its_source_checkpoint(tmp_path):
     """Independent of transformers' GGUF loader: the F32 file runs as the HF checkpoint it was
     written from (the q/k permute undone exactly)."""
-    from tests.helpers import load_hf_model
-
     path = write_tiny_gguf(tmp_path, "F32")
     prompts = [[5, 17, 300, 42], list(range(3, 40))]
-    expected = _greedy(load_hf_model(tmp_path / "hf" / "tiny-LlamaForCausalLM"), prompts, MAX_NEW)
+    expected = greedy_ids(load_hf_model(tmp_path / "hf" / "tiny-LlamaForCausalLM"), prompts, MAX_NEW)
     assert slipstream_greedy(path, prompts) == expected
 
 

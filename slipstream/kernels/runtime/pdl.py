@@ -101,7 +101,8 @@ def launch_kwargs(device: torch.device) -> dict:
     """Extra launch arguments for a kernel that takes USE_PDL: PDL on while a CUDA graph is being
     captured (the decode steps and the tuner's timing), else nothing. Eager steps go without:
     a prefill ran over twice as long with PDL launches."""
-    if enabled(device) and torch.cuda.is_current_stream_capturing():
+    # Capture first: eager launches (most of them) then skip the environment read.
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and enabled(device):
         return _ON
     return _OFF
 
