@@ -174,6 +174,7 @@ def test_kv_cache_sizing(ckpt):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # profiles the free memory: a neighbour's allocations would change it
 def test_cuda_profiled_budget_and_parity(ckpt):
     """Run on a GPU: `python -m pytest -q -m gpu tests/runner/test_model_runner.py`."""
     cpu = make_runner(ckpt)
