@@ -143,6 +143,13 @@ def _copy_source_files(config, tmp: Path) -> None:
             if (f.is_file() and f.suffix not in _NOT_COPIED and f.name not in _WRITTEN
                     and not (tmp / f.name).exists()):
                 shutil.copy2(f, tmp / f.name)
+    tokenizer = config.tokenizer_path or config.model_path
+    if Path(tokenizer).is_file():  # a GGUF file's tokenizer, written as Hugging Face files
+        from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
+
+        loaded = maybe_load_tokenizer(tokenizer)
+        if loaded is not None:
+            loaded.hf.save_pretrained(str(tmp))
 
 
 def _manifest(core, config, args, runtime: dict[str, Any], build_args: list[str]
