@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 
 def add_build_parser(sub) -> None:
@@ -28,8 +27,7 @@ def run_build(ns: argparse.Namespace) -> int:
 
     args = EngineArgs.from_cli_args(ns)
     kwargs = {k: v for k, v in vars(args).items() if k != "model"}
-    argv = sys.argv[sys.argv.index("build") + 1:] if "build" in sys.argv else None
-    out = build(args.model, ns.output, overwrite=ns.overwrite, build_args=argv, **kwargs)
+    out = build(args.model, ns.output, overwrite=ns.overwrite, **kwargs)
     manifest = read_manifest(out)
     summary = {"engine": str(out), **manifest["settings"], **manifest["limits"],
                "num_blocks": manifest["memory_plan"]["num_blocks"],
