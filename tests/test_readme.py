@@ -83,7 +83,7 @@ def run(command: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess
 # What names each bash block the tests below run (a block of only install / test commands
 # needs none).
 BLOCK_MARKERS = ("# the main job", "slipstream chat", "slipstream quantize --model ./ckpt --method int8_wo",
-                 "slipstream serve")
+                 "slipstream serve", "slipstream build --model ./ckpt")
 
 
 def test_every_readme_block_is_run_here() -> None:
@@ -121,6 +121,14 @@ def test_quantization_examples(workdir: Path) -> None:
     for command in block_with("slipstream quantize --model ./ckpt --method int8_wo"):
         run(command, workdir)
     assert json.loads((workdir / "ckpt-int8" / "config.json").read_text())["quantization_config"]
+
+
+def test_build_example(workdir: Path) -> None:
+    build, generate = block_with("slipstream build --model ./ckpt")
+    run(build, workdir)
+    assert json.loads((workdir / "ckpt-engine" / "engine.json").read_text())["settings"][
+        "quantization"] == "int8_wo"
+    assert run(generate, workdir).stdout.startswith("def add(a, b):")
 
 
 def _free(port: int) -> bool:

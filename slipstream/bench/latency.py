@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
 
 from slipstream.bench import report
@@ -118,7 +119,9 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = engine_kwargs(args, model_dir, dtype,
                            args.max_model_len or args.input_len + args.output_len)
     reset_peak_memory(device)
+    started = time.perf_counter()
     llm = build_llm(kwargs)
+    startup = _startup(llm, time.perf_counter() - started)
     iters = _run_iterations(llm, args, cfg.get("vocab_size", 32000))
     decode = _rate_stats([s["decode_tok_s"] for s in iters])
     quant = getattr(getattr(llm, "engine_config", None), "quant", None)
@@ -148,7 +151,15 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         if bound_kv and decode["median"] else None,
         "sol_detail": {**sol, "note": "linear layers counted at their quantization method's "
                        "bytes per weight, everything else at the engine dtype"},
+        "startup_s": startup,
         "peak_gpu_memory_gib": peak_memory_gib(device)["allocated"],
         "gpu_memory_gib": peak_memory_gib(device),
         "meta": report.run_meta(),
     }
+
+
+def _startup(llm, seconds: float) -> dict[str, Any]:
+    """The engine's start-up phases (read weights, quantize, tune, profile memory, warm up,
+    capture graphs) and LLM(...)'s whole wall time, in seconds."""
+    phases = getattr(getattr(llm, "engine", None), "startup_phases", None) or {}
+    return {**phases, "llm_init": round(seconds, 3)}

@@ -27,7 +27,7 @@ THROUGHPUT_FIELDS = (
 LATENCY_FIELDS = (
     "mode", "workload", "model", "dtype", "quantization", "engine", "batch_size", "input_len",
     "output_len", "num_iters", "decode_tok_s", "ttft_ms", "e2e_ms", "copy_bandwidth_gbps",
-    "sol_bound_tok_s", "sol_pct", "peak_gpu_memory_gib", "meta",
+    "sol_bound_tok_s", "sol_pct", "startup_s", "peak_gpu_memory_gib", "meta",
 )
 ENGINE_FIELDS = ("max_num_tokens", "max_batch_size", "max_model_len", "block_size", "cuda_graphs")
 META_FIELDS = ("git_commit", "source_digest", "gpu", "date", "torch", "transformers")
@@ -171,6 +171,7 @@ def latency_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
         ("speed-of-light bound (tok/s)", r.get("sol_bound_tok_s")),
         ("decode tok/s (median)", (r.get("decode_tok_s") or {}).get("median")),
         ("% of speed of light", r.get("sol_pct")),
+        ("start-up s (LLM(...))", (r.get("startup_s") or {}).get("llm_init")),
     ]
 
 

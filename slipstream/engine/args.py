@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from slipstream.build.engine_dir import engine_args, is_engine_dir, planned_config
 from slipstream.config import (
     CacheConfig,
     EngineConfig,
@@ -56,6 +57,12 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
+        if is_engine_dir(model_path):  # built by `slipstream build`: its settings, checked
+            args, manifest = engine_args(self, model_path)
+            return planned_config(args._create_config(model_path), self, manifest)
+        return self._create_config(model_path)
+
+    def _create_config(self, model_path) -> EngineConfig:
         model_cfg = load_model_config(model_path)
         device = self.device
         if device == "auto":

@@ -131,6 +131,15 @@ class AsyncLLM:
                       asyncio.create_task(llm._send_loop(), name="engine-inputs")]
         return llm
 
+    @classmethod
+    async def from_engine_args(cls, engine_args: Any, tokenizer: Any | None = None,
+                               stat_logger: StatLogger | None = None,
+                               startup_timeout_s: float = 1800.0) -> AsyncLLM:
+        """`await AsyncLLM.from_engine_args(EngineArgs(model=...))`: create() with the config
+        of those arguments (the model may be a built engine directory)."""
+        config = engine_args.create_engine_config()
+        return await cls.create(config, tokenizer, stat_logger, startup_timeout_s)
+
     def set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.input_processor = InputProcessor(self.config, tokenizer)

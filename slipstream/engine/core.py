@@ -13,6 +13,7 @@ from collections.abc import Callable
 from slipstream.config import EngineConfig
 from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
+from slipstream.engine.startup import KernelCaches, StartupPhases, device_sync
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
@@ -29,11 +30,7 @@ class EngineCore:
         self.config = config
         start = time.perf_counter()
         self.runner = ModelRunner(config)
-        self.runner.load_model()
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.warmup()
-        self.runner.capture_cuda_graphs()
+        num_blocks = self._start_up(config)
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
         self.trace = StepTrace()
@@ -50,6 +47,30 @@ class EngineCore:
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
                     "(%d blocks of %d tokens)", time.perf_counter() - start, config.device,
                     weight_bytes / 2**30, kv_bytes / 2**30, num_blocks, cache.block_size)
+        self.startup.log()
+
+    def _start_up(self, config: EngineConfig) -> int:
+        """Load, size the KV cache, warm up and capture, each phase timed (`startup_phases`),
+        with kernel choices and compiled kernels reused from a build or the cache directory."""
+        self.startup = StartupPhases(sync=device_sync(config.device))
+        kernels = KernelCaches(config)
+        with self.startup.phase("read_weights"):
+            self.runner.load_model()
+        with self.startup.phase("profile_memory"):
+            num_blocks = self.runner.determine_num_blocks()
+            self.runner.initialize_kv_cache(num_blocks)
+        with self.startup.phase("warm_up"):
+            self.runner.warmup()
+        with self.startup.phase("capture_graphs"):
+            self.runner.capture_cuda_graphs()
+        kernels.save()
+        self.startup.end()
+        return num_blocks
+
+    @property
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds of each start-up phase, and their total (the log's and the bench's)."""
+        return self.startup.as_dict()
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (engine unchanged) if it can never run."""

@@ -134,18 +134,29 @@ class EngineLoop:
         self._stats_wanted = False
         self._last_stats = 0.0
         self.num_aborted = 0  # abort requests received (client gone, stop string matched)
+        self.num_iterations = 0
+        self.last_step: dict[str, Any] = {}
 
     def run(self) -> None:
         while self.running:
             busy = self.core.has_unfinished_requests()
             self._drain(block=not busy)
             if self.core.has_unfinished_requests():
+                start = time.perf_counter()
                 outputs = self.core.step()
+                self._record_step(outputs, time.perf_counter() - start)
                 self._stats_dirty = True
                 if outputs:
                     self.outbox.send(pack({"t": "outputs",
                                            "outs": [encode_output(o) for o in outputs]}))
             self._maybe_send_stats()
+
+    def _record_step(self, outputs: list, seconds: float) -> None:
+        """The latest iteration, for stats (the executor's get_latest_iteration_stats)."""
+        self.num_iterations += 1
+        self.last_step = {"iteration": self.num_iterations, "step_time_s": seconds,
+                          "num_requests_with_output": len(outputs),
+                          "num_new_tokens": sum(len(o.new_token_ids) for o in outputs)}
 
     def _drain(self, block: bool) -> None:
         """Handle every queued message; wait up to IDLE_POLL_MS for the first one when idle."""
@@ -185,7 +196,8 @@ class EngineLoop:
         idle = not self.core.has_unfinished_requests()
         due = self._stats_dirty and (idle or now - self._last_stats >= STATS_INTERVAL_S)
         if self._stats_wanted or due:
-            stats = {**self.core.get_stats(), "num_aborted_requests": self.num_aborted}
+            stats = {**self.core.get_stats(), "num_aborted_requests": self.num_aborted,
+                     **self.last_step}
             self.outbox.send(pack({"t": "stats", "stats": stats, "reply": self._stats_wanted}))
             self._stats_wanted = False
             self._stats_dirty = False

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from slipstream import envs
 from slipstream.kernels import OP_NAMES, reference
 from slipstream.kernels.gemv import dense as _gemv
+from slipstream.kernels.runtime import tuning_cache
 from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ _OP_MODULES = {
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LinearKey = tuple[int, int, int, torch.dtype, bool, int | None]
 # Per shape: the Triton config to use, or None for cuBLAS.
-_CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = {}
+_CHOICES: dict[_LinearKey, _gemv.GemvConfig | None] = tuning_cache.register("linear", {})
 
 
 def _load_op(name: str):

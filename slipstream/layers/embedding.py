@@ -80,25 +80,29 @@ class LMHead(nn.Module):
         w = self.weight.data
         w = torch.cat([w, w.new_zeros(-w.shape[0] % 16, w.shape[1])])
         if method == "int4":
-            self._quantize_int4(w)
+            q, scale, zero = utils.quantize_int4_groupwise(w, int4_group(w.shape[1]))
+            self.weight = nn.Parameter(utils.pack_int4_rows(q), requires_grad=False)
+            self.weight_scale = nn.Parameter(scale.half(), requires_grad=False)
+            self.weight_zero = nn.Parameter(zero, requires_grad=False)
         else:
-            quantize, linear = {"fp8": (utils.quantize_fp8_per_channel, fp8.fp8_linear),
-                                "int8_wo": (utils.quantize_int8_per_channel,
-                                            int8_wo.int8_linear)}[method]
+            quantize = {"fp8": utils.quantize_fp8_per_channel,
+                        "int8_wo": utils.quantize_int8_per_channel}[method]
             q, scale = quantize(w)  # row by row in bounded chunks (utils.ROW_CHUNK_ELEMENTS)
             self.weight = nn.Parameter(q, requires_grad=False)
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.bind_quantized(method, chunk_rows)
+
+    def bind_quantized(self, method: str, chunk_rows: int = 16384) -> None:
+        """Multiply through `method`'s kernels; the quantized tensors are in place already
+        (quantize(), or a built engine's weights: build/weights.py)."""
+        if method == "int4":
+            group = int4_group(2 * self.weight.shape[1])  # two nibbles a byte
+            linear = int4_linear_kernel() or _int4_dequantized_linear  # the latter: no Triton
+            self.quantized_linear = lambda x, q_, s_, z_: linear(x, q_, s_, z_, group, None)
+        else:
+            linear = {"fp8": fp8.fp8_linear, "int8_wo": int8_wo.int8_linear}[method]
             self.quantized_linear = lambda x, q_, s_: linear(x, q_, s_, None)
         self.large_m_rows = chunk_rows if method in ("int8_wo", "int4") else 0
-
-    def _quantize_int4(self, w: torch.Tensor) -> None:
-        group = int4_group(w.shape[1])
-        q, scale, zero = utils.quantize_int4_groupwise(w, group)
-        self.weight = nn.Parameter(utils.pack_int4_rows(q), requires_grad=False)
-        self.weight_scale = nn.Parameter(scale.half(), requires_grad=False)
-        self.weight_zero = nn.Parameter(zero, requires_grad=False)
-        linear = int4_linear_kernel() or _int4_dequantized_linear  # the latter: without Triton
-        self.quantized_linear = lambda x, q_, s_, z_: linear(x, q_, s_, z_, group, None)
 
 
 def _int4_dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from slipstream.config import EngineConfig
 from slipstream.dtypes import resolve_dtype
+from slipstream.engine.startup import counting
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
 from slipstream.models.gguf import is_gguf_file, iterate_gguf_weights
@@ -38,7 +39,8 @@ from slipstream.quantization.utils import deferring_load_time_weights
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# "engine": a built engine's weights, already in the runtime layout (build/weights.py).
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "engine")
 
 
 def load_model(config: EngineConfig) -> nn.Module:
@@ -68,6 +70,12 @@ def load_model(config: EngineConfig) -> nn.Module:
 def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
     started = time.perf_counter()
     model = build_model(config)
+    if config.load_format == "engine":
+        from slipstream.build.engine_dir import load_engine_weights
+
+        load_engine_weights(model, config)
+        _log_loaded(model, device, time.perf_counter() - started)
+        return model.eval()
     layers = QuantizeAsLoaded(model, config.device)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed, layers)
@@ -84,7 +92,8 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
             load_weights(model, iterate_safetensors(shards), layers)
     layers.finish()
     if config.quant.lm_head:
-        model.lm_head.quantize(config.quant.lm_head)
+        with counting("quantize"):
+            model.lm_head.quantize(config.quant.lm_head)
     _log_loaded(model, device, time.perf_counter() - started)
     return model.eval()
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from slipstream.engine.startup import counting
 from slipstream.models.norm_fold import can_fold, fold_norm, fold_pairs
 
 LayerHook = Callable[[nn.Module, int, nn.Module], None]
@@ -137,6 +138,10 @@ class QuantizeAsLoaded:
                 self._process(path)
 
     def _process(self, path: str) -> None:
+        with counting("quantize"):  # the start-up log's "quantize" phase
+            self._fold_and_process(path)
+
+    def _fold_and_process(self, path: str) -> None:
         module = self.model.get_submodule(path)
         norm_path = self._fold.get(path)
         if norm_path is not None:

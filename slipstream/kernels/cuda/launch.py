@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -85,7 +92,55 @@ def compile_kernel(source: str, name: str, defines: tuple[tuple[str, int], ...],
     major, minor = torch.cuda.get_device_capability(device)
     options = [f"-D{k}={v}" for k, v in defines]
     with torch.cuda.device(device):
-        binary, mangled = _nvrtc_compile(text, name, f"{major}{minor}", None, options)
+        key = _binary_key(text, name, options, f"{major}{minor}")
+        found = _read_binary(key)
+        if found is None:
+            found = _nvrtc_compile(text, name, f"{major}{minor}", None, options)
+            _write_binary(key, *found)
+        binary, mangled = found
         kernels = _cuda_load_module(binary, [mangled or name])
     func = next(iter(kernels.values())).func
     return CudaKernel(func, shared_mem)
+
+
+# Where compiled binaries are looked up, in order; new ones are written to the last. Set at
+# engine start (engine/startup.py): a built engine's folder, then the cache directory.
+_BINARY_DIRS: list[Path] = []
+
+
+def set_binary_dirs(dirs: list[Path]) -> None:
+    _BINARY_DIRS[:] = [Path(d) for d in dirs]
+
+
+def _binary_key(text: str, name: str, options: list[str], arch: str) -> str:
+    """What the binary depends on: source, kernel, defines, GPU architecture, torch / CUDA."""
+    parts = [text, name, *options, arch, torch.__version__, str(torch.version.cuda)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _read_binary(key: str) -> tuple[bytes, str | None] | None:
+    for d in _BINARY_DIRS:
+        binary, meta = d / f"{key}.bin", d / f"{key}.json"
+        if binary.is_file() and meta.is_file():
+            try:
+                return binary.read_bytes(), json.loads(meta.read_text())["mangled"]
+            except (OSError, ValueError, KeyError):
+                continue
+    return None
+
+
+def _write_binary(key: str, binary: bytes, mangled: str | None) -> None:
+    """Keep a compiled binary for the next start (a failure to write is only logged)."""
+    if not _BINARY_DIRS:
+        return
+    d = _BINARY_DIRS[-1]
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for suffix, data in ((".bin", bytes(binary)),
+                             (".json", json.dumps({"mangled": mangled}).encode())):
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, d / f"{key}{suffix}")
+    except OSError as exc:
+        logger.warning("could not keep a compiled CUDA kernel in %s: %s", d, exc)

@@ -24,6 +24,7 @@ from slipstream.kernels.gemv.int4_common import (
     row_major,
     w4_linear_reference,
 )
+from slipstream.kernels.runtime import tuning_cache
 from slipstream.quantization import utils as qu
 
 
@@ -147,7 +148,7 @@ def w4_dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 CUBLAS = "dequantize+cuBLAS"
-LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = {}
+LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = tuning_cache.register("gemm.int4.large", {})
 
 
 def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

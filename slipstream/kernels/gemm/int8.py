@@ -24,6 +24,7 @@ from slipstream.kernels.gemv.int4_common import (
     measure_best,
 )
 from slipstream.kernels.gemv.int8 import qgemv_reference
+from slipstream.kernels.runtime import tuning_cache
 from slipstream.quantization.int8_wo import convert_linear
 
 
@@ -147,7 +148,7 @@ def w8_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 
 CUBLAS = "convert+cuBLAS"
-_LARGE_CHOICES: dict[tuple, W8GemmConfig | str] = {}
+_LARGE_CHOICES: dict[tuple, W8GemmConfig | str] = tuning_cache.register("gemm.int8.large", {})
 
 
 def int8_linear_large(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,

@@ -45,7 +45,7 @@ from slipstream.kernels.gemv.int4_common import (
 )
 from slipstream.kernels.gemv.mma_fragments import tiles_per_warp
 from slipstream.kernels.reference import silu_and_mul
-from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime import pdl, tuning_cache
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 __all__ = ["MAX_M", "W4Config", "int4_linear", "w4_choices", "w4_gemm", "w4_gemv",
@@ -949,7 +949,7 @@ def _chain_ok(x2: torch.Tensor, chunk: int) -> bool:
             and (x2.shape[0] == 1 or x2.stride(0) % 4 == 0))
 
 
-_SMALL_CHOICES: dict[tuple, W4Config] = {}
+_SMALL_CHOICES: dict[tuple, W4Config] = tuning_cache.register("gemv.int4.small", {})
 
 
 def w4_linear_small(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

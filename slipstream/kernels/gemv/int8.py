@@ -24,7 +24,7 @@ from slipstream.kernels.gemv.dense import (
 )
 from slipstream.kernels.gemv.fp8 import fp8_dot_gemv, fp8_dot_gemv_reference
 from slipstream.kernels.reference import silu_and_mul
-from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime import pdl, tuning_cache
 from slipstream.kernels.runtime.tuning import graph_time_us, weight_copies
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def _fp8_act_configs(weight_dtype: torch.dtype) -> list[GemvConfig]:
              (128, 256, 4, 3), (256, 256, 8, 2)]]
 
 
-_QCHOICES: dict[tuple, GemvConfig] = {}
+_QCHOICES: dict[tuple, GemvConfig] = tuning_cache.register("gemv.int8", {})
 
 
 def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -104,7 +104,7 @@ def qlinear_small(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     may be to run act first and then the plain product."""
     if gated and act is not None:
         cfg = _gated_choice(x, qweight, scale, bias, act)
-        if cfg is _UNFUSED:
+        if cfg == _UNFUSED:  # equal, not identical: a choice may come from the tuning cache
             return qlinear_small(act(x), qweight, scale, bias)
         if cfg is not None:
             return qgemv(x, qweight, scale, bias, cfg, gated=True)
@@ -138,7 +138,7 @@ def qlinear_small_rms(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
 # One-row gate-out / in-GEMV norm calls, measured as they run, each among the configs that run
 # them (a config's gate-out need not rank as its plain product does, so the plain product's
 # pick need not be theirs). None: no candidate runs the call.
-_KIND_QCHOICES: dict[tuple, GemvConfig | None] = {}
+_KIND_QCHOICES: dict[tuple, GemvConfig | None] = tuning_cache.register("gemv.int8.kind", {})
 
 
 def _one_row_kind_qconfig(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -217,7 +217,7 @@ def _fastest_correct(cands: list, x: torch.Tensor, qweight: torch.Tensor, scale:
 
 
 _UNFUSED = GemvConfig(0, 0)  # a gated choice: the activation kernel, then the plain product
-_GATED_CHOICES: dict[tuple, GemvConfig] = {}
+_GATED_CHOICES: dict[tuple, GemvConfig] = tuning_cache.register("gemv.int8.gated", {})
 
 
 def _gated_choice(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -264,7 +264,7 @@ def _measure_gated(m: int, qweight: torch.Tensor, scale: torch.Tensor,
         if us < best_us:
             best, best_us = cfg, us
     logger.info("qgemv gated M<=%d N=%d K=%d %s: %s (%.1f us)", m, qweight.shape[0], k,
-                qweight.dtype, "unfused" if best is _UNFUSED else best, best_us)
+                qweight.dtype, "unfused" if best == _UNFUSED else best, best_us)
     return best
 
 

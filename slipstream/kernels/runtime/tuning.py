@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from slipstream.engine.startup import counting
 from slipstream.kernels.runtime import pdl
 
 L2_FLUSH_BYTES = 128 << 20  # over twice the H100/H200 L2 (50 MB)
@@ -54,6 +55,13 @@ def graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
     idle_before_us > 0: each call follows a kernel that spins that long (pdl.spin), and the
     result is the time the call adds beyond it (what a GEMV costs after attention, whose idle
     DRAM a GEMV launched under PDL can already use; the start-up tuners time back to back)."""
+    with counting("tune"):  # the start-up log's "tune" phase
+        return _graph_time_us(call, arg_sets, min_calls, repeats, idle_before_us)
+
+
+def _graph_time_us(call: Callable[[tuple[torch.Tensor, ...]], Any],
+                   arg_sets: list[tuple[torch.Tensor, ...]], min_calls: int, repeats: int,
+                   idle_before_us: float) -> float:
     if idle_before_us <= 0:
         return _replay_us(call, arg_sets, min_calls, repeats)
     device = arg_sets[0][0].device
