@@ -15,6 +15,7 @@ of decoding without speculation. A seeded request's generator is rewound to just
 it kept, so it draws once per emitted token as without speculation: the same seed gives the
 same tokens with or without speculation, whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,8 +38,7 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     return n
 
 
-def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor,
-                seqs: list[ScheduledSeq]) -> None:
+def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
     """Sample every row of a step with draft tokens and put, per sampled seq, its accepted
     drafts plus one sampled token (and their logprobs when asked) into `out`.
 

@@ -12,12 +12,13 @@ tokens a step on average. The engine picks the k in 0..num_speculative_tokens th
 so at batch 1 it speculates fully, and at large batches less or not at all (k = 0 wins once
 even one draft a request crosses the ridge without paying for itself).
 """
+
 from __future__ import annotations
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Mean tokens a verification of k drafts emits when each is accepted with `acceptance`."""
-    return sum(acceptance ** i for i in range(k + 1))
+    return sum(acceptance**i for i in range(k + 1))
 
 
 def choose_k(batch_size: int, max_k: int, acceptance: float, ridge_tokens: int) -> int:

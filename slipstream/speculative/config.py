@@ -1,5 +1,6 @@
 """SpeculativeConfig: the `speculative_config` dict of LLM / EngineArgs / `--speculative-config`,
 with vLLM's key names, checked once."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,7 @@ class SpeculativeConfig:
         known = {f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: "
-                             f"{sorted(known)}")
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
         value = dict(value)
         if "method" not in value:
             value["method"] = "draft_model" if value.get("model") else None
@@ -57,29 +57,38 @@ class SpeculativeConfig:
 
     def check(self) -> None:
         if self.method in _NOT_IMPLEMENTED:
-            raise ValueError(f"speculative_config: method {self.method!r} is not implemented; "
-                             f"use one of {METHODS[:2]}")
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not implemented; use one of {METHODS[:2]}"
+            )
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {METHODS[:2]}, got "
-                             f"{self.method!r}")
+            raise ValueError(f"speculative_config: method must be one of {METHODS[:2]}, got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer "
-                             f"in [1, 16], got {k!r}")
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= "
-                             f"prompt_lookup_max, got {lo!r} and {hi!r}")
+            raise ValueError(
+                f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive "
-                             f"integer, got {d!r}")
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be a positive integer, got {d!r}"
+            )
         if not isinstance(self.ridge_tokens, int) or self.ridge_tokens < 1:
-            raise ValueError(f"speculative_config: ridge_tokens must be a positive integer, got "
-                             f"{self.ridge_tokens!r}")
+            raise ValueError(
+                f"speculative_config: ridge_tokens must be a positive integer, got {self.ridge_tokens!r}"
+            )
         if not 0.0 <= float(self.acceptance_rate) <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1]")
-        if self.method == "draft_model" and self.model is not None \
-                and not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"speculative_config: draft model {self.model!r} is not a "
-                             "checkpoint directory (no config.json)")
+        if (
+            self.method == "draft_model"
+            and self.model is not None
+            and not (Path(self.model) / "config.json").is_file()
+        ):
+            raise ValueError(
+                f"speculative_config: draft model {self.model!r} is not a "
+                "checkpoint directory (no config.json)"
+            )

@@ -2,6 +2,7 @@
 draft tokens for the running requests that decode next (`request.spec_token_ids`); the
 scheduler feeds them beside the last token, the sampler verifies them (sampling/speculative.py)
 and the scheduler rolls back the slots of rejected ones. It also keeps the statistics."""
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,13 @@ class SpecStats:
     def as_dict(self) -> dict[str, float]:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         mean_len = self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": rate,
-                "mean_accepted_length": mean_len}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": rate,
+            "mean_accepted_length": mean_len,
+        }
 
 
 class SpeculativeDecoder:
@@ -122,21 +127,27 @@ class SpeculativeDecoder:
     def get_stats(self) -> dict:
         """Flat totals (for /metrics) and per-method detail."""
         s = self.stats.as_dict()
-        return {"spec_num_draft_tokens": s["num_draft_tokens"],
-                "spec_num_accepted_tokens": s["num_accepted_tokens"],
-                "spec_acceptance_rate": s["acceptance_rate"],
-                "spec_mean_accepted_length": s["mean_accepted_length"],
-                "spec_num_speculative_tokens": self.last_k,
-                "speculative": {self.method: s}}
+        return {
+            "spec_num_draft_tokens": s["num_draft_tokens"],
+            "spec_num_accepted_tokens": s["num_accepted_tokens"],
+            "spec_acceptance_rate": s["acceptance_rate"],
+            "spec_mean_accepted_length": s["mean_accepted_length"],
+            "spec_num_speculative_tokens": self.last_k,
+            "speculative": {self.method: s},
+        }
 
 
 def _may_speculate(r: Request) -> bool:
     """Decoding next with its last token known, and nothing in its sampling that depends on
     the output so far token by token (penalties, a pending min_tokens)."""
     p = r.sampling_params
-    return (r.status == RequestStatus.RUNNING and r.num_pending == 0
-            and r.num_tokens - r.num_computed_tokens == 1
-            and not has_penalties(p) and r.num_output_tokens >= p.min_tokens)
+    return (
+        r.status == RequestStatus.RUNNING
+        and r.num_pending == 0
+        and r.num_tokens - r.num_computed_tokens == 1
+        and not has_penalties(p)
+        and r.num_output_tokens >= p.min_tokens
+    )
 
 
 def build_decoder(config: EngineConfig, max_seq_len: int):
@@ -156,7 +167,10 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.speculative.oracle import OracleProposer
 
         proposer = OracleProposer(spec.acceptance_rate, config.model.vocab_size, config.seed)
-    logger.info("speculative decoding: %s, up to %d draft tokens a step%s", spec.method,
-                spec.num_speculative_tokens,
-                f" (adaptive, ridge {spec.ridge_tokens} tokens)" if spec.adaptive else "")
+    logger.info(
+        "speculative decoding: %s, up to %d draft tokens a step%s",
+        spec.method,
+        spec.num_speculative_tokens,
+        f" (adaptive, ridge {spec.ridge_tokens} tokens)" if spec.adaptive else "",
+    )
     return SpeculativeDecoder(spec, proposer, max_seq_len)

@@ -11,6 +11,7 @@ A prefix-cache hit shares target blocks whose draft K/V may never have been writ
 request's draft always computes its sequence from the start (the values it writes into a
 shared block are the ones any other request's draft would write there: the same tokens).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,18 +46,22 @@ def draft_model_path(config: EngineConfig) -> str:
 
     if Path(config.model_path).resolve() == DEFAULT_MODEL_DIR.resolve():
         return str(default_draft_model_path())
-    raise ValueError("speculative_config: method 'draft_model' needs 'model' (a draft checkpoint "
-                     "with the target's vocabulary) unless the target is the embedded default "
-                     "model, whose draft ships beside it")
+    raise ValueError(
+        "speculative_config: method 'draft_model' needs 'model' (a draft checkpoint "
+        "with the target's vocabulary) unless the target is the embedded default "
+        "model, whose draft ships beside it"
+    )
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
     path = draft_model_path(config)
     model = ModelConfig.from_dir(path)
     if model.vocab_size != config.model.vocab_size:
-        raise ValueError(f"speculative_config: the draft model {path} has a vocabulary of "
-                         f"{model.vocab_size} tokens, the target {config.model.vocab_size}; "
-                         "they must share one tokenizer")
+        raise ValueError(
+            f"speculative_config: the draft model {path} has a vocabulary of "
+            f"{model.vocab_size} tokens, the target {config.model.vocab_size}; "
+            "they must share one tokenizer"
+        )
     return config.replace(model_path=path, model=model, quant=QuantConfig())
 
 
@@ -87,9 +92,13 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self._kv_shape(num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=self._dtype, device=self.device),
-                           torch.zeros(shape, dtype=self._dtype, device=self.device))
-                          for _ in range(self.config.model.num_hidden_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self._dtype, device=self.device),
+                torch.zeros(shape, dtype=self._dtype, device=self.device),
+            )
+            for _ in range(self.config.model.num_hidden_layers)
+        ]
 
     # ---- proposing -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -104,13 +113,15 @@ class DraftModelProposer:
         for j in range(1, max(k for _, k in wanted)):
             prev_rows = {i: n for n, i in enumerate(alive)}
             alive = [i for i in alive if wanted[i][1] > j]
-            steps.append(self._decode_step([wanted[i][0] for i in alive], j, steps[-1],
-                                           [prev_rows[i] for i in alive]))
+            steps.append(
+                self._decode_step([wanted[i][0] for i in alive], j, steps[-1], [prev_rows[i] for i in alive])
+            )
         drafts = self._read(steps, wanted)
         for request, _ in wanted:
             d = drafts[request.request_id]
             self._states[request.request_id] = _DraftState(
-                request.num_tokens, d[:-1], request.num_preemptions)
+                request.num_tokens, d[:-1], request.num_preemptions
+            )
         return drafts
 
     def _catch_up(self, requests: list[Request]) -> torch.Tensor:
@@ -118,20 +129,31 @@ class DraftModelProposer:
         seqs = []
         for r in requests:
             start = self._num_valid(r)
-            seqs.append(ScheduledSeq(r, r.token_ids_slice(start, r.num_tokens), start,
-                                     self.kv.get_block_ids(r.request_id), True))
+            seqs.append(
+                ScheduledSeq(
+                    r,
+                    r.token_ids_slice(start, r.num_tokens),
+                    start,
+                    self.kv.get_block_ids(r.request_id),
+                    True,
+                )
+            )
         return self._forward_argmax(seqs)
 
-    def _decode_step(self, requests: list[Request], j: int, prev: torch.Tensor,
-                     rows: list[int]) -> torch.Tensor:
+    def _decode_step(
+        self, requests: list[Request], j: int, prev: torch.Tensor, rows: list[int]
+    ) -> torch.Tensor:
         """Draft token j + 1 from draft token j (position num_tokens - 1 + j), on the device."""
-        seqs = [ScheduledSeq(r, [0], r.num_tokens - 1 + j, self.kv.get_block_ids(r.request_id),
-                             True) for r in requests]
+        seqs = [
+            ScheduledSeq(r, [0], r.num_tokens - 1 + j, self.kv.get_block_ids(r.request_id), True)
+            for r in requests
+        ]
         fed = prev.index_select(0, torch.tensor(rows, device=prev.device))
         return self._forward_argmax(seqs, fed)
 
-    def _forward_argmax(self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+    def _forward_argmax(
+        self, seqs: list[ScheduledSeq], input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         inputs = prepare_inputs(seqs, self.block_size, self.device)
         if input_ids is not None:
             inputs.input_ids = input_ids
@@ -139,8 +161,7 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)
 
     @staticmethod
-    def _read(steps: list[torch.Tensor], wanted: list[tuple[Request, int]]
-              ) -> dict[str, list[int]]:
+    def _read(steps: list[torch.Tensor], wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """One host read of every step's draft tokens, regrouped per request."""
         flat = torch.cat(steps).tolist()
         drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in wanted}

@@ -1,6 +1,7 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, trying n from prompt_lookup_max down to prompt_lookup_min. No model:
 it pays off where outputs repeat their context (code edits, extraction, summaries)."""
+
 from __future__ import annotations
 
 import numpy as np

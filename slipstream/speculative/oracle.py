@@ -5,6 +5,7 @@ speculation, `set_reference_outputs`), each draft token is the target's next tok
 probability `acceptance_rate` and a wrong token otherwise, so the acceptance rate is set rather
 than learned. A request whose prompt has no recorded continuation gets no drafts.
 """
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,8 @@ class OracleProposer:
             m = request.num_output_tokens
             nexts = ref[m : m + k]
             drafts[request.request_id] = [
-                t if self._rng.random() < self.acceptance_rate else (t + 1) % self.vocab_size
-                for t in nexts]
+                t if self._rng.random() < self.acceptance_rate else (t + 1) % self.vocab_size for t in nexts
+            ]
         return drafts
 
     def forget(self, request_ids) -> None:
