@@ -15,9 +15,12 @@ from slipstream.engine.request import Request
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
 
 
-def set_reference_outputs(outputs: dict[tuple[int, ...], list[int]]) -> None:
-    """The target's continuation per prompt (token ids), replacing any set before."""
-    _REFERENCE.clear()
+def set_reference_outputs(outputs: dict[tuple[int, ...], list[int]], replace: bool = True
+                          ) -> None:
+    """The target's continuation per prompt (token ids), replacing any set before unless
+    replace=False."""
+    if replace:
+        _REFERENCE.clear()
     _REFERENCE.update({tuple(k): list(v) for k, v in outputs.items()})
 
 
