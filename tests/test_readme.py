@@ -83,7 +83,7 @@ def run(command: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess
 # What names each bash block the tests below run (a block of only install / test commands
 # needs none).
 BLOCK_MARKERS = ("# the main job", "slipstream chat", "slipstream quantize --model ./ckpt --method int8_wo",
-                 "slipstream serve")
+                 "slipstream serve", "--speculative-config")
 
 
 def test_every_readme_block_is_run_here() -> None:
@@ -121,6 +121,11 @@ def test_quantization_examples(workdir: Path) -> None:
     for command in block_with("slipstream quantize --model ./ckpt --method int8_wo"):
         run(command, workdir)
     assert json.loads((workdir / "ckpt-int8" / "config.json").read_text())["quantization_config"]
+
+
+def test_speculative_example(workdir: Path) -> None:
+    for command in block_with("--speculative-config"):
+        assert run(command, workdir).stdout.strip(), command
 
 
 def _free(port: int) -> bool:

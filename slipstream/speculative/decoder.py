@@ -78,7 +78,8 @@ class SpeculativeDecoder:
         """Set spec_token_ids of each running request that decodes next (drafts are cleared by
         the scheduler when it schedules the request, used or not)."""
         k = self.num_drafts_for(len(running))
-        self.last_k = k
+        if running:
+            self.last_k = k
         if k == 0:
             return
         wanted = []
