@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.quantization.modelopt import with_hf_quant_config
+from slipstream.speculative.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 512
     # CPU engine: torch's intra-op threads (None: physical cores less busy ones; runner/cpu_threads.py).
     cpu_threads: int | None = None
+    # Speculative decoding (speculative/); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -11,6 +11,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    # Speculative decoding: draft tokens verified for this request and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -71,6 +74,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     timestamps: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding: draft tokens verified this step and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -83,7 +83,7 @@ def run(command: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess
 # What names each bash block the tests below run (a block of only install / test commands
 # needs none).
 BLOCK_MARKERS = ("# the main job", "slipstream chat", "slipstream quantize --model ./ckpt --method int8_wo",
-                 "slipstream serve", "slipstream build --model ./ckpt")
+                 "slipstream serve", "slipstream build --model ./ckpt", "--speculative-config")
 
 
 def test_every_readme_block_is_run_here() -> None:
@@ -129,6 +129,11 @@ def test_build_example(workdir: Path) -> None:
     assert json.loads((workdir / "ckpt-engine" / "engine.json").read_text())["settings"][
         "quantization"] == "int8_wo"
     assert run(generate, workdir).stdout.startswith("def add(a, b):")
+
+
+def test_speculative_example(workdir: Path) -> None:
+    for command in block_with("--speculative-config"):
+        assert run(command, workdir).stdout.strip(), command
 
 
 def _free(port: int) -> bool:

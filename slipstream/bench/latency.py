@@ -11,7 +11,7 @@ import statistics
 import time
 from typing import Any
 
-from slipstream.bench import report
+from slipstream.bench import report, speculative
 from slipstream.bench.datasets import random_requests
 from slipstream.bench.shapes import kv_bytes_per_token, load_config, weight_bytes
 from slipstream.bench.throughput import (
@@ -92,13 +92,16 @@ def _rate_stats(values: list[float | None]) -> dict[str, float | None]:
             "min": min(vals), "max": max(vals)}
 
 
-def _run_iterations(llm, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def _run_iterations(llm, args: argparse.Namespace, vocab: int,
+                    on_outputs=None) -> list[dict[str, Any]]:
     """Warm-up then timed iterations; every iteration gets fresh prompts (no prefix hits)."""
     stats = []
     for it in range(args.num_iters_warmup + args.num_iters):
         reqs = random_requests(args.batch_size, args.input_len, args.output_len, vocab,
                                seed=(args.seed or 0) + 1000 + it)
         outputs, wall = run_engine(llm, reqs)
+        if on_outputs is not None:
+            on_outputs(outputs)
         if it >= args.num_iters_warmup:
             stats.append(iteration_stats(outputs, wall))
     return stats
@@ -122,7 +125,13 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     llm = build_llm(kwargs)
     startup = _startup(llm, time.perf_counter() - started)
-    iters = _run_iterations(llm, args, cfg.get("vocab_size", 32000))
+    vocab = cfg.get("vocab_size", 32000)
+    base_decode = None
+    if speculative.decoder_of(llm) is not None:  # the same run without speculation first
+        base_iters = speculative.without_speculation(llm, lambda: _run_iterations(
+            llm, args, vocab, speculative.remember_outputs))
+        base_decode = _rate_stats([s["decode_tok_s"] for s in base_iters])["median"]
+    iters = _run_iterations(llm, args, vocab)
     decode = _rate_stats([s["decode_tok_s"] for s in iters])
     quant = getattr(getattr(llm, "engine_config", None), "quant", None)
     sol = speed_of_light(cfg, dtype, bandwidth, args.batch_size, args.input_len, args.output_len,
@@ -155,6 +164,8 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "peak_gpu_memory_gib": peak_memory_gib(device)["allocated"],
         "gpu_memory_gib": peak_memory_gib(device),
         "meta": report.run_meta(),
+        "speculative": speculative.summary(llm, base_decode, decode["median"])
+        if speculative.decoder_of(llm) is not None else None,
     }
 
 

@@ -175,8 +175,20 @@ def latency_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
+def speculative_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Rows of a run with --speculative-config: the rate without it (same run) and the gain."""
+    spec = r.get("speculative")
+    if not spec:
+        return []
+    return [("speculation", f"{spec['config']['method']} k={spec['config']['num_speculative_tokens']}"),
+            ("tok/s without speculation", spec["baseline_tok_s"]),
+            ("speed-up", spec["speedup"]), ("acceptance rate", spec["acceptance_rate"]),
+            ("mean accepted length", spec["mean_accepted_length"])]
+
+
 def print_result(r: dict[str, Any]) -> None:
     rows = throughput_rows(r) if r["mode"] == "throughput" else latency_rows(r)
+    rows = rows + speculative_rows(r)
     print(format_table(rows, f"slipstream bench {r['mode']}"), flush=True)
 
 

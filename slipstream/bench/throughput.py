@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-from slipstream.bench import report
+from slipstream.bench import report, speculative
 from slipstream.bench.datasets import BenchRequest, make_requests, random_requests
 from slipstream.bench.hf_baseline import run_hf_baseline
 from slipstream.bench.shapes import count_parameters, is_shape_name, load_config, resolve_model
@@ -295,6 +295,12 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     reset_peak_memory(device)
     llm = build_llm(kwargs)
     warmup_engine(llm, requests, vocab, args.seed or 0, args.warmup_requests)
+    spec_base = None
+    if speculative.decoder_of(llm) is not None:  # the same run without speculation first
+        base_outputs, base_wall, _ = speculative.without_speculation(
+            llm, lambda: timed_run(llm, requests))
+        speculative.remember_outputs(base_outputs)
+        spec_base = token_counts(base_outputs, requests, base_wall)["output_tok_s"]
     outputs, wall, steps = timed_run(llm, requests)
     settings = engine_settings(llm, kwargs, device)
     settings["cpu_threads"] = threads
@@ -315,6 +321,8 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_vs_baseline": counts["output_tok_s"] / baseline["output_tok_s"]
         if baseline else None,
         "meta": report.run_meta(),
+        "speculative": speculative.summary(llm, spec_base, counts["output_tok_s"])
+        if spec_base is not None else None,
     }
     if counts["output_len_mismatches"]:
         print(f"[bench] WARNING: {counts['output_len_mismatches']} requests did not produce "

@@ -17,6 +17,7 @@ from slipstream.config import (
 from slipstream.models.gguf import load_model_config, resolve_model_path
 from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
+from slipstream.speculative.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -54,6 +55,9 @@ class EngineArgs:
     # CPU engine: torch's intra-op thread count. None: OMP_NUM_THREADS or a torch.set_num_threads()
     # made before start-up if any, else the physical cores less those other processes keep busy.
     cpu_threads: int | None = None
+    # Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_
+    # tokens": k, "model": PATH, "prompt_lookup_min"/"max": n, ...} (speculative/config.py).
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -105,6 +109,8 @@ class EngineArgs:
             max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             cpu_threads=self.cpu_threads,
             tokenizer_path=self.tokenizer or str(model_path),
+            speculative=(None if self.speculative_config is None
+                         else SpeculativeConfig.from_dict(self.speculative_config)),
         )
 
     @staticmethod
@@ -165,6 +171,10 @@ class EngineArgs:
         g.add_argument("--cpu-threads", type=int, default=None,
                        help="CPU engine: torch threads (default: OMP_NUM_THREADS if set, else "
                             "the physical cores less those other processes keep busy)")
+        g.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\' or {"method": "draft_model", '
+                            '"model": DIR, ...} (vLLM\'s keys; docs/speculative.md)')
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:

@@ -21,6 +21,7 @@ from slipstream.runner.model_runner import ModelRunner
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 from slipstream.scheduler.scheduler import Scheduler
+from slipstream.speculative.decoder import build_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +32,17 @@ class EngineCore:
         start = time.perf_counter()
         self.runner = ModelRunner(config)
         num_blocks = self._start_up(config)
+        draft = getattr(self.spec, "proposer", None) if self.spec else None
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
         self.trace = StepTrace()
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
+        if self.spec is not None:
+            self.spec.max_seq_len = self.scheduler.max_seq_len
+            if draft is not None:
+                draft.kv = self.scheduler.kv
         self._requests: dict[str, Request] = {}
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
@@ -56,9 +62,15 @@ class EngineCore:
         kernels = KernelCaches(config)
         with self.startup.phase("read_weights"):
             self.runner.load_model()
+            self.spec = build_decoder(config, config.scheduler.max_model_len)
+        draft = getattr(self.spec, "proposer", None) if self.spec else None
+        if hasattr(draft, "kv_bytes_per_block"):  # a draft model: its cache shares the budget
+            self.runner.draft_kv_bytes_per_block = draft.kv_bytes_per_block()
         with self.startup.phase("profile_memory"):
             num_blocks = self.runner.determine_num_blocks()
             self.runner.initialize_kv_cache(num_blocks)
+            if hasattr(draft, "initialize_kv_cache"):
+                draft.initialize_kv_cache(num_blocks)
         with self.startup.phase("warm_up"):
             self.runner.warmup()
         with self.startup.phase("capture_graphs"):
@@ -98,6 +110,16 @@ class EngineCore:
             self._queued = None
 
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
+        """Schedule one iteration, run the model, return per-request news (see _step); with
+        speculative decoding, then propose the next step's draft tokens."""
+        outputs = self._step(while_gpu_runs)
+        if self.spec is not None:
+            self.spec.forget([o.request_id for o in outputs if o.finished])
+            if self._inflight is None and self._queued is None:
+                self.spec.propose(self.scheduler.running)
+        return outputs
+
+    def _step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Schedule one iteration, run the model, return per-request news.
 
         while_gpu_runs: host work (e.g. processing the previous step's outputs) to do once
@@ -151,8 +173,11 @@ class EngineCore:
     def _apply(self, sched_out: SchedulerOutput, runner_out, num_steps: int
                ) -> list[EngineCoreOutput]:
         """update_from_output and the engine's own bookkeeping of a step read back."""
+        spec_counts = self.spec.record(sched_out, runner_out) if self.spec is not None else {}
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        for out in outputs:
+            out.num_draft_tokens, out.num_accepted_tokens = spec_counts.get(out.request_id, (0, 0))
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:
@@ -174,7 +199,7 @@ class EngineCore:
     def _async_ok(self, sched_out: SchedulerOutput) -> bool:
         """Whether this step may be left unread (async_scheduling): nothing in it needs its
         tokens on the host before the next step (logprobs, penalties, prompt logprobs)."""
-        if not self.config.scheduler.async_scheduling:
+        if not self.config.scheduler.async_scheduling or self._speculating(sched_out):
             return False
         for seq in sched_out.seqs:
             p = seq.request.sampling_params
@@ -216,8 +241,9 @@ class EngineCore:
         sched, cfg = self.scheduler, self.config.scheduler
         live = [s for s in seqs if s.request.status == RequestStatus.RUNNING
                 and sched.get_request(s.request_id) is s.request]
-        if len(live) != sched.num_running:
-            return None  # other running requests (a prefill) need the scheduler
+        if len(live) != sched.num_running or (self.spec is not None
+                                               and self.spec.wants(sched.num_running)):
+            return None  # other running requests (a prefill) or speculation need the scheduler
         rows, starts, steps = [], [], cfg.decode_steps
         for row, seq in enumerate(seqs):
             request, params = seq.request, seq.request.sampling_params
@@ -251,7 +277,8 @@ class EngineCore:
         """
         steps = self.config.scheduler.decode_steps
         seqs = sched_out.seqs
-        if steps <= 1 or not seqs or len(seqs) > self.runner.max_decode_batch:
+        if steps <= 1 or not seqs or len(seqs) > self.runner.max_decode_batch \
+                or self._speculating(sched_out):
             return 1
         max_len = self.config.scheduler.max_model_len
         for seq in seqs:
@@ -274,12 +301,23 @@ class EngineCore:
             seq.num_lookahead = steps - 1
         return steps
 
+    def _speculating(self, sched_out: SchedulerOutput) -> bool:
+        """Whether this step verifies drafts, or the next would propose some: its tokens must
+        then be read before the next step is scheduled."""
+        if self.spec is None:
+            return False
+        return (any(s.num_spec_tokens for s in sched_out.seqs)
+                or self.spec.wants(self.scheduler.num_running))
+
     def has_unfinished_requests(self) -> bool:
         return (self._queued is not None or self._inflight is not None
                 or self.scheduler.has_unfinished_requests())
 
     def get_stats(self) -> dict:
-        return self.scheduler.get_stats()
+        stats = self.scheduler.get_stats()
+        if self.spec is not None:
+            stats.update(self.spec.get_stats())
+        return stats
 
 
 class _Once:

@@ -198,6 +198,8 @@ class OutputProcessor:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.num_generated_tokens += len(out.new_token_ids)
+        metrics.num_draft_tokens += out.num_draft_tokens
+        metrics.num_accepted_tokens += out.num_accepted_tokens
         choice.token_ids.extend(out.new_token_ids)
         if choice.logprobs is not None and out.new_logprobs:
             choice.logprobs.extend(out.new_logprobs)

@@ -53,6 +53,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not yet admitted)
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens proposed for the next step (never part of the output
+    # until verified); the scheduler feeds them after the last known token.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Sampler state (a torch.Generator for seeded requests); owned by the sampler.
     generator: Any = None
     # Timestamps (time.monotonic) for metrics.

@@ -141,6 +141,23 @@ class KVCacheManager:
         # Tail first: the tail of a chain is useless without its head, so it goes first.
         self.pool.free(reversed(table))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding's rollback: free the blocks past those holding the first
+        `num_tokens` tokens (slots of rejected draft tokens). Such blocks never held only known
+        tokens, so none is in the prefix cache; a hash is withdrawn all the same."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        keep = self.num_blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        self._num_hashed[rid] = min(self._num_hashed[rid], keep)
+        for block_id in extra:
+            if self.pool.ref_cnt[block_id] == 1:
+                self.pool.uncache_block(block_id)
+        self.pool.free(reversed(extra))
+
     # ---- internals ---------------------------------------------------------------------
     def _request_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The request's chained hashes, grown to cover its first `num_blocks` full blocks."""

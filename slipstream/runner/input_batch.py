@@ -19,7 +19,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: the row of each sampled seq's last token
+    # [S] int64: the row of each sampled seq's last token (with drafts: its last k + 1 rows)
+    logits_indices: torch.Tensor
     sample_seq_indices: list[int]  # index into the step's seqs, one per logits row
     query_start_loc_cpu: list[int]  # [num_seqs + 1]
 
@@ -34,7 +35,7 @@ class HostBatch:
     query_start_loc: np.ndarray  # int32 [S + 1]
     seq_lens: np.ndarray  # int32 [S]
     block_tables: np.ndarray  # int32 [S, max_blocks] (pad 0)
-    logits_indices: np.ndarray  # int64 [num sampled]
+    logits_indices: np.ndarray  # int64 [num sampled (+ draft tokens verified)]
     sample_seq_indices: list[int]
 
 
@@ -61,8 +62,19 @@ def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
     slot_mapping = block_of_token * block_size + positions % block_size
     sample_seq_indices = [i for i, s in enumerate(seqs) if s.needs_sample]
     logits_indices = query_start_loc[1:][sample_seq_indices].astype(np.int64) - 1
+    if any(s.num_spec_tokens for s in seqs):
+        logits_indices = _spec_logits_indices(seqs, sample_seq_indices, logits_indices)
     return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                      block_tables, logits_indices, sample_seq_indices)
+
+
+def _spec_logits_indices(seqs: list[ScheduledSeq], sampled: list[int],
+                         last_rows: np.ndarray) -> np.ndarray:
+    """Speculative decoding: a seq verifying k draft tokens gets the logits of its last k + 1
+    rows (in order), every other sampled seq those of its last row."""
+    parts = [np.arange(row - seqs[i].num_spec_tokens, row + 1, dtype=np.int64)
+             for i, row in zip(sampled, last_rows.tolist())]
+    return np.concatenate(parts)
 
 
 def _block_tables(seqs: list[ScheduledSeq], seq_lens: np.ndarray, block_size: int,

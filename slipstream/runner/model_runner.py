@@ -30,6 +30,7 @@ from slipstream.runner.launched import LaunchedTokens
 from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
 from slipstream.sampling.logprobs import top_logprobs
 from slipstream.sampling.sampler import Sampler, warm_up_greedy
+from slipstream.sampling.speculative import verify_into
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
@@ -56,6 +57,9 @@ class ModelRunner:
         self._prefill_graphs = None
         self._use_graph_replay = False
         self._kv_scales_ready = False
+        # A speculative draft model's KV bytes per block: its cache shares the target's block
+        # ids, so the budget is split by bytes per block (speculative/draft_model.py sets it).
+        self.draft_kv_bytes_per_block = 0
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
         if self.device.type == "cpu":  # once per process: the server's engine process set it
             from slipstream.runner.cpu_threads import configure_cpu_threads
@@ -108,7 +112,13 @@ class ModelRunner:
             budget = self._cuda_kv_budget()
         else:
             budget = CPU_DEFAULT_KV_BYTES
-        num_blocks = budget // self.kv_cache_bytes_per_block()
+        per_block = self.kv_cache_bytes_per_block() + self.draft_kv_bytes_per_block
+        num_blocks = budget // per_block
+        if self.draft_kv_bytes_per_block:
+            logger.info("KV budget %.2f GiB split by bytes per block: target %.2f GiB, draft "
+                        "model %.2f GiB (%d blocks)", budget / 2**30,
+                        num_blocks * self.kv_cache_bytes_per_block() / 2**30,
+                        num_blocks * self.draft_kv_bytes_per_block / 2**30, num_blocks)
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
                              f"{self.kv_cache_bytes_per_block()} bytes; raise kv_cache_memory "
@@ -228,7 +238,8 @@ class ModelRunner:
         self._prefill_graphs = PrefillGraphs(
             self.model, self.kv_caches, self.device, max_tokens=limit,
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len,
-            max_seqs=sched.max_num_seqs, pool=self._graphs.pool)
+            max_seqs=sched.max_num_seqs, pool=self._graphs.pool,
+            max_logits_rows=_verify_rows(self.config))
         self._prefill_graphs.capture()
 
     @torch.inference_mode()
@@ -360,7 +371,10 @@ class ModelRunner:
         _call(while_gpu_runs)
         if logits is not None:
             with self.timer.phase("sample"):
-                self._sample_into(out, logits, requests)
+                if any(s.num_spec_tokens for s in sched.seqs):
+                    verify_into(out, self._get_sampler(), logits, sched.seqs)
+                else:
+                    self._sample_into(out, logits, requests)
         if eager is None:
             return out
         inputs, hidden = eager
@@ -402,6 +416,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi])
             entries += top_logprobs(torch.log_softmax(logits, dim=-1), targets[lo:hi], k)
         return entries
+
+
+def _verify_rows(config: EngineConfig) -> int | None:
+    """Logits rows a captured prefill step returns with speculative decoding: k + 1 a seq,
+    capped at 256 rows ([rows, vocab] float32 buffer); None without speculation."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    return min(config.scheduler.max_num_seqs * (spec.num_speculative_tokens + 1), 256)
 
 
 def _call(fn: Callable[[], None] | None) -> None:

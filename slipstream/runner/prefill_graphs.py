@@ -47,9 +47,13 @@ class PrefillGraphs:
     """
 
     def __init__(self, model, kv_caches, device: torch.device, max_tokens: int,
-                 max_blocks_per_seq: int, max_seq_len: int, max_seqs: int = MAX_SEQS, pool=None):
+                 max_blocks_per_seq: int, max_seq_len: int, max_seqs: int = MAX_SEQS, pool=None,
+                 max_logits_rows: int | None = None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_seqs = min(max_seqs, MAX_SEQS)
+        # Rows of logits a step returns: one per sampled seq, more when speculative decoding
+        # verifies draft tokens (k + 1 rows a seq).
+        self.max_rows = max(self.max_seqs, max_logits_rows or 0)
         self.sizes = prefill_sizes(max_tokens)
         if not self.sizes or self.sizes[-1] > max_seq_len:
             # The padding sequence spans up to the largest size: its block-table row must too.
@@ -67,8 +71,8 @@ class PrefillGraphs:
         self.query_start_loc = torch.zeros(s + 1, **i32)
         self.seq_lens = torch.zeros(s, **i32)
         self.block_tables = torch.zeros((s, max_blocks_per_seq), **i32)
-        self.logits_indices = torch.zeros(self.max_seqs, **i64)
-        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + self.max_seqs,
+        self.logits_indices = torch.zeros(self.max_rows, **i64)
+        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + self.max_rows,
                                  dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -120,18 +124,19 @@ class PrefillGraphs:
 
     def accepts(self, hb: HostBatch) -> bool:
         """Whether a captured graph can run this host batch."""
-        return (len(hb.seq_lens) <= self.max_seqs and self.padded_size(len(hb.input_ids)) is not None
+        return (len(hb.seq_lens) <= self.max_seqs and len(hb.logits_indices) <= self.max_rows
+                and self.padded_size(len(hb.input_ids)) is not None
                 and hb.block_tables.shape[1] <= self.max_blocks_per_seq
                 and int(hb.seq_lens.max()) <= self.max_seq_len)
 
     def run(self, hb: HostBatch, feed: tuple[torch.Tensor, list[int]] | None = None
             ) -> torch.Tensor:
         """Replay for the host batch (accepts(hb) must hold); returns the logits of its sampled
-        sequences [len(hb.sample_seq_indices), vocab], float32. feed: (tokens, rows) as in
+        rows [len(hb.logits_indices), vocab], float32. feed: (tokens, rows) as in
         DecodeGraphs.run_steps: seq i's last input token is tokens[rows[i]] where rows[i] >= 0."""
         t = self._stage(hb)
         put_fed_tokens(self.input_ids, hb, feed)
-        k = len(hb.sample_seq_indices)
+        k = len(hb.logits_indices)
         if t not in self.graphs:  # not captured (the CPU): the same padded batch, eagerly
             with torch.inference_mode():
                 return self._forward(t, float32=True)[:k]
@@ -179,10 +184,10 @@ class PrefillGraphs:
         tables[:s] = hb.block_tables
         o += rows * width
         k = len(hb.logits_indices)
-        logits_idx = host[o : o + self.max_seqs]
+        logits_idx = host[o : o + self.max_rows]
         logits_idx[:k] = hb.logits_indices
         logits_idx[k:] = 0
-        staged = self._host[: o + self.max_seqs].to(self.device, non_blocking=True)
+        staged = self._host[: o + self.max_rows].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._host_copied = torch.cuda.Event()
             self._host_copied.record()
@@ -196,5 +201,5 @@ class PrefillGraphs:
         o += rows
         self.block_tables[:, :width].copy_(staged[o : o + rows * width].view(rows, width))
         o += rows * width
-        self.logits_indices.copy_(staged[o : o + self.max_seqs])
+        self.logits_indices.copy_(staged[o : o + self.max_rows])
         return t

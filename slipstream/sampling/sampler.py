@@ -136,7 +136,7 @@ class Sampler:
         for i, r in enumerate(requests):
             sp = r.sampling_params
             if sp.seed is not None and not sp.greedy:
-                q[i].exponential_(generator=_request_generator(r, probs.device))
+                q[i].exponential_(generator=request_generator(r, probs.device))
         # Exp(1) can return 0; a zero would turn a masked token's 0 / q into NaN.
         return q.clamp_(min=torch.finfo(q.dtype).tiny)
 
@@ -175,7 +175,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
 
-def _request_generator(request: Request, device: torch.device) -> torch.Generator:
+def request_generator(request: Request, device: torch.device) -> torch.Generator:
     """The request's own generator, created on first use and seeded with its seed."""
     gen = request.generator
     if not isinstance(gen, torch.Generator) or gen.device != device:

@@ -11,13 +11,16 @@ class ScheduledSeq:
     """One request's share of a step: feed `token_ids` at positions start_pos.. ."""
 
     request: Request
-    token_ids: list[int]  # all_token_ids[start_pos : start_pos + len(token_ids)]
+    token_ids: list[int]  # all_token_ids[start_pos : ...], then any draft tokens
     start_pos: int  # == request.num_computed_tokens before this step
     block_ids: list[int]  # the request's whole block table (covers start_pos + len(token_ids))
     needs_sample: bool  # this chunk reaches the last known token: sample a new one
     # Multi-step decode: extra tokens the runner feeds back on the device after the first
     # (each sampled token becomes the next input), so num_lookahead + 1 tokens come back.
     num_lookahead: int = 0
+    # Speculative decoding: the last num_spec_tokens of token_ids are draft tokens to verify
+    # (logits come back for each of them and for the last known token before them).
+    num_spec_tokens: int = 0
 
     @property
     def request_id(self) -> str:

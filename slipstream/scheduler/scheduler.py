@@ -171,18 +171,36 @@ class Scheduler:
                 continue  # nothing to compute (no token came back for it last step)
             if request.num_pending and self._ends_by_length(request):
                 continue  # its pending token is its last: update_from_output finishes it
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            while not self.kv.allocate_slots(request, num_new + len(drafts)):
+                if drafts:  # speculation gives way before anyone is preempted
+                    drafts = []
+                    continue
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out, scheduled)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            seq = self._make_seq(request, num_new)
+            seq = self._make_seq(request, num_new, drafts)
             scheduled[request.request_id] = seq
             out.seqs.append(seq)
-            budget -= num_new
+            budget -= seq.num_tokens
         return budget
+
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Speculative decoding: the request's draft tokens this step verifies beside its last
+        token, cut so that accepted drafts plus the bonus token fit the budget and its
+        max_tokens / max_seq_len (a decode step only: one known token left to compute)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_pending \
+                or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = self._max_seq_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return drafts[: max(0, min(room - 1, budget - num_new))]
 
     def _ends_by_length(self, request: Request) -> bool:
         max_tokens = request.sampling_params.max_tokens
@@ -252,16 +270,18 @@ class Scheduler:
             out.seqs.append(self._make_seq(request, num_new))
             budget -= num_new
 
-    def _make_seq(self, request: Request, num_new: int) -> ScheduledSeq:
+    def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
+        request.spec_token_ids = []  # drafts are for this step only
         return ScheduledSeq(
             request=request,
-            token_ids=request.token_ids_slice(start, end),
+            token_ids=request.token_ids_slice(start, end) + list(drafts),
             start_pos=start,
             # The live table, not a copy: the runner reads it before the next schedule().
             block_ids=self.kv.get_block_ids(request.request_id),
             needs_sample=end == request.num_tokens,
+            num_spec_tokens=len(drafts),
         )
 
     def _push_waiting(self, request: Request) -> None:
@@ -290,12 +310,14 @@ class Scheduler:
             if running:
                 # max: mark_launched may already have moved it past this step (async steps).
                 request.num_computed_tokens = max(
-                    request.num_computed_tokens, seq.start_pos + seq.num_tokens + seq.num_lookahead)
+                    request.num_computed_tokens, _computed_after(seq, runner_output))
             elif not (seq.needs_sample and request.num_pending):
                 continue  # preempted since it was scheduled
             # A request preempted after an async step was launched keeps that step's token
             # (its next one either way, and a seeded sample stays reproducible).
             new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
+            if seq.num_spec_tokens and not request.is_finished:
+                self.kv.trim(request, request.num_tokens)  # roll back the rejected drafts' slots
             prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
             if not new_ids and not prompt_lps:
                 continue
@@ -382,6 +404,16 @@ def scan_stop(request: Request, tokens: list[int], max_seq_len: int
             request.stop_reason = None if token in eos else token
             return first + i + 1, RequestStatus.FINISHED_STOPPED
     return n, RequestStatus.FINISHED_LENGTH if n >= room else None
+
+
+def _computed_after(seq: ScheduledSeq, runner_output: RunnerOutput) -> int:
+    """Tokens of seq's request whose K/V hold after the step: all it fed and looked ahead,
+    less the draft tokens verification rejected (sampled = accepted drafts + one more)."""
+    end = seq.start_pos + seq.num_tokens + seq.num_lookahead
+    if seq.num_spec_tokens:
+        sampled = runner_output.sampled_token_ids.get(seq.request_id) or [None]
+        end -= seq.num_spec_tokens - min(len(sampled) - 1, seq.num_spec_tokens)
+    return end
 
 
 def _timestamps(request: Request) -> dict[str, float]:

@@ -53,6 +53,31 @@ class EngineStatsCollector(Collector):
                 yield GaugeMetricFamily(f"{PREFIX}_{suffix}", help_text, value=value)
             else:
                 yield CounterMetricFamily(f"{PREFIX}_{suffix}", help_text, value=value)
+        yield from _speculative_metrics(stats.get("speculative") or {})
+
+
+# Speculative decoding, per method: (stats key, metric suffix, help, kind).
+_SPEC_METRICS = (
+    ("num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+     "counter"),
+    ("num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "counter"),
+    ("acceptance_rate", "spec_decode_acceptance_rate", "Accepted over verified draft tokens.",
+     "gauge"),
+    ("mean_accepted_length", "spec_decode_mean_accepted_length",
+     "Tokens emitted per verification (accepted drafts + 1).", "gauge"),
+)
+
+
+def _speculative_metrics(per_method: dict[str, dict[str, float]]) -> Iterator[Any]:
+    if not per_method:
+        return
+    for key, suffix, help_text, kind in _SPEC_METRICS:
+        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        family = cls(f"{PREFIX}_{suffix}", help_text, labels=["method"])
+        for method, values in per_method.items():
+            family.add_metric([method], float(values.get(key, 0) or 0))
+        yield family
 
 
 class ServerMetrics:

@@ -46,3 +46,21 @@ def test_latency_on_the_real_engine(tiny_model_dir, tmp_path):
     r = json.loads(out.read_text())
     assert r["decode_tok_s"]["median"] > 0 and r["ttft_ms"]["count"] == 2
     assert r["sol_pct"] is None and r["engine"]["max_batch_size"] == 1
+
+
+@pytest.mark.parametrize("mode", ["latency", "throughput"])
+def test_speculative_config_compares_with_speculation_off(tiny_model_dir, tmp_path, capsys, mode):
+    """The oracle proposer replays the run without speculation: acceptance near its rate."""
+    out = tmp_path / f"{mode}.json"
+    sizes = (["--batch-size", "2", "--num-iters", "1", "--num-iters-warmup", "0"]
+             if mode == "latency" else ["--num-requests", "4", "--warmup-requests", "0"])
+    rc = main([mode, "--model", str(tiny_model_dir), "--load-format", "dummy", "--device", "cpu",
+               "--kv-cache-memory", "4000000", "--input-len", "8", "--output-len", "24", *sizes,
+               "--speculative-config", '{"method": "oracle", "num_speculative_tokens": 3, '
+               '"acceptance_rate": 0.9, "adaptive": false}', "--output-json", str(out)])
+    assert rc == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert spec["config"]["method"] == "oracle" and spec["baseline_tok_s"] > 0
+    assert spec["speedup"] > 0 and spec["acceptance_rate"] > 0.5
+    assert spec["mean_accepted_length"] > 2
+    assert "speed-up" in capsys.readouterr().out

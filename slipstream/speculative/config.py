@@ -1,0 +1,94 @@
+"""SpeculativeConfig: the `speculative_config` dict of LLM / EngineArgs / `--speculative-config`,
+with vLLM's key names, checked once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ngram", "draft_model", "oracle")
+# Named in vLLM / the issue but not implemented here: a clear error instead of a silent no-op.
+_NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "lookahead", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft checkpoint (None: the default's draft)
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched in the earlier tokens
+    prompt_lookup_max: int = 4  # ngram: longest suffix tried first
+    # No speculation while this many requests or more run (vLLM's name); None: never.
+    disable_by_batch_size: int | None = None
+    # Choose each step's k from the batch size and the measured acceptance (adaptive.py).
+    adaptive: bool = True
+    # Tokens a step may verify before it stops costing the same as a plain decode step (the
+    # weights-read-bound to compute-bound ridge of the GPU for this model; adaptive.py).
+    ridge_tokens: int = 128
+    # oracle (test-only): chance that each draft token is the target's own next token.
+    acceptance_rate: float = 0.7
+
+    @staticmethod
+    def from_dict(value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
+        """From the user's dict (or its JSON text); ValueError naming the bad key."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        value = dict(value)
+        if "method" not in value:
+            value["method"] = "draft_model" if value.get("model") else None
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        config = SpeculativeConfig(**value)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.method in _NOT_IMPLEMENTED:
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not implemented; use one of {METHODS[:2]}"
+            )
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {METHODS[:2]}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or d < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be a positive integer, got {d!r}"
+            )
+        if not isinstance(self.ridge_tokens, int) or self.ridge_tokens < 1:
+            raise ValueError(
+                f"speculative_config: ridge_tokens must be a positive integer, got {self.ridge_tokens!r}"
+            )
+        if not 0.0 <= float(self.acceptance_rate) <= 1.0:
+            raise ValueError("speculative_config: acceptance_rate must be in [0, 1]")
+        if (
+            self.method == "draft_model"
+            and self.model is not None
+            and not (Path(self.model) / "config.json").is_file()
+        ):
+            raise ValueError(
+                f"speculative_config: draft model {self.model!r} is not a "
+                "checkpoint directory (no config.json)"
+            )

@@ -1,0 +1,177 @@
+"""SpeculativeDecoder: the engine's speculation hook. After each step it asks the proposer for
+draft tokens for the running requests that decode next (`request.spec_token_ids`); the
+scheduler feeds them beside the last token, the sampler verifies them (sampling/speculative.py)
+and the scheduler rolls back the slots of rejected ones. It also keeps the statistics."""
+
+from __future__ import annotations
+
+import logging
+
+from slipstream.config import EngineConfig
+from slipstream.engine.request import Request, RequestStatus
+from slipstream.sampling.penalties import has_penalties
+from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
+from slipstream.speculative.adaptive import choose_k
+from slipstream.speculative.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+# Acceptance assumed before any draft is verified, and the weight of each new step in the
+# running estimate (an exponential moving average over steps).
+_PRIOR_ACCEPTANCE = 0.7
+_EMA_WEIGHT = 0.1
+
+
+class SpecStats:
+    """Counters of one method: drafts proposed and accepted, verifications (one per request a
+    step), and tokens those verifications emitted."""
+
+    def __init__(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_emitted_tokens = 0
+
+    def as_dict(self) -> dict[str, float]:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        mean_len = self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": rate,
+            "mean_accepted_length": mean_len,
+        }
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer, max_seq_len: int):
+        self.config = config
+        self.proposer = proposer
+        self.max_seq_len = max_seq_len
+        self.enabled = True  # benchmarks switch speculation off and on in one engine
+        self.acceptance = _PRIOR_ACCEPTANCE
+        self.stats = SpecStats()
+        self.last_k = config.num_speculative_tokens
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    def num_drafts_for(self, batch_size: int) -> int:
+        """Draft tokens per request for a decode batch of this size (0: no speculation)."""
+        cfg = self.config
+        if not self.enabled or batch_size == 0:
+            return 0
+        if cfg.disable_by_batch_size is not None and batch_size >= cfg.disable_by_batch_size:
+            return 0
+        if not cfg.adaptive:
+            return cfg.num_speculative_tokens
+        return choose_k(batch_size, cfg.num_speculative_tokens, self.acceptance, cfg.ridge_tokens)
+
+    def wants(self, batch_size: int) -> bool:
+        """Whether steps of this batch size speculate (the engine then reads every step's tokens
+        before the next: no async steps or multi-step decode)."""
+        return self.num_drafts_for(batch_size) > 0
+
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids of each running request that decodes next (drafts are cleared by
+        the scheduler when it schedules the request, used or not)."""
+        k = self.num_drafts_for(len(running))
+        if running:
+            self.last_k = k
+        if k == 0:
+            return
+        wanted = []
+        for r in running:
+            room = self._room(r)
+            if room >= 2 and _may_speculate(r):
+                wanted.append((r, min(k, room - 1)))
+        if not wanted:
+            return
+        for rid, drafts in self.proposer.propose(wanted).items():
+            if drafts:
+                request = next(r for r, _ in wanted if r.request_id == rid)
+                request.spec_token_ids = list(drafts)
+
+    def _room(self, r: Request) -> int:
+        room = self.max_seq_len - r.num_tokens
+        if r.sampling_params.max_tokens is not None:
+            room = min(room, r.sampling_params.max_tokens - r.num_output_tokens)
+        return room
+
+    def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
+        """Count a verified step; per request id (drafts, accepted) for its output."""
+        per_request = {}
+        proposed = accepted = 0
+        for seq in sched_out.seqs:
+            if not seq.num_spec_tokens:
+                continue
+            sampled = runner_out.sampled_token_ids.get(seq.request_id)
+            if not sampled:
+                continue
+            n = min(len(sampled) - 1, seq.num_spec_tokens)
+            per_request[seq.request_id] = (seq.num_spec_tokens, n)
+            proposed += seq.num_spec_tokens
+            accepted += n
+            self.stats.num_drafts += 1
+            self.stats.num_emitted_tokens += n + 1
+        if proposed:
+            self.stats.num_draft_tokens += proposed
+            self.stats.num_accepted_tokens += accepted
+            self.acceptance += _EMA_WEIGHT * (accepted / proposed - self.acceptance)
+        return per_request
+
+    def forget(self, request_ids) -> None:
+        self.proposer.forget(request_ids)
+
+    def get_stats(self) -> dict:
+        """Flat totals (for /metrics) and per-method detail."""
+        s = self.stats.as_dict()
+        return {
+            "spec_num_draft_tokens": s["num_draft_tokens"],
+            "spec_num_accepted_tokens": s["num_accepted_tokens"],
+            "spec_acceptance_rate": s["acceptance_rate"],
+            "spec_mean_accepted_length": s["mean_accepted_length"],
+            "spec_num_speculative_tokens": self.last_k,
+            "speculative": {self.method: s},
+        }
+
+
+def _may_speculate(r: Request) -> bool:
+    """Decoding next with its last token known, and nothing in its sampling that depends on
+    the output so far token by token (penalties, a pending min_tokens)."""
+    p = r.sampling_params
+    return (
+        r.status == RequestStatus.RUNNING
+        and r.num_pending == 0
+        and r.num_tokens - r.num_computed_tokens == 1
+        and not has_penalties(p)
+        and r.num_output_tokens >= p.min_tokens
+    )
+
+
+def build_decoder(config: EngineConfig, max_seq_len: int):
+    """The configured proposer and its decoder, or None without speculation."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from slipstream.speculative.ngram import NgramProposer
+
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "draft_model":
+        from slipstream.speculative.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(config)
+    else:
+        from slipstream.speculative.oracle import OracleProposer
+
+        proposer = OracleProposer(spec.acceptance_rate, config.model.vocab_size, config.seed)
+    logger.info(
+        "speculative decoding: %s, up to %d draft tokens a step%s",
+        spec.method,
+        spec.num_speculative_tokens,
+        f" (adaptive, ridge {spec.ridge_tokens} tokens)" if spec.adaptive else "",
+    )
+    return SpeculativeDecoder(spec, proposer, max_seq_len)

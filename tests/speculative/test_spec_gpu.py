@@ -1,0 +1,29 @@
+"""On a GPU (CUDA graphs, the Triton kernels, verification through the prefill graphs): the
+same greedy tokens with and without speculation."""
+from __future__ import annotations
+
+import pytest
+
+from slipstream import LLM, SamplingParams
+from slipstream.speculative import oracle
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "oracle", "draft_model"])
+def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, method):
+    path = tiny_checkpoint("LlamaForCausalLM")
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11, 12, 13], list(range(20, 60))]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=8, max_model_len=256,
+              kv_cache_memory=64 << 20)
+    base = LLM(str(path), **kw)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, sp, use_tqdm=False)]
+    del base
+    oracle.set_reference_outputs({tuple(p): w for p, w in zip(prompts, want)})
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = str(path)
+    llm = LLM(str(path), speculative_config=spec, **kw)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert llm.get_stats()["spec_num_accepted_tokens"] > 0
