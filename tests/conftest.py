@@ -7,6 +7,7 @@ before editing it).
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from tests.helpers import make_tiny_checkpoint
 # Tests that omit the model run on the small embedded one, even where SmolLM2 is installed
 # (subprocesses inherit it); tests of the default selection set the variable themselves.
 os.environ.setdefault("SLIPSTREAM_DEFAULT_MODEL", "embedded")
+# Kernel-tuning results of test engines stay out of the user's ~/.cache (one directory per
+# process, so parallel test workers never share a file).
+os.environ.setdefault("SLIPSTREAM_CACHE_DIR", tempfile.mkdtemp(prefix="slipstream-test-cache-"))
 
 if not torch.cuda.is_available():
     # Triton picks interpreter or compiler when a kernel module is imported: decide first.

@@ -18,7 +18,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # retune the engine defaults to the bench's needs
         if action.dest == "model":
             action.help = ("checkpoint directory or a known shape name (llama-3.1-8b, "
-                           "qwen3-0.6b: implies --load-format dummy)")
+                           "llama-3.1-70b, qwen3-0.6b, smollm2-135m: implies --load-format "
+                           "dummy)")
     parser.set_defaults(max_num_seqs=None)  # None: latency -> --batch-size, throughput -> 256
     parser.add_argument("--max-batch-size", dest="max_num_seqs", type=int,
                         default=argparse.SUPPRESS, help="alias of --max-num-seqs")

@@ -83,10 +83,35 @@ _QWEN3_0_6B: dict[str, Any] = {
 _LLAMA_3_1_70B: dict[str, Any] = {**_LLAMA_3_1_8B, "hidden_size": 8192, "intermediate_size": 28672,
                                   "num_hidden_layers": 80, "num_attention_heads": 64}
 
+# The default model's architecture (SmolLM2-135M-Instruct), for GPU runs where its GGUF file
+# cannot travel: random weights of the same shapes run the same kernels.
+_SMOLLM2_135M: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 8192,
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": None,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 49152,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": _LLAMA_3_1_8B,
     "llama-3.1-70b": _LLAMA_3_1_70B,
     "qwen3-0.6b": _QWEN3_0_6B,
+    "smollm2-135m": _SMOLLM2_135M,
 }
 
 
