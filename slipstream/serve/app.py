@@ -16,6 +16,7 @@ from slipstream.serve.chat import create_chat_completion, render_chat
 from slipstream.serve.completions import create_completion
 from slipstream.serve.context import EngineClient, ServeContext
 from slipstream.serve.errors import APIError, error_response, install_error_handlers
+from slipstream.serve.hardening import HttpLimits, RequestCapMiddleware
 from slipstream.serve.limits import BodySizeLimitMiddleware
 from slipstream.serve.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.serve.params import ServeLimits
@@ -39,7 +40,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: ServeLimits,
-              api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+              api_key: str | None = None, metrics: ServerMetrics | None = None,
+              http_limits: HttpLimits | None = None) -> FastAPI:
     app = FastAPI(title="slipstream", version=__version__,
                   description="OpenAI-compatible API of the slipstream inference engine.")
     ctx = ServeContext(engine, tokenizer, model_name, limits, metrics)
@@ -48,7 +50,10 @@ def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: Ser
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes)
+    http_limits = http_limits or HttpLimits()
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes,
+                       timeout_s=http_limits.body_timeout_s)
+    app.add_middleware(RequestCapMiddleware, max_requests=http_limits.max_concurrent_requests)
     if api_key:  # added last = outermost: reject before reading the body
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.openapi = lambda: _openapi_400(app)  # type: ignore[method-assign]

@@ -22,11 +22,13 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -92,11 +94,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
-        code = {404: "not_found", 413: "request_too_large"}.get(status)
+        code = {404: "not_found", 408: "timeout", 413: "request_too_large"}.get(status)
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if status == 400 and "parsing the body" in detail:
             detail = "request body is not valid JSON"
-        return error_response(detail, status, None, code)
+        response = error_response(detail, status, None, code)
+        if status in (408, 413):  # the rest of the body may never come: do not wait for it
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

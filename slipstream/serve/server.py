@@ -18,6 +18,7 @@ import uvicorn
 from slipstream.config import EngineConfig
 from slipstream.engine.async_llm import AsyncLLM
 from slipstream.serve.app import build_app
+from slipstream.serve.hardening import HttpLimits, hardened_h11
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
 
@@ -36,9 +37,13 @@ def served_name(model: str | None) -> str:
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Start the engine and the HTTP server; returns the process exit code."""
+    http_limits = HttpLimits(header_timeout_s=args.header_timeout,
+                             body_timeout_s=args.body_timeout,
+                             max_connections=args.max_connections,
+                             max_concurrent_requests=args.max_concurrent_requests)
     uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5,
-                               lifespan="off")
+                               lifespan="off", http=hardened_h11(http_limits))
     sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
     model_name = args.served_model_name or served_name(args.model)
     holder: dict = {}
@@ -51,7 +56,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                          max_logprobs=args.max_logprobs, max_tokens=args.max_tokens_cap,
                          max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes,
                          vocab_size=config.model.vocab_size)
-    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics)
+    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
+                              http_limits)
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:

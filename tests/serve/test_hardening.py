@@ -1,0 +1,114 @@
+"""Slow, numerous and malformed clients against the hardened HTTP layer (in process, fake
+engine): slow headers and short bodies are cut off with 408, connections and requests over
+their caps get 429 with Retry-After, and every such answer is an OpenAI error body."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from slipstream.serve.hardening import HttpLimits
+from tests.serve.inprocess import HoldingEngine, InProcessServer
+from tests.serve.test_app_errors import ByteTokenizer
+
+LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=6,
+                    max_concurrent_requests=2)
+BODY = {"model": "fake", "prompt": "hi", "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    engine = HoldingEngine()
+    with InProcessServer(engine, ByteTokenizer(), LIMITS) as server:
+        server.engine = engine
+        yield server
+
+
+def _connect(srv) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], dict]:
+    """Read until the server closes; parse status, headers and the JSON body."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def _assert_openai_error(body: dict, code: str) -> None:
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code, body
+
+
+def test_slow_headers_are_cut_off_with_408(srv):
+    sock = _connect(srv)
+    start = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes
+    status, _, body = _read_response(sock)
+    elapsed = time.monotonic() - start
+    assert status == 408 and 0.4 < elapsed < 3.0, elapsed
+    _assert_openai_error(body, "timeout")
+
+
+def test_body_shorter_than_content_length_is_cut_off_with_408(srv):
+    sock = _connect(srv)
+    start = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: 100\r\n\r\n{\"model\": ")
+    status, headers, body = _read_response(sock)
+    assert status == 408 and time.monotonic() - start < 3.0
+    assert headers["connection"] == "close"
+    _assert_openai_error(body, "timeout")
+
+
+def test_huge_header_is_an_openai_400(srv):
+    resp = httpx.get(srv.base_url + "/v1/models", headers={"x-big": "a" * 2**20})
+    assert resp.status_code == 400
+    _assert_openai_error(resp.json(), "invalid_http_request")
+
+
+def test_connection_cap_answers_429(srv):
+    idle = [_connect(srv) for _ in range(LIMITS.max_connections)]
+    try:
+        time.sleep(0.05)
+        resp = httpx.post(srv.base_url + "/v1/completions", json=BODY, timeout=5)
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        _assert_openai_error(resp.json(), "too_many_connections")
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.05)
+    assert httpx.post(srv.base_url + "/v1/completions", json=BODY).status_code == 200
+
+
+def test_request_cap_answers_429_and_health_still_answers(srv):
+    srv.engine.hold_s = 1.0
+    results: list[int] = []
+
+    def held() -> None:
+        results.append(httpx.post(srv.base_url + "/v1/completions", json=BODY,
+                                  timeout=10).status_code)
+
+    threads = [threading.Thread(target=held) for _ in range(LIMITS.max_concurrent_requests)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        resp = httpx.post(srv.base_url + "/v1/completions", json=BODY, timeout=5)
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        _assert_openai_error(resp.json(), "too_many_requests")
+        assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
+        for t in threads:
+            t.join(10)
+    finally:
+        srv.engine.hold_s = 0.0
+    assert results == [200] * LIMITS.max_concurrent_requests
