@@ -104,9 +104,9 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext) -> None:
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages must not be empty", param="messages")
-            ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+            ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
         else:
-            ids = ctx.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.limits.max_model_len,
                                 tokens=ids)
 

@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slipstream.engine.async_llm import EngineDeadError, RequestAbortedError
@@ -17,6 +17,7 @@ from slipstream.sampling_params import SamplingParams
 from slipstream.serve.errors import APIError, error_body, from_value_error
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
+from slipstream.serve.tokenizing import PromptTokenizer
 
 logger = logging.getLogger("slipstream.serve")
 
@@ -43,17 +44,23 @@ class ServeContext:
     model_name: str
     limits: ServeLimits
     metrics: ServerMetrics | None = None
+    prompts: PromptTokenizer | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self.prompts = PromptTokenizer(self.tokenizer, self.limits.max_model_len)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist; this server serves "
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, tokenized off the event loop (serve/tokenizing.py)."""
+        if self.prompts is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.prompts.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:

@@ -20,11 +20,28 @@ LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=6,
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 1}
 
 
+class SlowTokenizer(ByteTokenizer):
+    """Takes `delay_s` per encode, as a few megabytes of text do; one byte per token."""
+
+    max_input_bytes_per_token = 1
+
+    def __init__(self) -> None:
+        self.delay_s = 0.0
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return super().encode(text, add_special_tokens)
+
+
 @pytest.fixture(scope="module")
 def srv():
     engine = HoldingEngine()
-    with InProcessServer(engine, ByteTokenizer(), LIMITS) as server:
+    tokenizer = SlowTokenizer()
+    with InProcessServer(engine, tokenizer, LIMITS, max_model_len=64) as server:
         server.engine = engine
+        server.tokenizer = tokenizer
         yield server
 
 
@@ -112,3 +129,51 @@ def test_request_cap_answers_429_and_health_still_answers(srv):
     finally:
         srv.engine.hold_s = 0.0
     assert results == [200] * LIMITS.max_concurrent_requests
+
+
+def _health_latencies(base_url: str, seconds: float) -> list[float]:
+    out = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=base_url, timeout=10) as client:
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            assert client.get("/health").status_code == 200
+            out.append(time.monotonic() - start)
+            time.sleep(0.02)
+    return out
+
+
+def test_slow_tokenization_does_not_stall_the_event_loop(srv):
+    """Two prompts that take 0.6 s each to tokenize: /health keeps answering in milliseconds."""
+    srv.tokenizer.delay_s = 0.6
+    codes: list[int] = []
+
+    def slow() -> None:
+        codes.append(httpx.post(srv.base_url + "/v1/completions", json=BODY,
+                                timeout=10).status_code)
+
+    threads = [threading.Thread(target=slow) for _ in range(LIMITS.max_concurrent_requests)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        latencies = _health_latencies(srv.base_url, 0.4)
+        for t in threads:
+            t.join(10)
+    finally:
+        srv.tokenizer.delay_s = 0.0
+    assert codes == [200] * len(threads)
+    assert max(latencies) < 0.1, latencies
+
+
+def test_prompt_longer_than_any_fit_is_rejected_without_tokenizing(srv):
+    calls = srv.tokenizer.calls
+    for body in ({**BODY, "prompt": "x" * 65},
+                 {"model": "fake", "messages": [{"role": "user", "content": "y" * 65}]}):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        resp = httpx.post(srv.base_url + path, json=body, timeout=5)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == "context_length_exceeded" and "bytes" in err["message"]
+        assert err["param"] == ("prompt" if "prompt" in body else "messages")
+    assert srv.tokenizer.calls == calls
