@@ -62,6 +62,16 @@ def add_hardening_args(parser: argparse.ArgumentParser) -> None:
                    help="open connections; beyond it a connection's request gets 429")
     g.add_argument("--max-concurrent-requests", type=int, default=512,
                    help="requests served at once (streams count until they end); beyond: 429")
+    g.add_argument("--engine-hang-timeout", type=float, default=60.0,
+                   help="seconds the engine may hold requests without sending anything before "
+                        "it counts as hung and is restarted (0: never)")
+    g.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restarts of a dead or hung engine in a row before the server exits 1")
+    g.add_argument("--engine-restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart, doubled for each one in a row")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may wait for its next output (its first token "
+                        "included) before it fails with 504; default: no limit")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -36,12 +36,13 @@ class APIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI fields."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None,
@@ -84,7 +85,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+        response = error_response(exc.message, exc.status, exc.param, exc.code)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -24,6 +24,7 @@ class ServeLimits:
     max_prompts: int = 32  # prompts in one batched /v1/completions request
     max_request_bytes: int = 4 * 1024 * 1024
     vocab_size: int | None = None  # top_k at or above it means "off"
+    request_timeout_s: float | None = None  # longest wait for a request's next output
 
 
 def check_common(req: SamplingFields, limits: ServeLimits) -> None:
