@@ -3,6 +3,7 @@ engine): slow headers and short bodies are cut off with 408, connections and req
 their caps get 429 with Retry-After, and every such answer is an OpenAI error body."""
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -11,7 +12,9 @@ import time
 import httpx
 import pytest
 
+from slipstream.serve.app import build_app
 from slipstream.serve.hardening import HttpLimits
+from slipstream.serve.params import ServeLimits
 from tests.serve.inprocess import HoldingEngine, InProcessServer
 from tests.serve.test_app_errors import ByteTokenizer
 
@@ -177,3 +180,23 @@ def test_prompt_longer_than_any_fit_is_rejected_without_tokenizing(srv):
         assert err["code"] == "context_length_exceeded" and "bytes" in err["message"]
         assert err["param"] == ("prompt" if "prompt" in body else "messages")
     assert srv.tokenizer.calls == calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_fails_a_request_with_no_output(stream):
+    app = build_app(HoldingEngine(hold_s=2.0), ByteTokenizer(), "fake",
+                    ServeLimits(max_model_len=64, request_timeout_s=0.2))
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", json={**BODY, "stream": stream})
+
+    start = time.monotonic()
+    resp = asyncio.run(go())
+    assert time.monotonic() - start < 1.5
+    if stream:
+        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "timeout"
+    else:
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
