@@ -1,5 +1,6 @@
 """The offline API validates as the server does: each bad input is a ValueError naming the field,
 nothing is cut to fit or converted, and the engine keeps serving afterwards."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,13 @@ MAX_MODEL_LEN = 64
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model_dir):
-    return LLM(str(tiny_chat_model_dir), dtype="float32", device="cpu",
-               max_model_len=MAX_MODEL_LEN, max_num_tokens=64)
+    return LLM(
+        str(tiny_chat_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_tokens=64,
+    )
 
 
 def _params_changed_after_construction(**changes) -> SamplingParams:
@@ -22,19 +28,33 @@ def _params_changed_after_construction(**changes) -> SamplingParams:
     return params
 
 
-@pytest.mark.parametrize("prompt, params, field", [
-    ([1] * 40, SamplingParams(max_tokens=30), "max_tokens"),  # 70 > 64: no silent cut
-    ("", SamplingParams(max_tokens=2), "prompt"),
-    ([1.7, 2.2], SamplingParams(max_tokens=2), "prompt"),
-    ({"prompt_token_ids": ["12", "13"]}, SamplingParams(max_tokens=2), "prompt"),
-    ({"prompt_token_ids": [True, 3]}, SamplingParams(max_tokens=2), "prompt"),
-    ([1, 2], {"max_tokens": 2}, "sampling_params"),
-    ([1, 2], [{"max_tokens": 2}], "sampling_params"),
-    ([1, 2], _params_changed_after_construction(n=0), "n"),
-    ([1, 2], _params_changed_after_construction(stop=5), "stop"),
-    ([1, 2], _params_changed_after_construction(temperature="hot"), "temperature"),
-], ids=["beyond_context", "empty_text", "float_ids", "string_ids", "bool_ids", "dict_params",
-        "list_of_dict_params", "n_zero_later", "stop_int_later", "temperature_later"])
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ([1] * 40, SamplingParams(max_tokens=30), "max_tokens"),  # 70 > 64: no silent cut
+        ("", SamplingParams(max_tokens=2), "prompt"),
+        ([1.7, 2.2], SamplingParams(max_tokens=2), "prompt"),
+        ({"prompt_token_ids": ["12", "13"]}, SamplingParams(max_tokens=2), "prompt"),
+        ({"prompt_token_ids": [True, 3]}, SamplingParams(max_tokens=2), "prompt"),
+        ([1, 2], {"max_tokens": 2}, "sampling_params"),
+        ([1, 2], [{"max_tokens": 2}], "sampling_params"),
+        ([1, 2], _params_changed_after_construction(n=0), "n"),
+        ([1, 2], _params_changed_after_construction(stop=5), "stop"),
+        ([1, 2], _params_changed_after_construction(temperature="hot"), "temperature"),
+    ],
+    ids=[
+        "beyond_context",
+        "empty_text",
+        "float_ids",
+        "string_ids",
+        "bool_ids",
+        "dict_params",
+        "list_of_dict_params",
+        "n_zero_later",
+        "stop_int_later",
+        "temperature_later",
+    ],
+)
 def test_bad_offline_input_is_a_value_error_naming_the_field(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
         llm.generate(prompt, params, use_tqdm=False)
@@ -42,11 +62,20 @@ def test_bad_offline_input_is_a_value_error_naming_the_field(llm, prompt, params
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("stop", 5), ("stop", {"a": 1}), ("stop", [5]), ("stop_token_ids", 3),
-    ("stop_token_ids", [1.5]), ("skip_special_tokens", "no"),
-    ("include_stop_str_in_output", 1), ("seed", 2**63), ("seed", 1.0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("stop", 5),
+        ("stop", {"a": 1}),
+        ("stop", [5]),
+        ("stop_token_ids", 3),
+        ("stop_token_ids", [1.5]),
+        ("skip_special_tokens", "no"),
+        ("include_stop_str_in_output", 1),
+        ("seed", 2**63),
+        ("seed", 1.0),
+    ],
+)
 def test_sampling_params_take_no_conversions(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

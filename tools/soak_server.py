@@ -8,6 +8,7 @@ expected), failed (5xx or transport errors), engine restarts, and KV blocks free
 
     python tools/soak_server.py --minutes 30 --kill-every 180
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,26 @@ KEY = "sk-soak"
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "slipstream.serve", "--port", str(port), "--device",
-           args.device, "--api-key", KEY, "--max-engine-restarts", "1000",
-           "--engine-restart-backoff", "0.5", "--engine-hang-timeout", "30",
-           "--log-level", "warning", "--no-access-log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slipstream.serve",
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--api-key",
+        KEY,
+        "--max-engine-restarts",
+        "1000",
+        "--engine-restart-backoff",
+        "0.5",
+        "--engine-hang-timeout",
+        "30",
+        "--log-level",
+        "warning",
+        "--no-access-log",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     return subprocess.Popen(cmd)
@@ -57,14 +74,20 @@ def metric(text: str, name: str) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, counts: collections.Counter) -> None:
-    kind = random.choices(["ok", "stream", "abort", "huge", "oversize", "malformed", "chat"],
-                          weights=[30, 25, 15, 5, 5, 10, 10])[0]
-    body: dict | bytes = {"prompt": "Once upon a time" * random.randint(1, 20),
-                          "max_tokens": random.randint(1, 64), "temperature": 0.7}
+    kind = random.choices(
+        ["ok", "stream", "abort", "huge", "oversize", "malformed", "chat"], weights=[30, 25, 15, 5, 5, 10, 10]
+    )[0]
+    body: dict | bytes = {
+        "prompt": "Once upon a time" * random.randint(1, 20),
+        "max_tokens": random.randint(1, 64),
+        "temperature": 0.7,
+    }
     path = "/v1/completions"
     if kind == "chat":
-        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}],
-                                              "max_tokens": 16}
+        path, body = (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 16},
+        )
     elif kind == "huge":
         body = {"prompt": "word " * 700_000, "max_tokens": 1}
     elif kind == "oversize":
@@ -84,8 +107,7 @@ async def one_request(client: httpx.AsyncClient, counts: collections.Counter) ->
                 await asyncio.sleep(float(resp.headers.get("retry-after", 1)))
             return
         if isinstance(body, bytes):
-            resp = await client.post(path, content=body,
-                                     headers={"content-type": "application/json"})
+            resp = await client.post(path, content=body, headers={"content-type": "application/json"})
         else:
             resp = await client.post(path, json=body)
         counts[f"{kind}:{resp.status_code}"] += 1
@@ -95,10 +117,11 @@ async def one_request(client: httpx.AsyncClient, counts: collections.Counter) ->
         counts[f"{kind}:{type(exc).__name__}"] += 1
 
 
-async def traffic(base_url: str, deadline: float, concurrency: int,
-                  counts: collections.Counter) -> None:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120,
-                                 headers={"Authorization": f"Bearer {KEY}"}) as client:
+async def traffic(base_url: str, deadline: float, concurrency: int, counts: collections.Counter) -> None:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+    ) as client:
+
         async def worker() -> None:
             while time.monotonic() < deadline:
                 await one_request(client, counts)
@@ -106,8 +129,7 @@ async def traffic(base_url: str, deadline: float, concurrency: int,
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def killer(server: subprocess.Popen, deadline: float, every_s: float,
-                 kills: list[float]) -> None:
+async def killer(server: subprocess.Popen, deadline: float, every_s: float, kills: list[float]) -> None:
     while time.monotonic() + every_s < deadline:
         await asyncio.sleep(every_s)
         pid = engine_pid(server.pid)
@@ -147,8 +169,10 @@ def main() -> int:
         deadline = time.monotonic() + args.minutes * 60
 
         async def run() -> None:
-            await asyncio.gather(traffic(base_url, deadline, args.concurrency, counts),
-                                 killer(server, deadline, args.kill_every, kills))
+            await asyncio.gather(
+                traffic(base_url, deadline, args.concurrency, counts),
+                killer(server, deadline, args.kill_every, kills),
+            )
 
         asyncio.run(run())
         wait_healthy(base_url, 300)
@@ -161,9 +185,11 @@ def main() -> int:
         rejected = sum(v for k, v in counts.items() if re.search(r":4\d\d$", k))
         failed = sum(counts.values()) - served - rejected
         print(json.dumps(dict(sorted(counts.items())), indent=1))
-        print(f"served {served}  rejected (4xx) {rejected}  failed {failed}  "
-              f"engine kills {len(kills)}  restarts {restarts:.0f}  "
-              f"KV blocks free {free:.0f} / {total:.0f}")
+        print(
+            f"served {served}  rejected (4xx) {rejected}  failed {failed}  "
+            f"engine kills {len(kills)}  restarts {restarts:.0f}  "
+            f"KV blocks free {free:.0f} / {total:.0f}"
+        )
         alive = server.poll() is None
         return 0 if alive and free == total else 1
     finally:

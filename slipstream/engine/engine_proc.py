@@ -6,6 +6,7 @@ reach its successor. The directory is named after the front end's pid; a front e
 before it could remove its own leaves one behind, which the next start removes
 (`remove_stale_ipc_dirs`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,7 @@ def remove_stale_ipc_dirs(tmp: str | None = None) -> list[Path]:
     """Remove this user's IPC directories whose front end no longer runs; returns them."""
     removed = []
     for path in Path(tmp or tempfile.gettempdir()).glob(f"{IPC_PREFIX}*"):
-        pid_text = path.name[len(IPC_PREFIX):].split("-", 1)[0]
+        pid_text = path.name[len(IPC_PREFIX) :].split("-", 1)[0]
         try:
             owner = path.stat().st_uid
         except OSError:
@@ -83,10 +84,12 @@ class EngineProcess:
         self.from_engine.bind(output_addr)
         # Own session: a Ctrl-C on the terminal (or a signal to our process group) reaches the
         # front end only, which then shuts the engine down in order.
-        self.proc = subprocess.Popen([sys.executable, "-m", "slipstream.engine.core_proc"],
-                                     stdin=subprocess.PIPE, start_new_session=True)
-        header = {"config": config_to_dict(config), "input_addr": input_addr,
-                  "output_addr": output_addr}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "slipstream.engine.core_proc"],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
+        header = {"config": config_to_dict(config), "input_addr": input_addr, "output_addr": output_addr}
         self.proc.stdin.write(json.dumps(header).encode() + b"\n")
         self.proc.stdin.flush()  # stdin stays open: its EOF tells the engine we are gone
 
@@ -109,8 +112,9 @@ class EngineProcess:
                 if msg["t"] == "fatal":
                     raise RuntimeError(f"engine failed to start: {msg['msg']}")
             elif self.exit_code() is not None:
-                raise RuntimeError(f"engine process exited with code {self.exit_code()} "
-                                   "during start-up (see its log above)")
+                raise RuntimeError(
+                    f"engine process exited with code {self.exit_code()} during start-up (see its log above)"
+                )
         raise RuntimeError(f"engine did not start within {timeout_s:.0f} s")
 
     async def stop(self, graceful_s: float = 0.0, shutdown_msg: bytes | None = None) -> None:

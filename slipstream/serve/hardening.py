@@ -7,6 +7,7 @@
 - `RequestCapMiddleware`: a cap on requests being served at once (429 with Retry-After).
 - The body read timeout lives in `limits.BodySizeLimitMiddleware`, which already wraps reads.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,15 +37,20 @@ class HttpLimits:
 
 def _raw_error(status: int, reason: str, body: dict, extra: str = "") -> bytes:
     payload = json.dumps(body).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(payload)}\r\nconnection: close\r\n{extra}\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\nconnection: close\r\n{extra}\r\n"
+    )
     return head.encode("ascii") + payload
 
 
 async def too_many_connections(scope: Scope, receive: Receive, send: Send) -> None:
-    await send_json(send, 429, error_body(
-        "too many open connections; retry shortly", 429, code="too_many_connections"),
-        [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")])
+    await send_json(
+        send,
+        429,
+        error_body("too many open connections; retry shortly", 429, code="too_many_connections"),
+        [(b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")],
+    )
 
 
 def hardened_h11(limits: HttpLimits) -> type[H11Protocol]:
@@ -77,13 +83,23 @@ def hardened_h11(limits: HttpLimits) -> type[H11Protocol]:
             super().on_response_complete()
 
         def send_400_response(self, msg: str) -> None:
-            body = json.dumps(error_body(
-                "invalid HTTP request: malformed, or its headers are too large", 400,
-                code="invalid_http_request")).encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(body)).encode())]
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-                          h11.Data(data=body), h11.EndOfMessage()):
+            body = json.dumps(
+                error_body(
+                    "invalid HTTP request: malformed, or its headers are too large",
+                    400,
+                    code="invalid_http_request",
+                )
+            ).encode()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
             self._linger()
 
@@ -110,8 +126,7 @@ def hardened_h11(limits: HttpLimits) -> type[H11Protocol]:
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
-            self._header_timer = self.loop.call_later(limits.header_timeout_s,
-                                                      self._on_header_timeout)
+            self._header_timer = self.loop.call_later(limits.header_timeout_s, self._on_header_timeout)
 
         def _disarm_header_timer(self) -> None:
             if self._header_timer is not None:
@@ -125,9 +140,17 @@ def hardened_h11(limits: HttpLimits) -> type[H11Protocol]:
             busy = self.cycle is not None and not self.cycle.response_complete
             if busy:
                 return
-            self.transport.write(_raw_error(408, "Request Timeout", error_body(
-                f"request headers not received within {limits.header_timeout_s:g} s", 408,
-                code="timeout")))
+            self.transport.write(
+                _raw_error(
+                    408,
+                    "Request Timeout",
+                    error_body(
+                        f"request headers not received within {limits.header_timeout_s:g} s",
+                        408,
+                        code="timeout",
+                    ),
+                )
+            )
             self.transport.close()
 
     return HardenedH11Protocol
@@ -146,10 +169,16 @@ class RequestCapMiddleware:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_requests:
-            await send_json(send, 429, error_body(
-                f"the server is serving its limit of {self.max_requests} requests; retry "
-                "shortly", 429, code="too_many_requests"),
-                [(b"retry-after", str(RETRY_AFTER_S).encode())])
+            await send_json(
+                send,
+                429,
+                error_body(
+                    f"the server is serving its limit of {self.max_requests} requests; retry shortly",
+                    429,
+                    code="too_many_requests",
+                ),
+                [(b"retry-after", str(RETRY_AFTER_S).encode())],
+            )
             return
         self.in_flight += 1
         try:

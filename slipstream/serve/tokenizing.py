@@ -6,6 +6,7 @@ release the GIL while they encode). Before that, a text whose byte length proves
 the context is rejected at once: a token never stands for more than
 `tokenizer.max_input_bytes_per_token` bytes, so such a text has more tokens than the limit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,7 @@ class PromptTokenizer:
         self.max_tokens = max_tokens  # the context length: no prompt may reach it
         per_token = getattr(tokenizer, "max_input_bytes_per_token", None)
         self.max_bytes = None if per_token is None else per_token * max_tokens
-        self._pool = ThreadPoolExecutor(max_workers=workers or pool_size(),
-                                        thread_name_prefix="tokenize")
+        self._pool = ThreadPoolExecutor(max_workers=workers or pool_size(), thread_name_prefix="tokenize")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -51,20 +51,19 @@ class PromptTokenizer:
                 f"This model's maximum context length is {self.max_tokens} tokens, but the "
                 f"{param} is {size} bytes long: more than {self.max_tokens} tokens of this "
                 f"tokenizer (at most {self.max_bytes} bytes) could hold.",
-                param=param, code="context_length_exceeded")
+                param=param,
+                code="context_length_exceeded",
+            )
 
-    async def encode(self, text: str, param: str = "prompt",
-                     add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         self.check_bound(text, param)
-        return await self._run(self.tokenizer.encode, text,
-                               add_special_tokens=add_special_tokens)
+        return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """Render and encode in the pool; the bound applies to the rendered text."""
         return await self._run(self._encode_chat, messages, add_generation_prompt)
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         self.check_bound(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,6 +1,7 @@
 """uvicorn in a thread of the test process, serving `build_app` over a fake engine with the
 hardened protocol: HTTP-layer behaviour (timeouts, caps, the event loop staying free) tested in
 a fraction of a second, with no engine process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,13 @@ class HoldingEngine:
 
     async def _stream(self, prompt, request_id):
         await asyncio.sleep(self.hold_s)
-        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(
-            0, "k", [108], finish_reason="length")], finished=True)
+        yield RequestOutput(
+            request_id,
+            None,
+            list(prompt),
+            [CompletionOutput(0, "k", [108], finish_reason="length")],
+            finished=True,
+        )
 
     async def abort(self, request_id: str) -> None:
         pass
@@ -45,12 +51,19 @@ class HoldingEngine:
 
 class InProcessServer:
     def __init__(self, engine, tokenizer, limits: HttpLimits, max_model_len: int = 64) -> None:
-        app = build_app(engine, tokenizer, "fake", ServeLimits(max_model_len=max_model_len),
-                        http_limits=limits)
+        app = build_app(
+            engine, tokenizer, "fake", ServeLimits(max_model_len=max_model_len), http_limits=limits
+        )
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, lifespan="off",
-                                log_level="error", http=hardened_h11(limits))
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            lifespan="off",
+            log_level="error",
+            http=hardened_h11(limits),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -5,6 +5,7 @@ restart cap it exits 1. IPC directories never outlive the front end.
 One server runs the whole story (engine starts are the slow part). Its model directory has no
 tokenizer (as dummy-weight benchmark models do), so it also checks token-id-only serving.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,14 @@ from tests.serve.server import MODEL, free_port, start_server, stop_server
 LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
 SHORT = {**LONG, "max_tokens": 3, "logprobs": 1}
 HANG_TIMEOUT_S = 1.5
-FLAGS = ["--engine-hang-timeout", str(HANG_TIMEOUT_S), "--max-engine-restarts", "2",
-         "--engine-restart-backoff", "0.1"]
+FLAGS = [
+    "--engine-hang-timeout",
+    str(HANG_TIMEOUT_S),
+    "--max-engine-restarts",
+    "2",
+    "--engine-restart-backoff",
+    "0.1",
+]
 
 
 def _without_tokenizer(model_dir, dest):
@@ -67,8 +74,9 @@ class InFlight:
 
     def _stream(self) -> None:
         events = []
-        with httpx.stream("POST", self.base_url + "/v1/completions",
-                          json={**LONG, "stream": True}, timeout=60) as resp:
+        with httpx.stream(
+            "POST", self.base_url + "/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -109,8 +117,7 @@ def test_engine_killed_or_hung_is_restarted_until_the_cap(tiny_chat_model_dir, t
     stale = tmp / f"slipstream-ipc-{_dead_pid()}-left"
     stale.mkdir()
     bare = _without_tokenizer(tiny_chat_model_dir, tmp_path / "bare")
-    handle = start_server(bare, tmp_path / "server.log", api_key=None, extra=FLAGS,
-                          env={"TMPDIR": str(tmp)})
+    handle = start_server(bare, tmp_path / "server.log", api_key=None, extra=FLAGS, env={"TMPDIR": str(tmp)})
     try:
         assert not stale.exists(), "a dead server's IPC directory was not removed"
         _check_token_id_serving(handle.base_url)
@@ -149,8 +156,24 @@ def test_engine_start_failure_exits_nonzero(tiny_chat_model_dir, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.serve", "--model", str(broken), "--port", str(port),
-         "--device", "cpu", "--max-model-len", "64", "--log-level", "warning"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "slipstream.serve",
+            "--model",
+            str(broken),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "64",
+            "--log-level",
+            "warning",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "engine failed to start" in proc.stderr

@@ -1,6 +1,7 @@
 """Slow, numerous and malformed clients against the hardened HTTP layer (in process, fake
 engine): slow headers and short bodies are cut off with 408, connections and requests over
 their caps get 429 with Retry-After, and every such answer is an OpenAI error body."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,8 +19,7 @@ from slipstream.serve.params import ServeLimits
 from tests.serve.inprocess import HoldingEngine, InProcessServer
 from tests.serve.test_app_errors import ByteTokenizer
 
-LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=6,
-                    max_concurrent_requests=2)
+LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=6, max_concurrent_requests=2)
 BODY = {"model": "fake", "prompt": "hi", "max_tokens": 1}
 
 
@@ -82,8 +82,10 @@ def test_slow_headers_are_cut_off_with_408(srv):
 def test_body_shorter_than_content_length_is_cut_off_with_408(srv):
     sock = _connect(srv)
     start = time.monotonic()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
-                 b"\r\ncontent-length: 100\r\n\r\n{\"model\": ")
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+        b'\r\ncontent-length: 100\r\n\r\n{"model": '
+    )
     status, headers, body = _read_response(sock)
     assert status == 408 and time.monotonic() - start < 3.0
     assert headers["connection"] == "close"
@@ -115,8 +117,7 @@ def test_request_cap_answers_429_and_health_still_answers(srv):
     results: list[int] = []
 
     def held() -> None:
-        results.append(httpx.post(srv.base_url + "/v1/completions", json=BODY,
-                                  timeout=10).status_code)
+        results.append(httpx.post(srv.base_url + "/v1/completions", json=BODY, timeout=10).status_code)
 
     threads = [threading.Thread(target=held) for _ in range(LIMITS.max_concurrent_requests)]
     try:
@@ -152,8 +153,7 @@ def test_slow_tokenization_does_not_stall_the_event_loop(srv):
     codes: list[int] = []
 
     def slow() -> None:
-        codes.append(httpx.post(srv.base_url + "/v1/completions", json=BODY,
-                                timeout=10).status_code)
+        codes.append(httpx.post(srv.base_url + "/v1/completions", json=BODY, timeout=10).status_code)
 
     threads = [threading.Thread(target=slow) for _ in range(LIMITS.max_concurrent_requests)]
     try:
@@ -171,8 +171,10 @@ def test_slow_tokenization_does_not_stall_the_event_loop(srv):
 
 def test_prompt_longer_than_any_fit_is_rejected_without_tokenizing(srv):
     calls = srv.tokenizer.calls
-    for body in ({**BODY, "prompt": "x" * 65},
-                 {"model": "fake", "messages": [{"role": "user", "content": "y" * 65}]}):
+    for body in (
+        {**BODY, "prompt": "x" * 65},
+        {"model": "fake", "messages": [{"role": "user", "content": "y" * 65}]},
+    ):
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         resp = httpx.post(srv.base_url + path, json=body, timeout=5)
         assert resp.status_code == 400, resp.text
@@ -184,8 +186,12 @@ def test_prompt_longer_than_any_fit_is_rejected_without_tokenizing(srv):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_timeout_fails_a_request_with_no_output(stream):
-    app = build_app(HoldingEngine(hold_s=2.0), ByteTokenizer(), "fake",
-                    ServeLimits(max_model_len=64, request_timeout_s=0.2))
+    app = build_app(
+        HoldingEngine(hold_s=2.0),
+        ByteTokenizer(),
+        "fake",
+        ServeLimits(max_model_len=64, request_timeout_s=0.2),
+    )
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

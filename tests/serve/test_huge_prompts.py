@@ -1,5 +1,6 @@
 """Huge prompts against the real server: rejected by their length before tokenizing, while
 /health keeps answering in milliseconds (they used to stall the event loop for seconds)."""
+
 from __future__ import annotations
 
 import json
@@ -15,14 +16,18 @@ PROMPT_BYTES = 3_900_000  # under the 4 MiB body cap
 
 
 def test_huge_prompts_do_not_stall_health(server):
-    body = json.dumps({"model": MODEL, "prompt": "word " * (PROMPT_BYTES // 5),
-                       "max_tokens": 1}).encode()  # encoded once: the client's GIL stays free
+    body = json.dumps(
+        {"model": MODEL, "prompt": "word " * (PROMPT_BYTES // 5), "max_tokens": 1}
+    ).encode()  # encoded once: the client's GIL stays free
     results: list[tuple[int, dict]] = []
 
     def send() -> None:
-        resp = httpx.post(server.base_url + "/v1/completions", content=body,
-                          headers={**server.headers, "content-type": "application/json"},
-                          timeout=60)
+        resp = httpx.post(
+            server.base_url + "/v1/completions",
+            content=body,
+            headers={**server.headers, "content-type": "application/json"},
+            timeout=60,
+        )
         results.append((resp.status_code, resp.json()))
 
     threads = [threading.Thread(target=send) for _ in range(NUM_CLIENTS)]
