@@ -8,7 +8,7 @@ from typing import Any
 
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.core import EngineCore
-from slipstream.engine.frontend import InputProcessor, OutputProcessor
+from slipstream.engine.frontend import InputProcessor, OutputProcessor, as_token_ids
 from slipstream.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
 from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
@@ -158,7 +158,7 @@ def _split_prompt(prompt: PromptType) -> tuple[str | None, str | list[int]]:
         return prompt, prompt
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), as_token_ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return prompt["prompt"], prompt["prompt"]
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -172,9 +172,16 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                         f"{type(params).__name__}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                             f"got a list holding {type(p).__name__}")
     return params
 
 

@@ -34,12 +34,19 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        # Only spellings of the same value are normalised; anything else fails validation.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif isinstance(self.stop, tuple) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, tuple) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self._validate()
+
+    def validate(self) -> None:
+        """Check every field again: a caller may have changed one since construction."""
         self._validate()
 
     @property
@@ -63,17 +70,26 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_list("stop", self.stop, "a string or a list of strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop: every stop string must be a non-empty string")
+                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        _check_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, None)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 _check_int(name, value, 0, MAX_LOGPROBS)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a boolean, got {value!r}")
+
+
+def _check_list(name: str, value, what: str) -> None:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be {what}, got {type(value).__name__} {value!r:.60}")
 
 
 def _check_int(name: str, value, low: int | None, high: int | None) -> None:

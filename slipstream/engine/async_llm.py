@@ -1,49 +1,63 @@
 """AsyncLLM: the engine core in its own process, with one async stream per request.
 
 The front end tokenizes and detokenizes; requests go to the engine process over ZeroMQ (msgpack)
-and a background task routes its outputs to per-request streams. If the engine process dies,
-every in-flight request fails with EngineDeadError and `dead` is set.
+and a background task routes its outputs to per-request streams.
+
+The front end also supervises the engine. The engine's messages are its heartbeat: while it
+has requests it sends at least one per step. When the process exits, or has work and sends
+nothing for `Supervision.hang_timeout_s`, the requests in flight fail with EngineDeadError, the
+process is killed and a new one started (with a back-off, up to `max_restarts` in a row).
+While it restarts, `is_running` is False and new requests get EngineRestartingError. Past the
+cap, `dead` is set and stays set.
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
-import json
 import logging
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
 from slipstream.config import EngineConfig
-from slipstream.engine.core_proc import (
-    config_to_dict,
-    decode_output,
-    encode_request,
-    pack,
-    unpack,
-)
+from slipstream.engine.core_proc import decode_output, encode_request, pack, unpack
+from slipstream.engine.engine_proc import EngineProcess, remove_stale_ipc_dirs
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.outputs import EngineCoreOutput, RequestOutput
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream.engine.async_llm")
 
-POLL_MS = 500  # how often the output loop checks that the engine process is alive
+POLL_MS = 100  # how often the output loop checks the engine's health when it is quiet
 
 
 class EngineDeadError(RuntimeError):
-    """The engine process is gone; nothing more will be served."""
+    """The engine process died or hung: the requests it held are lost."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine is being restarted; a new request may be retried shortly."""
 
 
 class RequestAbortedError(RuntimeError):
     """The request was aborted while someone was still reading its stream."""
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How the front end watches and restarts the engine process."""
+
+    hang_timeout_s: float | None = 60.0  # with work and no message this long: hung (None: off)
+    max_restarts: int = 5  # restarts in a row before giving up (0: never restart)
+    backoff_s: float = 1.0  # wait before a restart, doubled for each one in a row
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 300.0  # serving this long makes the next failure the first again
 
 
 class StatLogger(Protocol):
@@ -86,33 +100,45 @@ class AsyncLLM:
     """Use `await AsyncLLM.create(config)`; then `generate`, `abort`, `get_stats`, `shutdown`."""
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None,
-                 stat_logger: StatLogger | None = None) -> None:
+                 stat_logger: StatLogger | None = None,
+                 supervision: Supervision | None = None) -> None:
         self.config = config
         self.stat_logger = stat_logger
+        self.supervision = supervision or Supervision()
         self.set_tokenizer(tokenizer)
         self.stats: dict[str, Any] = {}
         self.dead = asyncio.Event()
         self.dead_reason: str | None = None
+        self.num_restarts = 0
+        self._restarting = False
+        self._shutting_down = False
+        self._failures_in_a_row = 0
+        self._serving_since = time.monotonic()
+        self._failed = asyncio.Event()
+        self._failure_reason = ""
         self._streams: dict[str, _RequestStream] = {}
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self._tasks: list[asyncio.Task] = []
-        self._proc: subprocess.Popen | None = None
-        self._ipc_dir = tempfile.mkdtemp(prefix="slipstream-")
+        self._tasks: list[asyncio.Task] = []  # the current engine's socket loops
+        self._supervisor: asyncio.Task | None = None
+        self._engine: EngineProcess | None = None
+        self._startup_timeout_s = 1800.0
         self._ctx = zmq.asyncio.Context()
-        self._to_engine = self._ctx.socket(zmq.PUSH)
-        self._from_engine = self._ctx.socket(zmq.PULL)
 
     @classmethod
     async def create(cls, config: EngineConfig, tokenizer: Any | None = None,
                      stat_logger: StatLogger | None = None,
-                     startup_timeout_s: float = 1800.0) -> AsyncLLM:
+                     startup_timeout_s: float = 1800.0,
+                     supervision: Supervision | None = None) -> AsyncLLM:
         """Start the engine process; loads the tokenizer (if not given) while it starts."""
-        llm = cls(config, tokenizer, stat_logger)
+        remove_stale_ipc_dirs()
+        llm = cls(config, tokenizer, stat_logger, supervision)
+        llm._startup_timeout_s = startup_timeout_s
+        atexit.register(llm._remove_ipc_dir)
         try:
-            llm._spawn()
+            llm._engine = EngineProcess(llm._ctx, config)
             if tokenizer is None:
                 # Lazy: transformers loads only when the caller gave no tokenizer.
                 from slipstream.tokenizer.tokenizer import load_tokenizer
@@ -123,12 +149,12 @@ class AsyncLLM:
                 except (OSError, ValueError) as exc:
                     logger.warning("no tokenizer in %s (%s): serving token-id prompts only, "
                                    "outputs carry no text", path, str(exc).splitlines()[0][:120])
-            await llm._wait_ready(startup_timeout_s)
+            llm.stats = await llm._engine.wait_ready(startup_timeout_s)
         except BaseException:
             await llm.shutdown()
             raise
-        llm._tasks = [asyncio.create_task(llm._output_loop(), name="engine-outputs"),
-                      asyncio.create_task(llm._send_loop(), name="engine-inputs")]
+        llm._start_loops()
+        llm._supervisor = asyncio.create_task(llm._supervise(), name="engine-supervisor")
         return llm
 
     @classmethod
@@ -147,74 +173,120 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ process lifecycle
 
-    def _spawn(self) -> None:
-        input_addr = f"ipc://{self._ipc_dir}/in"
-        output_addr = f"ipc://{self._ipc_dir}/out"
-        self._to_engine.bind(input_addr)
-        self._from_engine.bind(output_addr)
-        # Own session: a Ctrl-C on the terminal (or a signal to our process group) reaches the
-        # front end only, which then shuts the engine down in order.
-        self._proc = subprocess.Popen([sys.executable, "-m", "slipstream.engine.core_proc"],
-                                      stdin=subprocess.PIPE, start_new_session=True)
-        header = {"config": config_to_dict(self.config), "input_addr": input_addr,
-                  "output_addr": output_addr}
-        self._proc.stdin.write(json.dumps(header).encode() + b"\n")
-        self._proc.stdin.flush()  # stdin stays open: its EOF tells the engine we are gone
-
-    async def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if await self._from_engine.poll(POLL_MS):
-                msg = unpack(await self._from_engine.recv())
-                if msg["t"] == "ready":
-                    self.stats = msg["stats"]
-                    return
-                if msg["t"] == "fatal":
-                    raise RuntimeError(f"engine failed to start: {msg['msg']}")
-            elif self._proc.poll() is not None:
-                raise RuntimeError(f"engine process exited with code {self._proc.returncode} "
-                                   "during start-up (see its log above)")
-        raise RuntimeError(f"engine did not start within {timeout_s:.0f} s")
-
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._engine.pid if self._engine is not None else None
 
     @property
     def is_running(self) -> bool:
-        return not self.dead.is_set() and self._proc is not None and self._proc.poll() is None
+        return (not self.dead.is_set() and not self._restarting and not self._failed.is_set()
+                and self._engine is not None and self._engine.exit_code() is None)
 
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        if self._proc is not None and self._proc.poll() is None and self._tasks:
-            self._send({"t": "shutdown"})
-            with contextlib.suppress(asyncio.TimeoutError, subprocess.TimeoutExpired):
-                await asyncio.wait_for(asyncio.to_thread(self._proc.wait, timeout_s), timeout_s)
+    def health_stats(self) -> dict[str, Any]:
+        """For /metrics: whether the engine serves now, and how often it was restarted."""
+        return {"engine_up": int(self.is_running), "engine_restarts": self.num_restarts}
+
+    def _start_loops(self) -> None:
+        engine = self._engine
+        self._tasks = [asyncio.create_task(self._output_loop(engine), name="engine-outputs"),
+                       asyncio.create_task(self._send_loop(engine), name="engine-inputs")]
+
+    async def _stop_loops(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        if self._proc is not None:
-            _stop_process(self._proc)
-        self._mark_dead("the engine was shut down")
-        self._to_engine.close(0)
-        self._from_engine.close(0)
-        self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead.is_set():
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._shutting_down = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._supervisor
+        await self._stop_loops()
+        if self._engine is not None:
+            await self._engine.stop(timeout_s, pack({"t": "shutdown"}))
+        self._mark_dead("the engine was shut down")
+        self._ctx.term()
+
+    def _remove_ipc_dir(self) -> None:
+        """atexit: whatever way the front end leaves, the engine's sockets go with it."""
+        if self._engine is not None:
+            shutil.rmtree(self._engine.ipc_dir, ignore_errors=True)
+
+    def _report_failure(self, reason: str) -> None:
+        """Hand the engine to the supervisor (from a socket loop, which it will cancel)."""
+        if not self._failed.is_set() and not self._shutting_down:
+            self._failure_reason = reason
+            self._failed.set()
+
+    async def _supervise(self) -> None:
+        while True:
+            await self._failed.wait()
+            reason = self._failure_reason
+            logger.error("engine failed: %s", reason)
+            await self._stop_loops()
+            if self._engine is not None:
+                await self._engine.stop()
+            self._fail_in_flight(EngineDeadError(
+                f"{reason}; requests in flight were lost"
+                + ("" if self._may_restart() else " and the engine is not restarted")))
+            if not self._may_restart():
+                self._mark_dead(f"{reason}; restart limit ({self.supervision.max_restarts}) "
+                                "reached")
+                return
+            await self._restart()
+
+    def _may_restart(self) -> bool:
+        if time.monotonic() - self._serving_since > self.supervision.stable_after_s:
+            self._failures_in_a_row = 0
+        return self._failures_in_a_row < self.supervision.max_restarts
+
+    async def _restart(self) -> None:
+        sup = self.supervision
+        self._restarting = True
+        self._failed.clear()
+        self._failures_in_a_row += 1
+        self.num_restarts += 1
+        delay = min(sup.backoff_s * 2 ** (self._failures_in_a_row - 1), sup.max_backoff_s)
+        logger.warning("restarting the engine in %.1f s (restart %d in a row, at most %d)",
+                       delay, self._failures_in_a_row, sup.max_restarts)
+        await asyncio.sleep(delay)
+        try:
+            self._engine = EngineProcess(self._ctx, self.config)
+            self.stats = await self._engine.wait_ready(self._startup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - counts as one more failure in a row
+            self._restarting = False
+            self._report_failure(f"engine restart failed: {exc}")
             return
-        self.dead_reason = reason
-        self.dead.set()
-        error = EngineDeadError(reason)
+        self._outbox = asyncio.Queue()
+        self._start_loops()
+        self._serving_since = time.monotonic()
+        self._restarting = False
+        logger.warning("engine restarted (pid %s)", self._engine.pid)
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        """Fail every request the lost engine held; forget them (nothing to abort there)."""
+        for parent in set(self._child_parent.values()) | set(self._streams):
+            self.output_processor.abort(parent)
+        self._child_parent.clear()
+        self._last_token_time.clear()
         for stream in self._streams.values():
             stream.fail(error)
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_exception(error)
         self._stats_waiters.clear()
+        self.stats = {}
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead.is_set():
+            return
+        self.dead_reason = reason
+        self.dead.set()
+        self._fail_in_flight(EngineDeadError(reason))
 
     # ------------------------------------------------------------------ socket loops
 
@@ -222,28 +294,40 @@ class AsyncLLM:
         """Queue a message for the engine, in order (packed here, so a bad value fails now)."""
         self._outbox.put_nowait(pack(msg))
 
-    async def _send_loop(self) -> None:
+    async def _send_loop(self, engine: EngineProcess) -> None:
         while True:
             data = await self._outbox.get()
-            await self._to_engine.send(data)
+            await engine.to_engine.send(data)
 
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, engine: EngineProcess) -> None:
         try:
-            while not self.dead.is_set():
-                if await self._from_engine.poll(POLL_MS):
+            while True:
+                if await engine.from_engine.poll(POLL_MS):
+                    engine.last_progress = time.monotonic()
                     while True:
                         try:
-                            raw = self._from_engine.recv(zmq.NOBLOCK).result()
+                            raw = engine.from_engine.recv(zmq.NOBLOCK).result()
                         except zmq.Again:
                             break
                         self._handle(unpack(raw))
-                elif self._proc.poll() is not None:
-                    self._mark_dead(f"engine process exited with code {self._proc.returncode}")
+                else:
+                    self._check_health(engine)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must not leave requests hanging
             logger.exception("engine output loop failed")
-            self._mark_dead(f"engine output loop failed: {exc}")
+            self._report_failure(f"engine output loop failed: {exc}")
+
+    def _check_health(self, engine: EngineProcess) -> None:
+        code = engine.exit_code()
+        if code is not None:
+            self._report_failure(f"engine process exited with code {code}")
+            return
+        hang_s = self.supervision.hang_timeout_s
+        quiet_s = time.monotonic() - engine.last_progress
+        if hang_s is not None and self._child_parent and quiet_s > hang_s:
+            self._report_failure(f"engine made no progress for {quiet_s:.1f} s with "
+                                 f"{len(self._child_parent)} sequences in flight (hung)")
 
     def _handle(self, msg: dict) -> None:
         kind = msg["t"]
@@ -260,7 +344,7 @@ class AsyncLLM:
             self._on_request_error(msg.get("id"), msg.get("msg", "invalid request"))
         elif kind == "fatal":
             logger.error("engine core reported a fatal error: %s", msg.get("msg"))
-            self._mark_dead(f"engine core failed: {msg.get('msg')}")
+            self._report_failure(f"engine core failed: {msg.get('msg')}")
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         now = time.monotonic()
@@ -321,6 +405,8 @@ class AsyncLLM:
         """
         if self.dead.is_set():
             raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not self.is_running:
+            raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority)
@@ -332,6 +418,8 @@ class AsyncLLM:
                                   prompt_ids, params, children)
         stream = _RequestStream()
         self._streams[request_id] = stream
+        if not self._child_parent:  # idle until now: the hang clock starts with this work
+            self._engine.last_progress = time.monotonic()
         for child in children:
             self._child_parent[child.request_id] = request_id
         self._outbox.put_nowait(add_msg)
@@ -373,14 +461,14 @@ class AsyncLLM:
         for cid in child_ids:
             self._child_parent.pop(cid, None)
             self._last_token_time.pop(cid, None)
-        if child_ids and not self.dead.is_set():
+        if child_ids and self.is_running:
             self._send({"t": "abort", "ids": child_ids})
         if child_ids and record and self.stat_logger is not None:
             self.stat_logger.on_request_finished(["abort"] * len(child_ids), None, None)
 
     async def get_stats(self, fresh: bool = False, timeout_s: float = 2.0) -> dict[str, Any]:
         """Latest engine stats; `fresh` asks the engine for a snapshot taken after this call."""
-        if not fresh or self.dead.is_set():
+        if not fresh or not self.is_running:
             return dict(self.stats)
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
@@ -394,16 +482,3 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-
-def _stop_process(proc: subprocess.Popen) -> None:
-    """Close stdin (the engine exits on EOF), then terminate and kill if it lingers."""
-    with contextlib.suppress(Exception):
-        proc.stdin.close()
-    for action in (None, proc.terminate, proc.kill):
-        if action is not None and proc.poll() is None:
-            action()
-        try:
-            proc.wait(timeout=3)
-            return
-        except subprocess.TimeoutExpired:
-            continue

@@ -7,6 +7,7 @@ incremental detokenization and stop strings (a matched stop string asks the engi
 from __future__ import annotations
 
 import json
+import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,58 @@ def validate_prompt_tokens(token_ids: list[int], vocab_size: int, max_model_len:
             "the prompt must leave room for at least one output token")
 
 
+class ContextLengthError(ValueError):
+    """A prompt that, with the tokens asked for, cannot fit the context; `param` names the field
+    to change (the server answers 400 with code context_length_exceeded)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                         prompt_param: str = "prompt",
+                         tokens_param: str = "max_tokens") -> None:
+    """ContextLengthError unless the prompt plus max_tokens (when set) fits max_model_len.
+
+    The one length rule of the offline API and the server: nothing is cut to fit."""
+    if prompt_len >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens; it must leave room for at least one output token.",
+            prompt_param)
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or {tokens_param}.",
+            tokens_param)
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Seed of sample `index`: seed + index, wrapped into the signed 64-bit range."""
+    if seed is None:
+        return None
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
+def as_token_ids(prompt: Any, field: str = "prompt") -> list[int]:
+    """A list of ints from a sequence of integers (numpy ints too); floats, strings and bools
+    are a ValueError, never converted."""
+    if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
+        raise ValueError(f"{field} token ids must be a list of integers, got "
+                         f"{type(prompt).__name__}")
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool):
+            raise ValueError(f"{field} token ids must be integers, got {t!r}")
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"{field} token ids must be integers, got {t!r}") from None
+    return ids
+
+
 def read_eos_token_ids(config: EngineConfig, tokenizer: Any | None) -> tuple[int, ...]:
     """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
     ids = list(config.model.eos_token_ids)
@@ -58,14 +111,23 @@ class InputProcessor:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one token")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
             return self.tokenizer.encode(prompt)
-        return list(map(int, prompt))
+        return as_token_ids(prompt)
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """The checks every entry point shares (LLM and the server alike)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        params.validate()
         vocab = self.config.model.vocab_size
-        validate_prompt_tokens(token_ids, vocab, self.config.scheduler.max_model_len)
+        max_len = self.config.scheduler.max_model_len
+        validate_prompt_tokens(token_ids, vocab, max_len)
+        check_context_length(len(token_ids), params.max_tokens, max_len)
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})")
@@ -79,7 +141,7 @@ class InputProcessor:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = params.clone(n=1, seed=child_seed(params.seed, i))
             children.append(Request(
                 request_id=child_request_id(request_id, i), prompt_token_ids=token_ids,
                 sampling_params=child_params, eos_token_ids=self.eos_token_ids,

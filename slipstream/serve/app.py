@@ -8,14 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from slipstream import __version__
-from slipstream.serve.auth import ApiKeyMiddleware
+from slipstream.serve.auth import OPEN_PATHS, ApiKeyMiddleware
 from slipstream.serve.chat import create_chat_completion, render_chat
 from slipstream.serve.completions import create_completion
 from slipstream.serve.context import EngineClient, ServeContext
 from slipstream.serve.errors import APIError, error_response, install_error_handlers
+from slipstream.serve.hardening import UNCOUNTED_PATHS, HttpLimits, RequestCapMiddleware
 from slipstream.serve.limits import BodySizeLimitMiddleware
 from slipstream.serve.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.serve.params import ServeLimits
@@ -27,6 +28,7 @@ from slipstream.serve.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -36,10 +38,16 @@ from slipstream.serve.protocol import (
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
 }
+_SSE_200: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The response, or with `stream: true` a text/event-stream of "
+                         "`data: <chunk JSON>` events ending with `data: [DONE]`.",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}
 
 
 def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: ServeLimits,
-              api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+              api_key: str | None = None, metrics: ServerMetrics | None = None,
+              http_limits: HttpLimits | None = None) -> FastAPI:
     app = FastAPI(title="slipstream", version=__version__,
                   description="OpenAI-compatible API of the slipstream inference engine.")
     ctx = ServeContext(engine, tokenizer, model_name, limits, metrics)
@@ -48,19 +56,24 @@ def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: Ser
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes)
+    http_limits = http_limits or HttpLimits()
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes,
+                       timeout_s=http_limits.body_timeout_s)
+    app.add_middleware(RequestCapMiddleware, max_requests=http_limits.max_concurrent_requests)
     if api_key:  # added last = outermost: reject before reading the body
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    app.openapi = lambda: _openapi_400(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, limits, bool(api_key))  # type: ignore[method-assign]
     return app
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServeContext) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**_ERRORS, **_SSE_200})
     async def completions(req: CompletionRequest, raw_request: Request) -> Response:
         return await create_completion(req, raw_request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**_ERRORS, **_SSE_200})
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(req, raw_request, ctx)
 
@@ -71,11 +84,13 @@ def _add_info_routes(app: FastAPI, ctx: ServeContext) -> None:
         return ModelList(data=[ModelCard(id=ctx.model_name,
                                          max_model_len=ctx.limits.max_model_len)])
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get("/health", response_model=HealthResponse,
+             responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if not ctx.engine.is_running:
-            return error_response("the engine is not running", 503, code="engine_dead")
-        return Response(status_code=200)
+            return error_response("the engine is not running (restarting, or dead)", 503,
+                                  code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -99,9 +114,9 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext) -> None:
         if req.messages is not None:
             if not req.messages:
                 raise APIError("messages must not be empty", param="messages")
-            ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+            ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
         else:
-            ids = ctx.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.limits.max_model_len,
                                 tokens=ids)
 
@@ -116,23 +131,69 @@ def _add_tokenizer_routes(app: FastAPI, ctx: ServeContext) -> None:
         return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens))
 
 
-def _openapi_400(app: FastAPI) -> dict[str, Any]:
-    """FastAPI documents validation errors as 422; this server answers 400 (OpenAI)."""
+def _openapi(app: FastAPI, limits: ServeLimits, auth: bool) -> dict[str, Any]:
+    """The schema of what this server really does: 400 (not FastAPI's 422) for a bad body, the
+    4xx its HTTP layer answers on every route, and the server's caps as bounds."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
 
     schema = get_openapi(title=app.title, version=app.version, description=app.description,
                          routes=app.routes)
-    for path in schema.get("paths", {}).values():
-        for op in path.values():
-            responses = op.get("responses", {})
-            if "422" in responses:
-                responses.pop("422")
-                responses.setdefault("400", {
-                    "description": "Bad Request",
-                    "content": {"application/json": {"schema": {
-                        "$ref": "#/components/schemas/ErrorResponse"}}}})
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            _document_errors(op, path, auth)
+    _apply_limits(schema.get("components", {}).get("schemas", {}), limits)
     app.openapi_schema = schema
     return schema
 
+
+def _error_ref(description: str, headers: dict | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                "schema": {"type": "string"}}}
+
+
+def _document_errors(op: dict[str, Any], path: str, auth: bool) -> None:
+    responses = op.setdefault("responses", {})
+    if "422" in responses:
+        responses.pop("422")
+        responses.setdefault("400", _error_ref("Bad Request"))
+    if "requestBody" in op:
+        responses.setdefault("400", _error_ref("Bad Request"))
+        responses.setdefault("408", _error_ref("The body was not received in time"))
+        responses.setdefault("413", _error_ref("The body is larger than the server's limit"))
+    if auth and path not in OPEN_PATHS:
+        responses.setdefault("401", _error_ref("Missing or wrong API key", {
+            "WWW-Authenticate": {"schema": {"type": "string"}}}))
+    if path not in UNCOUNTED_PATHS:
+        responses.setdefault("429", _error_ref("Too many requests or connections",
+                                               _RETRY_AFTER))
+    if path.startswith("/v1/c"):
+        responses.setdefault("503", _error_ref("The engine is restarting or dead"))
+        responses.setdefault("504", _error_ref("The request timed out"))
+
+
+def _apply_limits(schemas: dict[str, Any], limits: ServeLimits) -> None:
+    """The caps that produce a 400, written into the request schemas as maxima."""
+    caps = {"n": limits.max_n, "logprobs": limits.max_logprobs,
+            "top_logprobs": limits.max_logprobs,
+            "max_tokens": limits.max_tokens or limits.max_model_len - 1,
+            "max_completion_tokens": limits.max_tokens or limits.max_model_len - 1}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = schemas.get(name, {}).get("properties", {})
+        for field, cap in caps.items():
+            if field in props:
+                _set_maximum(props[field], cap)
+
+
+def _set_maximum(prop: dict[str, Any], cap: int) -> None:
+    for option in prop.get("anyOf", [prop]):
+        if option.get("type") == "integer":
+            option["maximum"] = min(cap, option.get("maximum", cap))

@@ -28,7 +28,7 @@ class ApiKeyMiddleware:
             return
         await send_json(send, 401, error_body(
             "missing or invalid API key: send 'Authorization: Bearer <key>'", 401,
-            code="invalid_api_key"))
+            code="invalid_api_key"), [(b"www-authenticate", b'Bearer realm="slipstream"')])
 
     def _authorized(self, scope: Scope) -> bool:
         supplied = b""

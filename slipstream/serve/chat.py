@@ -44,16 +44,19 @@ from slipstream.serve.protocol import (
 from slipstream.serve.streaming import SSEResponse, run_until_disconnect
 
 
-def render_chat(ctx: ServeContext, messages: list[ChatMessage],
-                add_generation_prompt: bool) -> list[int]:
-    """Token ids of the rendered conversation; template problems are the client's 400."""
-    if ctx.tokenizer is None:
+async def render_chat(ctx: ServeContext, messages: list[ChatMessage],
+                      add_generation_prompt: bool) -> list[int]:
+    """Token ids of the rendered conversation (rendered and encoded off the event loop);
+    template problems are the client's 400."""
+    if ctx.prompts is None:
         raise APIError("this model has no tokenizer, so no chat template: use "
                        "/v1/completions with token ids", param="messages")
     dicts = [{"role": m.role, "content": m.text(),
               **({"name": m.name} if m.name else {})} for m in messages]
     try:
-        return ctx.tokenizer.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+        return await ctx.prompts.encode_chat(dicts, add_generation_prompt)
+    except APIError:
+        raise
     except (ValueError, TypeError) as exc:
         raise APIError(f"messages: {exc}", param="messages") from exc
     except Exception as exc:  # noqa: BLE001 - jinja raise_exception() in a template
@@ -67,7 +70,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
                                  ctx: ServeContext) -> Response:
     ctx.check_model(req.model)
     check_common(req, ctx.limits)
-    prompt_ids = render_chat(ctx, req.messages, req.add_generation_prompt)
+    prompt_ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
     if not prompt_ids:
         raise APIError("messages rendered to an empty prompt", param="messages")
     params = chat_params(req, len(prompt_ids), ctx.limits)

@@ -45,9 +45,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompts", type=int, default=32,
                    help="most prompts in one batched /v1/completions request")
     g.add_argument("--engine-startup-timeout", type=float, default=1800.0)
+    add_hardening_args(parser)
     g.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     g.add_argument("--no-access-log", dest="access_log", action="store_false")
+
+
+def add_hardening_args(parser: argparse.ArgumentParser) -> None:
+    """Flags against slow or numerous clients and a dead or hung engine (docs/robustness.md)."""
+    g = parser.add_argument_group("robustness")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (408, then close)")
+    g.add_argument("--body-timeout", type=float, default=10.0,
+                   help="seconds between two reads of an incomplete request body (408)")
+    g.add_argument("--max-connections", type=int, default=1000,
+                   help="open connections; beyond it a connection's request gets 429")
+    g.add_argument("--max-concurrent-requests", type=int, default=512,
+                   help="requests served at once (streams count until they end); beyond: 429")
+    g.add_argument("--engine-hang-timeout", type=float, default=60.0,
+                   help="seconds the engine may hold requests without sending anything before "
+                        "it counts as hung and is restarted (0: never)")
+    g.add_argument("--max-engine-restarts", type=int, default=5,
+                   help="restarts of a dead or hung engine in a row before the server exits 1")
+    g.add_argument("--engine-restart-backoff", type=float, default=1.0,
+                   help="seconds before the first restart, doubled for each one in a row")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may wait for its next output (its first token "
+                        "included) before it fails with 504; default: no limit")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -45,7 +45,8 @@ from slipstream.serve.streaming import (
 )
 
 
-def _prompts(req: CompletionRequest, ctx: ServeContext) -> list[tuple[str, list[int]]]:
+async def _prompts(req: CompletionRequest,
+                   ctx: ServeContext) -> list[tuple[str, list[int]]]:
     """(prompt text, token ids) per prompt; checks count, emptiness and token ranges."""
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -60,7 +61,7 @@ def _prompts(req: CompletionRequest, ctx: ServeContext) -> list[tuple[str, list[
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = ctx.encode(item) if item else []
+            ids = await ctx.encode(item) if item else []
             text = item
         else:
             ids = list(item)
@@ -84,7 +85,7 @@ def _check_request(req: CompletionRequest, ctx: ServeContext) -> None:
 async def create_completion(req: CompletionRequest, raw_request: Request,
                             ctx: ServeContext) -> Response:
     _check_request(req, ctx)
-    prompts = _prompts(req, ctx)
+    prompts = await _prompts(req, ctx)
     params = [completion_params(req, len(ids), ctx.limits) for _, ids in prompts]
     if ctx.tokenizer is None and params[0].stop:
         raise APIError("stop strings need a tokenizer; this model has none", param="stop")

@@ -8,15 +8,20 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slipstream.engine.async_llm import EngineDeadError, RequestAbortedError
+from slipstream.engine.async_llm import (
+    EngineDeadError,
+    EngineRestartingError,
+    RequestAbortedError,
+)
 from slipstream.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
 from slipstream.serve.errors import APIError, error_body, from_value_error
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
+from slipstream.serve.tokenizing import PromptTokenizer
 
 logger = logging.getLogger("slipstream.serve")
 
@@ -43,17 +48,23 @@ class ServeContext:
     model_name: str
     limits: ServeLimits
     metrics: ServerMetrics | None = None
+    prompts: PromptTokenizer | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None:
+            self.prompts = PromptTokenizer(self.tokenizer, self.limits.max_model_len)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(f"The model `{name}` does not exist; this server serves "
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, tokenized off the event loop (serve/tokenizing.py)."""
+        if self.prompts is None:
             raise APIError("this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.prompts.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.tokenizer is None:
@@ -77,17 +88,41 @@ class ServeContext:
 
 def start_generation(ctx: ServeContext, prompt: list[int], params: SamplingParams,
                      request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
-    """engine.generate with its errors turned into API errors (400 / 503)."""
+    """engine.generate with its errors turned into API errors (400 / 503), and the request
+    timeout applied when one is set."""
     try:
-        return ctx.engine.generate(prompt, params, request_id, priority)
+        stream = ctx.engine.generate(prompt, params, request_id, priority)
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from exc
     except ValueError as exc:
         raise from_value_error(exc) from exc
+    timeout_s = ctx.limits.request_timeout_s
+    return stream if timeout_s is None else _with_timeout(stream, timeout_s)
+
+
+async def _with_timeout(stream: AsyncIterator[RequestOutput],
+                        timeout_s: float) -> AsyncIterator[RequestOutput]:
+    """Fail with 504 when the next output takes longer than `timeout_s`: a queued or stalled
+    request gives up, a stream still producing tokens never does."""
+    it = aiter(stream)
+    try:
+        while True:
+            try:
+                out = await asyncio.wait_for(anext(it), timeout_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise APIError(f"the request produced no output for {timeout_s:g} s "
+                               "(the server's request timeout)", 504, code="timeout") from None
+            yield out
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]
 
 
 def engine_dead_error(exc: Exception | None = None) -> APIError:
-    return APIError("The engine is not running; the server is shutting down.", 503,
+    if isinstance(exc, EngineRestartingError):
+        return APIError(str(exc), 503, code="engine_restarting", headers={"retry-after": "2"})
+    return APIError(f"The engine is not running: {exc or 'it was shut down'}.", 503,
                     code="engine_dead")
 
 

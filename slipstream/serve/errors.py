@@ -22,11 +22,13 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 
@@ -34,12 +36,13 @@ class APIError(Exception):
     """An error the client should see, with its HTTP status and OpenAI fields."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
 
 def error_body(message: str, status: int, param: str | None = None,
@@ -82,7 +85,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.code)
+        response = error_response(exc.message, exc.status, exc.param, exc.code)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -92,11 +97,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
-        code = {404: "not_found", 413: "request_too_large"}.get(status)
+        code = {404: "not_found", 408: "timeout", 413: "request_too_large"}.get(status)
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if status == 400 and "parsing the body" in detail:
             detail = "request body is not valid JSON"
-        return error_response(detail, status, None, code)
+        response = error_response(detail, status, None, code)
+        if status in (408, 413):  # the rest of the body may never come: do not wait for it
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

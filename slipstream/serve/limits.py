@@ -1,9 +1,13 @@
-"""Request body size cap as a plain ASGI middleware (413 with an OpenAI error body).
+"""Request body size cap and read timeout as a plain ASGI middleware (413 / 408 with an OpenAI
+error body).
 
 Checks the Content-Length header up front and counts bytes as they arrive, so a chunked upload
-cannot get around the cap either.
+cannot get around the cap either. While the body is incomplete, each read must bring data within
+`timeout_s`: a client that announces more than it sends is cut off instead of holding a worker.
 """
 from __future__ import annotations
+
+import asyncio
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,10 +25,16 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, _too_large_message(max_bytes))
 
 
+class _BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"request body not received within {timeout_s:g} s")
+
+
 class BodySizeLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,11 +48,19 @@ class BodySizeLimitMiddleware:
             return
         received = 0
         started = False
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done or self.timeout_s is None:
+                message = await receive()  # after the body: a disconnect listener, no deadline
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), self.timeout_s)
+                except TimeoutError:
+                    raise _BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     if message.get("more_body", False):
@@ -61,6 +79,10 @@ class BodySizeLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await self._reject(send)
+        except _BodyTimeout as exc:
+            if not started:
+                await send_json(send, 408, error_body(exc.detail, 408, code="timeout"),
+                                [(b"connection", b"close")])
 
     async def _reject(self, send: Send) -> None:
         msg = _too_large_message(self.max_bytes)

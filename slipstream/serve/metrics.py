@@ -36,6 +36,10 @@ _ENGINE_METRICS = (
      "counter"),
     ("num_aborted_requests", "engine_aborted_requests",
      "Abort requests the engine received (client gone, stop string matched).", "counter"),
+    ("engine_up", "engine_up", "1 while the engine process serves; 0 while it restarts or is "
+     "dead.", "gauge"),
+    ("engine_restarts", "engine_restarts", "Restarts of a dead or hung engine process.",
+     "counter"),
 )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slipstream.engine.frontend import ContextLengthError, check_context_length
 from slipstream.sampling_params import MAX_LOGPROBS, SamplingParams
 from slipstream.serve.errors import APIError, from_value_error
 from slipstream.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -23,6 +24,7 @@ class ServeLimits:
     max_prompts: int = 32  # prompts in one batched /v1/completions request
     max_request_bytes: int = 4 * 1024 * 1024
     vocab_size: int | None = None  # top_k at or above it means "off"
+    request_timeout_s: float | None = None  # longest wait for a request's next output
 
 
 def check_common(req: SamplingFields, limits: ServeLimits) -> None:
@@ -38,28 +40,19 @@ def check_logprobs(value: int | None, limits: ServeLimits, param: str) -> None:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: ServeLimits,
-                       param: str = "max_tokens") -> int:
+                       param: str = "max_tokens", prompt_param: str = "prompt") -> int:
     """max_tokens to run with: the request's, or what fits in the context when unset."""
-    max_len = limits.max_model_len
-    if prompt_len >= max_len:
-        raise APIError(
-            f"This model's maximum context length is {max_len} tokens, but the prompt has "
-            f"{prompt_len} tokens; it must leave room for at least one output token.",
-            param="messages" if param == "max_completion_tokens" else "prompt",
-            code="context_length_exceeded")
-    room = max_len - prompt_len
-    if requested is None:
-        return room if limits.max_tokens is None else min(room, limits.max_tokens)
-    if limits.max_tokens is not None and requested > limits.max_tokens:
+    if limits.max_tokens is not None and requested is not None and requested > limits.max_tokens:
         raise APIError(f"{param} must be at most {limits.max_tokens}, got {requested}",
                        param=param)
-    if requested > room:
-        raise APIError(
-            f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-            f"completion). Please reduce the prompt or {param}.",
-            param=param, code="context_length_exceeded")
-    return requested
+    try:
+        check_context_length(prompt_len, requested, limits.max_model_len, prompt_param, param)
+    except ContextLengthError as exc:
+        raise APIError(str(exc), param=exc.param, code="context_length_exceeded") from exc
+    if requested is not None:
+        return requested
+    room = limits.max_model_len - prompt_len
+    return room if limits.max_tokens is None else min(room, limits.max_tokens)
 
 
 def _base_kwargs(req: SamplingFields, limits: ServeLimits) -> dict:
@@ -114,6 +107,7 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int,
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"
-    kwargs["max_tokens"] = resolve_max_tokens(requested, prompt_len, limits, param)
+    kwargs["max_tokens"] = resolve_max_tokens(requested, prompt_len, limits, param,
+                                              prompt_param="messages")
     kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     return _build(kwargs)

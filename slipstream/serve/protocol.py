@@ -147,6 +147,10 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0

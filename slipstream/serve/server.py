@@ -1,7 +1,8 @@
 """The serving process: bind the socket, start the engine process, run uvicorn until told to stop.
 
 The listening socket is bound before the (slow) engine start so a busy port fails at once.
-SIGINT/SIGTERM shut down gracefully (exit 0); an engine that dies makes the server exit 1.
+SIGINT/SIGTERM shut down gracefully (exit 0). A dead or hung engine is restarted by AsyncLLM;
+past its restart cap the server exits 1.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from pathlib import Path
 import uvicorn
 
 from slipstream.config import EngineConfig
-from slipstream.engine.async_llm import AsyncLLM
+from slipstream.engine.async_llm import AsyncLLM, Supervision
 from slipstream.serve.app import build_app
+from slipstream.serve.hardening import HttpLimits, hardened_h11
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
 
@@ -36,22 +38,34 @@ def served_name(model: str | None) -> str:
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Start the engine and the HTTP server; returns the process exit code."""
+    http_limits = HttpLimits(header_timeout_s=args.header_timeout,
+                             body_timeout_s=args.body_timeout,
+                             max_connections=args.max_connections,
+                             max_concurrent_requests=args.max_concurrent_requests)
     uv_config = uvicorn.Config(None, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5,
-                               lifespan="off")
+                               lifespan="off", http=hardened_h11(http_limits))
     sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
     model_name = args.served_model_name or served_name(args.model)
     holder: dict = {}
-    metrics = ServerMetrics(model_name, lambda: holder["engine"].stats if holder else {})
+    metrics = ServerMetrics(model_name, lambda: {**holder["engine"].stats,
+                                                  **holder["engine"].health_stats()}
+                            if holder else {})
+    supervision = Supervision(hang_timeout_s=args.engine_hang_timeout or None,
+                              max_restarts=args.max_engine_restarts,
+                              backoff_s=args.engine_restart_backoff)
     engine = await AsyncLLM.create(config, stat_logger=metrics,
-                                   startup_timeout_s=args.engine_startup_timeout)
+                                   startup_timeout_s=args.engine_startup_timeout,
+                                   supervision=supervision)
     holder["engine"] = engine
     tokenizer = engine.tokenizer
     limits = ServeLimits(max_model_len=config.scheduler.max_model_len, max_n=args.max_n,
                          max_logprobs=args.max_logprobs, max_tokens=args.max_tokens_cap,
                          max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes,
-                         vocab_size=config.model.vocab_size)
-    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics)
+                         vocab_size=config.model.vocab_size,
+                         request_timeout_s=args.request_timeout)
+    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
+                              http_limits)
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:
@@ -68,8 +82,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
 
 async def _stop_when_engine_dies(engine, server) -> None:
     await engine.dead.wait()
-    logger.error("engine died (%s): failing in-flight requests and shutting down",
-                 engine.dead_reason)
+    logger.error("engine is down for good (%s): shutting down", engine.dead_reason)
     await asyncio.sleep(1.0)  # let in-flight handlers write their errors; /health says 503
     server.should_exit = True
 

@@ -5,6 +5,7 @@ output can be compared with transformers token for token; EOS ids merge generati
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,20 @@ class Tokenizer:
             skip_special_tokens=skip_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+
+    @functools.cached_property
+    def max_input_bytes_per_token(self) -> int | None:
+        """Most bytes of input text one token can stand for (None: unknown), so a text longer
+        than this times a token limit cannot fit it. A vocabulary entry's UTF-8 length bounds
+        the bytes it covers (byte-level and SentencePiece spellings only overstate them); a
+        normalizer may shrink text first (NFKC: 3 bytes to 1), hence the factor 4 then."""
+        try:
+            longest = max(len(piece.encode("utf-8")) for piece in self.hf.get_vocab())
+        except (AttributeError, NotImplementedError, TypeError, ValueError):
+            return None
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        normalizes = backend is None or backend.normalizer is not None
+        return max(longest, 1) * (4 if normalizes else 1)
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(token_ids)))

@@ -57,7 +57,8 @@ def free_port() -> int:
 
 
 def start_server(model_dir: Path, log_path: Path, api_key: str | None = API_KEY,
-                 extra: list[str] | None = None) -> ServerHandle:
+                 extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> ServerHandle:
     port = free_port()
     cmd = [sys.executable, "-m", "slipstream.serve", "--model", str(model_dir),
            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
@@ -67,7 +68,7 @@ def start_server(model_dir: Path, log_path: Path, api_key: str | None = API_KEY,
     if api_key:
         cmd += ["--api-key", api_key]
     log = open(log_path, "wb")  # noqa: SIM115 - lives as long as the server
-    env = {**os.environ, "SLIPSTREAM_API_KEY": ""}
+    env = {**os.environ, "SLIPSTREAM_API_KEY": "", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     wait_healthy(handle)

@@ -29,8 +29,8 @@ class ByteTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        return self.encode("".join(m["content"] or "" for m in messages))
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        return "".join(m["content"] or "" for m in messages)
 
 
 class FakeEngine:

@@ -78,6 +78,8 @@ CASES = [
     ("chat_max_completion_tokens_over", CHAT, _chat(max_completion_tokens=10**9), 400,
      "max_completion_tokens", str(MAX_MODEL_LEN)),
     ("chat_unknown_model", CHAT, _chat(model="nope"), 404, "model", None),
+    ("chat_prompt_over_context", CHAT, _chat(messages=[{"role": "user", "content": "w " * 400}]),
+     400, "messages", str(MAX_MODEL_LEN)),
     ("detokenize_bad_id", "/detokenize", {"tokens": [-7]}, 400, "tokens", None),
     ("tokenize_neither", "/tokenize", {}, 400, "prompt", None),
 ]
@@ -125,6 +127,13 @@ def test_wrong_or_missing_api_key(server, headers, method, path):
     resp = httpx.request(method, server.base_url + path, headers=headers, json=OK_PROMPT)
     err = _assert_error_body(resp, 401)
     assert err["code"] == "invalid_api_key"
+    assert resp.headers["www-authenticate"] == 'Bearer realm="slipstream"'
+
+
+def test_largest_seed_with_n_above_one(http):
+    resp = http.post(C, json=_c(seed=2**63 - 1, n=2, temperature=1.0, ignore_eos=True))
+    assert resp.status_code == 200, resp.text
+    assert [c["index"] for c in resp.json()["choices"]] == [0, 1]
 
 
 def test_health_needs_no_key(server):

@@ -1,9 +1,11 @@
-"""Killing the engine process: in-flight requests fail with an error (503 / an error event),
-/health turns 503, and the server exits non-zero instead of hanging.
+"""A killed or hung engine process: in-flight requests fail with an error (503 / an error event),
+/health is 503 while the front end restarts the engine, then the server serves again; past the
+restart cap it exits 1. IPC directories never outlive the front end.
 
-This server runs a model directory with no tokenizer (as dummy-weight benchmark models are), so
-it also checks token-id-only serving.
+One server runs the whole story (engine starts are the slow part). Its model directory has no
+tokenizer (as dummy-weight benchmark models do), so it also checks token-id-only serving.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,14 +14,26 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
 from tests.serve.server import MODEL, free_port, start_server, stop_server
 
 LONG = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 100, "ignore_eos": True}
+SHORT = {**LONG, "max_tokens": 3, "logprobs": 1}
+HANG_TIMEOUT_S = 1.5
+FLAGS = [
+    "--engine-hang-timeout",
+    str(HANG_TIMEOUT_S),
+    "--max-engine-restarts",
+    "2",
+    "--engine-restart-backoff",
+    "0.1",
+]
 
 
 def _without_tokenizer(model_dir, dest):
@@ -30,66 +44,108 @@ def _without_tokenizer(model_dir, dest):
 
 
 def _check_token_id_serving(base_url: str) -> None:
-    text = httpx.post(base_url + "/v1/completions", json={**LONG, "prompt": "words"})
-    assert text.status_code == 400 and "tokenizer" in text.json()["error"]["message"]
-    ids = httpx.post(base_url + "/v1/completions",
-                     json={**LONG, "max_tokens": 3, "logprobs": 1}, timeout=60)
-    assert ids.status_code == 200, ids.text
-    out = ids.json()
+    resp = httpx.post(base_url + "/v1/completions", json=SHORT, timeout=60)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"])
 
 
-def test_engine_death_fails_requests_and_exits_nonzero(tiny_chat_model_dir, tmp_path):
-    bare = _without_tokenizer(tiny_chat_model_dir, tmp_path / "bare")
-    handle = start_server(bare, tmp_path / "server.log", api_key=None)
-    try:
-        _check_token_id_serving(handle.base_url)
-        engine_pid = handle.engine_pid()
-        assert engine_pid is not None
-        results: dict = {}
-        streaming = threading.Event()
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
-        def plain() -> None:
-            resp = httpx.post(handle.base_url + "/v1/completions", json=LONG, timeout=60)
-            results["plain"] = (resp.status_code, resp.json())
 
-        def stream() -> None:
-            events = []
-            with httpx.stream("POST", handle.base_url + "/v1/completions",
-                              json={**LONG, "stream": True}, timeout=60) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        streaming.set()
-            results["stream"] = events
+class InFlight:
+    """One plain and one streamed long request, started together."""
 
-        threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
-        for t in threads:
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.results: dict = {}
+        self.streaming = threading.Event()
+        self.threads = [threading.Thread(target=self._plain), threading.Thread(target=self._stream)]
+        for t in self.threads:
             t.start()
-        assert streaming.wait(60), handle.log_tail()
-        os.kill(engine_pid, signal.SIGKILL)
 
-        health = []
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and 503 not in health:
-            try:
-                health.append(httpx.get(handle.base_url + "/health", timeout=2).status_code)
-            except httpx.HTTPError:
-                break  # already gone
-            time.sleep(0.05)
-        for t in threads:
-            t.join(30)
+    def _plain(self) -> None:
+        resp = httpx.post(self.base_url + "/v1/completions", json=LONG, timeout=60)
+        self.results["plain"] = (resp.status_code, resp.json())
 
-        assert 503 in health, f"/health never reported 503: {health}\n{handle.log_tail()}"
-        status, body = results["plain"]
+    def _stream(self) -> None:
+        events = []
+        with httpx.stream(
+            "POST", self.base_url + "/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    self.streaming.set()
+        self.results["stream"] = events
+
+    def assert_failed_with_engine_dead(self) -> None:
+        for t in self.threads:
+            t.join(60)
+        status, body = self.results["plain"]
         assert status == 503 and body["error"]["code"] == "engine_dead", body
-        events = results["stream"]
+        events = self.results["stream"]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "engine_dead", events[-2]
-        assert handle.proc.wait(timeout=30) == 1, handle.log_tail()
+
+
+def _watch_restart(base_url: str, timeout_s: float = 120.0) -> tuple[set[int], list[dict]]:
+    """Poll /health (and send requests) until it is 200 again; the statuses seen, and the
+    error bodies of requests sent while it was not."""
+    statuses: set[int] = set()
+    refused: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = httpx.get(base_url + "/health", timeout=5).status_code
+        statuses.add(status)
+        if status == 200 and 503 in statuses:
+            return statuses, refused
+        if status == 503 and len(refused) < 3:
+            resp = httpx.post(base_url + "/v1/completions", json=SHORT, timeout=5)
+            if resp.status_code == 503:
+                refused.append({**resp.json()["error"], "retry": resp.headers.get("retry-after")})
+        time.sleep(0.05)
+    raise AssertionError(f"no restart seen: /health gave {statuses}")
+
+
+def test_engine_killed_or_hung_is_restarted_until_the_cap(tiny_chat_model_dir, tmp_path):
+    tmp = Path(tempfile.mkdtemp(prefix="ss"))  # short: IPC socket paths have a length limit
+    stale = tmp / f"slipstream-ipc-{_dead_pid()}-left"
+    stale.mkdir()
+    bare = _without_tokenizer(tiny_chat_model_dir, tmp_path / "bare")
+    handle = start_server(bare, tmp_path / "server.log", api_key=None, extra=FLAGS, env={"TMPDIR": str(tmp)})
+    try:
+        assert not stale.exists(), "a dead server's IPC directory was not removed"
+        _check_token_id_serving(handle.base_url)
+
+        for how in (signal.SIGKILL, signal.SIGSTOP):
+            engine_pid = handle.engine_pid()
+            inflight = InFlight(handle.base_url)
+            assert inflight.streaming.wait(60), handle.log_tail()
+            stopped_at = time.monotonic()
+            os.kill(engine_pid, how)
+            statuses, refused = _watch_restart(handle.base_url)
+            inflight.assert_failed_with_engine_dead()
+            if how == signal.SIGSTOP:  # noticed after the hang timeout, not before
+                assert time.monotonic() - stopped_at > HANG_TIMEOUT_S
+            assert all(r["code"] == "engine_restarting" and r["retry"] for r in refused), refused
+            _check_token_id_serving(handle.base_url)
+            assert handle.engine_pid() not in (None, engine_pid)
+
+        metrics = httpx.get(handle.base_url + "/metrics").text
+        assert "slipstream_engine_restarts_total 2.0" in metrics
+        assert "slipstream_engine_up 1.0" in metrics
+
+        os.kill(handle.engine_pid(), signal.SIGKILL)  # a third failure in a row: over the cap
+        assert handle.proc.wait(timeout=60) == 1, handle.log_tail()
+        assert list(tmp.iterdir()) == [], "IPC directories outlived the server"
     finally:
         stop_server(handle)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_engine_start_failure_exits_nonzero(tiny_chat_model_dir, tmp_path):
@@ -100,8 +156,24 @@ def test_engine_start_failure_exits_nonzero(tiny_chat_model_dir, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "slipstream.serve", "--model", str(broken), "--port", str(port),
-         "--device", "cpu", "--max-model-len", "64", "--log-level", "warning"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "slipstream.serve",
+            "--model",
+            str(broken),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-model-len",
+            "64",
+            "--log-level",
+            "warning",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "engine failed to start" in proc.stderr

@@ -1,4 +1,5 @@
-"""Fuzz every operation of the server's OpenAPI schema with schemathesis: no input may cause a 5xx.
+"""Fuzz every operation of the server's OpenAPI schema with schemathesis: no input may cause a 5xx,
+and every response conforms to the schema (status code, content type, body, headers).
 
 Both valid and invalid bodies are generated (few examples per operation, so it stays fast);
 generation lengths that are valid but slow on a CPU are trimmed before sending.
@@ -9,11 +10,20 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.serve.server import API_KEY  # noqa: E402
 
 MAX_EXAMPLES = 15
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
+          response_schema_conformance, response_headers_conformance, negative_data_rejection]
 MAX_TOKENS = 4
 
 
@@ -53,7 +63,7 @@ def _is_int(value) -> bool:
 def test_no_server_errors(case, server):
     _bound_cost(case.path, case.body)
     response = case.call(base_url=server.base_url, headers=server.headers, timeout=60)
-    case.validate_response(response, checks=[not_a_server_error])
+    case.validate_response(response, checks=CHECKS)
     content_type = response.headers.get("content-type") or [""]
     if str(content_type[0] if isinstance(content_type, list) else content_type).startswith(
             "text/event-stream"):
