@@ -1,0 +1,64 @@
+"""The batch's token bitmask: filled on the host by each constrained row's matcher, copied to
+the device once, and applied to the logits there (disallowed tokens become -inf).
+
+Bit j of word w of a row allows token 32 * w + j. `apply_bitmask_reference` is the plain
+PyTorch twin of xgrammar's kernel, used on the CPU and as the test oracle.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from slipstream.engine.request import Request
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class BitmaskFiller:
+    """Reuses one host buffer (pinned on CUDA) so a step allocates nothing."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+
+    def fill(self, requests: list[Request], rows: list[int], vocab_size: int,
+             device: torch.device) -> torch.Tensor:
+        """int32 [len(rows), words] on `device`: row k is requests[rows[k]]'s next-token mask."""
+        words = bitmask_words(vocab_size)
+        host = self._buffer(len(rows), words, device)
+        for k, i in enumerate(rows):
+            requests[i].grammar.fill_bitmask(host, k)
+        return host.to(device, non_blocking=True)
+
+    def _buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
+        buf = self._host
+        if buf is None or buf.shape[0] < num_rows or buf.shape[1] != words:
+            size = max(num_rows, 2 * (buf.shape[0] if buf is not None else 0), 8)
+            buf = torch.empty(size, words, dtype=torch.int32,
+                              pin_memory=device.type == "cuda")
+            self._host = buf
+        # A row of a buffer: fill_next_token_bitmask wants a contiguous [R, words] tensor.
+        return buf[:num_rows]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set logits[rows[k], t] to -inf where bit t of bitmask[k] is 0. In place."""
+    if logits.is_cuda:
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
+                                        indices=rows)
+        return
+    apply_bitmask_reference(logits, bitmask, rows)
+
+
+def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
