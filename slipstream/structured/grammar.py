@@ -2,7 +2,7 @@
 
 The scheduler advances it with every token it appends (`accept`); the sampler asks it for the
 next token's bitmask (`fill_bitmask`). Speculative decoding will check draft tokens with
-`accept` and undo the rejected ones with `rollback` (the matcher keeps MAX_ROLLBACK_TOKENS).
+`accept` and undo the rejected ones with `rollback`.
 """
 from __future__ import annotations
 
@@ -13,16 +13,13 @@ from slipstream.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
-MAX_ROLLBACK_TOKENS = 16
-
 
 class RequestGrammar:
     def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> None:
         import xgrammar as xgr
 
-        self._matcher = xgr.GrammarMatcher(
-            compiled, override_stop_tokens=list(stop_token_ids) or None,
-            max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self._matcher = xgr.GrammarMatcher(compiled,
+                                           override_stop_tokens=list(stop_token_ids) or None)
 
     @property
     def is_terminated(self) -> bool:

@@ -97,10 +97,11 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     kind = params.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(json.dumps(params.json),
+            return xgr.Grammar.from_json_schema(json.dumps(_bounded_strings_escaped(params.json)),
                                                 any_whitespace=params.any_whitespace)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # any object (OpenAI's json_object), not any JSON value
+            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                any_whitespace=params.any_whitespace)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "grammar":
@@ -110,6 +111,24 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
         message = _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip()
                                        else type(exc).__name__)
         raise ValueError(f"structured_outputs.{kind}: {message}") from None
+
+
+def _bounded_strings_escaped(schema: Any) -> Any:
+    """A copy of `schema` where a string with minLength / maxLength (and no pattern or
+    format) gets the same bounds as a pattern of characters JSON needs no escape for: xgrammar
+    turns the bare bounds into a character class that lets control characters through, which
+    strict JSON parsers reject."""
+    if isinstance(schema, list):
+        return [_bounded_strings_escaped(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _bounded_strings_escaped(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.get("minLength", 0), out.get("maxLength", "")
+        if isinstance(low, int) and (high == "" or isinstance(high, int)):
+            out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+    return out
 
 
 def coerce(value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
