@@ -106,7 +106,7 @@ class SamplingParams:
     def _validate_logit_controls(self) -> None:
         for token, bias in (self.logit_bias or {}).items():
             _check_int("logit_bias", token, 0, None)
-            _check_num(f"logit_bias[{token}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            _check_num("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")

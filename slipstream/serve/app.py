@@ -19,6 +19,7 @@ from slipstream.serve.errors import APIError, error_response, install_error_hand
 from slipstream.serve.limits import BodySizeLimitMiddleware
 from slipstream.serve.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.serve.params import ServeLimits
+from slipstream.serve.tool_parsers import get_tool_parser
 from slipstream.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,10 +40,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: ServeLimits,
-              api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+              api_key: str | None = None, metrics: ServerMetrics | None = None,
+              tool_call_parser: str = "hermes") -> FastAPI:
     app = FastAPI(title="slipstream", version=__version__,
                   description="OpenAI-compatible API of the slipstream inference engine.")
-    ctx = ServeContext(engine, tokenizer, model_name, limits, metrics)
+    ctx = ServeContext(engine, tokenizer, model_name, limits, metrics,
+                       get_tool_parser(tool_call_parser))
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_generation_routes(app, ctx)

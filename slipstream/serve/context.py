@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slipstream.engine.async_llm import EngineDeadError, RequestAbortedError
@@ -17,6 +17,7 @@ from slipstream.sampling_params import SamplingParams
 from slipstream.serve.errors import APIError, error_body, from_value_error
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
+from slipstream.serve.tool_parsers import HermesParser, ToolParser
 
 logger = logging.getLogger("slipstream.serve")
 
@@ -43,6 +44,7 @@ class ServeContext:
     model_name: str
     limits: ServeLimits
     metrics: ServerMetrics | None = None
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # --tool-call-parser
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -51,7 +51,8 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                          max_logprobs=args.max_logprobs, max_tokens=args.max_tokens_cap,
                          max_prompts=args.max_prompts, max_request_bytes=args.max_request_bytes,
                          vocab_size=config.model.vocab_size)
-    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics)
+    uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
+                              tool_call_parser=args.tool_call_parser)
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:

@@ -128,6 +128,8 @@ def _bounded_strings_escaped(schema: Any) -> Any:
         low, high = out.get("minLength", 0), out.get("maxLength", "")
         if isinstance(low, int) and (high == "" or isinstance(high, int)):
             out["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
+            out.pop("minLength", None)  # the pattern holds them (xgrammar takes one or the other)
+            out.pop("maxLength", None)
     return out
 
 
