@@ -1,8 +1,9 @@
 """The batch's token bitmask: filled on the host by each constrained row's matcher, copied to
 the device once, and applied to the logits there (disallowed tokens become -inf).
 
-Bit j of word w of a row allows token 32 * w + j. `apply_bitmask_reference` is the plain
-PyTorch twin of xgrammar's kernel, used on the CPU and as the test oracle.
+Bit j of word w of a row allows token 32 * w + j. The mask has a row per logits row; only the
+constrained rows are filled and applied. `apply_bitmask_reference` is the plain PyTorch twin
+of xgrammar's kernel, used on the CPU and as the test oracle.
 """
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ class BitmaskFiller:
 
     def fill(self, requests: list[Request], rows: list[int], vocab_size: int,
              device: torch.device) -> torch.Tensor:
-        """int32 [len(rows), words] on `device`: row k is requests[rows[k]]'s next-token mask."""
+        """int32 [len(requests), words] on `device`: row i is requests[i]'s next-token mask
+        for i in `rows` (other rows are left as they were: never applied)."""
         words = bitmask_words(vocab_size)
-        host = self._buffer(len(rows), words, device)
-        for k, i in enumerate(rows):
-            requests[i].grammar.fill_bitmask(host, k)
+        host = self._buffer(len(requests), words, device)
+        for i in rows:
+            requests[i].grammar.fill_bitmask(host, i)
         return host.to(device, non_blocking=True)
 
     def _buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
@@ -45,7 +47,7 @@ class BitmaskFiller:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set logits[rows[k], t] to -inf where bit t of bitmask[k] is 0. In place."""
+    """Set logits[i, t] to -inf where bit t of bitmask[i] is 0, for i in rows. In place."""
     if logits.is_cuda:
         import xgrammar as xgr
 
@@ -58,7 +60,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
 def apply_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     vocab = logits.shape[1]
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
-    allowed = bits.flatten(1)[:, :vocab].bool()
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    bits = (bitmask[index.to(bitmask.device)].unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
