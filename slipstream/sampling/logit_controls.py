@@ -5,6 +5,7 @@ grammar's token bitmask (last, so nothing can re-allow a token the grammar forbi
 `has_logit_controls` is the cheap per-row test the sampler runs first: a batch without any
 control pays one attribute check per row.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -26,8 +27,9 @@ def has_logit_controls(request: Request) -> bool:
 def needs_known_tokens(params: SamplingParams) -> bool:
     """Whether the controls read the request's output tokens on the host before each sample
     (so its steps cannot be left unread: async_scheduling, multi-step decode)."""
-    return bool(params.structured_outputs is not None or params.bad_words_token_ids
-                or params.logits_processors)
+    return bool(
+        params.structured_outputs is not None or params.bad_words_token_ids or params.logits_processors
+    )
 
 
 class LogitControls:
@@ -87,7 +89,7 @@ def _apply_bad_words(logits: torch.Tensor, requests: list[Request], rows: list[i
         output = request.output_token_ids
         for word in words:
             prefix = word[:-1]
-            if not prefix or (len(output) >= len(prefix) and output[-len(prefix):] == prefix):
+            if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
                 idx_r.append(i)
                 idx_t.append(word[-1])
     if idx_r:

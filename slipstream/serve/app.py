@@ -19,7 +19,6 @@ from slipstream.serve.errors import APIError, error_response, install_error_hand
 from slipstream.serve.limits import BodySizeLimitMiddleware
 from slipstream.serve.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.serve.params import ServeLimits
-from slipstream.serve.tool_parsers import get_tool_parser
 from slipstream.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -33,6 +32,7 @@ from slipstream.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from slipstream.serve.tool_parsers import get_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)

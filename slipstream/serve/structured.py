@@ -3,6 +3,7 @@ logit controls (`logit_bias`, `allowed_token_ids`, `bad_words`) -> SamplingParam
 
 Every problem is a 400 naming the request field that caused it.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,15 +19,13 @@ def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None
     """The request's output constraint, checked (an invalid schema, regex or grammar is a 400
     naming its field), or None."""
     if req.guided_whitespace_pattern is not None:
-        raise APIError("guided_whitespace_pattern is not supported",
-                       param="guided_whitespace_pattern")
+        raise APIError("guided_whitespace_pattern is not supported", param="guided_whitespace_pattern")
     given = [name for name in _GUIDED if getattr(req, name) is not None]
     fmt = req.response_format
     if fmt is not None and fmt.type != "text":
         given.append("response_format")
     if len(given) > 1:
-        raise APIError(f"give at most one output constraint, got {', '.join(given)}",
-                       param=given[1])
+        raise APIError(f"give at most one output constraint, got {', '.join(given)}", param=given[1])
     if not given:
         return None
     param = given[0]
@@ -59,8 +58,9 @@ def _kwargs_of(req: SamplingFields, param: str) -> dict[str, Any]:
     if fmt.type == "json_object":
         return {"json_object": True}
     if fmt.json_schema is None:
-        raise APIError("response_format: type json_schema needs a json_schema object",
-                       param="response_format")
+        raise APIError(
+            "response_format: type json_schema needs a json_schema object", param="response_format"
+        )
     return {"json": fmt.json_schema.schema_}
 
 
@@ -73,8 +73,7 @@ def logit_control_kwargs(req: SamplingFields) -> dict[str, Any]:
             try:
                 bias[int(key)] = value
             except ValueError:
-                raise APIError(f"logit_bias: key {key!r} is not a token id",
-                               param="logit_bias") from None
+                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
         out["logit_bias"] = bias
     if req.allowed_token_ids is not None:
         out["allowed_token_ids"] = list(req.allowed_token_ids)

@@ -7,6 +7,7 @@ llama3_json (`{"name", "parameters"}` objects, `;`-separated, after an optional
 section (serve/tools.py supplies one) and finds where a stream's tool calls start, so content
 before them streams while the calls are held until they are whole.
 """
+
 from __future__ import annotations
 
 import ast
@@ -93,8 +94,9 @@ class HermesParser(ToolParser):
 
     def render(self, calls):
         return "\n".join(
-            f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n'
-            "</tool_call>" for c in calls)
+            f'<tool_call>\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n</tool_call>'
+            for c in calls
+        )
 
 
 class Llama3JsonParser(ToolParser):
@@ -104,7 +106,7 @@ class Llama3JsonParser(ToolParser):
     def parse(self, text):
         body = text.strip()
         if body.startswith(self.start_marker):
-            body = body[len(self.start_marker):].strip()
+            body = body[len(self.start_marker) :].strip()
         if not body.startswith("{"):
             return _content(text), []
         calls, decoder, pos = [], json.JSONDecoder(), 0
@@ -123,8 +125,7 @@ class Llama3JsonParser(ToolParser):
         return None, calls
 
     def render(self, calls):
-        return "; ".join(
-            f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
+        return "; ".join(f'{{"name": {json.dumps(c.name)}, "parameters": {c.arguments}}}' for c in calls)
 
     def calls_start(self, text):
         stripped = text.lstrip()
@@ -133,8 +134,7 @@ class Llama3JsonParser(ToolParser):
         return None
 
     def held_back(self, text):
-        return len(text) if not text.strip() or self.start_marker.startswith(text.lstrip()) \
-            else 0
+        return len(text) if not text.strip() or self.start_marker.startswith(text.lstrip()) else 0
 
 
 class MistralParser(ToolParser):
@@ -146,7 +146,7 @@ class MistralParser(ToolParser):
         if start < 0:
             return _content(text), []
         try:
-            objs = json.loads(text[start + len(self.start_marker):].strip())
+            objs = json.loads(text[start + len(self.start_marker) :].strip())
         except ValueError:
             return _content(text), []
         objs = objs if isinstance(objs, list) else [objs]
@@ -156,8 +156,7 @@ class MistralParser(ToolParser):
         return _content(text[:start]), calls
 
     def render(self, calls):
-        items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}'
-                          for c in calls)
+        items = ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls)
         return f"{self.start_marker}[{items}]"
 
 
@@ -209,12 +208,12 @@ def _pythonic_call(node: ast.expr) -> ParsedCall | None:
 
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}
 
 
 def get_tool_parser(name: str) -> ToolParser:
     try:
         return PARSERS[name]()
     except KeyError:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got "
-                         f"{name!r}") from None
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}") from None

@@ -11,6 +11,7 @@ A chat template without a tools section (the default model's) gets one from slip
 system message listing the tools and the parser's call format; assistant tool calls and tool
 results are written into the conversation as text.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,11 +53,18 @@ class ToolPlan:
         return None
 
     def _required_schema(self) -> dict:
-        one_of = [{"type": "object",
-                   "properties": {"name": {"enum": [t.function.name]},
-                                  "arguments": t.function.parameters or _ANY_OBJECT},
-                   "required": ["name", "arguments"], "additionalProperties": False}
-                  for t in self.tools]
+        one_of = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"enum": [t.function.name]},
+                    "arguments": t.function.parameters or _ANY_OBJECT,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
         schema = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -73,8 +81,9 @@ class ToolPlan:
                 items = json.loads(text)
             except ValueError:  # cut short by max_tokens: no calls to report
                 return text, []
-            return None, [_tool_call(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
-                          for i in items]
+            return None, [
+                _tool_call(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items
+            ]
         content, calls = self.parser.parse(text)
         if not self.parallel:
             calls = calls[:1]
@@ -102,8 +111,10 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | Non
     if choice is None or isinstance(choice, str):
         return ToolPlan(choice or "auto", req.tools, parser, parallel=req.parallel_tool_calls)
     if choice.function.name not in names:
-        raise APIError(f"tool_choice: no tool named {choice.function.name!r} in tools "
-                       f"({', '.join(names)})", param="tool_choice")
+        raise APIError(
+            f"tool_choice: no tool named {choice.function.name!r} in tools ({', '.join(names)})",
+            param="tool_choice",
+        )
     return ToolPlan("named", req.tools, parser, choice.function.name)
 
 
@@ -117,8 +128,9 @@ def template_has_tools(tokenizer: Any) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def chat_template_inputs(messages: list[ChatMessage], plan: ToolPlan | None, tokenizer: Any,
-                         parser: ToolParser) -> tuple[list[dict], dict]:
+def chat_template_inputs(
+    messages: list[ChatMessage], plan: ToolPlan | None, tokenizer: Any, parser: ToolParser
+) -> tuple[list[dict], dict]:
     """(message dicts, extra template kwargs) for the tokenizer's chat template."""
     native = template_has_tools(tokenizer)
     dicts = [_native_message(m) if native else _text_message(m, parser) for m in messages]
@@ -137,10 +149,14 @@ def _native_message(m: ChatMessage) -> dict:
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name,
-                                           "arguments": _arguments_value(c.function.arguments)}}
-                             for c in m.tool_calls]
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments_value(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
     return out
 
 
@@ -155,22 +171,19 @@ def _arguments_value(arguments: str) -> Any:
 def _text_message(m: ChatMessage, parser: ToolParser) -> dict:
     """A message for a template that knows only system / user / assistant text."""
     if m.role == "tool":
-        return {"role": "user",
-                "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
+        return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
-        calls = parser.render([ParsedCall(c.function.name, c.function.arguments)
-                               for c in m.tool_calls])
+        calls = parser.render([ParsedCall(c.function.name, c.function.arguments) for c in m.tool_calls])
         out["content"] = (out["content"] + "\n" + calls).strip()
     return out
 
 
 def _with_tools_section(dicts: list[dict], tools: list[dict], parser: ToolParser) -> list[dict]:
     listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    section = (f"You can call these functions:\n<tools>\n{listing}\n</tools>\n"
-               f"{parser.instructions()}")
+    section = f"You can call these functions:\n<tools>\n{listing}\n</tools>\n{parser.instructions()}"
     if dicts and dicts[0]["role"] == "system":
         first = dict(dicts[0], content=f"{dicts[0]['content']}\n\n{section}")
         return [first, *dicts[1:]]
@@ -203,8 +216,8 @@ class ToolCallStream:
             self._in_calls = True
             visible = text[:start]
         else:
-            visible = text[:len(text) - parser.held_back(text)]
-        new = visible[self._sent:]
+            visible = text[: len(text) - parser.held_back(text)]
+        new = visible[self._sent :]
         self._sent = max(self._sent, len(visible))
         return new
 
@@ -213,9 +226,14 @@ class ToolCallStream:
         new = text[num_sent:]
         if self._named_id is None:
             self._named_id = _tool_call(self.plan.named, "").id
-            return [DeltaToolCall(index=0, id=self._named_id, type="function",
-                                  function=DeltaFunctionCall(name=self.plan.named,
-                                                             arguments=new))]
+            return [
+                DeltaToolCall(
+                    index=0,
+                    id=self._named_id,
+                    type="function",
+                    function=DeltaFunctionCall(name=self.plan.named, arguments=new),
+                )
+            ]
         if not new:
             return []
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))]
@@ -227,11 +245,16 @@ class ToolCallStream:
         content, calls = self.plan.extract(text)
         rest = ""
         if not calls:
-            rest = text[self._sent:]
+            rest = text[self._sent :]
         elif content and len(content) > self._sent:
-            rest = content[self._sent:]
-        deltas = [DeltaToolCall(index=i, id=c.id, type="function",
-                                function=DeltaFunctionCall(name=c.function.name,
-                                                           arguments=c.function.arguments))
-                  for i, c in enumerate(calls)]
+            rest = content[self._sent :]
+        deltas = [
+            DeltaToolCall(
+                index=i,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+            )
+            for i, c in enumerate(calls)
+        ]
         return rest, deltas

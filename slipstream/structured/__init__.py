@@ -6,6 +6,7 @@ grammars off the step loop and caches them; `grammar.py` is one request's matche
 `bitmask.py` fills the batch's token bitmask and applies it to the logits.
 xgrammar is imported only when a request asks for structured output (it takes seconds).
 """
+
 from slipstream.structured.params import StructuredOutputsParams
 
 __all__ = ["StructuredOutputsParams"]

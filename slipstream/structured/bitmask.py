@@ -5,6 +5,7 @@ Bit j of word w of a row allows token 32 * w + j. The mask has a row per logits 
 constrained rows are filled and applied. `apply_bitmask_reference` is the plain PyTorch twin
 of xgrammar's kernel, used on the CPU and as the test oracle.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -25,8 +26,9 @@ class BitmaskFiller:
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
 
-    def fill(self, requests: list[Request], rows: list[int], vocab_size: int,
-             device: torch.device) -> torch.Tensor:
+    def fill(
+        self, requests: list[Request], rows: list[int], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
         """int32 [len(requests), words] on `device`: row i is requests[i]'s next-token mask
         for i in `rows` (other rows are left as they were: never applied)."""
         words = bitmask_words(vocab_size)
@@ -39,8 +41,7 @@ class BitmaskFiller:
         buf = self._host
         if buf is None or buf.shape[0] < num_rows or buf.shape[1] != words:
             size = max(num_rows, 2 * (buf.shape[0] if buf is not None else 0), 8)
-            buf = torch.empty(size, words, dtype=torch.int32,
-                              pin_memory=device.type == "cuda")
+            buf = torch.empty(size, words, dtype=torch.int32, pin_memory=device.type == "cuda")
             self._host = buf
         # A row of a buffer: fill_next_token_bitmask wants a contiguous [R, words] tensor.
         return buf[:num_rows]
@@ -51,8 +52,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     if logits.is_cuda:
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
-                                        indices=rows)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
         return
     apply_bitmask_reference(logits, bitmask, rows)
 

@@ -4,6 +4,7 @@ The scheduler advances it with every token it appends (`accept`); the sampler as
 next token's bitmask (`fill_bitmask`). Speculative decoding will check draft tokens with
 `accept` and undo the rejected ones with `rollback`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,15 +19,13 @@ class RequestGrammar:
     def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> None:
         import xgrammar as xgr
 
-        self._matcher = xgr.GrammarMatcher(compiled,
-                                           override_stop_tokens=list(stop_token_ids) or None)
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
 
     @property
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
-    def accept(self, tokens: list[int], status: RequestStatus | None
-               ) -> tuple[int, RequestStatus | None]:
+    def accept(self, tokens: list[int], status: RequestStatus | None) -> tuple[int, RequestStatus | None]:
         """Advance over `tokens` (those the scheduler appends, `status` the one they leave);
         returns how many to keep and the status after them: a grammar that has ended (its stop
         token accepted) finishes the request with "stop"."""

@@ -4,6 +4,7 @@ for its grammar while the batch keeps running.
 
 The vocabulary comes from the engine's tokenizer, loaded on the first constrained request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,7 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
                 return future
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1,
-                                                    thread_name_prefix="slipstream-grammar")
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-grammar")
             future = self._executor.submit(self._compile, key, params)
             self._cache[key] = future
             while len(self._cache) > CACHE_SIZE:
@@ -75,6 +75,7 @@ def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
     if tokenizer is None:
         raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
     # The model's vocabulary may be padded past the tokenizer's: the extra ids stay masked.
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer.hf, vocab_size=vocab_size,
-                                              stop_token_ids=list(tokenizer.eos_token_ids) or None)
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None
+    )
     return xgr.GrammarCompiler(info, max_threads=1)

@@ -5,6 +5,7 @@ dialect) or `choice` is set. Construction checks the constraint itself (an inval
 regex or grammar is a ValueError naming the field) without a tokenizer: that part is fast;
 the engine compiles it against the vocabulary later, off the step loop.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,11 +58,14 @@ class StructuredOutputsParams:
     def _check_shape(self) -> None:
         chosen = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(chosen) != 1:
-            raise ValueError("structured_outputs: set exactly one of json, json_object, regex, "
-                             f"grammar or choice (got {', '.join(chosen) or 'none'})")
+            raise ValueError(
+                "structured_outputs: set exactly one of json, json_object, regex, "
+                f"grammar or choice (got {', '.join(chosen) or 'none'})"
+            )
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError("structured_outputs.json: a JSON schema must be an object, got "
-                             f"{type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json: a JSON schema must be an object, got {type(self.json).__name__}"
+            )
         if not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
         for name in ("regex", "grammar"):
@@ -70,8 +74,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError("structured_outputs.choice must be a non-empty list of "
-                                 "non-empty strings")
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
 
     def check(self) -> None:
         """Parse the constraint (no vocabulary needed); ValueError naming the field if it is
@@ -97,19 +100,22 @@ def build_grammar(params: StructuredOutputsParams) -> Any:
     kind = params.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(json.dumps(_bounded_strings_escaped(params.json)),
-                                                any_whitespace=params.any_whitespace)
+            return xgr.Grammar.from_json_schema(
+                json.dumps(_bounded_strings_escaped(params.json)), any_whitespace=params.any_whitespace
+            )
         if kind == "json_object":  # any object (OpenAI's json_object), not any JSON value
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
-                                                any_whitespace=params.any_whitespace)
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, any_whitespace=params.any_whitespace
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "grammar":
             return xgr.Grammar.from_ebnf(params.grammar)
         return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
     except (RuntimeError, ValueError, TypeError) as exc:
-        message = _XGRAMMAR_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip()
-                                       else type(exc).__name__)
+        message = _XGRAMMAR_PREFIX.sub(
+            "", str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        )
         raise ValueError(f"structured_outputs.{kind}: {message}") from None
 
 
@@ -143,5 +149,4 @@ def coerce(value: StructuredOutputsParams | dict | None) -> StructuredOutputsPar
             return StructuredOutputsParams(**known)
         except TypeError as exc:
             raise ValueError(f"structured_outputs: {exc}") from None
-    raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
-                     f"{type(value).__name__}")
+    raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {type(value).__name__}")

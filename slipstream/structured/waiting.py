@@ -2,6 +2,7 @@
 grammar compiles in the manager's thread; each engine step takes the ready ones (with their
 RequestGrammar attached) to the scheduler, so a new schema never holds up the running batch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

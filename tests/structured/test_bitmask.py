@@ -1,5 +1,6 @@
 """The token bitmask: the plain-PyTorch twin equals xgrammar's kernel, and a constrained row is
 masked exactly where its matcher says while other rows stay untouched."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,7 @@ def test_reference_twin_equals_xgrammar(vocab):
 
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=gen)
-    mask = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32,
-                         generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
     rows = [0, 2, 4]
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, mask, vocab_size=vocab, indices=rows, backend="cpu")
@@ -33,8 +33,7 @@ def test_device_kernel_equals_twin():
     gen = torch.Generator().manual_seed(0)
     vocab = 151_936
     logits = torch.randn(64, vocab, generator=gen)
-    mask = torch.randint(-(2**31), 2**31 - 1, (64, bitmask_words(vocab)), dtype=torch.int32,
-                         generator=gen)
+    mask = torch.randint(-(2**31), 2**31 - 1, (64, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
     rows = list(range(0, 64, 4))
     want = logits.clone()
     apply_bitmask_reference(want, mask, rows)

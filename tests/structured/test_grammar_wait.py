@@ -1,6 +1,7 @@
 """Grammars compile off the step loop, once per constraint: a request with a new schema waits
 outside the scheduler while the batch runs; a compile failure ends only that request; requests
 beside constrained ones get the tokens they get alone (async steps and multi-step decode on)."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,25 @@ from slipstream import LLM, SamplingParams
 from slipstream.engine.request import Request
 from slipstream.structured import StructuredOutputsParams as SO
 
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                 "maximum": 999}},
-          "required": ["n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_chat_model_dir):
-    return LLM(str(tiny_chat_model_dir), dtype="float32", device="cpu", max_model_len=256,
-               max_num_tokens=256, async_scheduling=True, decode_steps=4)
+    return LLM(
+        str(tiny_chat_model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        max_num_tokens=256,
+        async_scheduling=True,
+        decode_steps=4,
+    )
 
 
 def _request(llm, rid: str, params: SamplingParams) -> Request:
@@ -39,10 +50,10 @@ def test_new_schema_waits_while_the_batch_runs(llm, monkeypatch):
 
     monkeypatch.setattr(manager, "_compile", slow_compile)
     so = SO(json={**SCHEMA, "title": "slow"})
-    engine.add_request(_request(llm, "free", SamplingParams(temperature=0, max_tokens=6,
-                                                            ignore_eos=True)))
-    engine.add_request(_request(llm, "json", SamplingParams(temperature=0, max_tokens=60,
-                                                            structured_outputs=so)))
+    engine.add_request(_request(llm, "free", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+    engine.add_request(
+        _request(llm, "json", SamplingParams(temperature=0, max_tokens=60, structured_outputs=so))
+    )
     tokens: dict[str, list[int]] = {"free": [], "json": []}
     reasons = {}
     for _ in range(20):  # the free request runs to its end while the grammar compiles
@@ -73,10 +84,8 @@ def test_compile_failure_ends_only_its_request(llm, monkeypatch):
         raise RuntimeError("compiler exploded")
 
     monkeypatch.setattr(engine.grammar_wait.manager, "_compile", broken)
-    engine.add_request(_request(llm, "bad", SamplingParams(
-        structured_outputs=SO(regex="x+"), max_tokens=5)))
-    engine.add_request(_request(llm, "ok", SamplingParams(temperature=0, max_tokens=3,
-                                                          ignore_eos=True)))
+    engine.add_request(_request(llm, "bad", SamplingParams(structured_outputs=SO(regex="x+"), max_tokens=5)))
+    engine.add_request(_request(llm, "ok", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -88,8 +97,7 @@ def test_neighbours_of_constrained_requests_are_unaffected(llm):
     prompts = ["hello world", "the quick brown fox", "def main():"]
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, free, use_tqdm=False)]
-    constrained = SamplingParams(temperature=0, max_tokens=80,
-                                 structured_outputs=SO(json=SCHEMA))
+    constrained = SamplingParams(temperature=0, max_tokens=80, structured_outputs=SO(json=SCHEMA))
     outs = llm.generate(prompts + prompts, [free] * 3 + [constrained] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:3]] == alone
     for o in outs[3:]:

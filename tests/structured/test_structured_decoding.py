@@ -1,6 +1,7 @@
 """Constrained decoding end to end (offline API): every output of a JSON schema, regex,
 choice or grammar request parses and validates, on the default model and on a random tiny one,
 with sampling, n > 1 and stop strings; the logit controls do what they say."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ ARITH_RE = r"[\d()+-]+"  # eval() below is the real check
 
 
 def _llm(path) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", max_model_len=1024, max_num_tokens=512,
-               max_num_seqs=64)
+    return LLM(
+        str(path), dtype="float32", device="cpu", max_model_len=1024, max_num_tokens=512, max_num_seqs=64
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +56,15 @@ def test_every_output_follows_its_constraint(which, request):
     llm = request.getfixturevalue(which)
     schemas = random_object_schemas(seed=45, count=10)
     cases = [("json", s, SO(json=s)) for s in schemas]
-    cases += [("regex", r"[a-z]{2,5}-\d{1,3}", SO(regex=r"[a-z]{2,5}-\d{1,3}")),
-              ("choice", ["alpha", "beta gamma", 'quote"d'],
-               SO(choice=["alpha", "beta gamma", 'quote"d'])),
-              ("grammar", None, SO(grammar=ARITH))]
+    cases += [
+        ("regex", r"[a-z]{2,5}-\d{1,3}", SO(regex=r"[a-z]{2,5}-\d{1,3}")),
+        ("choice", ["alpha", "beta gamma", 'quote"d'], SO(choice=["alpha", "beta gamma", 'quote"d'])),
+        ("grammar", None, SO(grammar=ARITH)),
+    ]
     params = [_params(i, so) for i, (_, _, so) in enumerate(cases)]
     if which == "default_llm":  # any object has unbounded strings: only a trained model ends it
         cases.append(("json_object", None, SO(json_object=True)))
-        params.append(SamplingParams(temperature=0, max_tokens=400,
-                                     structured_outputs=SO(json_object=True)))
+        params.append(SamplingParams(temperature=0, max_tokens=400, structured_outputs=SO(json_object=True)))
     outs = llm.generate(["def parse(data):"] * len(cases), params, use_tqdm=False)
     for (kind, spec, _), out, sp in zip(cases, outs, params):
         assert len(out.outputs) == sp.n
@@ -101,21 +103,27 @@ def test_constraint_errors_name_the_field():
 
 def test_logit_bias_allowed_and_bad_words(default_llm):
     prompt = "def add(a, b):"
-    base = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
-                                use_tqdm=False)[0].outputs[0]
+    base = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
+        0
+    ].outputs[0]
     forced = 1234
-    biased, allowed, banned = default_llm.generate([prompt] * 3, [
-        SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100.0}),
-        SamplingParams(temperature=0.9, seed=0, max_tokens=12, allowed_token_ids=[300, 301]),
-        SamplingParams(temperature=0, max_tokens=12, bad_words_token_ids=[[base.token_ids[0]]]),
-    ], use_tqdm=False)
+    biased, allowed, banned = default_llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(temperature=0, max_tokens=4, logit_bias={forced: 100.0}),
+            SamplingParams(temperature=0.9, seed=0, max_tokens=12, allowed_token_ids=[300, 301]),
+            SamplingParams(temperature=0, max_tokens=12, bad_words_token_ids=[[base.token_ids[0]]]),
+        ],
+        use_tqdm=False,
+    )
     assert biased.outputs[0].token_ids == [forced] * 4
     assert set(allowed.outputs[0].token_ids) <= {300, 301}
     assert base.token_ids[0] not in banned.outputs[0].token_ids
     # A bad word as text: the tokens it is made of never end the output as a sequence.
     word = default_llm.tokenizer.decode(base.token_ids[:2]).strip()
-    out = default_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
-                                                        bad_words=[word]), use_tqdm=False)
+    out = default_llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, bad_words=[word]), use_tqdm=False
+    )
     assert word not in out[0].outputs[0].text
 
 
@@ -128,9 +136,11 @@ def test_logits_processor_runs_per_row(default_llm):
         logits[7] = 0.0
         return logits
 
-    out = default_llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=3,
-                                                        logits_processors=[only_token_7]),
-                               use_tqdm=False)[0].outputs[0]
+    out = default_llm.generate(
+        ["x = "],
+        SamplingParams(temperature=0, max_tokens=3, logits_processors=[only_token_7]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == [7, 7, 7]
     assert seen == [[], [7], [7, 7]]
 
