@@ -20,11 +20,16 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+# From this many constrained rows on, xgrammar fills the rows in parallel C++ threads.
+BATCH_FILL_ROWS = 8
+
+
 class BitmaskFiller:
     """Reuses one host buffer (pinned on CUDA) so a step allocates nothing."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
+        self._batch = None
 
     def fill(
         self, requests: list[Request], rows: list[int], vocab_size: int, device: torch.device
@@ -33,9 +38,20 @@ class BitmaskFiller:
         for i in `rows` (other rows are left as they were: never applied)."""
         words = bitmask_words(vocab_size)
         host = self._buffer(len(requests), words, device)
-        for i in rows:
-            requests[i].grammar.fill_bitmask(host, i)
+        if len(rows) >= BATCH_FILL_ROWS:
+            self._batch_matcher().batch_fill_next_token_bitmask(
+                [requests[i].grammar.matcher for i in rows], host, indices=rows)
+        else:
+            for i in rows:
+                requests[i].grammar.fill_bitmask(host, i)
         return host.to(device, non_blocking=True)
+
+    def _batch_matcher(self):
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher()
+        return self._batch
 
     def _buffer(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:
         buf = self._host

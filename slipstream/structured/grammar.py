@@ -46,6 +46,10 @@ class RequestGrammar:
         if num_tokens:
             self._matcher.rollback(num_tokens)
 
+    @property
+    def matcher(self) -> Any:
+        return self._matcher
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [R, ceil(V / 32)] mask."""
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -152,3 +152,20 @@ def test_bad_control_values(default_llm):
         SamplingParams(allowed_token_ids=[])
     with pytest.raises(ValueError, match=r"logit_bias: token id 99999 is outside"):
         default_llm.generate(["x"], SamplingParams(logit_bias={99999: 1.0}), use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_every_output_follows_its_schema_on_cuda():
+    """The CUDA path: graphs, async steps and multi-step decode beside constrained rows, the
+    bitmask copied from pinned memory and applied by xgrammar's kernel."""
+    llm = LLM(str(DEFAULT_MODEL_DIR), max_model_len=1024, max_num_seqs=64)
+    schemas = random_object_schemas(seed=46, count=24)
+    params = [_params(i, SO(json=s)) for i, s in enumerate(schemas)]
+    free = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(["def parse(data):"] * (len(schemas) + 8), params + [free] * 8,
+                        use_tqdm=False)
+    for schema, out in zip(schemas, outs):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), schema)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs[len(schemas):])
