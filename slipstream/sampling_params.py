@@ -6,10 +6,15 @@ can turn it into a 400 without guessing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.structured.params import StructuredOutputsParams, coerce
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -32,6 +37,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logit controls (sampling/logit_controls.py) and constrained decoding (structured/).
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (the front end tokenizes them)
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words as token ids
+    # fn(output_token_ids, logits [V]) -> logits [V]; offline API only (callables cannot
+    # cross to the server's engine process).
+    logits_processors: list[Callable[[list[int], Any], Any]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Only spellings of the same value are normalised; anything else fails validation.
@@ -43,7 +57,20 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.structured_outputs = coerce(self.structured_outputs)
+        if self.logit_bias:
+            self.logit_bias = {_bias_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
+        if self.structured_outputs is not None:
+            self.structured_outputs.check()
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Any of logit_bias, allowed_token_ids, bad words or logits_processors."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.logits_processors)
 
     def validate(self) -> None:
         """Check every field again: a caller may have changed one since construction."""
@@ -85,6 +112,41 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a boolean, got {value!r}")
+        self._validate_logit_controls()
+
+    def _validate_logit_controls(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token, 0, None)
+            _check_num("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, None)
+        for word in self.bad_words or ():
+            if not isinstance(word, str) or not word:
+                raise ValueError("bad_words: every bad word must be a non-empty string")
+        for ids in self.bad_words_token_ids or ():
+            if not ids:
+                raise ValueError("bad_words_token_ids: every entry must be a non-empty list")
+            for t in ids:
+                _check_int("bad_words_token_ids", t, 0, None)
+        for fn in self.logits_processors or ():
+            if not callable(fn):
+                raise ValueError(f"logits_processors: {fn!r} is not callable")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the "
+                             "grammar decides where the output ends")
+
+
+def _bias_key(key) -> int:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+    return key
 
 
 def _check_list(name: str, value, what: str) -> None:

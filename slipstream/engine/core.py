@@ -18,10 +18,12 @@ from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
 from slipstream.runner.model_runner import ModelRunner
+from slipstream.sampling.logit_controls import needs_known_tokens
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.speculative.decoder import build_decoder
+from slipstream.structured.waiting import GrammarWaitRoom
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,8 @@ class EngineCore:
             if draft is not None:
                 draft.kv = self.scheduler.kv
         self._requests: dict[str, Request] = {}
+        # Structured-output requests whose grammar is still compiling (off the step loop).
+        self.grammar_wait = GrammarWaitRoom(config.tokenizer_path, config.model.vocab_size)
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
@@ -89,7 +93,11 @@ class EngineCore:
         self._validate(request)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
-        self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.scheduler.check_fits(request)
+            self.grammar_wait.add(request)  # joins the scheduler once its grammar is ready
+        else:
+            self.scheduler.add_request(request)
         self._requests[request.request_id] = request
 
     def _validate(self, request: Request) -> None:
@@ -97,6 +105,7 @@ class EngineCore:
                                self.config.scheduler.max_model_len)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self.grammar_wait.discard(request_ids)
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
@@ -110,14 +119,24 @@ class EngineCore:
             self._queued = None
 
     def step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
-        """Schedule one iteration, run the model, return per-request news (see _step); with
-        speculative decoding, then propose the next step's draft tokens."""
+        """Admit requests whose grammar compiled (waiting a little for one only when nothing
+        else could run), run one iteration (`_step`); with speculative decoding, then propose
+        the next step's draft tokens."""
+        idle = (not self.scheduler.has_unfinished_requests() and self._queued is None
+                and self._inflight is None)
+        failed = []
+        for request, error in self.grammar_wait.ready(wait=idle):
+            if error is None:
+                self.scheduler.add_request(request)
+            else:
+                self._requests.pop(request.request_id, None)
+                failed.append(_error_output(request, error))
         outputs = self._step(while_gpu_runs)
         if self.spec is not None:
             self.spec.forget([o.request_id for o in outputs if o.finished])
             if self._inflight is None and self._queued is None:
                 self.spec.propose(self.scheduler.running)
-        return outputs
+        return failed + outputs
 
     def _step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
         """Schedule one iteration, run the model, return per-request news.
@@ -203,8 +222,8 @@ class EngineCore:
             return False
         for seq in sched_out.seqs:
             p = seq.request.sampling_params
-            if p.prompt_logprobs is not None or (
-                    seq.needs_sample and (p.logprobs is not None or has_penalties(p))):
+            if p.prompt_logprobs is not None or (seq.needs_sample and (
+                    p.logprobs is not None or has_penalties(p) or needs_known_tokens(p))):
                 return False
         return True
 
@@ -311,7 +330,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self._queued is not None or self._inflight is not None
-                or self.scheduler.has_unfinished_requests())
+                or self.scheduler.has_unfinished_requests() or bool(self.grammar_wait))
 
     def get_stats(self) -> dict:
         stats = self.scheduler.get_stats()
@@ -358,4 +377,12 @@ def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bo
     if num_output_tokens is None:
         num_output_tokens = request.num_output_tokens
     return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
-            and num_output_tokens >= p.min_tokens)
+            and num_output_tokens >= p.min_tokens and not p.has_logit_controls
+            and p.structured_outputs is None)
+
+
+def _error_output(request: Request, error: BaseException) -> EngineCoreOutput:
+    """The output that ends a request whose grammar failed to compile."""
+    logger.warning("request %s: %s", request.request_id, error)
+    return EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                            finish_reason="error", stop_reason=str(error))

@@ -131,6 +131,27 @@ class InputProcessor:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """bad_words as token ids, each word both as written and after a space (a word
+        inside a sentence is usually one token with its leading space)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words: this model has no tokenizer; use allowed_token_ids "
+                             "or logit_bias with token ids")
+        words = list(params.bad_words_token_ids or [])
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return params.clone(bad_words_token_ids=words)
 
     def process(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
@@ -138,6 +159,7 @@ class InputProcessor:
     ) -> tuple[list[int], list[Request]]:
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
+        params = self.with_bad_words_tokenized(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

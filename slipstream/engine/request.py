@@ -58,6 +58,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Sampler state (a torch.Generator for seeded requests); owned by the sampler.
     generator: Any = None
+    # Structured output: the request's RequestGrammar (structured/grammar.py), set by the
+    # engine once its grammar is compiled; the sampler masks with it, the scheduler advances it.
+    grammar: Any = None
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

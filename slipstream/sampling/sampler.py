@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from slipstream.sampling.logit_controls import LogitControls, has_logit_controls
 from slipstream.sampling.logprobs import pack_top_logprobs, unpack_top_logprobs
 from slipstream.sampling.penalties import apply_penalties, has_penalties, mask_min_tokens
 from slipstream.sampling.topk_topp import apply_min_p, apply_top_k_top_p
@@ -71,6 +72,7 @@ class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
+        self._controls = LogitControls()
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -102,18 +104,20 @@ class Sampler:
         sub = logits if len(rows) == logits.shape[0] else logits[rows]
         return torch.log_softmax(sub, dim=-1)
 
-    @staticmethod
-    def _process(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Penalties and the min_tokens mask, on a copy (the caller's logits stay intact)."""
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Penalties, the min_tokens mask, then the logit controls (bias, allowed / bad
+        tokens, processors, grammar bitmask), on a copy (the caller's logits stay intact)."""
         needs = any(
             has_penalties(r.sampling_params) or r.num_output_tokens < r.sampling_params.min_tokens
+            or has_logit_controls(r)
             for r in requests
         )
         if not needs:
             return logits
         logits = logits.clone()
         apply_penalties(logits, requests)
-        return mask_min_tokens(logits, requests)
+        mask_min_tokens(logits, requests)
+        return self._controls(logits, requests)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = _Params.build(requests, logits.device)

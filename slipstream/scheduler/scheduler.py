@@ -46,7 +46,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (nothing changed) if it could never be scheduled."""
-        self._check_fits(request)
+        self.check_fits(request)
         params = request.sampling_params
         if params.max_tokens is None:
             # A private copy: one SamplingParams object is often shared by many prompts.
@@ -57,7 +57,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._push_waiting(request)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """ValueError if the request could never be scheduled (add_request's check)."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in the scheduler")
@@ -357,6 +358,8 @@ class Scheduler:
             del request.output_token_ids[-request.num_pending:]
             request.num_pending = 0
         count, status = scan_stop(request, sampled, self._max_seq_len)
+        if request.grammar is not None:  # structured output: advance it; its end is a stop
+            count, status = request.grammar.accept(sampled[:count], status)
         appended = sampled[:count]
         request.output_token_ids.extend(appended)
         if status is not None:

@@ -34,6 +34,7 @@ from slipstream.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from slipstream.serve.tool_parsers import get_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
@@ -47,10 +48,12 @@ _SSE_200: dict[int | str, dict[str, Any]] = {
 
 def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: ServeLimits,
               api_key: str | None = None, metrics: ServerMetrics | None = None,
-              http_limits: HttpLimits | None = None) -> FastAPI:
+              http_limits: HttpLimits | None = None,
+              tool_call_parser: str = "hermes") -> FastAPI:
     app = FastAPI(title="slipstream", version=__version__,
                   description="OpenAI-compatible API of the slipstream inference engine.")
-    ctx = ServeContext(engine, tokenizer, model_name, limits, metrics)
+    ctx = ServeContext(engine, tokenizer, model_name, limits, metrics,
+                       get_tool_parser(tool_call_parser))
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_generation_routes(app, ctx)

@@ -1,7 +1,8 @@
 """/v1/chat/completions: render the chat template, generate, answer as a message or a stream.
 
 Streams follow the OpenAI shape: a first chunk per choice with the assistant role, content
-deltas, a final chunk with finish_reason, and a usage-only chunk when asked for.
+deltas, a final chunk with finish_reason, and a usage-only chunk when asked for. Tool calls
+(serve/tools.py) come back as `tool_calls`, streamed as deltas with index, id, name, arguments.
 """
 from __future__ import annotations
 
@@ -42,19 +43,19 @@ from slipstream.serve.protocol import (
     random_id,
 )
 from slipstream.serve.streaming import SSEResponse, run_until_disconnect
+from slipstream.serve.tools import ToolCallStream, ToolPlan, chat_template_inputs, plan_tools
 
 
 async def render_chat(ctx: ServeContext, messages: list[ChatMessage],
-                      add_generation_prompt: bool) -> list[int]:
+                      add_generation_prompt: bool, tools: ToolPlan | None = None) -> list[int]:
     """Token ids of the rendered conversation (rendered and encoded off the event loop);
     template problems are the client's 400."""
     if ctx.prompts is None:
         raise APIError("this model has no tokenizer, so no chat template: use "
                        "/v1/completions with token ids", param="messages")
-    dicts = [{"role": m.role, "content": m.text(),
-              **({"name": m.name} if m.name else {})} for m in messages]
+    dicts, extra = chat_template_inputs(messages, tools, ctx.tokenizer, ctx.tool_parser)
     try:
-        return await ctx.prompts.encode_chat(dicts, add_generation_prompt)
+        return await ctx.prompts.encode_chat(dicts, add_generation_prompt, **extra)
     except APIError:
         raise
     except (ValueError, TypeError) as exc:
@@ -70,13 +71,15 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
                                  ctx: ServeContext) -> Response:
     ctx.check_model(req.model)
     check_common(req, ctx.limits)
-    prompt_ids = await render_chat(ctx, req.messages, req.add_generation_prompt)
+    tools = plan_tools(req, ctx.tool_parser)
+    prompt_ids = await render_chat(ctx, req.messages, req.add_generation_prompt, tools)
     if not prompt_ids:
         raise APIError("messages rendered to an empty prompt", param="messages")
-    params = chat_params(req, len(prompt_ids), ctx.limits)
+    params = chat_params(req, len(prompt_ids), ctx.limits,
+                         tools.constraint if tools is not None else None)
     request_id = random_id("chatcmpl")
     stream = start_generation(ctx, prompt_ids, params, request_id, req.priority)
-    job = _ChatJob(req, ctx, request_id, params)
+    job = _ChatJob(req, ctx, request_id, params, tools)
 
     async def abort() -> None:
         await ctx.engine.abort(request_id)
@@ -91,8 +94,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
 
 class _ChatJob:
     def __init__(self, req: ChatCompletionRequest, ctx: ServeContext, request_id: str,
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, tools: ToolPlan | None = None) -> None:
         self.req = req
+        self.tools = tools if tools is not None and tools.mode != "none" else None
         self.ctx = ctx
         self.request_id = request_id
         self.params = params
@@ -113,19 +117,30 @@ class _ChatJob:
         logprobs = None
         if self.req.logprobs:
             logprobs = chat_logprobs(self.token_text, c.token_ids, c.logprobs or [], self.num_top)
-        return ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                          logprobs=logprobs, finish_reason=public_reason(c.finish_reason),
+        content, calls = c.text, []
+        finish_reason = public_reason(c.finish_reason)
+        if self.tools is not None:
+            content, calls = self.tools.extract(c.text)
+            if calls and finish_reason == "stop" and self.tools.mode != "named":
+                finish_reason = "tool_calls"  # OpenAI: a forced function ends with "stop"
+        return ChatChoice(index=c.index,
+                          message=ChatResponseMessage(content=content, tool_calls=calls),
+                          logprobs=logprobs, finish_reason=finish_reason,
                           stop_reason=c.stop_reason)
 
     async def stream(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         cursors = [ChoiceCursor() for _ in range(self.req.n)]
+        if self.tools is not None:
+            tool_streams = [ToolCallStream(self.tools) for _ in range(self.req.n)]
         final = None
         try:
             async for out in stream:
                 final = out
                 for c in out.outputs:
-                    for chunk in self._chunks(c, cursors[c.index]):
+                    chunks = (self._chunks(c, cursors[c.index]) if self.tools is None else
+                              self._tool_chunks(c, cursors[c.index], tool_streams[c.index]))
+                    for chunk in chunks:
                         yield sse(chunk)
             if include_usage and final is not None:
                 yield sse(ChatCompletionChunk(id=self.request_id, model=self.ctx.model_name,
@@ -150,6 +165,39 @@ class _ChatJob:
             chunks.append(self._chunk(
                 c.index, DeltaMessage(content=delta.text), logprobs, delta.finish_reason,
                 delta.stop_reason if delta.finish_reason else None))
+        return chunks
+
+    def _tool_chunks(self, c: CompletionOutput, cursor: ChoiceCursor,
+                     tools: ToolCallStream) -> list[str]:
+        """Chunks of a choice with tools: content while no tool call has started, then the
+        calls (serve/tools.py); logprobs are not sent in these streams."""
+        sent_before = cursor.num_chars
+        delta = cursor.advance(c, self.params.stop)
+        if delta is None:
+            return []
+        chunks = []
+        if delta.first:
+            chunks.append(self._chunk(c.index, DeltaMessage(role="assistant", content="")))
+        text = c.text[:cursor.num_chars]
+        if tools.plan.mode == "named":
+            calls = tools.named_delta(text, sent_before)
+            if calls:
+                chunks.append(self._chunk(c.index, DeltaMessage(tool_calls=calls)))
+        elif delta.finish_reason is None:
+            content = tools.content_delta(text)
+            if content:
+                chunks.append(self._chunk(c.index, DeltaMessage(content=content)))
+        if delta.finish_reason is not None:
+            content, calls = tools.final(c.text)
+            if content:
+                chunks.append(self._chunk(c.index, DeltaMessage(content=content)))
+            if calls:
+                chunks.append(self._chunk(c.index, DeltaMessage(tool_calls=calls)))
+            reason = delta.finish_reason
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            chunks.append(self._chunk(c.index, DeltaMessage(), None, reason,
+                                      delta.stop_reason))
         return chunks
 
     def _chunk(self, index: int, delta: DeltaMessage, logprobs=None,

@@ -14,6 +14,7 @@ import sys
 from slipstream import envs
 from slipstream.engine.args import EngineArgs
 from slipstream.sampling_params import MAX_LOGPROBS
+from slipstream.serve.tool_parsers import PARSERS
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -44,6 +45,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="largest request body accepted")
     g.add_argument("--max-prompts", type=int, default=32,
                    help="most prompts in one batched /v1/completions request")
+    g.add_argument("--tool-call-parser", default="hermes", choices=sorted(PARSERS),
+                   help="how the model writes tool calls, for tool_choice 'auto' "
+                        "(default: hermes, <tool_call>{...}</tool_call>)")
     g.add_argument("--engine-startup-timeout", type=float, default=1800.0)
     add_hardening_args(parser)
     g.add_argument("--log-level", default="info",

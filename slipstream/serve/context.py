@@ -22,6 +22,7 @@ from slipstream.serve.errors import APIError, error_body, from_value_error
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.params import ServeLimits
 from slipstream.serve.tokenizing import PromptTokenizer
+from slipstream.serve.tool_parsers import HermesParser, ToolParser
 
 logger = logging.getLogger("slipstream.serve")
 
@@ -48,6 +49,7 @@ class ServeContext:
     model_name: str
     limits: ServeLimits
     metrics: ServerMetrics | None = None
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # --tool-call-parser
     prompts: PromptTokenizer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,8 @@ from slipstream.engine.frontend import ContextLengthError, check_context_length
 from slipstream.sampling_params import MAX_LOGPROBS, SamplingParams
 from slipstream.serve.errors import APIError, from_value_error
 from slipstream.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from slipstream.serve.structured import logit_control_kwargs, structured_outputs_of
+from slipstream.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,6 @@ class ServeLimits:
 def check_common(req: SamplingFields, limits: ServeLimits) -> None:
     if req.n > limits.max_n:
         raise APIError(f"n must be at most {limits.max_n}, got {req.n}", param="n")
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported", param="logit_bias")
 
 
 def check_logprobs(value: int | None, limits: ServeLimits, param: str) -> None:
@@ -74,6 +74,10 @@ def _base_kwargs(req: SamplingFields, limits: ServeLimits) -> dict:
         kwargs[name] = default if value is None else value
     if limits.vocab_size is not None and kwargs["top_k"] >= limits.vocab_size:
         kwargs["top_k"] = 0  # keeping every token is no top-k at all
+    kwargs.update(logit_control_kwargs(req))
+    structured = structured_outputs_of(req)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     return kwargs
 
 
@@ -98,8 +102,9 @@ def completion_params(req: CompletionRequest, prompt_len: int,
     return _build(kwargs)
 
 
-def chat_params(req: ChatCompletionRequest, prompt_len: int,
-                limits: ServeLimits) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, prompt_len: int, limits: ServeLimits,
+                tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """tool_constraint: the output a "required" or named tool_choice forces."""
     check_logprobs(req.top_logprobs, limits, "top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -110,4 +115,9 @@ def chat_params(req: ChatCompletionRequest, prompt_len: int,
     kwargs["max_tokens"] = resolve_max_tokens(requested, prompt_len, limits, param,
                                               prompt_param="messages")
     kwargs["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    if tool_constraint is not None:
+        if "structured_outputs" in kwargs:
+            raise APIError("a required or named tool_choice cannot be combined with "
+                           "response_format or guided_* constraints", param="tool_choice")
+        kwargs["structured_outputs"] = tool_constraint
     return _build(kwargs)

@@ -65,7 +65,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                          vocab_size=config.model.vocab_size,
                          request_timeout_s=args.request_timeout)
     uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
-                              http_limits)
+                              http_limits, tool_call_parser=args.tool_call_parser)
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:

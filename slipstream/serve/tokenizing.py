@@ -59,11 +59,16 @@ class PromptTokenizer:
         self.check_bound(text, param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Render and encode in the pool; the bound applies to the rendered text."""
-        return await self._run(self._encode_chat, messages, add_generation_prompt)
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                          **template_kwargs) -> list[int]:
+        """Render and encode in the pool; the bound applies to the rendered text.
+        template_kwargs reach the chat template (e.g. tools=...)."""
+        return await self._run(self._encode_chat, messages, add_generation_prompt,
+                               template_kwargs)
 
-    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool,
+                     template_kwargs: dict) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  **template_kwargs)
         self.check_bound(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -140,7 +140,8 @@ class SpeculativeDecoder:
 
 def _may_speculate(r: Request) -> bool:
     """Decoding next with its last token known, and nothing in its sampling that depends on
-    the output so far token by token (penalties, a pending min_tokens)."""
+    the output so far token by token (penalties, a pending min_tokens, a grammar, bad words
+    or logits processors; logit controls are kept off the verification rows altogether)."""
     p = r.sampling_params
     return (
         r.status == RequestStatus.RUNNING
@@ -148,6 +149,8 @@ def _may_speculate(r: Request) -> bool:
         and r.num_tokens - r.num_computed_tokens == 1
         and not has_penalties(p)
         and r.num_output_tokens >= p.min_tokens
+        and r.grammar is None
+        and not p.has_logit_controls
     )
 
 
