@@ -17,6 +17,7 @@ _LAZY = {
     "EngineCore": "slipstream.engine.core",
     "EngineConfig": "slipstream.config",
     "default_model_path": "slipstream.assets",
+    "LoRARequest": "slipstream.lora.request",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from slipstream.config import EngineConfig  # noqa: F401
     from slipstream.engine.core import EngineCore  # noqa: F401
     from slipstream.llm import LLM  # noqa: F401
+    from slipstream.lora.request import LoRARequest  # noqa: F401
     from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401
     from slipstream.sampling_params import SamplingParams  # noqa: F401
 

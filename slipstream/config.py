@@ -125,6 +125,16 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (slipstream/lora/): off unless enabled."""
+
+    enabled: bool = False
+    max_loras: int = 4  # adapters on the device at once (slots a batch can mix)
+    max_lora_rank: int = 16  # largest adapter rank accepted (slot buffers are this wide)
+    max_cpu_loras: int = 4  # adapters kept read on the host (at least max_loras)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
@@ -142,6 +152,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 512
     # CPU engine: torch's intra-op threads (None: physical cores less busy ones; runner/cpu_threads.py).
     cpu_threads: int | None = None
+    lora: LoRAConfig = LoRAConfig()
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

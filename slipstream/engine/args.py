@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from slipstream.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     QuantConfig,
@@ -53,6 +54,12 @@ class EngineArgs:
     # CPU engine: torch's intra-op thread count. None: OMP_NUM_THREADS or a torch.set_num_threads()
     # made before start-up if any, else the physical cores less those other processes keep busy.
     cpu_threads: int | None = None
+    # Multi-LoRA (slipstream/lora/): adapters per request, max_loras of them on the device at
+    # once, up to max_cpu_loras (None: max_loras) kept read on the host.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -97,6 +104,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             cpu_threads=self.cpu_threads,
+            lora=_lora_config(self),
             tokenizer_path=self.tokenizer or str(model_path),
         )
 
@@ -159,6 +167,15 @@ class EngineArgs:
                        help="CPU engine: torch threads (default: OMP_NUM_THREADS if set, else "
                             "the physical cores less those other processes keep busy)")
 
+        g = parser.add_argument_group("LoRA")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT layout) beside the base model")
+        g.add_argument("--max-loras", type=int, default=4,
+                       help="adapters on the GPU at once; a batch mixes up to this many")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept read in host memory (default: --max-loras)")
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -172,6 +189,21 @@ def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
         saved = model_cfg.hf_config.get("quantize_lm_head")
         wanted = saved if method in DEFAULT_FORMATS else None
     return QuantConfig(method=method, lm_head=head_format(wanted, method))
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig:
+    if not args.enable_lora:
+        return LoRAConfig()
+    for name in ("max_loras", "max_lora_rank"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    if not isinstance(cpu, int) or cpu < args.max_loras:
+        raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}), "
+                         f"got {cpu!r}")
+    return LoRAConfig(enabled=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=cpu)
 
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:

@@ -39,7 +39,8 @@ class EngineCore:
         self.trace = StepTrace()
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
-        self.scheduler = Scheduler(config.scheduler, cache)
+        self.scheduler = Scheduler(config.scheduler, cache,
+                                   config.lora.max_loras if config.lora.enabled else 0)
         self._requests: dict[str, Request] = {}
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
@@ -62,6 +63,8 @@ class EngineCore:
     def _validate(self, request: Request) -> None:
         validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
+        if request.lora_int_id:  # reads and checks the adapter (a bad one is a ValueError)
+            self.runner.add_lora(request.lora_int_id, request.lora_path)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
