@@ -30,6 +30,7 @@ from slipstream.engine.core_proc import (
     unpack,
 )
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
+from slipstream.lora.request import LoRARequest
 from slipstream.outputs import EngineCoreOutput, RequestOutput
 from slipstream.sampling_params import SamplingParams
 
@@ -303,7 +304,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ public API
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """Queue a request now and return its stream of cumulative RequestOutputs.
 
         Invalid input raises ValueError (and a dead engine EngineDeadError) here, before any
@@ -314,7 +316,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority)
+        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority,
+                                                            lora_request=lora_request)
         try:
             add_msg = pack({"t": "add", "reqs": [encode_request(c) for c in children]})
         except (OverflowError, TypeError, ValueError) as exc:
