@@ -36,7 +36,7 @@ def _tile_rows(sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile,
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
                    K, R, stride_xm, stride_as, stride_ar, stride_hm, k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ATOMIC: tl.constexpr):
+                   ATOMIC: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
@@ -55,7 +55,7 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tile_slot_ptr, tile_start_pt
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
                     mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += tl.dot(x.to(a.dtype), a)
+        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_r[None, :]
     mask = m_mask[:, None] & r_mask[None, :]
     if ATOMIC:
@@ -67,7 +67,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, sorted_ptr, tile_slot_ptr, tile_start_pt
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
                    N, R, shard1, shard2, stride_hm, stride_bs, stride_bn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
@@ -85,11 +86,17 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_pt
                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[None, :] * stride_bn
                 + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    acc = tl.dot(h.to(b.dtype), b)
+    acc = tl.dot(h.to(b.dtype), b, input_precision=PRECISION)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _precision(weights: torch.Tensor) -> str:
+    """float32 adapters multiply in full precision (TF32 would move greedy tokens off the
+    reference); 16-bit ones ignore the setting."""
+    return "ieee" if weights.dtype == torch.float32 else "tf32"
 
 
 _BLOCK_K = 64
@@ -112,7 +119,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta) -> torch.Tenso
     _shrink_kernel[grid](
         x, a, h, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len,
         k, r_total, x.stride(0), a.stride(0), a.stride(1), h.stride(0), k_per_split,
-        BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, ATOMIC=split > 1, num_warps=4)
+        BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=_BLOCK_K, ATOMIC=split > 1,
+        PRECISION=_precision(a), num_warps=4)
     return h
 
 
@@ -142,5 +150,5 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
         h, b, y, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len,
         n, rank, starts[0], starts[1], h.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        num_warps=4)
+        PRECISION=_precision(b), num_warps=4)
     return y
