@@ -18,7 +18,6 @@ from slipstream.lora.slots import LoRASlots
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
-
 # A request refused a LoRA slot this many schedules in a row stops later LoRA requests from
 # joining pinned adapters, so pinned slots drain and it gets one (no starvation).
 LORA_MAX_WAIT_STEPS = 64
