@@ -124,3 +124,18 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(setup, llm, 
     with pytest.raises(ValueError, match="enable_lora"):
         LLM(str(base), device="cpu", kv_cache_memory=1 << 20).generate(
             [PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=loras[0])
+
+
+def test_quantized_base_with_bf16_style_adapters(setup) -> None:
+    """int8 weight-only base weights, adapters kept in the model dtype: the tokens of the float
+    model with the adapter (int8's rounding is far below what moves these greedy tokens)."""
+    import torch
+
+    base, loras, want = setup
+    llm = LLM(str(base), device="cpu", quantization="int8_wo", enable_lora=True, max_loras=2,
+              max_lora_rank=16, kv_cache_memory=1 << 22)
+    jobs = [loras[1], None, loras[2]]
+    outs = llm.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False, lora_request=jobs)
+    assert _ids(outs) == [want[lo][0] for lo in jobs]
+    layer = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.int8 and layer.lora.a.dtype == torch.float32
