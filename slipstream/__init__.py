@@ -21,6 +21,7 @@ _LAZY = {
     "EngineCore": "slipstream.engine.core",
     "EngineConfig": "slipstream.config",
     "default_model_path": "slipstream.assets",
+    "LoRARequest": "slipstream.lora.request",
 }
 
 __all__ = sorted(_LAZY) + ["__version__", "build"]
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from slipstream.engine.core import EngineCore  # noqa: F401
     from slipstream.engine.executor import Executor, Response  # noqa: F401
     from slipstream.llm import LLM  # noqa: F401
+    from slipstream.lora.request import LoRARequest  # noqa: F401
     from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401
     from slipstream.sampling_params import SamplingParams  # noqa: F401
 

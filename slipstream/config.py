@@ -126,6 +126,16 @@ class QuantConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (slipstream/lora/): off unless enabled."""
+
+    enabled: bool = False
+    max_loras: int = 4  # adapters on the device at once (slots a batch can mix)
+    max_lora_rank: int = 16  # largest adapter rank accepted (slot buffers are this wide)
+    max_cpu_loras: int = 4  # adapters kept read on the host (at least max_loras)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     model: ModelConfig
@@ -145,6 +155,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Speculative decoding (speculative/); None: off.
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig = LoRAConfig()
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

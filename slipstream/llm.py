@@ -9,6 +9,7 @@ from typing import Any
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.core import EngineCore
 from slipstream.engine.frontend import InputProcessor, OutputProcessor, as_token_ids
+from slipstream.lora.request import LoRARequest
 from slipstream.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
 from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
@@ -43,8 +44,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt"|"prompt_token_ids": ...}).
+
+        lora_request: one adapter for every prompt, or one (or None: the base model) per
+        prompt; the engine needs enable_lora.
 
         Every prompt is validated before any runs: a bad one raises ValueError and nothing
         is queued. Outputs come back in the order of the prompts.
@@ -54,7 +59,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
-        staged = [self._stage(p, sp, pr) for p, sp, pr in zip(prompts, params, priorities)]
+        loras = _as_lora_list(lora_request, len(prompts))
+        staged = [self._stage(p, sp, pr, lo)
+                  for p, sp, pr, lo in zip(prompts, params, priorities, loras)]
         order: dict[str, int] = {}
         try:
             for request_id, text, token_ids, sp, children in staged:
@@ -92,10 +99,12 @@ class LLM:
     def get_stats(self) -> dict:
         return self.engine.get_stats()
 
-    def _stage(self, prompt: PromptType, params: SamplingParams, priority: int):
+    def _stage(self, prompt: PromptType, params: SamplingParams, priority: int,
+               lora_request: LoRARequest | None = None):
         text, raw = _split_prompt(prompt)
         request_id = str(next(self._ids))
-        token_ids, children = self._inputs.process(request_id, raw, params, priority)
+        token_ids, children = self._inputs.process(request_id, raw, params, priority,
+                                                   lora_request=lora_request)
         return request_id, text, token_ids, params, children
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
@@ -183,6 +192,15 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
                              f"got a list holding {type(p).__name__}")
     return params
+
+
+def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+    return loras
 
 
 def _progress(total: int, enabled: bool):

@@ -23,6 +23,7 @@ import pytest
 
 from slipstream.assets.smollm2 import smollm2_gguf_path
 from tests.helpers import make_tiny_checkpoint
+from tests.lora.peft_adapters import make_adapter
 from tests.tokenizer.tiny_tokenizer import make_tiny_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -63,6 +64,7 @@ def workdir(tmp_path_factory) -> Path:
     make_tiny_tokenizer(model)
     for name in ("ckpt", "my-llama"):
         shutil.copytree(model, root / name)
+    make_adapter(model, root / "sql-lora", ["q_proj", "v_proj"], r=8)  # the LoRA example's
     return root
 
 
@@ -87,7 +89,7 @@ BLOCK_MARKERS = ("# the main job", "slipstream chat", "slipstream quantize --mod
 
 
 def test_every_readme_block_is_run_here() -> None:
-    assert len(code_blocks("python")) == 1
+    assert len(code_blocks("python")) == 2
     untested = [b for b in code_blocks("bash")
                 if commands(b) and not any(m in b for m in BLOCK_MARKERS)]
     assert untested == []
@@ -102,12 +104,19 @@ def test_main_job(workdir: Path) -> None:
 
 
 def test_python_example(workdir: Path) -> None:
-    (example,) = code_blocks("python")
+    example = code_blocks("python")[0]
     out = run(f"{shlex.quote(sys.executable)} -c {shlex.quote(example)}", workdir).stdout
     assert out.count("\n") >= 3
     if HAS_SMOLLM2:
         assert "Paris" in out  # "The capital of France is"
         assert "def " in out  # the chat reply writes the function
+
+
+def test_lora_example(workdir: Path) -> None:
+    example = code_blocks("python")[1]
+    assert "./sql-lora" in example
+    out = run(f"{shlex.quote(sys.executable)} -c {shlex.quote(example)}", workdir).stdout
+    assert out.startswith("[")
 
 
 def test_command_line_examples(workdir: Path) -> None:

@@ -9,6 +9,7 @@ from slipstream.build.engine_dir import engine_args, is_engine_dir, planned_conf
 from slipstream.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     QuantConfig,
@@ -58,6 +59,12 @@ class EngineArgs:
     # Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_
     # tokens": k, "model": PATH, "prompt_lookup_min"/"max": n, ...} (speculative/config.py).
     speculative_config: dict | str | None = None
+    # Multi-LoRA (slipstream/lora/): adapters per request, max_loras of them on the device at
+    # once, up to max_cpu_loras (None: max_loras) kept read on the host.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -108,6 +115,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_prefill_graph_tokens=self.max_prefill_graph_tokens,
             cpu_threads=self.cpu_threads,
+            lora=_lora_config(self),
             tokenizer_path=self.tokenizer or str(model_path),
             speculative=(None if self.speculative_config is None
                          else SpeculativeConfig.from_dict(self.speculative_config)),
@@ -176,6 +184,15 @@ class EngineArgs:
                             '"num_speculative_tokens": 4}\' or {"method": "draft_model", '
                             '"model": DIR, ...} (vLLM\'s keys; docs/speculative.md)')
 
+        g = parser.add_argument_group("LoRA")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT layout) beside the base model")
+        g.add_argument("--max-loras", type=int, default=4,
+                       help="adapters on the GPU at once; a batch mixes up to this many")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept read in host memory (default: --max-loras)")
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -189,6 +206,21 @@ def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
         saved = model_cfg.hf_config.get("quantize_lm_head")
         wanted = saved if method in DEFAULT_FORMATS else None
     return QuantConfig(method=method, lm_head=head_format(wanted, method))
+
+
+def _lora_config(args: EngineArgs) -> LoRAConfig:
+    if not args.enable_lora:
+        return LoRAConfig()
+    for name in ("max_loras", "max_lora_rank"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    if not isinstance(cpu, int) or cpu < args.max_loras:
+        raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}), "
+                         f"got {cpu!r}")
+    return LoRAConfig(enabled=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      max_cpu_loras=cpu)
 
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:

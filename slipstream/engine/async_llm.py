@@ -29,6 +29,7 @@ from slipstream.config import EngineConfig
 from slipstream.engine.core_proc import decode_output, encode_request, pack, unpack
 from slipstream.engine.engine_proc import EngineProcess, remove_stale_ipc_dirs
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
+from slipstream.lora.request import LoRARequest
 from slipstream.outputs import EngineCoreOutput, RequestOutput
 from slipstream.sampling_params import SamplingParams
 
@@ -396,7 +397,8 @@ class AsyncLLM:
     # ------------------------------------------------------------------ public API
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]:
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """Queue a request now and return its stream of cumulative RequestOutputs.
 
         Invalid input raises ValueError (and a dead engine EngineDeadError) here, before any
@@ -409,7 +411,8 @@ class AsyncLLM:
             raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority)
+        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority,
+                                                            lora_request=lora_request)
         try:
             add_msg = pack({"t": "add", "reqs": [encode_request(c) for c in children]})
         except (OverflowError, TypeError, ValueError) as exc:

@@ -40,7 +40,8 @@ class EngineCore:
         self.trace = StepTrace()
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
-        self.scheduler = Scheduler(config.scheduler, cache)
+        self.scheduler = Scheduler(config.scheduler, cache,
+                                   config.lora.max_loras if config.lora.enabled else 0)
         if self.spec is not None:
             self.spec.max_seq_len = self.scheduler.max_seq_len
             if draft is not None:
@@ -103,6 +104,8 @@ class EngineCore:
     def _validate(self, request: Request) -> None:
         validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
+        if request.lora_int_id:  # reads and checks the adapter (a bad one is a ValueError)
+            self.runner.add_lora(request.lora_int_id, request.lora_path)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.grammar_wait.discard(request_ids)

@@ -15,6 +15,7 @@ from typing import Any
 
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
+from slipstream.lora.request import LoRARequest
 from slipstream.outputs import CompletionOutput, EngineCoreOutput, RequestMetrics, RequestOutput
 from slipstream.sampling_params import SamplingParams
 from slipstream.tokenizer.detokenizer import IncrementalDetokenizer
@@ -155,7 +156,7 @@ class InputProcessor:
 
     def process(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, lora_request: LoRARequest | None = None,
     ) -> tuple[list[int], list[Request]]:
         token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids, params)
@@ -168,8 +169,17 @@ class InputProcessor:
                 request_id=child_request_id(request_id, i), prompt_token_ids=token_ids,
                 sampling_params=child_params, eos_token_ids=self.eos_token_ids,
                 priority=priority, arrival_time=arrival,
+                **_lora_fields(lora_request),
             ))
         return token_ids, children
+
+
+def _lora_fields(lora_request: LoRARequest | None) -> dict[str, Any]:
+    if lora_request is None:
+        return {}
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+    return {"lora_int_id": lora_request.lora_int_id, "lora_path": lora_request.lora_path}
 
 
 @dataclass

@@ -64,6 +64,11 @@ class Request:
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # LoRA (slipstream/lora/): the adapter's id (0: the base model) and directory, and the
+    # device slot the scheduler gave it while running (-1: none).
+    lora_int_id: int = 0
+    lora_path: str | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

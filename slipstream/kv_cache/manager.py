@@ -200,6 +200,11 @@ class KVCacheManager:
 
 
 def _extra_key(request: Request) -> str | None:
-    """Per-request salt folded into the first block's hash (isolates tenants / adapters)."""
+    """Per-request salt folded into the first block's hash (isolates tenants / adapters: K/V
+    computed under one LoRA adapter is never served to another, nor to the base model)."""
     salt = getattr(request, "cache_salt", None)
-    return str(salt) if salt is not None else None
+    lora = getattr(request, "lora_int_id", 0)
+    key = str(salt) if salt is not None else None
+    if lora:
+        key = f"{key or ''}\x00lora:{lora}"
+    return key

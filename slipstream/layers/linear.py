@@ -17,6 +17,10 @@ class LinearBase(nn.Module):
 
     # Which dim of a loaded tensor is split across ranks: "output", "input" or None.
     tp_split: str | None = None
+    # LoRA hook (slipstream/lora/layers.py): a LoRALinear on the projections of an engine with
+    # enable_lora. While a step uses adapters, the fused variants below give way to the plain
+    # product plus the adapter delta; otherwise they run exactly as without LoRA.
+    lora = None
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
@@ -37,18 +41,29 @@ class LinearBase(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
+        return self.lora.add_to(x, y) if self.lora_on else y
+
+    @property
+    def lora_on(self) -> bool:
+        """Whether this step adds adapter deltas to this layer's product."""
+        return self.lora is not None and self.lora.state.active
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x [+ residual])), new residual), letting the quant method fuse its input
         quantization into the norm (see QuantMethod.apply_normed). No communication is involved,
         so tensor-parallel column layers take it as is."""
+        if self.lora_on:  # the adapter needs the normalised input itself
+            h, new_residual = (norm(x), x) if residual is None else norm(x, residual)
+            return self.forward(h), new_residual
         return self.quant_method.apply_normed(self, x, residual, norm, self.bias)
 
     def forward_rms(self, x: torch.Tensor, eps: float) -> torch.Tensor | None:
         """forward(x / rms(x)) in one kernel for a layer whose input norm's weight is folded into
         its own (models/norm_fold.py), where the quant method has one for x; else None."""
+        if self.lora_on:
+            return None
         return self.quant_method.apply_rms(self, x, eps, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
@@ -108,6 +123,8 @@ class MergedColumnParallelLinear(LinearBase):
         has one for x (QuantMethod.apply_gate_out), else None. Each rank holds [gate | up] of its
         own shard, so the activation stays rank-local as in the unfused path. rms_eps > 0: of
         x / rms(x), as forward_rms."""
+        if self.lora_on:
+            return None
         return self.quant_method.apply_gate_out(self, x, self.bias, rms_eps)
 
 
@@ -133,7 +150,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            return super().forward(x)
         y = self.quant_method.apply(self, x, None)
         torch.distributed.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -141,7 +158,7 @@ class RowParallelLinear(LinearBase):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """forward(x) + residual, the add inside the product's kernel where the quant method
         can (QuantMethod.apply_residual: one row, no bias), after the all-reduce otherwise."""
-        if self.tp_size == 1:
+        if self.tp_size == 1 and not self.lora_on:
             y = self.quant_method.apply_residual(self, x, residual, self.bias)
             if y is not None:
                 return y
@@ -149,6 +166,8 @@ class RowParallelLinear(LinearBase):
 
     def forward_gated(self, gate_up: torch.Tensor, act) -> torch.Tensor:
         """forward(act(gate_up)), letting the quant method fuse the activation into its kernel."""
+        if self.lora_on:
+            return self.forward(act(gate_up))
         if self.tp_size == 1:
             return self.quant_method.apply_gated(self, gate_up, self.bias, act)
         y = self.quant_method.apply_gated(self, gate_up, None, act)

@@ -56,6 +56,8 @@ class ModelRunner:
         self._graphs = None
         self._prefill_graphs = None
         self._use_graph_replay = False
+        self.lora = None  # LoRAManager (slipstream/lora/manager.py) with enable_lora
+        self._lora_graphs = None  # decode graphs captured with LoRA on
         self._kv_scales_ready = False
         # A speculative draft model's KV bytes per block: its cache shares the target's block
         # ids, so the budget is split by bytes per block (speculative/draft_model.py sets it).
@@ -68,7 +70,22 @@ class ModelRunner:
 
     # ---- set-up --------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.model = load_model(self.config)
+        if not self.config.lora.enabled:
+            self.model = load_model(self.config)
+            return
+        from slipstream.lora.manager import LoRAManager
+        from slipstream.models.norm_fold import kept_norms
+
+        with kept_norms():  # adapters read the normalised input that a folded norm never forms
+            self.model = load_model(self.config)
+        self.lora = LoRAManager(self.config, self.model, self.device)
+
+    def add_lora(self, lora_int_id: int, path: str | None) -> None:
+        """Register and read an adapter (ValueError when LoRA is off or the adapter is bad)."""
+        if self.lora is None:
+            raise ValueError("this engine was started without enable_lora: it serves no "
+                             "LoRA adapters")
+        self.lora.add(lora_int_id, path)
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -190,6 +207,8 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("call load_model() and initialize_kv_cache() before running")
         inputs = prepare_inputs(seqs, self.block_size, self.device)
+        if self.lora is not None:
+            self.lora.prepare_eager(seqs)
         return inputs, self._forward_inputs(inputs)
 
     def _forward_inputs(self, inputs: ModelInputs) -> torch.Tensor:
@@ -209,12 +228,33 @@ class ModelRunner:
             self.model, self.kv_caches, self.device, max_batch_size=sched.max_num_seqs,
             max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
         self._use_graph_replay = use_graphs
+        self._lora_graphs = self._graphs  # without graphs the eager forward reads the layout
         if use_graphs:
             self._attach_l2_prefetch()
             self._graphs.capture()
+            if self.lora is not None:
+                self._lora_graphs = self.lora.capture(self._capture_lora_decode_graphs)
             self._capture_prefill_graphs()
         if sched.decode_steps > 1:
             self._graphs.warm_up_greedy(self.block_size)
+
+    def _capture_lora_decode_graphs(self) -> DecodeGraphs:
+        sched = self.config.scheduler
+        graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.device, max_batch_size=sched.max_num_seqs,
+            max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len)
+        graphs.pool = self._graphs.pool
+        graphs.capture()
+        return graphs
+
+    def _decode_graphs_for(self, seqs: list[ScheduledSeq]) -> DecodeGraphs:
+        """The decode graphs a batch replays: with LoRA on when a request uses an adapter (its
+        layout staged for the padded batch size), else the plain ones."""
+        if self.lora is None:
+            return self._graphs
+        if self.lora.stage_static(seqs, self._graphs.padded_size(len(seqs))):
+            return self._lora_graphs
+        return self._graphs
 
     def _attach_l2_prefetch(self) -> None:
         """Span tables of the weights each layer reads after attention, for the decode graphs'
@@ -256,6 +296,14 @@ class ModelRunner:
                 continue
             logits, _ = self.forward_logits(SchedulerOutput(seqs=_warmup_seqs(batch, self.block_size)))
             warm_up_greedy(logits)
+        if self.lora is not None:  # the LoRA kernels, on slot 0 (zeros until an adapter comes)
+            self.lora.force_slot = 0
+            try:
+                for batch in warmup_batches(self.block_size)[:2]:
+                    self.forward_logits(SchedulerOutput(seqs=_warmup_seqs(batch, self.block_size)))
+            finally:
+                self.lora.force_slot = None
+                self.lora.off()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -273,8 +321,9 @@ class ModelRunner:
         every step (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
         DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
         hb = build_host_batch(sched.seqs, self.block_size)
+        graphs = self._decode_graphs_for(sched.seqs)
         with self.timer.phase("graph"):
-            return LaunchedTokens(self._graphs.run_steps(hb, num_steps, self.block_size, feed))
+            return LaunchedTokens(graphs.run_steps(hb, num_steps, self.block_size, feed))
 
     def collect_decode_steps(self, sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for launched decode steps and return their tokens, per request."""
@@ -298,13 +347,15 @@ class ModelRunner:
         hb = build_host_batch(sched.seqs, self.block_size)
         if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
             return None
-        return graphs.run(hb, feed)
+        return self._decode_graphs_for(sched.seqs).run(hb, feed)
 
     def _prefill_logits(self, sched: SchedulerOutput, hb: HostBatch, feed: _Feed = None):
         """(logits of the sampled seqs or None, their requests) from a replayed prefill graph,
         or None when no captured graph takes the step (too many tokens or sequences, or a
         request wants prompt logprobs: those need the eager path's hidden states)."""
         graphs = self._prefill_graphs
+        if self.lora is not None and self.lora.uses_adapters(sched.seqs):
+            return None  # captured without LoRA: adapter steps run eagerly
         if graphs is None or not graphs.accepts(hb) or any(
                 s.request.sampling_params.prompt_logprobs is not None for s in sched.seqs):
             return None
@@ -330,6 +381,8 @@ class ModelRunner:
             # Fed tokens (see DecodeGraphs.run_steps) go in place of each fed seq's last input.
             inputs = inputs_from_host_batch(hb, self.device)
             put_fed_tokens(inputs.input_ids, hb, feed)
+            if self.lora is not None:
+                self.lora.prepare_eager(sched.seqs)
         with self.timer.phase("forward"):
             hidden = self._forward_inputs(inputs)
         if not inputs.sample_seq_indices:

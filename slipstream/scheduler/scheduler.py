@@ -14,12 +14,18 @@ from collections.abc import Iterable
 from slipstream.config import CacheConfig, SchedulerConfig
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.kv_cache.manager import KVCacheManager
+from slipstream.lora.slots import LoRASlots
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
+# A request refused a LoRA slot this many schedules in a row stops later LoRA requests from
+# joining pinned adapters, so pinned slots drain and it gets one (no starvation).
+LORA_MAX_WAIT_STEPS = 64
+
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_lora_slots: int = 0):
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the scheduler")
         self.config = scheduler_config
@@ -42,6 +48,9 @@ class Scheduler:
         # would need more blocks than exist, so it ends there (length) instead of hanging.
         capacity = cache_config.num_blocks * cache_config.block_size
         self._max_seq_len = min(scheduler_config.max_model_len, capacity + 1)
+        # LoRA (slipstream/lora/slots.py): device slots pinned by running requests.
+        self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
+        self._lora_waits: dict[str, int] = {}  # request id -> schedules refused a slot
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,6 +112,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        self._release_lora(request)
         rid = request.request_id
         del self.requests[rid]
         self._plp_emitted.pop(rid, None)
@@ -231,6 +241,7 @@ class Scheduler:
         """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
         self.running.remove(request)
         self.kv.free(request)  # before resetting num_computed_tokens (see KVCacheManager.free)
+        self._release_lora(request)
         # A pending token stays: update_from_output puts it in before the next schedule.
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -246,11 +257,27 @@ class Scheduler:
         return seq.num_tokens
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit in (priority, arrival) order; the first that does not fit stops admission."""
+        """Admit in (priority, arrival) order; the first that does not fit stops admission.
+        A request whose adapter gets no LoRA slot waits and lets the next ones by."""
+        skipped: list = []
+        try:
+            self._admit_waiting(out, budget, skipped)
+        finally:
+            for entry in skipped:
+                heapq.heappush(self._waiting, entry)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list) -> None:
+        hold_lora = False  # a starving LoRA request is ahead: later ones wait too
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._peek_waiting()
             if request is None:
                 return
+            if request.lora_int_id and (hold_lora or not self._take_lora_slot(request)):
+                waits = self._lora_waits[request.request_id] = \
+                    self._lora_waits.get(request.request_id, 0) + 1
+                hold_lora = hold_lora or waits >= LORA_MAX_WAIT_STEPS
+                skipped.append(heapq.heappop(self._waiting))
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget:
@@ -260,7 +287,9 @@ class Scheduler:
                     return
                 num_new = budget
             if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                self._release_lora(request)
                 return
+            self._lora_waits.pop(request.request_id, None)
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             request.num_computed_tokens = num_hit
@@ -270,6 +299,23 @@ class Scheduler:
             self.running.append(request)
             out.seqs.append(self._make_seq(request, num_new))
             budget -= num_new
+
+    def _take_lora_slot(self, request: Request) -> bool:
+        if self.lora_slots is None:
+            raise ValueError(f"request {request.request_id!r} asks for a LoRA adapter but "
+                             "LoRA is not enabled")
+        slot = self.lora_slots.acquire(request.lora_int_id)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _release_lora(self, request: Request) -> None:
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
+        if request.is_finished:
+            self._lora_waits.pop(request.request_id, None)
 
     def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens

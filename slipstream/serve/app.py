@@ -18,6 +18,7 @@ from slipstream.serve.context import EngineClient, ServeContext
 from slipstream.serve.errors import APIError, error_response, install_error_handlers
 from slipstream.serve.hardening import UNCOUNTED_PATHS, HttpLimits, RequestCapMiddleware
 from slipstream.serve.limits import BodySizeLimitMiddleware
+from slipstream.serve.lora import add_lora_routes
 from slipstream.serve.metrics import CONTENT_TYPE, ServerMetrics
 from slipstream.serve.params import ServeLimits
 from slipstream.serve.protocol import (
@@ -49,16 +50,18 @@ _SSE_200: dict[int | str, dict[str, Any]] = {
 def build_app(engine: EngineClient, tokenizer: Any, model_name: str, limits: ServeLimits,
               api_key: str | None = None, metrics: ServerMetrics | None = None,
               http_limits: HttpLimits | None = None,
-              tool_call_parser: str = "hermes") -> FastAPI:
+              tool_call_parser: str = "hermes", loras: Any = None) -> FastAPI:
+    """loras: a serve/lora.LoRARegistry when the engine serves LoRA adapters."""
     app = FastAPI(title="slipstream", version=__version__,
                   description="OpenAI-compatible API of the slipstream inference engine.")
     ctx = ServeContext(engine, tokenizer, model_name, limits, metrics,
-                       get_tool_parser(tool_call_parser))
+                       get_tool_parser(tool_call_parser), loras)
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_generation_routes(app, ctx)
     _add_info_routes(app, ctx)
     _add_tokenizer_routes(app, ctx)
+    add_lora_routes(app, loras)
     http_limits = http_limits or HttpLimits()
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_request_bytes,
                        timeout_s=http_limits.body_timeout_s)
@@ -84,8 +87,9 @@ def _add_generation_routes(app: FastAPI, ctx: ServeContext) -> None:
 def _add_info_routes(app: FastAPI, ctx: ServeContext) -> None:
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=ctx.model_name,
-                                         max_model_len=ctx.limits.max_model_len)])
+        names = [ctx.model_name, *(ctx.loras.names if ctx.loras is not None else [])]
+        return ModelList(data=[ModelCard(id=name, max_model_len=ctx.limits.max_model_len)
+                               for name in names])
 
     @app.get("/health", response_model=HealthResponse,
              responses={503: {"model": ErrorResponse}})

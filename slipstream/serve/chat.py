@@ -78,7 +78,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw_request: Reques
     params = chat_params(req, len(prompt_ids), ctx.limits,
                          tools.constraint if tools is not None else None)
     request_id = random_id("chatcmpl")
-    stream = start_generation(ctx, prompt_ids, params, request_id, req.priority)
+    stream = start_generation(ctx, prompt_ids, params, request_id, req.priority,
+                              ctx.lora_for(req.model))
     job = _ChatJob(req, ctx, request_id, params, tools)
 
     async def abort() -> None:
@@ -101,6 +102,7 @@ class _ChatJob:
         self.request_id = request_id
         self.params = params
         self.token_text = TokenText(ctx.tokenizer)
+        self.model_name = ctx.response_model(req.model)
         self.num_top = req.top_logprobs or 0
 
     async def full(self, stream: AsyncIterator[RequestOutput]) -> Response:
@@ -109,7 +111,7 @@ class _ChatJob:
         except Exception as exc:  # noqa: BLE001 - mapped to the right status
             raise to_api_error(exc) from exc
         choices = [self._choice(c) for c in sorted(final.outputs, key=lambda c: c.index)]
-        body = ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
+        body = ChatCompletionResponse(id=self.request_id, model=self.model_name,
                                       choices=choices, usage=usage_of([final]))
         return JSONResponse(body.model_dump(mode="json"))
 
@@ -143,7 +145,7 @@ class _ChatJob:
                     for chunk in chunks:
                         yield sse(chunk)
             if include_usage and final is not None:
-                yield sse(ChatCompletionChunk(id=self.request_id, model=self.ctx.model_name,
+                yield sse(ChatCompletionChunk(id=self.request_id, model=self.model_name,
                                               choices=[], usage=usage_of([final]))
                           .model_dump_json())
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
@@ -204,5 +206,5 @@ class _ChatJob:
                finish_reason: str | None = None, stop_reason=None) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                  finish_reason=finish_reason, stop_reason=stop_reason)
-        return ChatCompletionChunk(id=self.request_id, model=self.ctx.model_name,
+        return ChatCompletionChunk(id=self.request_id, model=self.model_name,
                                    choices=[choice]).model_dump_json()

@@ -36,6 +36,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: 'default' for the default "
                         "model, else the --model directory's name or GGUF file's stem)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="with --enable-lora: LoRA adapters (PEFT directories) served as the "
+                        "model NAME")
     g.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="largest logprobs / top_logprobs a request may ask for")
@@ -93,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config, args))
     except KeyboardInterrupt:
         return 0
-    except RuntimeError as exc:  # the engine failed to start: its log says why
+    except (RuntimeError, ValueError) as exc:  # the engine failed to start, or a bad adapter
         logging.getLogger("slipstream.serve").error("%s", exc)
         return 1
 

@@ -99,7 +99,8 @@ async def create_completion(req: CompletionRequest, raw_request: Request,
 
     try:
         for sid, (_, ids), p in zip(sub_ids, prompts, params):
-            streams.append(start_generation(ctx, ids, p, sid, req.priority))
+            streams.append(start_generation(ctx, ids, p, sid, req.priority,
+                                            ctx.lora_for(req.model)))
     except APIError:
         await abort_all()
         raise
@@ -121,6 +122,7 @@ class _CompletionJob:
         self.prompts = prompts
         self.params = params
         self.token_text = TokenText(ctx.tokenizer)
+        self.model_name = ctx.response_model(req.model)
 
     async def full(self, streams: list[AsyncIterator[RequestOutput]]) -> Response:
         try:
@@ -131,7 +133,7 @@ class _CompletionJob:
         for p_idx, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 choices.append(self._choice(p_idx, out, c))
-        body = CompletionResponse(id=self.request_id, model=self.ctx.model_name,
+        body = CompletionResponse(id=self.request_id, model=self.model_name,
                                   choices=choices, usage=usage_of(finals))
         return JSONResponse(body.model_dump(mode="json"))
 
@@ -167,7 +169,7 @@ class _CompletionJob:
                         yield sse(chunk)
             if include_usage:
                 usage = usage_of(list(finals.values()))
-                yield sse(CompletionResponse(id=self.request_id, model=self.ctx.model_name,
+                yield sse(CompletionResponse(id=self.request_id, model=self.model_name,
                                              choices=[], usage=usage).model_dump_json())
         except Exception as exc:  # noqa: BLE001 - the status line is gone: report in-band
             yield sse(stream_error_event(exc))
@@ -193,5 +195,5 @@ class _CompletionJob:
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                   finish_reason=delta.finish_reason,
                                   stop_reason=delta.stop_reason if delta.finish_reason else None)
-        return CompletionResponse(id=self.request_id, model=self.ctx.model_name,
+        return CompletionResponse(id=self.request_id, model=self.model_name,
                                   choices=[choice]).model_dump_json()

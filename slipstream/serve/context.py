@@ -16,6 +16,7 @@ from slipstream.engine.async_llm import (
     EngineRestartingError,
     RequestAbortedError,
 )
+from slipstream.lora.request import LoRARequest
 from slipstream.outputs import RequestOutput
 from slipstream.sampling_params import SamplingParams
 from slipstream.serve.errors import APIError, error_body, from_value_error
@@ -35,7 +36,8 @@ class EngineClient(Protocol):
     def is_running(self) -> bool: ...
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -50,6 +52,7 @@ class ServeContext:
     limits: ServeLimits
     metrics: ServerMetrics | None = None
     tool_parser: ToolParser = field(default_factory=HermesParser)  # --tool-call-parser
+    loras: Any = None  # serve/lora.LoRARegistry with --enable-lora: adapter names are models
     prompts: PromptTokenizer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -57,9 +60,17 @@ class ServeContext:
             self.prompts = PromptTokenizer(self.tokenizer, self.limits.max_model_len)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and self.lora_for(name) is None:
             raise APIError(f"The model `{name}` does not exist; this server serves "
                            f"`{self.model_name}`.", 404, param="model", code="model_not_found")
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names, or None (the base model)."""
+        return self.loras.get(name) if self.loras is not None else None
+
+    def response_model(self, name: str | None) -> str:
+        """The model name a response carries: the adapter's when one was asked for."""
+        return name if self.lora_for(name) is not None else self.model_name
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt, tokenized off the event loop (serve/tokenizing.py)."""
@@ -89,11 +100,13 @@ class ServeContext:
 
 
 def start_generation(ctx: ServeContext, prompt: list[int], params: SamplingParams,
-                     request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
+                     request_id: str, priority: int, lora_request: LoRARequest | None = None
+                     ) -> AsyncIterator[RequestOutput]:
     """engine.generate with its errors turned into API errors (400 / 503), and the request
     timeout applied when one is set."""
+    lora = {"lora_request": lora_request} if lora_request is not None else {}
     try:
-        stream = ctx.engine.generate(prompt, params, request_id, priority)
+        stream = ctx.engine.generate(prompt, params, request_id, priority, **lora)
     except EngineDeadError as exc:
         raise engine_dead_error(exc) from exc
     except ValueError as exc:

@@ -47,6 +47,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                                lifespan="off", http=hardened_h11(http_limits))
     sock = uv_config.bind_socket()  # fail now if the port is taken, not after model load
     model_name = args.served_model_name or served_name(args.model)
+    loras = _lora_registry(config, model_name, getattr(args, "lora_modules", None))
     holder: dict = {}
     metrics = ServerMetrics(model_name, lambda: {**holder["engine"].stats,
                                                   **holder["engine"].health_stats()}
@@ -65,7 +66,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                          vocab_size=config.model.vocab_size,
                          request_timeout_s=args.request_timeout)
     uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
-                              http_limits, tool_call_parser=args.tool_call_parser)
+                              http_limits, tool_call_parser=args.tool_call_parser, loras=loras)
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:
@@ -78,6 +79,21 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
         logger.error("exiting because the engine died: %s", engine.dead_reason)
         return 1
     return 0
+
+
+def _lora_registry(config: EngineConfig, model_name: str, modules: list[str] | None):
+    """The served adapters (--lora-modules), each checked before the engine starts."""
+    from slipstream.serve.lora import LoRARegistry, parse_lora_modules
+
+    pairs = parse_lora_modules(modules)
+    if not config.lora.enabled:
+        if pairs:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    registry = LoRARegistry(config, model_name)
+    for name, path in pairs:
+        registry.add(name, path)
+    return registry
 
 
 async def _stop_when_engine_dies(engine, server) -> None:
