@@ -166,7 +166,9 @@ def test_slow_tokenization_does_not_stall_the_event_loop(srv):
     finally:
         srv.tokenizer.delay_s = 0.0
     assert codes == [200] * len(threads)
-    assert max(latencies) < 0.1, latencies
+    # A stalled loop would hold /health for the whole 0.6 s; the bound leaves room for a
+    # loaded CI machine.
+    assert latencies and max(latencies) < 0.3, latencies
 
 
 def test_prompt_longer_than_any_fit_is_rejected_without_tokenizing(srv):
