@@ -121,7 +121,7 @@ def accept_path(drafts: list[int], parents: list[int], sampled: list[int]) -> li
         cur = nxt
 
 
-def move_accepted_kv(kv_caches, moves: list[tuple[list[int], list[int]]], block_size: int) -> None:
+def move_accepted_kv(kv_caches, moves: list[tuple[list[int], list[int]]]) -> None:
     """Copy each layer's K/V of accepted tree nodes to their chain slots. moves: per request
     (source slots, destination slots); sources are read before any destination is written."""
     src = [s for m in moves for s in m[0]]
@@ -151,3 +151,13 @@ def path_moves(path: list[int], start_pos: int, block_ids: list[int], block_size
             src.append(slot(start_pos + 1 + node))
             dst.append(slot(start_pos + 1 + j))
     return src, dst
+
+
+def first_chain(tokens: list[int], parents: list[int]) -> list[int]:
+    """The tree's leading chain (each depth's first child of the node before): its tokens."""
+    chain, cur = [], -1
+    for i, p in enumerate(parents):
+        if p == cur:
+            chain.append(tokens[i])
+            cur = i
+    return chain

@@ -13,6 +13,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import oracle
 from tests.helpers import load_hf_model
+from tests.speculative.heads import write_medusa
 
 # Small cache and budget: chunked prefill beside verification, waiting requests, preemption.
 ENGINE = dict(
@@ -76,9 +77,20 @@ def reference(target):
     return results
 
 
-def _spec_configs(tiny_checkpoint):
+@pytest.fixture(scope="module")
+def medusa_dir(target, tmp_path_factory):
+    return write_medusa(tmp_path_factory.mktemp("medusa"), target, num_heads=3)
+
+
+def _spec_configs(tiny_checkpoint, medusa_dir=None):
     draft = tiny_checkpoint("LlamaForCausalLM", num_hidden_layers=1, seed=3)
+    # A tree with its right branch at a random rank: accepted paths off the first chain move
+    # their K/V into place.
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [1, 0, 0], [1, 0, 1]]
     return {
+        "oracle_tree": {"method": "oracle", "num_speculative_tokens": 3, "acceptance_rate": 0.8,
+                        "speculative_token_tree": tree},
+        "medusa": {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": 3},
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_is_target": {"method": "draft_model", "num_speculative_tokens": 4},
@@ -86,9 +98,10 @@ def _spec_configs(tiny_checkpoint):
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_is_target", "oracle"])
-def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, name):
-    config = dict(_spec_configs(tiny_checkpoint)[name], adaptive=False)
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_is_target", "oracle", "oracle_tree",
+                                  "medusa"])
+def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, medusa_dir, name):
+    config = dict(_spec_configs(tiny_checkpoint, medusa_dir)[name], adaptive=False)
     if name == "draft_is_target":
         config["model"] = str(target)
     llm = LLM(str(target), speculative_config=config, **ENGINE)
@@ -103,7 +116,7 @@ def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, 
     stats = llm.get_stats()
     spec = stats["speculative"][config["method"]]
     assert spec["num_draft_tokens"] > 0
-    if name != "draft_model":  # an unrelated random draft may well never be right
+    if name not in ("draft_model", "medusa"):  # unrelated random drafts may well never be right
         assert spec["num_accepted_tokens"] > 0
     assert stats["spec_num_draft_tokens"] == spec["num_draft_tokens"]
     assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
