@@ -8,12 +8,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "medusa", "oracle")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "oracle")
 _PUBLIC = tuple(m for m in METHODS if m != "oracle")
 # Named in vLLM / the issue but not implemented here: a clear error instead of a silent no-op.
-_NOT_IMPLEMENTED = ("eagle", "eagle3", "lookahead", "mtp")
+_NOT_IMPLEMENTED = ("lookahead", "mtp")
 # Methods whose drafts come from heads on the target's hidden states: `model` is required.
-_HEAD_METHODS = ("medusa",)
+_HEAD_METHODS = ("medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)

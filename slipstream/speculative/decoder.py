@@ -181,6 +181,10 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.speculative.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config)
+    elif spec.method in ("eagle", "eagle3"):  # the checkpoint's layout decides which
+        from slipstream.speculative.eagle import EagleProposer
+
+        proposer = EagleProposer(config)
     elif spec.method == "medusa":
         import torch
 

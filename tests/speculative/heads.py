@@ -57,3 +57,42 @@ def write_medusa(out: Path, target: Path, num_heads: int = 3, num_layers: int = 
                "num_hidden_layers": num_layers, "hidden_size": hidden, "vocab_size": vocab})
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def write_eagle(out: Path, target: Path, eagle3: bool = False, seed: int = 0) -> Path:
+    """A random EAGLE (`layers.0.*`, `fc` over [embedding, feature]) or EAGLE-3 head
+    (`midlayer.*`, `fc` over three target layers, its own draft vocabulary with `d2t`)."""
+    hidden, vocab = target_shape(target)
+    heads, kv_heads, head_dim, inter = 4, 2, 16, 128
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: 0.15 * torch.randn(*shape, generator=gen)  # noqa: E731
+    p = "midlayer." if eagle3 else "layers.0."
+    attn_in = 2 * hidden if eagle3 else hidden
+    t = {
+        p + "self_attn.q_proj.weight": rnd(heads * head_dim, attn_in),
+        p + "self_attn.k_proj.weight": rnd(kv_heads * head_dim, attn_in),
+        p + "self_attn.v_proj.weight": rnd(kv_heads * head_dim, attn_in),
+        p + "self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
+        p + "mlp.gate_proj.weight": rnd(inter, hidden),
+        p + "mlp.up_proj.weight": rnd(inter, hidden),
+        p + "mlp.down_proj.weight": rnd(hidden, inter),
+        p + "post_attention_layernorm.weight": 1 + rnd(hidden),
+    }
+    cfg = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "head_dim": head_dim, "intermediate_size": inter, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": vocab,
+           "num_hidden_layers": 1}
+    if eagle3:
+        draft_vocab = vocab // 2  # the even target ids: d2t[i] = i
+        t |= {"fc.weight": rnd(hidden, 3 * hidden), p + "input_layernorm.weight": 1 + rnd(hidden),
+              p + "hidden_norm.weight": 1 + rnd(hidden), "norm.weight": 1 + rnd(hidden),
+              "lm_head.weight": rnd(draft_vocab, hidden), "d2t": torch.arange(draft_vocab)}
+        cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}}
+    else:
+        t |= {"fc.weight": rnd(hidden, 2 * hidden), "fc.bias": rnd(hidden)}
+        cfg |= {"architectures": ["LlamaForCausalLM"]}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
