@@ -107,8 +107,10 @@ class SpeculativeConfig:
         if not 0.0 <= float(self.acceptance_rate) <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1]")
         if self.method in _HEAD_METHODS and self.model is None:
-            raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (the "
-                             "heads' checkpoint directory); none ships for this model")
+            raise ValueError(
+                f"speculative_config: method {self.method!r} needs 'model' (the "
+                "heads' checkpoint directory); none ships for this model"
+            )
         if self.method in _HEAD_METHODS and not Path(self.model).is_dir():
             raise ValueError(f"speculative_config: {self.method} model {self.model!r} is not a directory")
         if self.speculative_token_tree is not None:

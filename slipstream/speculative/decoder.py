@@ -11,8 +11,8 @@ from slipstream.config import EngineConfig
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
-from slipstream.speculative.adaptive import choose_k
 from slipstream.speculative import tree
+from slipstream.speculative.adaptive import choose_k
 from slipstream.speculative.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -191,14 +191,20 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.dtypes import resolve_dtype
         from slipstream.speculative.medusa import MedusaProposer
 
-        proposer = MedusaProposer(spec.model, spec.num_speculative_tokens, spec.token_tree(),
-                                  config.model.vocab_size, resolve_dtype(config.dtype),
-                                  torch.device(config.device))
+        proposer = MedusaProposer(
+            spec.model,
+            spec.num_speculative_tokens,
+            spec.token_tree(),
+            config.model.vocab_size,
+            resolve_dtype(config.dtype),
+            torch.device(config.device),
+        )
     else:
         from slipstream.speculative.oracle import OracleProposer
 
-        proposer = OracleProposer(spec.acceptance_rate, config.model.vocab_size, config.seed,
-                                  spec.token_tree())
+        proposer = OracleProposer(
+            spec.acceptance_rate, config.model.vocab_size, config.seed, spec.token_tree()
+        )
     logger.info(
         "speculative decoding: %s, up to %d draft tokens a step%s",
         spec.method,

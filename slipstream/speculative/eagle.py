@@ -65,8 +65,15 @@ def _shape(cfg: dict, eagle3: bool, target_layers: int) -> _Shape:
         aux = tuple(ids) if ids else (min(2, n - 1), n // 2, max(n - 3, 0))
         if any(not 0 <= i < n for i in aux):
             raise ValueError(f"EAGLE-3 head: auxiliary layers {aux} outside the target's {n} layers")
-    return _Shape(hidden, heads, cfg.get("num_key_value_heads", heads),
-                  cfg.get("head_dim") or hidden // heads, cfg.get("rms_norm_eps", 1e-6), eagle3, aux)
+    return _Shape(
+        hidden,
+        heads,
+        cfg.get("num_key_value_heads", heads),
+        cfg.get("head_dim") or hidden // heads,
+        cfg.get("rms_norm_eps", 1e-6),
+        eagle3,
+        aux,
+    )
 
 
 class EagleHead(nn.Module):
@@ -78,12 +85,17 @@ class EagleHead(nn.Module):
         p = "midlayer." if shape.eagle3 else "layers.0."
         self.w = {k: v for k, v in t.items()}
         self.layer = p
-        self.rotary = RotaryEmbedding(shape.head_dim, cfg.get("max_position_embeddings", 4096),
-                                      cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"))
+        self.rotary = RotaryEmbedding(
+            shape.head_dim,
+            cfg.get("max_position_embeddings", 4096),
+            cfg.get("rope_theta", 10000.0),
+            cfg.get("rope_scaling"),
+        )
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> EagleHead:
-        self.w = {k: (v.to(device) if k in ("d2t", "t2d") else v.to(device, dtype))
-                  for k, v in self.w.items()}
+        self.w = {
+            k: (v.to(device) if k in ("d2t", "t2d") else v.to(device, dtype)) for k, v in self.w.items()
+        }
         self.rotary.to(device)
         return self
 
@@ -94,23 +106,36 @@ class EagleHead(nn.Module):
         """EAGLE-3: the target's concatenated layer features [N, 3H] to one [N, H]."""
         return self._lin("fc", features)
 
-    def forward(self, embeds: torch.Tensor, feature: torch.Tensor, positions: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta, ops) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        feature: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta,
+        ops,
+    ) -> torch.Tensor:
         """The predicted feature [N, H] of the next positions."""
         s, p, eps = self.shape, self.layer, self.shape.eps
         if s.eagle3:
             residual = feature
-            x = torch.cat([rms_norm(embeds, self.w[p + "input_layernorm.weight"], eps),
-                           rms_norm(feature, self.w[p + "hidden_norm.weight"], eps)], dim=-1)
+            x = torch.cat(
+                [
+                    rms_norm(embeds, self.w[p + "input_layernorm.weight"], eps),
+                    rms_norm(feature, self.w[p + "hidden_norm.weight"], eps),
+                ],
+                dim=-1,
+            )
         else:
             x = residual = self._lin("fc", torch.cat([embeds, feature], dim=-1))
         n = x.shape[0]
         q = self._lin(p + "self_attn.q_proj", x).view(n, s.heads, s.head_dim)
         k = self._lin(p + "self_attn.k_proj", x).view(n, s.kv_heads, s.head_dim)
         v = self._lin(p + "self_attn.v_proj", x).view(n, s.kv_heads, s.head_dim)
-        q, _ = ops.rotary_and_cache_write(q, k, v, positions, self.rotary.cos_sin_cache,
-                                          kv[0], kv[1], meta.slot_mapping)
-        attn = ops.paged_attention(q, kv[0], kv[1], meta, s.head_dim ** -0.5)
+        q, _ = ops.rotary_and_cache_write(
+            q, k, v, positions, self.rotary.cos_sin_cache, kv[0], kv[1], meta.slot_mapping
+        )
+        attn = ops.paged_attention(q, kv[0], kv[1], meta, s.head_dim**-0.5)
         h = residual + self._lin(p + "self_attn.o_proj", attn.reshape(n, -1))
         y = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], eps)
         gate_up = F.silu(self._lin(p + "mlp.gate_proj", y)) * self._lin(p + "mlp.up_proj", y)
@@ -121,16 +146,20 @@ def load_eagle(path: str | Path, target_layers: int) -> tuple[EagleHead, dict]:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files or not (path / "config.json").is_file():
-        raise ValueError(f"speculative_config: {path} holds no EAGLE head (config.json and "
-                         "*.safetensors; pickled .bin heads are not loaded: convert them)")
+        raise ValueError(
+            f"speculative_config: {path} holds no EAGLE head (config.json and "
+            "*.safetensors; pickled .bin heads are not loaded: convert them)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
     cfg = json.loads((path / "config.json").read_text())
     eagle3 = any(k.startswith("midlayer.") for k in tensors)
     if not eagle3 and not any(k.startswith("layers.0.") for k in tensors):
-        raise ValueError(f"speculative_config: {path}: neither an EAGLE (layers.0.*) nor an "
-                         f"EAGLE-3 (midlayer.*) head (first names: {sorted(tensors)[:4]})")
+        raise ValueError(
+            f"speculative_config: {path}: neither an EAGLE (layers.0.*) nor an "
+            f"EAGLE-3 (midlayer.*) head (first names: {sorted(tensors)[:4]})"
+        )
     return EagleHead(tensors, _shape(cfg, eagle3, target_layers), cfg), cfg
 
 
@@ -169,6 +198,7 @@ class EagleProposer:
         def hook(_module, args):
             hidden, residual = args[0], args[1]
             self._aux[i] = hidden if residual is None else hidden + residual
+
         return hook
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -193,8 +223,10 @@ class EagleProposer:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         s = self.shape
         shape = (num_blocks, self.block_size, s.kv_heads, s.head_dim)
-        self.kv_caches = (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                          torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
 
     # ---- features ------------------------------------------------------------------------
     def observe(self, step: StepHidden) -> None:
@@ -227,8 +259,7 @@ class EagleProposer:
         for r, _ in ready:
             start = self._fed[r.request_id]
             pending = self._pending.pop(r.request_id)
-            seqs.append(ScheduledSeq(r, [0] * len(pending), start,
-                                     self.kv.get_block_ids(r.request_id), True))
+            seqs.append(ScheduledSeq(r, [0] * len(pending), start, self.kv.get_block_ids(r.request_id), True))
             embeds_ids += r.token_ids_slice(start + 1, start + 1 + len(pending))
             feats.append(pending)
             self._fed[r.request_id] = start + len(pending)
@@ -241,9 +272,16 @@ class EagleProposer:
             alive = [alive[n] for n in keep]
             rows = torch.tensor(keep, device=self.device)
             prev_ids, h = steps[-1].index_select(0, rows), h.index_select(0, rows)
-            seqs = [ScheduledSeq(ready[i][0], [0], ready[i][0].num_tokens - 2 + j,
-                                 self.kv.get_block_ids(ready[i][0].request_id), True)
-                    for i in alive]
+            seqs = [
+                ScheduledSeq(
+                    ready[i][0],
+                    [0],
+                    ready[i][0].num_tokens - 2 + j,
+                    self.kv.get_block_ids(ready[i][0].request_id),
+                    True,
+                )
+                for i in alive
+            ]
             h = self._run(seqs, self._embed(prev_ids), h)
             steps.append(self._draft_ids(h))
         return _regroup(torch.cat(steps).tolist(), ready)
@@ -252,8 +290,7 @@ class EagleProposer:
         fed, pending = self._fed.get(r.request_id), self._pending.get(r.request_id)
         return -1 if fed is None or pending is None else fed + len(pending)
 
-    def _run(self, seqs: list[ScheduledSeq], embeds: torch.Tensor, feats: torch.Tensor
-             ) -> torch.Tensor:
+    def _run(self, seqs: list[ScheduledSeq], embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """The head over a flat batch; the predicted feature of each seq's last row."""
         inputs = prepare_inputs(seqs, self.block_size, self.device)
         out = self.head(embeds, feats, inputs.positions, self.kv_caches, inputs.meta, self.ops)

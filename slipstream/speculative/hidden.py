@@ -31,8 +31,12 @@ class StepHidden:
         return seq.start_pos + len(self.known_rows[seq.request_id]) + 1
 
 
-def known_rows(seqs: list[ScheduledSeq], query_start_loc: list[int],
-               sampled: dict[str, list[int]], paths: dict[str, list[int]]) -> dict[str, list[int]]:
+def known_rows(
+    seqs: list[ScheduledSeq],
+    query_start_loc: list[int],
+    sampled: dict[str, list[int]],
+    paths: dict[str, list[int]],
+) -> dict[str, list[int]]:
     """Rows of each seq whose tokens the step made known: every fed token, except a
     verification's rejected drafts (a chain keeps its first len(sampled) rows, a tree its root
     and accepted path)."""

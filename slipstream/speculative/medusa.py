@@ -37,8 +37,9 @@ _VLLM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
 class MedusaHeads(nn.Module):
     """heads[i] = residual blocks then a bias-free map to the vocabulary."""
 
-    def __init__(self, blocks: list[list[tuple[torch.Tensor, torch.Tensor | None]]],
-                 heads: list[torch.Tensor]):
+    def __init__(
+        self, blocks: list[list[tuple[torch.Tensor, torch.Tensor | None]]], heads: list[torch.Tensor]
+    ):
         super().__init__()
         self.blocks = nn.ModuleList()
         for head_blocks in blocks:
@@ -75,7 +76,8 @@ def load_medusa(path: str | Path, dtype: torch.dtype, device: torch.device) -> M
         found = [p.name for p in path.iterdir()] if path.is_dir() else []
         raise ValueError(
             f"speculative_config: no *.safetensors Medusa heads in {path} (found {found}); "
-            "pickled .pt / .bin heads are not loaded: convert them with safetensors' save_file")
+            "pickled .pt / .bin heads are not loaded: convert them with safetensors' save_file"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
@@ -83,8 +85,9 @@ def load_medusa(path: str | Path, dtype: torch.dtype, device: torch.device) -> M
     config = _read_config(path)
     num_heads = config.get("medusa_num_heads", config.get("num_heads", len(heads)))
     if num_heads != len(heads):
-        raise ValueError(f"Medusa checkpoint {path}: config says {num_heads} heads, "
-                         f"the weights hold {len(heads)}")
+        raise ValueError(
+            f"Medusa checkpoint {path}: config says {num_heads} heads, the weights hold {len(heads)}"
+        )
     model = MedusaHeads(blocks, heads)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -113,12 +116,16 @@ def _parse(tensors: dict[str, torch.Tensor], path: Path):
             last = max(j for h, j in block if h == i)
             entry = block.pop((i, last))
             if "bias" in entry or not entry.get("plain"):
-                raise ValueError(f"Medusa checkpoint {path}: head {i}'s last layer is not a "
-                                 "bias-free linear map to the vocabulary")
+                raise ValueError(
+                    f"Medusa checkpoint {path}: head {i}'s last layer is not a "
+                    "bias-free linear map to the vocabulary"
+                )
             head[i] = entry["weight"]
     if not head or sorted(head) != list(range(len(head))):
-        raise ValueError(f"Medusa checkpoint {path}: no Medusa head tensors recognised "
-                         f"(first names: {sorted(tensors)[:4]})")
+        raise ValueError(
+            f"Medusa checkpoint {path}: no Medusa head tensors recognised "
+            f"(first names: {sorted(tensors)[:4]})"
+        )
     blocks = []
     for i in range(len(head)):
         js = sorted(j for h, j in block if h == i)
@@ -135,23 +142,40 @@ class MedusaProposer:
     method = "medusa"
     needs_hidden = True
 
-    def __init__(self, path: str, num_speculative_tokens: int, token_tree, vocab_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        path: str,
+        num_speculative_tokens: int,
+        token_tree,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.heads = load_medusa(path, dtype, device)
         vocab = self.heads.heads[0].shape[0]
         if vocab != vocab_size:
-            raise ValueError(f"speculative_config: Medusa heads in {path} predict {vocab} "
-                             f"tokens, the target has {vocab_size}")
+            raise ValueError(
+                f"speculative_config: Medusa heads in {path} predict {vocab} "
+                f"tokens, the target has {vocab_size}"
+            )
         if num_speculative_tokens > self.heads.num_heads:
-            raise ValueError(f"speculative_config: num_speculative_tokens "
-                             f"{num_speculative_tokens} exceeds the {self.heads.num_heads} "
-                             f"Medusa heads in {path} (one head a tree level)")
-        self.paths = (trees.tree_from_choices(token_tree) if token_tree is not None
-                      else trees.default_tree(num_speculative_tokens,
-                                              min(trees.MAX_TREE_TOKENS - 1, 5 * num_speculative_tokens)))
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens "
+                f"{num_speculative_tokens} exceeds the {self.heads.num_heads} "
+                f"Medusa heads in {path} (one head a tree level)"
+            )
+        self.paths = (
+            trees.tree_from_choices(token_tree)
+            if token_tree is not None
+            else trees.default_tree(
+                num_speculative_tokens, min(trees.MAX_TREE_TOKENS - 1, 5 * num_speculative_tokens)
+            )
+        )
         if max(len(p) for p in self.paths) > self.heads.num_heads:
-            raise ValueError("speculative_config: speculative_token_tree is deeper than the "
-                             f"{self.heads.num_heads} Medusa heads")
+            raise ValueError(
+                "speculative_config: speculative_token_tree is deeper than the "
+                f"{self.heads.num_heads} Medusa heads"
+            )
         self.width = max(r for p in self.paths for r in p) + 1
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # rid -> (num_tokens, h)
 
@@ -169,8 +193,7 @@ class MedusaProposer:
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, tuple[list[int], list[int]]]:
         """Per request id (tokens, parents) of a tree of depth <= its k; none for a request
         whose last token's hidden state was not kept (it came from a step without them)."""
-        ready = [(r, k) for r, k in wanted
-                 if self._hidden.get(r.request_id, (-1,))[0] == r.num_tokens]
+        ready = [(r, k) for r, k in wanted if self._hidden.get(r.request_id, (-1,))[0] == r.num_tokens]
         if not ready:
             return {}
         depth = max(k for _, k in ready)

@@ -15,8 +15,7 @@ from slipstream.engine.request import Request
 _REFERENCE: dict[tuple[int, ...], list[int]] = {}
 
 
-def set_reference_outputs(outputs: dict[tuple[int, ...], list[int]], replace: bool = True
-                          ) -> None:
+def set_reference_outputs(outputs: dict[tuple[int, ...], list[int]], replace: bool = True) -> None:
     """The target's continuation per prompt (token ids), replacing any set before unless
     replace=False."""
     if replace:
@@ -27,8 +26,13 @@ def set_reference_outputs(outputs: dict[tuple[int, ...], list[int]], replace: bo
 class OracleProposer:
     method = "oracle"
 
-    def __init__(self, acceptance_rate: float, vocab_size: int, seed: int = 0,
-                 tree_paths: list[tuple[int, ...]] | None = None):
+    def __init__(
+        self,
+        acceptance_rate: float,
+        vocab_size: int,
+        seed: int = 0,
+        tree_paths: list[tuple[int, ...]] | None = None,
+    ):
         self.acceptance_rate = acceptance_rate
         self.vocab_size = vocab_size
         self._rng = random.Random(seed)
@@ -57,8 +61,9 @@ class OracleProposer:
 
         paths = [p for p in self.tree_paths if len(p) <= len(nexts)]
         width = max((r for p in paths for r in p), default=0) + 1
-        right = [self._rng.randrange(width) if self._rng.random() < self.acceptance_rate else -1
-                 for _ in nexts]
+        right = [
+            self._rng.randrange(width) if self._rng.random() < self.acceptance_rate else -1 for _ in nexts
+        ]
         tokens = []
         for p in paths:
             d = len(p) - 1

@@ -137,8 +137,9 @@ def move_accepted_kv(kv_caches, moves: list[tuple[list[int], list[int]]]) -> Non
             flat.index_copy_(0, dst_t, flat.index_select(0, src_t))
 
 
-def path_moves(path: list[int], start_pos: int, block_ids: list[int], block_size: int
-               ) -> tuple[list[int], list[int]]:
+def path_moves(
+    path: list[int], start_pos: int, block_ids: list[int], block_size: int
+) -> tuple[list[int], list[int]]:
     """(source, destination) slots of the nodes of `path` not already in place: node i is
     stored at chunk index i + 1, its chain place is the path's j + 1."""
 

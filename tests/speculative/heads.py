@@ -27,14 +27,19 @@ def medusa_tensors(target: Path, num_heads: int, num_layers: int, seed: int = 0)
     hidden, _ = target_shape(target)
     gen = torch.Generator().manual_seed(seed)
     head = target_lm_head(target)
-    blocks = [[(0.05 * torch.randn(hidden, hidden, generator=gen),
-                0.05 * torch.randn(hidden, generator=gen)) for _ in range(num_layers)]
-              for _ in range(num_heads)]
+    blocks = [
+        [
+            (0.05 * torch.randn(hidden, hidden, generator=gen), 0.05 * torch.randn(hidden, generator=gen))
+            for _ in range(num_layers)
+        ]
+        for _ in range(num_heads)
+    ]
     return blocks, [head.clone() for _ in range(num_heads)]
 
 
-def write_medusa(out: Path, target: Path, num_heads: int = 3, num_layers: int = 1,
-                 layout: str = "faster", seed: int = 0) -> Path:
+def write_medusa(
+    out: Path, target: Path, num_heads: int = 3, num_layers: int = 1, layout: str = "faster", seed: int = 0
+) -> Path:
     """FasterDecoding's layout (`medusa_lm_head.safetensors`, `{i}.{j}.linear.*`, `{i}.{L}.weight`)
     or vLLM's (`blocks.{i}.layers.{j}.*`, `lm_heads.{i}.weight`)."""
     blocks, heads = medusa_tensors(target, num_heads, num_layers, seed)
@@ -51,10 +56,21 @@ def write_medusa(out: Path, target: Path, num_heads: int = 3, num_layers: int = 
     name = "medusa_lm_head.safetensors" if layout == "faster" else "model.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / name))
     hidden, vocab = target_shape(target)
-    config = ({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers,
-               "base_model_name_or_path": str(target)} if layout == "faster" else
-              {"architectures": ["MedusaModel"], "num_heads": num_heads,
-               "num_hidden_layers": num_layers, "hidden_size": hidden, "vocab_size": vocab})
+    config = (
+        {
+            "medusa_num_heads": num_heads,
+            "medusa_num_layers": num_layers,
+            "base_model_name_or_path": str(target),
+        }
+        if layout == "faster"
+        else {
+            "architectures": ["MedusaModel"],
+            "num_heads": num_heads,
+            "num_hidden_layers": num_layers,
+            "hidden_size": hidden,
+            "vocab_size": vocab,
+        }
+    )
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -78,17 +94,33 @@ def write_eagle(out: Path, target: Path, eagle3: bool = False, seed: int = 0) ->
         p + "mlp.down_proj.weight": rnd(hidden, inter),
         p + "post_attention_layernorm.weight": 1 + rnd(hidden),
     }
-    cfg = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "head_dim": head_dim, "intermediate_size": inter, "rms_norm_eps": 1e-6,
-           "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": vocab,
-           "num_hidden_layers": 1}
+    cfg = {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "num_hidden_layers": 1,
+    }
     if eagle3:
         draft_vocab = vocab // 2  # the even target ids: d2t[i] = i
-        t |= {"fc.weight": rnd(hidden, 3 * hidden), p + "input_layernorm.weight": 1 + rnd(hidden),
-              p + "hidden_norm.weight": 1 + rnd(hidden), "norm.weight": 1 + rnd(hidden),
-              "lm_head.weight": rnd(draft_vocab, hidden), "d2t": torch.arange(draft_vocab)}
-        cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}}
+        t |= {
+            "fc.weight": rnd(hidden, 3 * hidden),
+            p + "input_layernorm.weight": 1 + rnd(hidden),
+            p + "hidden_norm.weight": 1 + rnd(hidden),
+            "norm.weight": 1 + rnd(hidden),
+            "lm_head.weight": rnd(draft_vocab, hidden),
+            "d2t": torch.arange(draft_vocab),
+        }
+        cfg |= {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": draft_vocab,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},
+        }
     else:
         t |= {"fc.weight": rnd(hidden, 2 * hidden), "fc.bias": rnd(hidden)}
         cfg |= {"architectures": ["LlamaForCausalLM"]}

@@ -71,10 +71,20 @@ def test_eagle_drafts_equal_a_dense_run_of_the_head(target, tmp_path, eagle3):
     cache: causal attention over the prompt's features, then k - 1 steps on its own."""
     head_dir = write_eagle(tmp_path / "h", target, eagle3=eagle3)
     prompt, k = [5, 9, 33, 7, 120, 64, 3], 3
-    llm = LLM(str(target), dtype="float32", device="cpu", max_model_len=64,
-              kv_cache_memory=1 << 20, decode_steps=1,
-              speculative_config={"method": "eagle3" if eagle3 else "eagle", "model": str(head_dir),
-                                  "num_speculative_tokens": k, "adaptive": False})
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        kv_cache_memory=1 << 20,
+        decode_steps=1,
+        speculative_config={
+            "method": "eagle3" if eagle3 else "eagle",
+            "model": str(head_dir),
+            "num_speculative_tokens": k,
+            "adaptive": False,
+        },
+    )
     proposer = llm.engine.spec.proposer
     seen = {}
     real_propose = proposer.propose
@@ -106,8 +116,13 @@ def _dense_drafts(hf, head, tokens: list[int], k: int, eagle3: bool) -> list[int
 
     def layer(emb, feat, pos):
         if eagle3:
-            x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], s.eps),
-                           rms_norm(feat, w[p + "hidden_norm.weight"], s.eps)], -1)
+            x = torch.cat(
+                [
+                    rms_norm(emb, w[p + "input_layernorm.weight"], s.eps),
+                    rms_norm(feat, w[p + "hidden_norm.weight"], s.eps),
+                ],
+                -1,
+            )
             residual = feat
         else:
             x = residual = F.linear(torch.cat([emb, feat], -1), w["fc.weight"], w["fc.bias"])
@@ -120,7 +135,7 @@ def _dense_drafts(hf, head, tokens: list[int], k: int, eagle3: bool) -> list[int
         K = torch.cat(keys).repeat_interleave(s.heads // s.kv_heads, 1)
         V = torch.cat(values).repeat_interleave(s.heads // s.kv_heads, 1)
         n, L = q.shape[0], K.shape[0]
-        scores = torch.einsum("qhd,khd->hqk", q, K) * s.head_dim ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q, K) * s.head_dim**-0.5
         mask = torch.arange(L)[None, :] > (torch.arange(n) + L - n)[:, None]
         attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(mask, -torch.inf).softmax(-1), V)
         h = residual + attn.reshape(n, -1) @ w[p + "self_attn.o_proj.weight"].T

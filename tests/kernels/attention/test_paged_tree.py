@@ -24,8 +24,17 @@ SEQ_LENS = [30, 40, 17, 42]
 
 
 def _tree_batch(dtype: torch.dtype, device: str = "cpu", seed: int = 0):
-    q, kc, vc, meta = make_batch(QUERY_LENS, SEQ_LENS, num_kv_heads=2, group=2, head_dim=32,
-                                 block_size=16, dtype=dtype, device=device, seed=seed)
+    q, kc, vc, meta = make_batch(
+        QUERY_LENS,
+        SEQ_LENS,
+        num_kv_heads=2,
+        group=2,
+        head_dim=32,
+        block_size=16,
+        dtype=dtype,
+        device=device,
+        seed=seed,
+    )
     masks = row_masks(TREE_A) + [-1] * 5 + [-1] + row_masks(TREE_B)
     meta.tree_mask = torch.tensor(masks, dtype=torch.int64, device=device)
     meta.tree_mask_cpu = masks
@@ -35,7 +44,7 @@ def _tree_batch(dtype: torch.dtype, device: str = "cpu", seed: int = 0):
 def _direct(q, kc, vc, meta, scale):
     """Per row: softmax over exactly the positions it may see (prefix, ancestors, itself)."""
     out = torch.zeros_like(q, dtype=torch.float32)
-    qsl, lens, bs = meta.query_start_loc_cpu, meta.seq_lens_cpu, kc.shape[1]
+    qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for s in range(meta.num_seqs):
         ctx = lens[s] - (qsl[s + 1] - qsl[s])
         blocks = meta.block_tables[s].long()
@@ -62,10 +71,13 @@ def test_reference_and_cpu_tree_mask():
     assert not torch.allclose(reference.paged_attention(q, kc, vc, meta, 0.2)[:7], ref[:7])
 
 
-@pytest.mark.parametrize("cfg", [
-    None,
-    AttnConfig(block_m=16, block_n=16, num_splits=2, num_warps=4, num_stages=1),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,
+        AttnConfig(block_m=16, block_n=16, num_splits=2, num_warps=4, num_stages=1),
+    ],
+)
 def test_triton_tree_mask_interpreter(cfg):
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs only without CUDA (the GPU test compiles)")
