@@ -31,6 +31,11 @@ class AttentionMetadata:
     # Host copies for the reference path (avoid device->host syncs there).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Speculative draft trees (speculative/tree.py): [num_tokens] int64, per query row the bit
+    # set of the chunk positions (bit j: seq_len - query_len + j) it may see besides the
+    # cached prefix, -1 for ordinary causal rows; None: every row is causal.
+    tree_mask: torch.Tensor | None = None
+    tree_mask_cpu: list[int] | None = None
 
     @property
     def is_pure_decode(self) -> bool:

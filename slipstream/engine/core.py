@@ -71,6 +71,9 @@ class EngineCore:
         draft = getattr(self.spec, "proposer", None) if self.spec else None
         if hasattr(draft, "kv_bytes_per_block"):  # a draft model: its cache shares the budget
             self.runner.draft_kv_bytes_per_block = draft.kv_bytes_per_block()
+        if getattr(draft, "needs_hidden", False):  # drafts from the target's hidden states
+            draft.attach_target(self.runner.model)
+            self.runner.keep_hidden = True
         with self.startup.phase("profile_memory"):
             num_blocks = self.runner.determine_num_blocks()
             self.runner.initialize_kv_cache(num_blocks)

@@ -56,6 +56,9 @@ class Request:
     # Speculative decoding: draft tokens proposed for the next step (never part of the output
     # until verified); the scheduler feeds them after the last known token.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft tree (speculative/tree.py): the parent of each draft token (-1: the last known
+    # token), breadth-first; None: the drafts are a chain.
+    spec_parents: list[int] | None = None
     # Sampler state (a torch.Generator for seeded requests); owned by the sampler.
     generator: Any = None
     # Structured output: the request's RequestGrammar (structured/grammar.py), set by the

@@ -124,12 +124,15 @@ def paged_attention(
         v = _as_float(v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], v_scale)
         qs = q[q_lo:q_hi].float().transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
         ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if lq == seq_len:
+        tree = reference.tree_visibility(meta, q_lo, q_hi, seq_len, q.device)
+        if lq == seq_len and tree is None:
             res = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                  enable_gqa=gqa)
-        else:  # queries at the last lq positions: bottom-right causal mask
+        else:  # queries at the last lq positions: bottom-right causal mask (and a draft tree's)
             q_pos = torch.arange(seq_len - lq, seq_len, device=q.device).unsqueeze(1)
             mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= q_pos
+            if tree is not None:
+                mask = mask & tree
             res = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                  enable_gqa=gqa)
         out[q_lo:q_hi] = res.squeeze(0).transpose(0, 1).to(q.dtype)

@@ -129,12 +129,32 @@ def paged_attention(
         blocks = meta.block_tables[s, :n_blocks].long()
         k = dequantize_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], k_scale)
         v = dequantize_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], v_scale)
-        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale).to(q.dtype)
+        tree = tree_visibility(meta, q_lo, q_hi, seq_len, q.device)
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale, tree).to(q.dtype)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float):
-    """q [Lq, Hq, D] at the last Lq positions of k/v [seq_len, Hkv, D]; GQA by head groups."""
+def tree_visibility(meta: AttentionMetadata, q_lo: int, q_hi: int, seq_len: int,
+                    device: torch.device) -> torch.Tensor | None:
+    """[Lq, seq_len] bool, False where meta.tree_mask hides a chunk position from a row (a draft
+    tree's row sees the cached prefix and its ancestors); None when every row is causal."""
+    if meta.tree_mask is None:
+        return None
+    masks = (meta.tree_mask_cpu[q_lo:q_hi] if meta.tree_mask_cpu is not None
+             else meta.tree_mask[q_lo:q_hi].tolist())
+    if all(m == -1 for m in masks):
+        return None
+    bits = torch.tensor(masks, dtype=torch.int64, device=device)
+    rel = torch.arange(seq_len, device=device) - (seq_len - (q_hi - q_lo))
+    in_chunk = (rel >= 0) & (rel < 64)
+    bit = (bits[:, None] >> rel.clamp(0, 63)[None, :]) & 1
+    return (bit != 0) | ~in_chunk[None, :]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
+            visible: torch.Tensor | None = None):
+    """q [Lq, Hq, D] at the last Lq positions of k/v [seq_len, Hkv, D]; GQA by head groups.
+    visible: [Lq, seq_len] bool narrowing the causal mask (draft trees)."""
     lq, hq, _ = q.shape
     group = hq // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
@@ -142,6 +162,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, sca
     scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-    scores = scores.masked_fill((k_pos > q_pos).unsqueeze(0), float("-inf"))
+    hidden = k_pos > q_pos
+    if visible is not None:
+        hidden = hidden | ~visible
+    scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, vf)

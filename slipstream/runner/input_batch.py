@@ -12,6 +12,7 @@ import torch
 
 from slipstream.attention.backend import AttentionMetadata
 from slipstream.scheduler.output import ScheduledSeq
+from slipstream.speculative import tree
 
 
 @dataclass
@@ -37,6 +38,8 @@ class HostBatch:
     block_tables: np.ndarray  # int32 [S, max_blocks] (pad 0)
     logits_indices: np.ndarray  # int64 [num sampled (+ draft tokens verified)]
     sample_seq_indices: list[int]
+    # Draft trees: per token the attention bit set (AttentionMetadata.tree_mask); None: none.
+    tree_mask: np.ndarray | None = None
 
 
 def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
@@ -60,12 +63,33 @@ def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
     block_tables = _block_tables(seqs, seq_lens, block_size, max_blocks_per_seq)
     block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     slot_mapping = block_of_token * block_size + positions % block_size
+    tree_mask = None
+    if any(s.spec_parents for s in seqs):  # stored in chunk order, rotated at tree depth
+        tree_mask = _tree_positions(seqs, query_start_loc, positions)
     sample_seq_indices = [i for i, s in enumerate(seqs) if s.needs_sample]
     logits_indices = query_start_loc[1:][sample_seq_indices].astype(np.int64) - 1
     if any(s.num_spec_tokens for s in seqs):
         logits_indices = _spec_logits_indices(seqs, sample_seq_indices, logits_indices)
     return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens,
-                     block_tables, logits_indices, sample_seq_indices)
+                     block_tables, logits_indices, sample_seq_indices, tree_mask)
+
+
+def _tree_positions(seqs: list[ScheduledSeq], query_start_loc: np.ndarray,
+                    positions: np.ndarray) -> np.ndarray:
+    """Draft trees (speculative/tree.py): set each tree node's position to its depth past the
+    last known token (in place) and return every token's attention bit set (-1: causal)."""
+    mask = np.full(len(positions), -1, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        if not s.spec_parents:
+            continue
+        root = int(query_start_loc[i + 1]) - s.num_spec_tokens - 1
+        if root != int(query_start_loc[i]):
+            raise ValueError(f"request {s.request_id}: a draft tree follows one known token")
+        base = int(positions[root])
+        positions[root + 1 : root + 1 + s.num_spec_tokens] = base + np.array(
+            tree.depths(s.spec_parents), dtype=np.int64)
+        mask[root : root + 1 + s.num_spec_tokens] = tree.row_masks(s.spec_parents)
+    return mask
 
 
 def _spec_logits_indices(seqs: list[ScheduledSeq], sampled: list[int],
@@ -123,6 +147,8 @@ def inputs_from_host_batch(hb: HostBatch, device: torch.device) -> ModelInputs:
         max_seq_len=max(lens_cpu),
         query_start_loc_cpu=qsl_cpu,
         seq_lens_cpu=lens_cpu,
+        tree_mask=None if hb.tree_mask is None else to_device(hb.tree_mask, device),
+        tree_mask_cpu=None if hb.tree_mask is None else hb.tree_mask.tolist(),
     )
     return ModelInputs(
         input_ids=to_device(hb.input_ids, device),

@@ -33,6 +33,8 @@ from slipstream.sampling.sampler import Sampler, warm_up_greedy
 from slipstream.sampling.speculative import verify_into
 from slipstream.sampling_params import SamplingParams
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+from slipstream.speculative.hidden import StepHidden, known_rows
+from slipstream.speculative.tree import move_accepted_kv, path_moves
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class ModelRunner:
         # A speculative draft model's KV bytes per block: its cache shares the target's block
         # ids, so the budget is split by bytes per block (speculative/draft_model.py sets it).
         self.draft_kv_bytes_per_block = 0
+        # A proposer that drafts from the target's hidden states (Medusa, EAGLE): every step
+        # runs eagerly and returns them (RunnerOutput.spec_hidden).
+        self.keep_hidden = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
         if self.device.type == "cpu":  # once per process: the server's engine process set it
             from slipstream.runner.cpu_threads import configure_cpu_threads
@@ -369,12 +374,12 @@ class ModelRunner:
         seqs or None when none samples, their requests, the eager path's (inputs, hidden) or
         None after a replay)."""
         with self.timer.phase("graph"):
-            logits = self._decode_logits(sched, feed)
+            logits = None if self.keep_hidden else self._decode_logits(sched, feed)
         if logits is not None:
             return logits, [s.request for s in sched.seqs], None
         with self.timer.phase("prepare"):
             hb = build_host_batch(sched.seqs, self.block_size)
-        prefill = self._prefill_logits(sched, hb, feed)
+        prefill = None if self.keep_hidden else self._prefill_logits(sched, hb, feed)
         if prefill is not None:
             return (*prefill, None)
         with self.timer.phase("prepare"):
@@ -422,20 +427,38 @@ class ModelRunner:
             return out
         logits, requests, eager = self._step_logits(sched, feed)
         _call(while_gpu_runs)
+        paths = {}
         if logits is not None:
             with self.timer.phase("sample"):
                 if any(s.num_spec_tokens for s in sched.seqs):
-                    verify_into(out, self._get_sampler(), logits, sched.seqs)
+                    paths = verify_into(out, self._get_sampler(), logits, sched.seqs)
+                    self._move_tree_kv(sched, paths)
                 else:
                     self._sample_into(out, logits, requests)
         if eager is None:
             return out
         inputs, hidden = eager
+        if self.keep_hidden:
+            self._keep_hidden(out, sched, inputs, hidden, paths)
         for i, seq in enumerate(sched.seqs):
             entries = self._prompt_logprobs(seq, hidden, inputs.query_start_loc_cpu[i])
             if entries:
                 out.prompt_logprobs[seq.request_id] = entries
         return out
+
+    def _move_tree_kv(self, sched: SchedulerOutput, paths: dict[str, list[int]]) -> None:
+        """Draft trees: the accepted path's K/V to the slots right after the root (tree.py)."""
+        if not paths:
+            return
+        moves = [path_moves(paths[s.request_id], s.start_pos, s.block_ids, self.block_size)
+                 for s in sched.seqs if s.request_id in paths]
+        move_accepted_kv(self.kv_caches, moves)
+
+    def _keep_hidden(self, out: RunnerOutput, sched: SchedulerOutput, inputs: ModelInputs,
+                     hidden: torch.Tensor, paths: dict[str, list[int]]) -> None:
+        qsl = inputs.query_start_loc_cpu
+        out.spec_hidden = StepHidden(hidden, None, sched.seqs, qsl,
+                                     known_rows(sched.seqs, qsl, out.sampled_token_ids, paths))
 
     def _sample_into(self, out: RunnerOutput, logits: torch.Tensor, requests: list[Request]) -> None:
         sampled = self._get_sampler()(logits, requests)

@@ -124,7 +124,8 @@ class PrefillGraphs:
 
     def accepts(self, hb: HostBatch) -> bool:
         """Whether a captured graph can run this host batch."""
-        return (len(hb.seq_lens) <= self.max_seqs and len(hb.logits_indices) <= self.max_rows
+        return (hb.tree_mask is None  # draft trees run eagerly (their mask is not captured)
+                and len(hb.seq_lens) <= self.max_seqs and len(hb.logits_indices) <= self.max_rows
                 and self.padded_size(len(hb.input_ids)) is not None
                 and hb.block_tables.shape[1] <= self.max_blocks_per_seq
                 and int(hb.seq_lens.max()) <= self.max_seq_len)

@@ -14,6 +14,12 @@ two laws, so the output follows the target distribution. Greedy requests get exa
 of decoding without speculation. A seeded request's generator is rewound to just after the rows
 it kept, so it draws once per emitted token as without speculation: the same seed gives the
 same tokens with or without speculation, whatever else is in the batch.
+
+A draft tree (speculative/tree.py) is verified the same way along its branches: from the root,
+the child whose draft equals the token sampled at the current row is accepted. Each row is
+sampled independently from the target's distribution at its position, so the emitted tokens
+follow it too. Seeded requests get chains only (the decoder's choice), so their draws stay one
+per emitted token.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from slipstream.sampling.sampler import Sampler, request_generator
+from slipstream.speculative.tree import accept_path
 
 if TYPE_CHECKING:
     from slipstream.scheduler.output import RunnerOutput, ScheduledSeq
@@ -38,29 +45,39 @@ def num_accepted(drafts: list[int], sampled: list[int]) -> int:
     return n
 
 
-def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> None:
+def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs: list[ScheduledSeq]
+                ) -> dict[str, list[int]]:
     """Sample every row of a step with draft tokens and put, per sampled seq, its accepted
-    drafts plus one sampled token (and their logprobs when asked) into `out`.
+    drafts plus one sampled token (and their logprobs when asked) into `out`. Returns, per
+    seq that verified a draft tree, the draft indices of its accepted path (its chunk rows
+    past the root are path[i] + 1): the runner moves their K/V into place.
 
     logits: [rows, V], rows in seq order: num_spec_tokens + 1 rows a sampled seq."""
     sampled_seqs = [s for s in seqs if s.needs_sample]
     row_requests = [s.request for s in sampled_seqs for _ in range(s.num_spec_tokens + 1)]
     saved = _seeded_states(sampled_seqs, logits.device)
     result = sampler(logits, row_requests)
-    row = 0
+    row, paths = 0, {}
     for seq in sampled_seqs:
         n = seq.num_spec_tokens + 1
         tokens = result.token_ids[row : row + n]
         drafts = seq.token_ids[len(seq.token_ids) - seq.num_spec_tokens :]
-        keep = num_accepted(drafts, tokens) + 1
         rid = seq.request_id
-        out.sampled_token_ids[rid] = tokens[:keep]
-        lps = result.logprobs[row : row + keep]
+        if seq.spec_parents:
+            # A tree: its accepted path's rows, in order (a row's token is its child's draft).
+            paths[rid] = accept_path(drafts, seq.spec_parents, tokens)
+            rows = [0] + [i + 1 for i in paths[rid]]
+        else:
+            rows = list(range(num_accepted(drafts, tokens) + 1))
+        keep = len(rows)
+        out.sampled_token_ids[rid] = [tokens[r] for r in rows]
+        lps = [result.logprobs[row + r] for r in rows]
         if lps and lps[0] is not None:
             out.logprobs[rid] = lps
         if rid in saved and keep < n:
             _rewind(seq.request, saved[rid], keep, logits)
         row += n
+    return paths
 
 
 def _seeded_states(seqs: list[ScheduledSeq], device: torch.device) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from slipstream.engine.request import Request
 
@@ -21,6 +22,9 @@ class ScheduledSeq:
     # Speculative decoding: the last num_spec_tokens of token_ids are draft tokens to verify
     # (logits come back for each of them and for the last known token before them).
     num_spec_tokens: int = 0
+    # A draft tree: the parent of each draft token (-1: the last known token), breadth-first
+    # (speculative/tree.py); None: the drafts are a chain.
+    spec_parents: list[int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -56,3 +60,6 @@ class RunnerOutput:
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # Per prompt position (first is None): {token_id: logprob}; only for requests that asked.
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Speculative proposers that draft from the target's hidden states (Medusa, EAGLE): the
+    # step's speculative.hidden.StepHidden, when the runner was asked to keep them.
+    spec_hidden: Any = None

@@ -17,6 +17,7 @@ from slipstream.kv_cache.manager import KVCacheManager
 from slipstream.lora.slots import LoRASlots
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+from slipstream.speculative.tree import prune
 
 # A request refused a LoRA slot this many schedules in a row stops later LoRA requests from
 # joining pinned adapters, so pinned slots drain and it gets one (no starvation).
@@ -211,7 +212,10 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)
-        return drafts[: max(0, min(room - 1, budget - num_new))]
+        n = max(0, min(room - 1, budget - num_new))
+        if request.spec_parents is not None:  # a tree: its breadth-first nodes of depth <= room - 1
+            n = min(n, prune(request.spec_parents, room - 1))
+        return drafts[:n]
 
     def _ends_by_length(self, request: Request) -> bool:
         max_tokens = request.sampling_params.max_tokens
@@ -320,7 +324,8 @@ class Scheduler:
     def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
-        request.spec_token_ids = []  # drafts are for this step only
+        parents = request.spec_parents[: len(drafts)] if request.spec_parents and drafts else None
+        request.spec_token_ids, request.spec_parents = [], None  # drafts are for this step only
         return ScheduledSeq(
             request=request,
             token_ids=request.token_ids_slice(start, end) + list(drafts),
@@ -329,6 +334,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             needs_sample=end == request.num_tokens,
             num_spec_tokens=len(drafts),
+            spec_parents=parents,
         )
 
     def _push_waiting(self, request: Request) -> None:

@@ -8,9 +8,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "oracle")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "oracle")
+_PUBLIC = tuple(m for m in METHODS if m != "oracle")
 # Named in vLLM / the issue but not implemented here: a clear error instead of a silent no-op.
-_NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "lookahead", "mtp")
+_NOT_IMPLEMENTED = ("lookahead", "mtp")
+# Methods whose drafts come from heads on the target's hidden states: `model` is required.
+_HEAD_METHODS = ("medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class SpeculativeConfig:
     ridge_tokens: int = 128
     # oracle (test-only): chance that each draft token is the target's own next token.
     acceptance_rate: float = 0.7
+    # medusa: the candidate tree as paths of top-k ranks per level, e.g. [[0], [1], [0, 0]]
+    # (or its JSON text, vLLM's name); None: a default tree of num_speculative_tokens levels.
+    speculative_token_tree: Any = None
 
     @staticmethod
     def from_dict(value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -52,16 +58,33 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         config = SpeculativeConfig(**value)
+        if config.speculative_token_tree is not None:  # hashable, whatever form it came in
+            tree = tuple(config.token_tree())
+            config = SpeculativeConfig(**{**value, "speculative_token_tree": tree})
         config.check()
         return config
+
+    def token_tree(self) -> list[tuple[int, ...]] | None:
+        """speculative_token_tree as a list of rank paths (parsed from JSON text if given so)."""
+        tree = self.speculative_token_tree
+        if isinstance(tree, str):
+            try:
+                tree = json.loads(tree.replace("(", "[").replace(")", "]"))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: speculative_token_tree is not a list: {e}") from None
+        if tree is None:
+            return None
+        if not isinstance(tree, list | tuple) or not all(isinstance(p, list | tuple) for p in tree):
+            raise ValueError("speculative_config: speculative_token_tree must be a list of rank paths")
+        return [tuple(p) for p in tree]
 
     def check(self) -> None:
         if self.method in _NOT_IMPLEMENTED:
             raise ValueError(
-                f"speculative_config: method {self.method!r} is not implemented; use one of {METHODS[:2]}"
+                f"speculative_config: method {self.method!r} is not implemented; use one of {_PUBLIC}"
             )
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config: method must be one of {METHODS[:2]}, got {self.method!r}")
+            raise ValueError(f"speculative_config: method must be one of {_PUBLIC}, got {self.method!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(
@@ -83,6 +106,17 @@ class SpeculativeConfig:
             )
         if not 0.0 <= float(self.acceptance_rate) <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1]")
+        if self.method in _HEAD_METHODS and self.model is None:
+            raise ValueError(
+                f"speculative_config: method {self.method!r} needs 'model' (the "
+                "heads' checkpoint directory); none ships for this model"
+            )
+        if self.method in _HEAD_METHODS and not Path(self.model).is_dir():
+            raise ValueError(f"speculative_config: {self.method} model {self.model!r} is not a directory")
+        if self.speculative_token_tree is not None:
+            from slipstream.speculative.tree import tree_from_choices
+
+            tree_from_choices(self.token_tree())
         if (
             self.method == "draft_model"
             and self.model is not None

@@ -11,6 +11,7 @@ from slipstream.config import EngineConfig
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
+from slipstream.speculative import tree
 from slipstream.speculative.adaptive import choose_k
 from slipstream.speculative.config import SpeculativeConfig
 
@@ -89,10 +90,18 @@ class SpeculativeDecoder:
                 wanted.append((r, min(k, room - 1)))
         if not wanted:
             return
+        by_id = {r.request_id: r for r, _ in wanted}
         for rid, drafts in self.proposer.propose(wanted).items():
-            if drafts:
-                request = next(r for r, _ in wanted if r.request_id == rid)
-                request.spec_token_ids = list(drafts)
+            # A proposer returns a chain of tokens, or a tree as (tokens, parents).
+            tokens, parents = drafts if isinstance(drafts, tuple) else (drafts, None)
+            request = by_id[rid]
+            if parents is not None and _seeded_sampling(request):
+                # One draw per emitted token keeps seeded outputs as without speculation:
+                # a chain (sampling/speculative.py).
+                tokens, parents = tree.first_chain(tokens, parents), None
+            if tokens:
+                request.spec_token_ids = list(tokens)
+                request.spec_parents = None if parents is None else list(parents)
 
     def _room(self, r: Request) -> int:
         room = self.max_seq_len - r.num_tokens
@@ -101,7 +110,10 @@ class SpeculativeDecoder:
         return room
 
     def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
-        """Count a verified step; per request id (drafts, accepted) for its output."""
+        """Count a verified step; per request id (drafts, accepted) for its output. A proposer
+        that drafts from the target's hidden states gets the step's (`observe`)."""
+        if runner_out.spec_hidden is not None:
+            self.proposer.observe(runner_out.spec_hidden)
         per_request = {}
         proposed = accepted = 0
         for seq in sched_out.seqs:
@@ -138,6 +150,11 @@ class SpeculativeDecoder:
         }
 
 
+def _seeded_sampling(r: Request) -> bool:
+    p = r.sampling_params
+    return p.seed is not None and not p.greedy
+
+
 def _may_speculate(r: Request) -> bool:
     """Decoding next with its last token known, and nothing in its sampling that depends on
     the output so far token by token (penalties, a pending min_tokens, a grammar, bad words
@@ -167,10 +184,30 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.speculative.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config)
+    elif spec.method in ("eagle", "eagle3"):  # the checkpoint's layout decides which
+        from slipstream.speculative.eagle import EagleProposer
+
+        proposer = EagleProposer(config)
+    elif spec.method == "medusa":
+        import torch
+
+        from slipstream.dtypes import resolve_dtype
+        from slipstream.speculative.medusa import MedusaProposer
+
+        proposer = MedusaProposer(
+            spec.model,
+            spec.num_speculative_tokens,
+            spec.token_tree(),
+            config.model.vocab_size,
+            resolve_dtype(config.dtype),
+            torch.device(config.device),
+        )
     else:
         from slipstream.speculative.oracle import OracleProposer
 
-        proposer = OracleProposer(spec.acceptance_rate, config.model.vocab_size, config.seed)
+        proposer = OracleProposer(
+            spec.acceptance_rate, config.model.vocab_size, config.seed, spec.token_tree()
+        )
     logger.info(
         "speculative decoding: %s, up to %d draft tokens a step%s",
         spec.method,

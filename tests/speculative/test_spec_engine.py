@@ -13,6 +13,7 @@ import torch
 from slipstream import LLM, SamplingParams
 from slipstream.speculative import oracle
 from tests.helpers import load_hf_model
+from tests.speculative.heads import write_eagle, write_medusa
 
 # Small cache and budget: chunked prefill beside verification, waiting requests, preemption.
 ENGINE = dict(
@@ -76,9 +77,32 @@ def reference(target):
     return results
 
 
-def _spec_configs(tiny_checkpoint):
-    draft = tiny_checkpoint("LlamaForCausalLM", num_hidden_layers=1, seed=3)
+@pytest.fixture(scope="module")
+def heads(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
     return {
+        "medusa": write_medusa(root / "medusa", target, num_heads=3),
+        "eagle": write_eagle(root / "eagle", target),
+        "eagle3": write_eagle(root / "eagle3", target, eagle3=True),
+    }
+
+
+def _spec_configs(tiny_checkpoint, heads=None):
+    draft = tiny_checkpoint("LlamaForCausalLM", num_hidden_layers=1, seed=3)
+    # A tree with its right branch at a random rank: accepted paths off the first chain move
+    # their K/V into place.
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [1, 0, 0], [1, 0, 1]]
+    return {
+        "oracle_tree": {
+            "method": "oracle",
+            "num_speculative_tokens": 3,
+            "acceptance_rate": 0.8,
+            "speculative_token_tree": tree,
+        },
+        **{
+            m: {"method": m, "model": str(heads[m]), "num_speculative_tokens": 3}
+            for m in ("medusa", "eagle", "eagle3")
+        },
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_is_target": {"method": "draft_model", "num_speculative_tokens": 4},
@@ -86,9 +110,11 @@ def _spec_configs(tiny_checkpoint):
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_is_target", "oracle"])
-def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, name):
-    config = dict(_spec_configs(tiny_checkpoint)[name], adaptive=False)
+@pytest.mark.parametrize(
+    "name", ["ngram", "draft_model", "draft_is_target", "oracle", "oracle_tree", "medusa", "eagle", "eagle3"]
+)
+def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, heads, name):
+    config = dict(_spec_configs(tiny_checkpoint, heads)[name], adaptive=False)
     if name == "draft_is_target":
         config["model"] = str(target)
     llm = LLM(str(target), speculative_config=config, **ENGINE)
@@ -103,7 +129,7 @@ def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, 
     stats = llm.get_stats()
     spec = stats["speculative"][config["method"]]
     assert spec["num_draft_tokens"] > 0
-    if name != "draft_model":  # an unrelated random draft may well never be right
+    if name not in ("draft_model", "medusa", "eagle", "eagle3"):  # random drafts may never be right
         assert spec["num_accepted_tokens"] > 0
     assert stats["spec_num_draft_tokens"] == spec["num_draft_tokens"]
     assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])

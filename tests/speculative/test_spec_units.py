@@ -19,7 +19,14 @@ from slipstream.speculative.ngram import lookup
     [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "nope", "num_speculative_tokens": 2}, "method must be one of"),
-        ({"method": "medusa", "num_speculative_tokens": 2}, "not implemented"),
+        ({"method": "lookahead", "num_speculative_tokens": 2}, "not implemented"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "eagle", "num_speculative_tokens": 2, "model": "/no/such"}, "not a directory"),
+        ({"method": "oracle", "num_speculative_tokens": 2, "speculative_token_tree": [[0, 0]]}, "no parent"),
+        (
+            {"method": "oracle", "num_speculative_tokens": 2, "speculative_token_tree": "[[0], oops"},
+            "not a list",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"\[1, 16\]"),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},

@@ -99,16 +99,18 @@ def _quantized_to_f16(v, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
 @triton.jit
 def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
+               tree_bits, ctx_len,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
                F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-               ASM_CVT: tl.constexpr):
+               ASM_CVT: tl.constexpr, TREE: tl.constexpr):
     """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
     kt, v = _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
                      stride_ks, stride_vb, stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM,
                      PAGE_SIZE)
-    return _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, BLOCK_N,
-                        MASKED, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+    return _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_bits,
+                        ctx_len, BLOCK_N, MASKED, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT,
+                        TREE)
 
 
 @triton.jit
@@ -135,11 +137,13 @@ def _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb
 
 
 @triton.jit
-def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
+def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_bits, ctx_len,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
                  F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-                 ASM_CVT: tl.constexpr):
-    """Scores of q against one loaded tile, the online-softmax update, acc += P @ V."""
+                 ASM_CVT: tl.constexpr, TREE: tl.constexpr = False):
+    """Scores of q against one loaded tile, the online-softmax update, acc += P @ V.
+    TREE: tree_bits ([BLOCK_M] int64) is each row's set of visible chunk positions (bit j:
+    position ctx_len + j; -1 for ordinary causal rows), see speculative/tree.py."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < seq_len
     if F16_KV:
@@ -148,6 +152,11 @@ def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale,
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if TREE:  # a draft tree's rows see the prefix and their ancestors only
+            rel = (offs_n - ctx_len).to(tl.int64)
+            in_chunk = (rel >= 0) & (rel < 64)
+            bit = (tree_bits[:, None] >> tl.where(in_chunk, rel, 0)[None, :]) & 1
+            visible = visible & ((bit != 0) | (in_chunk == 0)[None, :])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows that have seen nothing yet keep m = -inf; shift them by 0 to avoid inf - inf.
@@ -172,13 +181,13 @@ def _paged_attn_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_cs, pf_ptr, pf_spans, pf_chunk, attn_rows,
+    stride_cs, pf_ptr, pf_spans, pf_chunk, attn_rows, tree_ptr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
+    SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, TREE: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -257,6 +266,10 @@ def _paged_attn_kernel(
 
     # Tiles before t_full are visible to every row of the q tile: no causal mask needed there.
     t_full = (ctx_len + q0 + 1) // BLOCK_N
+    tree_bits = q_pos  # unread without TREE
+    if TREE:  # a draft tree's rows mask the whole chunk: only the cached prefix is full
+        t_full = tl.minimum(t_full, ctx_len // BLOCK_N)
+        tree_bits = tl.load(tree_ptr + token, mask=row_ok, other=-1)
 
     if FUSE_ROPE:
         k_new, v_new = _write_own_kv(k_ptr + off_k, v_ptr + off_v, kn_ptr, vn_ptr, pos_ptr,
@@ -273,7 +286,8 @@ def _paged_attn_kernel(
         kt0 = tl.where(own[None, :], tl.trans(k_new), kt0)
         v0 = tl.where(own[:, None], v_new, v0)
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt0, v0, t_lo, q_pos, seq_len, qk_scale,
-                                     BLOCK_N, True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+                                     tree_bits, ctx_len, BLOCK_N, True, DOT_PREC, F16_KV,
+                                     P_DTYPE, KV_QUANT, ASM_CVT)
         first = t_lo + 1
     short = False  # a split of at most SHORT_CHAIN tiles (a runtime test when SHORT_CHAIN > 0)
     if SHORT_CHAIN:
@@ -282,19 +296,22 @@ def _paged_attn_kernel(
         for tile in tl.range(first, t_hi, num_stages=1):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
-                                       True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
+                                       HEAD_DIM, PAGE_SIZE, True, DOT_PREC, F16_KV, P_DTYPE,
+                                       KV_QUANT, ASM_CVT, TREE)
     else:
         for tile in range(first, tl.minimum(t_hi, t_full)):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
-                                       False, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
+                                       HEAD_DIM, PAGE_SIZE, False, DOT_PREC, F16_KV, P_DTYPE,
+                                       KV_QUANT, ASM_CVT, False)
         for tile in range(tl.maximum(first, t_full), t_hi):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE,
-                                       True, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT)
+                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
+                                       HEAD_DIM, PAGE_SIZE, True, DOT_PREC, F16_KV, P_DTYPE,
+                                       KV_QUANT, ASM_CVT, TREE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -470,6 +487,7 @@ def paged_attention(
     l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
+    meta.tree_mask (draft trees, speculative/tree.py) narrows chunk rows to their ancestors.
 
     Rows of q outside every sequence (padding past query_start_loc[-1]) are left unwritten,
     as in the reference. fp8 / int8 caches are read as stored * k_scale / v_scale (float32
@@ -520,6 +538,7 @@ def paged_attention(
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         num_heads * splits, splits, 1, *rope_args, *pf_args, attn_rows,
+        out if meta.tree_mask is None else meta.tree_mask,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
@@ -527,6 +546,7 @@ def paged_attention(
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
         PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF,
+        TREE=meta.tree_mask is not None,
     )
     return out
 
