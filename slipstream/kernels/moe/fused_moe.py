@@ -74,7 +74,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, topk_w_ptr, sorted_ptr, blo
                      stride_am, stride_be, stride_bn, stride_cm, stride_se,
                      A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                      HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """C[pair, n] for the rows of one expert block. GATED: B = [gate | up] (2N rows), C gets
     silu(gate) * up. A's row of a pair is pair // A_ROW_DIV (the token for the first GEMM)."""
     pid_n = tl.program_id(0)
@@ -100,10 +100,10 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, topk_w_ptr, sorted_ptr, blo
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
         if GATED:
             u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, u.to(a.dtype), acc_up)
+            acc_up = tl.dot(a, u.to(a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_SCALE:
@@ -306,13 +306,15 @@ def _grouped(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg):
     cfg = cfg or gemm_config(pairs, num_experts)
     sorted_pairs, block_experts, num_padded = align_by_expert(topk_ids, num_experts, cfg.block_m)
     m_blocks = block_experts.numel()
+    # float32 activations get float32 products (the CPU path's), not TF32.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     s13, s13_stride = _scale_args(w13_scale, topk_weights)
     _moe_gemm_kernel[(triton.cdiv(inter, cfg.block_n), m_blocks)](
         x, w13, act, s13, topk_weights, sorted_pairs, block_experts, num_padded, inter, hidden,
         pairs, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), s13_stride,
         A_ROW_DIV=top_k, GATED=True, MUL_WEIGHT=False, HAS_SCALE=w13_scale is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # Pairs routed to experts held elsewhere (-1) are in no block: their rows must read zero.
     down = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)
@@ -321,6 +323,6 @@ def _grouped(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg):
         act, w2, down, s2, topk_weights, sorted_pairs, block_experts, num_padded, hidden, inter,
         pairs, act.stride(0), w2.stride(0), w2.stride(1), down.stride(0), s2_stride,
         A_ROW_DIV=1, GATED=False, MUL_WEIGHT=True, HAS_SCALE=w2_scale is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return down.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
