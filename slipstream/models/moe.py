@@ -6,8 +6,8 @@ with the checkpoint's rule, the routed experts (layers/moe.FusedMoE), and for Qw
 shared expert scaled by sigmoid(shared_expert_gate(x)). Qwen's `mlp_only_layers` and
 `decoder_sparse_step` keep some layers dense.
 
-Routing rules: Mixtral renormalises the top-k weights to sum to 1; Qwen-MoE does when the
-config's `norm_topk_prob` is set (Qwen3-MoE checkpoints set it, Qwen1.5/2-MoE do not).
+Routing: softmax over the experts, the top k, renormalised to sum to 1 by the checkpoint's
+rule (models/moe_config.renormalizes).
 
 Checkpoints store each expert apart (`experts.<e>.w1/w3/w2` for Mixtral, `experts.<e>.gate_proj
 /up_proj/down_proj` for Qwen); they load into slices of the stacked weights.
@@ -24,6 +24,12 @@ from torch import nn
 from slipstream.layers.moe import FusedMoE
 from slipstream.layers.norm import RMSNorm
 from slipstream.models.llama import BuildContext, LlamaForCausalLM, LlamaMLP
+from slipstream.models.moe_config import (
+    expert_intermediate_size,
+    is_sparse_layer,
+    num_experts_of,
+    renormalizes,
+)
 from slipstream.models.quantize_as_loaded import decoder_layer_of
 from slipstream.quantization.base import UnquantizedLinearMethod
 
@@ -75,31 +81,6 @@ class SparseMoeBlock(nn.Module):
         """(forward(norm(x + residual)), new residual): the decoder layer's MLP contract."""
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
         return self.forward(h), residual
-
-
-def num_experts_of(cfg: dict) -> int:
-    """Mixtral: num_local_experts; Qwen: num_experts (transformers 5 writes either)."""
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-
-
-def expert_intermediate_size(cfg: dict) -> int:
-    """Qwen: moe_intermediate_size (intermediate_size is the dense layers'); Mixtral: the one."""
-    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-
-
-def renormalizes(cfg: dict) -> bool:
-    """Whether the top-k routing weights are rescaled to sum to 1."""
-    if cfg.get("model_type") == "mixtral":
-        return True
-    return bool(cfg.get("norm_topk_prob", False))
-
-
-def is_sparse_layer(cfg: dict, index: int) -> bool:
-    """Qwen-MoE's rule for which decoder layers hold experts (Mixtral: every one)."""
-    if index in (cfg.get("mlp_only_layers") or []):
-        return False
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    return num_experts_of(cfg) > 0 and (index + 1) % step == 0
 
 
 def expert_weight_format(ctx: BuildContext, prefix: str) -> str | None:

@@ -143,3 +143,23 @@ def test_reference_routing_rules():
     assert ids.tolist() == [[0, 1]] and torch.allclose(w[0], probs[:2])
     w, _ = reference.route_topk(logits, 2, renormalize=True)
     assert torch.allclose(w.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_sizes_count_every_parameter_and_the_active_experts(checkpoints, arch):
+    import json
+
+    from slipstream.models.sizes import count_parameters, weight_bytes
+    from tests.helpers import load_hf_model
+
+    cfg = json.loads((checkpoints[arch] / "config.json").read_text())
+    hf = load_hf_model(checkpoints[arch])
+    assert count_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+    every, one_token = weight_bytes(cfg, "float32"), weight_bytes(cfg, "float32", decode_batch=1)
+    inter, hidden = cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg else \
+        cfg["intermediate_size"], cfg["hidden_size"]
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    sparse = sum(1 for i in range(cfg["num_hidden_layers"])
+                 if i not in (cfg.get("mlp_only_layers") or []))
+    unread = sparse * (experts - cfg["num_experts_per_tok"]) * 3 * hidden * inter * 4
+    assert every - one_token == unread
