@@ -62,7 +62,7 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             qk_norm=model_type == "qwen3" or arch.startswith("Qwen3"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

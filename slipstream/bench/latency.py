@@ -58,7 +58,8 @@ def speed_of_light(cfg: dict[str, Any], dtype: str, bandwidth: float | None, bat
     """Decode bound in tok/s: B tokens per step, each step streaming every weight once
     (quantized ones at their method's bytes; and, in the second figure, each sequence's K/V at
     its mean decode context, counted at the model dtype)."""
-    w_bytes = weight_bytes(cfg, dtype, quantization, quantized_lm_head)
+    # An MoE step reads only the experts its tokens are routed to (all experts for dense).
+    w_bytes = weight_bytes(cfg, dtype, quantization, quantized_lm_head, decode_batch=batch)
     mean_ctx = input_len + (output_len - 1) / 2
     kv_bytes = batch * mean_ctx * kv_bytes_per_token(cfg, dtype)
     out: dict[str, Any] = {"weight_bytes": w_bytes, "kv_bytes_per_step": kv_bytes,

@@ -6,6 +6,7 @@ the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
@@ -32,8 +33,12 @@ class BuildContext:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: SimpleNamespace, backend,
                  quant_factory: QuantMethodFactory | None = None, max_positions: int | None = None,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, local_experts: Sequence[int] | None = None):
         self.cfg, self.dtype, self.ops, self.backend = cfg, dtype, ops, backend
+        # Builds each decoder layer's MLP: (ctx, prefix) -> module; None: LlamaMLP. An MoE
+        # family (models/moe.py) puts its sparse block here.
+        self.mlp_factory: Callable[[BuildContext, str], nn.Module] | None = None
+        self.local_experts = local_experts  # MoE: the experts this rank holds (None: all)
         self.quant_factory = quant_factory or (lambda prefix: UnquantizedLinearMethod())
         self.max_positions = max(max_positions or 0, cfg.max_position_embeddings)
         self.tp_size, self.tp_rank = tp_size, tp_rank
@@ -51,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.q_size = hq * d // ctx.tp_size
         self.kv_size = hkv * d // ctx.tp_size
         # Qwen2 has bias on q/k/v only; Llama/Qwen3 attention_bias also covers o_proj.
-        o_bias = cfg.attention_bias and cfg.hf_config.get("model_type") != "qwen2"
+        o_bias = cfg.attention_bias and cfg.hf_config.get("model_type") not in ("qwen2", "qwen2_moe")
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, hq, hkv, cfg.attention_bias,
                                           **ctx.linear_kwargs(f"{prefix}.qkv_proj"))
         self.o_proj = RowParallelLinear(hq * d, cfg.hidden_size, o_bias,
@@ -82,14 +87,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, prefix: str, intermediate_size: int | None = None):
         super().__init__()
         cfg = ctx.cfg
         bias = bool(cfg.hf_config.get("mlp_bias", False))
+        inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias,
+            cfg.hidden_size, [inter] * 2, bias,
             **ctx.linear_kwargs(f"{prefix}.gate_up_proj"))
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias,
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias,
                                            **ctx.linear_kwargs(f"{prefix}.down_proj"))
         self.act_fn = SiluAndMul(ctx.ops, cfg.hf_config.get("hidden_act", "silu"))
 
@@ -128,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
+        self.mlp = (ctx.mlp_factory or LlamaMLP)(ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
                                                 ctx.ops)

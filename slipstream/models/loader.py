@@ -231,7 +231,8 @@ def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[str, int | None]]:
                 out[f"{parent}.{sub}.{leaf}"] = (pname, shard)
         else:
             out[pname] = (pname, None)
-    return out
+    remap = getattr(model, "remap_checkpoint_names", None)  # e.g. MoE experts stored apart
+    return out if remap is None else remap(out)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -11,6 +11,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("slipstream.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("slipstream.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("slipstream.models.llama", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("slipstream.models.moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("slipstream.models.moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("slipstream.models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

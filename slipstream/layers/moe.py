@@ -1,0 +1,156 @@
+"""The routed experts of a mixture-of-experts layer: top-k routing and the experts' gated MLPs.
+
+`FusedMoE` holds every expert this rank keeps as two stacked weights, w13 [E_local, 2I, H]
+([gate | up] of each expert) and w2 [E_local, H, I], and runs them through the fused kernels
+(kernels/moe/fused_moe.py on CUDA, their twin kernels/moe/reference.py elsewhere).
+
+Expert parallelism: `local_experts` lists the global expert ids this rank holds (default: all).
+Routing is over every expert; a token's slot whose expert lives elsewhere maps to -1 and adds
+nothing here, so `forward` returns this rank's partial sum and the parallel layer adds the
+ranks' sums. `route` gives the global ids for a dispatcher that sends tokens to their experts.
+
+Weight-only quantization of the experts at load: fp8 (e4m3) or int8, one float32 scale per
+output row of each expert.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from slipstream.kernels.moe import reference
+from slipstream.quantization.utils import (
+    load_time_weight,
+    new_param,
+    quantize_fp8_per_channel,
+    quantize_int8_per_channel,
+    replace_param,
+)
+
+EXPERT_WEIGHT_FORMATS = (None, "fp8", "int8")
+# Shard index of a checkpoint tensor inside an expert: gate and up rows of w13, then w2.
+GATE, UP, DOWN = 0, 1, 2
+
+
+class ExpertQuantMethod:
+    """Quantizes the stacked expert weights once they are loaded (QuantizeAsLoaded calls
+    process_after_loading when the layer's last tensor is in); None keeps them as loaded."""
+
+    def __init__(self, weight_format: str | None):
+        if weight_format not in EXPERT_WEIGHT_FORMATS:
+            raise ValueError(f"MoE experts support weight formats {EXPERT_WEIGHT_FORMATS[1:]}, "
+                             f"not {weight_format!r}")
+        self.weight_format = weight_format
+
+    def process_after_loading(self, layer: FusedMoE) -> None:
+        if self.weight_format is None or not layer.w13_weight.is_floating_point() or \
+                layer.w13_weight.element_size() == 1:
+            return
+        quantize = quantize_fp8_per_channel if self.weight_format == "fp8" else \
+            quantize_int8_per_channel
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, name)
+            experts, rows, cols = w.shape
+            q, scale = quantize(w.data.reshape(experts * rows, cols))
+            replace_param(layer, name, q.view(experts, rows, cols))
+            replace_param(layer, name.replace("weight", "scale"), scale.view(experts, rows))
+
+
+class FusedMoE(nn.Module):
+    """forward(x [T, H], router_logits [T, E]) -> [T, H]: sum over the k chosen experts of
+    weight * down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 params_dtype: torch.dtype, *, renormalize: bool,
+                 weight_format: str | None = None, local_experts: Sequence[int] | None = None,
+                 use_triton: bool = False):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.local_experts = _check_placement(local_experts, num_experts)
+        self.holds_all = len(self.local_experts) == num_experts
+        expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
+        expert_map[list(self.local_experts)] = torch.arange(len(self.local_experts),
+                                                            dtype=torch.int32)
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        self.use_triton = use_triton
+        self.quant_method = ExpertQuantMethod(weight_format)
+        count = len(self.local_experts)
+        make = load_time_weight if weight_format is not None else _empty_2d
+        self.w13_weight = new_param(make(count * 2 * intermediate_size, hidden_size,
+                                         params_dtype).view(count, 2 * intermediate_size,
+                                                            hidden_size))
+        self.w2_weight = new_param(make(count * hidden_size, intermediate_size, params_dtype)
+                                   .view(count, hidden_size, intermediate_size))
+        self.register_parameter("w13_scale", None)  # int8 / fp8: [E_local, 2I] float32
+        self.register_parameter("w2_scale", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """One expert's gate, up or down tensor; shard = local expert * 3 + GATE / UP / DOWN."""
+        if shard is None:
+            raise ValueError("expert weights load one expert's tensor at a time")
+        expert, part = divmod(shard, 3)
+        inter = self.intermediate_size
+        dest = param.data[expert]
+        if part in (GATE, UP):
+            dest = dest.narrow(0, part * inter, inter)
+        if dest.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs expert "
+                             f"slice {tuple(dest.shape)}")
+        dest.copy_(loaded)
+
+    def checkpoint_names(self, prefix: str, names: tuple[str, str, str]
+                         ) -> dict[str, tuple[str, int]]:
+        """Checkpoint tensor -> (parameter, shard) for this rank's experts; names: the
+        checkpoint's (gate, up, down) module names, e.g. ("w1", "w3", "w2") for Mixtral."""
+        out = {}
+        for local, expert in enumerate(self.local_experts):
+            for part, name in enumerate(names):
+                param = "w2_weight" if part == DOWN else "w13_weight"
+                out[f"{prefix}.{expert}.{name}.weight"] = (f"{prefix}.{param}", local * 3 + part)
+        return out
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], global expert ids int32 [T, k])."""
+        if self.use_triton and router_logits.is_cuda:
+            from slipstream.kernels.moe import fused_moe  # Triton: CUDA only
+
+            return fused_moe.route_topk(router_logits, self.top_k, self.renormalize)
+        return reference.route_topk(router_logits, self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(router_logits)
+        return self.experts(x, weights, ids)
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, global_ids: torch.Tensor
+                ) -> torch.Tensor:
+        """This rank's share of the routed sum for already-routed tokens."""
+        ids = global_ids if self.holds_all else self.expert_map[global_ids.long()]
+        args = (x, self.w13_weight, self.w2_weight, weights, ids, self.w13_scale, self.w2_scale)
+        if self.use_triton and x.is_cuda:
+            from slipstream.kernels.moe import fused_moe  # Triton: CUDA only
+
+            return fused_moe.fused_moe(*args)
+        return reference.fused_moe(*args)
+
+    def extra_repr(self) -> str:
+        fmt = self.quant_method.weight_format or str(self.w13_weight.dtype).removeprefix("torch.")
+        return (f"experts={len(self.local_experts)}/{self.num_experts}, top_k={self.top_k}, "
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, {fmt}")
+
+
+def _empty_2d(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(n, k, dtype=dtype)
+
+
+def _check_placement(local_experts: Sequence[int] | None, num_experts: int) -> tuple[int, ...]:
+    if local_experts is None:
+        return tuple(range(num_experts))
+    placed = tuple(sorted(set(int(e) for e in local_experts)))
+    if not placed or placed[0] < 0 or placed[-1] >= num_experts:
+        raise ValueError(f"local_experts must be a non-empty subset of 0..{num_experts - 1}, "
+                         f"got {list(local_experts)}")
+    return placed

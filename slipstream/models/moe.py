@@ -1,0 +1,189 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE (with a gated shared expert), Qwen3-MoE.
+
+The attention, norms and residual stream are the Llama family's (models/llama.py); each
+decoder layer's MLP is a `SparseMoeBlock` instead: a router (a [E, H] linear), top-k routing
+with the checkpoint's rule, the routed experts (layers/moe.FusedMoE), and for Qwen2-MoE a
+shared expert scaled by sigmoid(shared_expert_gate(x)). Qwen's `mlp_only_layers` and
+`decoder_sparse_step` keep some layers dense.
+
+Routing: softmax over the experts, the top k, renormalised to sum to 1 by the checkpoint's
+rule (models/moe_config.renormalizes).
+
+Checkpoints store each expert apart (`experts.<e>.w1/w3/w2` for Mixtral, `experts.<e>.gate_proj
+/up_proj/down_proj` for Qwen); they load into slices of the stacked weights.
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.layers.moe import FusedMoE
+from slipstream.layers.norm import RMSNorm
+from slipstream.models.llama import BuildContext, LlamaForCausalLM, LlamaMLP
+from slipstream.models.moe_config import (
+    expert_intermediate_size,
+    is_sparse_layer,
+    num_experts_of,
+    renormalizes,
+)
+from slipstream.models.quantize_as_loaded import decoder_layer_of
+from slipstream.quantization.base import UnquantizedLinearMethod
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.")
+
+
+class Router(nn.Module):
+    """router_logits = x @ weight^T: [T, E], in the model's dtype (kept unquantized: the
+    expert choice is sensitive to its rounding, and the weight is small)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype, out: int = 0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out or num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """forward(x) = routed experts (+ sigmoid(shared_expert_gate(x)) * shared_expert(x))."""
+
+    def __init__(self, ctx: BuildContext, prefix: str):
+        super().__init__()
+        cfg = ctx.cfg.hf_config
+        num_experts = num_experts_of(cfg)
+        self.gate = Router(num_experts, ctx.cfg.hidden_size, ctx.dtype)
+        self.experts = FusedMoE(
+            num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
+            expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
+            weight_format=expert_weight_format(ctx, f"{prefix}.experts"),
+            local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton")
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        if shared:
+            self.shared_expert = LlamaMLP(ctx, f"{prefix}.shared_expert", shared)
+            self.shared_expert_gate = Router(1, ctx.cfg.hidden_size, ctx.dtype, out=1)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
+        return out
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), new residual): the decoder layer's MLP contract."""
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return self.forward(h), residual
+
+
+def expert_weight_format(ctx: BuildContext, prefix: str) -> str | None:
+    """The experts' weight-only format from the model's quantization method: fp8 or int8 when
+    it quantizes at load, None unquantized; anything else is refused rather than run in 16 bits
+    unnoticed."""
+    from slipstream.quantization.fp8 import Fp8LinearMethod
+    from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
+
+    method = ctx.quant_factory(prefix)
+    if type(method) is UnquantizedLinearMethod:
+        return None
+    if getattr(method, "prequantized", True) is False:
+        if type(method) is Fp8LinearMethod:
+            return "fp8"
+        if type(method) is Int8WeightOnlyMethod:
+            return "int8"
+    raise ValueError(f"MoE experts support quantization 'fp8' and 'int8_wo' (weight-only, at "
+                     f"load), not {type(method).__name__} (prequantized: "
+                     f"{getattr(method, 'prequantized', '?')})")
+
+
+def _mlp_factory(ctx: BuildContext, prefix: str) -> nn.Module:
+    layer = decoder_layer_of(prefix)
+    index = layer[1] if layer is not None else 0
+    if is_sparse_layer(ctx.cfg.hf_config, index):
+        return SparseMoeBlock(ctx, prefix)
+    return LlamaMLP(ctx, prefix)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama-family attention with sparse MoE MLPs; checkpoint names per family below."""
+
+    # The block's name in checkpoints, and its experts' (gate, up, down) tensor names.
+    checkpoint_block = "mlp"
+    expert_tensor_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, ctx: BuildContext):
+        ctx = copy.copy(ctx)
+        ctx.mlp_factory = _mlp_factory
+        super().__init__(ctx)
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def remap_checkpoint_names(self, name_map: dict[str, tuple[str, int | None]]
+                               ) -> dict[str, tuple[str, int | None]]:
+        """The loader's checkpoint name -> (parameter, shard) map, with the stacked expert
+        weights replaced by each expert's tensors and the block renamed as in checkpoints."""
+        out = {}
+        for name, target in name_map.items():
+            if ".experts.w13_" in name or ".experts.w2_" in name:
+                continue
+            out[self._checkpoint_name(name)] = target
+        for i, block in self.moe_blocks().items():
+            prefix = f"model.layers.{i}.{self.checkpoint_block}.experts"
+            for name, (param, shard) in block.experts.checkpoint_names(
+                    prefix, self.expert_tensor_names).items():
+                out[name] = (param.replace(f".{self.checkpoint_block}.", ".mlp.", 1), shard)
+        return out
+
+    def _checkpoint_name(self, name: str) -> str:
+        if self.checkpoint_block == "mlp":
+            return name
+        layer = decoder_layer_of(name)
+        if layer is None or not isinstance(self.model.layers[layer[1]].mlp, SparseMoeBlock):
+            return name
+        return name.replace(f"{layer[0]}.mlp.", f"{layer[0]}.{self.checkpoint_block}.", 1)
+
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        """Also the experts that other ranks hold (expert parallelism)."""
+        if super().ignored_checkpoint_tensor(name):
+            return True
+        match = _EXPERT_TENSOR.search(name)
+        layer = decoder_layer_of(name)
+        if match is None or layer is None:
+            return False
+        block = self.moe_blocks().get(layer[1])
+        return block is not None and int(match.group(1)) not in block.experts.local_experts
+
+    def norm_fold_pairs(self) -> dict[str, str]:
+        """Only norms feeding a plain projection fold; the experts keep their input norm."""
+        pairs = super().norm_fold_pairs()
+        for i in self.moe_blocks():
+            pairs.pop(f"model.layers.{i}.mlp.gate_up_proj", None)
+        return pairs
+
+    def attach_l2_prefetch(self, budget: int, targets: tuple[str, ...] = ("o", "gate_up")
+                           ) -> int:
+        """o_proj only: which experts follow the attention is known only after routing."""
+        return super().attach_l2_prefetch(budget, ("o",))
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    checkpoint_block = "block_sparse_moe"
+    expert_tensor_names = ("w1", "w3", "w2")
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    pass
+
