@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "slipstream.llm",
     "SamplingParams": "slipstream.sampling_params",
+    "PoolingParams": "slipstream.pooling.params",
     "RequestOutput": "slipstream.outputs",
     "CompletionOutput": "slipstream.outputs",
     "RequestMetrics": "slipstream.outputs",
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from slipstream.engine.core import EngineCore  # noqa: F401
     from slipstream.llm import LLM  # noqa: F401
     from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401
+    from slipstream.pooling.params import PoolingParams  # noqa: F401
     from slipstream.sampling_params import SamplingParams  # noqa: F401
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.pooling.config import PoolerConfig
 from slipstream.quantization.modelopt import with_hf_quant_config
 
 
@@ -142,6 +143,9 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 512
     # CPU engine: torch's intra-op threads (None: physical cores less busy ones; runner/cpu_threads.py).
     cpu_threads: int | None = None
+    # "generate" (text) or "pooling" (embeddings / classification: pooling/, with `pooler`).
+    runner: str = "generate"
+    pooler: PoolerConfig | None = None
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -36,6 +36,7 @@ class LLM:
         self._inputs = InputProcessor(self.engine_config, self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._pooling_client = None
 
     def generate(
         self,
@@ -49,6 +50,8 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises ValueError and nothing
         is queued. Outputs come back in the order of the prompts.
         """
+        if self.engine_config.runner == "pooling":
+            raise ValueError("this is a pooling model: use llm.embed, llm.classify or llm.score")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -88,6 +91,28 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(
                 text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- pooling models (pooling/): LLM(model, runner="pooling") or an encoder checkpoint ----
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
+        """One embedding per prompt (`.outputs.embedding`); pooling_params: PoolingParams
+        (dimensions for Matryoshka models, normalize)."""
+        return self._pooling().embed(prompts, pooling_params)
+
+    def classify(self, prompts, use_tqdm: bool = False) -> list:
+        """Class probabilities per prompt (`.outputs.probs`) from a classification model."""
+        return self._pooling().classify(prompts)
+
+    def score(self, text_1, text_2, use_tqdm: bool = False) -> list:
+        """`.outputs.score` per (text_1, text_2) pair: a cross-encoder's, or the cosine
+        similarity of an embedding model's vectors."""
+        return self._pooling().score(text_1, text_2)
+
+    def _pooling(self):
+        if self._pooling_client is None:
+            from slipstream.pooling.offline import PoolingClient
+
+            self._pooling_client = PoolingClient(self)
+        return self._pooling_client
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()

@@ -71,6 +71,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     timestamps: dict[str, float] = field(default_factory=dict)
+    pooled: list[float] | None = None  # a pooling request's embedding or class logits
 
     @property
     def finished(self) -> bool:

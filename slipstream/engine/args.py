@@ -14,6 +14,7 @@ from slipstream.config import (
     SchedulerConfig,
 )
 from slipstream.models.gguf import load_model_config, resolve_model_path
+from slipstream.pooling.config import ENCODER_ARCHITECTURES, RUNNERS, resolve_pooler, resolve_runner
 from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
 
@@ -53,6 +54,11 @@ class EngineArgs:
     # CPU engine: torch's intra-op thread count. None: OMP_NUM_THREADS or a torch.set_num_threads()
     # made before start-up if any, else the physical cores less those other processes keep busy.
     cpu_threads: int | None = None
+    # "auto": "pooling" for encoder / headless / classification checkpoints, else "generate";
+    # "pooling" also turns a causal LM into an embedder (pooling/).
+    runner: str = "auto"
+    pooling_type: str | None = None  # last / mean / cls (None: the checkpoint's or model's)
+    pooling_normalize: bool | None = None  # embeddings L2-normalised (None: the checkpoint's, else yes)
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -67,9 +73,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        runner = resolve_runner(self.runner, model_cfg.architecture)
         max_len = self.max_model_len or model_cfg.max_position_embeddings
+        if runner == "pooling" and model_cfg.architecture in ENCODER_ARCHITECTURES:
+            max_len = min(max_len, model_cfg.max_position_embeddings) + 1  # no output token
         _check_limits(self, max_len)
-        return EngineConfig(
+        config = EngineConfig(
             model_path=str(model_path),
             model=model_cfg,
             cache=CacheConfig(
@@ -99,6 +108,7 @@ class EngineArgs:
             cpu_threads=self.cpu_threads,
             tokenizer_path=self.tokenizer or str(model_path),
         )
+        return _pooling_config(config, self) if runner == "pooling" else config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +165,11 @@ class EngineArgs:
                        help="schedule and launch each step before reading the previous step's "
                             "tokens (fed on the device) when no request needs them on the host "
                             "(default: on with CUDA)")
+        g.add_argument("--runner", default="auto", choices=RUNNERS,
+                       help="pooling: embeddings / classification (/v1/embeddings); auto: "
+                            "pooling for encoder and classification checkpoints")
+        g.add_argument("--pooling-type", default=None, choices=("last", "mean", "cls"),
+                       help="how a pooling model pools (default: the checkpoint's)")
         g.add_argument("--cpu-threads", type=int, default=None,
                        help="CPU engine: torch threads (default: OMP_NUM_THREADS if set, else "
                             "the physical cores less those other processes keep busy)")
@@ -163,6 +178,18 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _pooling_config(config: EngineConfig, args: EngineArgs) -> EngineConfig:
+    """A pooling engine: every prompt whole in one step (mean pooling needs all its hidden
+    states), no prefix cache and no multi-step or async decode; blocks are freed after it."""
+    model = config.model
+    pooler = resolve_pooler(config.model_path, model.architecture, model.hf_config,
+                            args.pooling_type, args.pooling_normalize)
+    sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=False, decode_steps=1,
+                                async_scheduling=False)
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+    return config.replace(runner="pooling", pooler=pooler, scheduler=sched, cache=cache)
 
 
 def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:

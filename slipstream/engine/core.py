@@ -16,6 +16,7 @@ from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
+from slipstream.pooling.runner import PoolingModelRunner, attach_pooled
 from slipstream.runner.model_runner import ModelRunner
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -28,7 +29,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
-        self.runner = ModelRunner(config)
+        self.runner = _runner_class(config)(config)
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
@@ -132,6 +133,8 @@ class EngineCore:
         """update_from_output and the engine's own bookkeeping of a step read back."""
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.config.runner == "pooling":
+            attach_pooled(outputs, runner_out)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:
@@ -259,6 +262,12 @@ class EngineCore:
 
     def get_stats(self) -> dict:
         return self.scheduler.get_stats()
+
+
+def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+    if config.runner == "pooling":
+        return PoolingModelRunner
+    return ModelRunner
 
 
 class _Once:

@@ -11,6 +11,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("slipstream.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("slipstream.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("slipstream.models.llama", "Qwen3ForCausalLM"),
+    # Pooling models (pooling/): encoders, headless decoders, classifiers.
+    "BertModel": ("slipstream.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("slipstream.models.bert", "BertForSequenceClassification"),
+    **{f"{family}Model": ("slipstream.models.llama_pooling", "LlamaHeadlessModel")
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+    **{f"{family}ForSequenceClassification": ("slipstream.models.llama_pooling",
+                                              "LlamaForSequenceClassification")
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
 }
 
 
