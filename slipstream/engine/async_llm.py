@@ -94,6 +94,7 @@ class AsyncLLM:
         self.dead = asyncio.Event()
         self.dead_reason: str | None = None
         self._streams: dict[str, _RequestStream] = {}
+        self._pooling: dict[str, asyncio.Future] = {}  # pooling requests (encode) by id
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
@@ -202,6 +203,9 @@ class AsyncLLM:
         error = EngineDeadError(reason)
         for stream in self._streams.values():
             stream.fail(error)
+        for fut in self._pooling.values():
+            if not fut.done():
+                fut.set_exception(error)
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_exception(error)
@@ -254,6 +258,8 @@ class AsyncLLM:
             self._mark_dead(f"engine core failed: {msg.get('msg')}")
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._pooling:
+            outputs = self._take_pooled(outputs)
         now = time.monotonic()
         self._record_token_stats(outputs, now)
         request_outputs, to_abort = self.output_processor.process(outputs)
@@ -266,7 +272,21 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(ro)
 
+    def _take_pooled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Resolve the encode() futures of finished pooling requests; the rest go on."""
+        rest = []
+        for out in outputs:
+            fut = self._pooling.get(out.request_id)
+            if fut is None:
+                rest.append(out)
+            elif out.finished and not fut.done():
+                fut.set_result(out.pooled)
+        return rest
+
     def _on_request_error(self, child_id: str | None, message: str) -> None:
+        fut = self._pooling.get(child_id or "")
+        if fut is not None and not fut.done():
+            fut.set_exception(ValueError(message))
         parent = self._child_parent.get(child_id or "")
         if parent is None:
             return
@@ -314,6 +334,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.config.runner == "pooling":
+            raise ValueError("this server runs a pooling model: use /v1/embeddings")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority)
         try:
             add_msg = pack({"t": "add", "reqs": [encode_request(c) for c in children]})
@@ -348,6 +370,31 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort_now(request_id)
+
+    async def encode(self, prompt_ids: list[int], pooling_params: dict[str, Any],
+                     request_id: str) -> list[float]:
+        """A pooling model's vector for one prompt (token ids, validated by the caller).
+        Cancelling the wait aborts the request."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._pooling or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        from slipstream.engine.request import Request
+
+        request = Request(request_id, prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                          pooling_params=pooling_params)
+        fut = asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = fut
+        self._send({"t": "add", "reqs": [encode_request(request)]})
+        answered = False
+        try:
+            vector = await fut
+            answered = True
+            return vector
+        finally:
+            self._pooling.pop(request_id, None)
+            if not answered and not self.dead.is_set():
+                self._send({"t": "abort", "ids": [request_id]})
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (idempotent: a finished or unknown id is ignored).

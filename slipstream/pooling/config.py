@@ -38,6 +38,10 @@ class PoolerConfig:
     matryoshka: bool = False
 
 
+def is_classifier_architecture(architecture: str) -> bool:
+    return architecture.endswith("ForSequenceClassification")
+
+
 def resolve_runner(runner: str, architecture: str) -> str:
     """"generate" or "pooling"; ValueError for a runner name or a combination that cannot work."""
     if runner not in RUNNERS:
