@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
+from slipstream.engine.beam import BeamCoordinator
 from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.step_timer import StepTimer
@@ -18,6 +19,7 @@ from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
 from slipstream.pooling.runner import PoolingModelRunner, attach_pooled
 from slipstream.runner.model_runner import ModelRunner
+from slipstream.sampling.beam_search import BeamSearchParams
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 from slipstream.scheduler.scheduler import Scheduler
@@ -42,6 +44,7 @@ class EngineCore:
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
         self._requests: dict[str, Request] = {}
+        self.beams = BeamCoordinator(self.scheduler, self.runner)
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
@@ -60,11 +63,25 @@ class EngineCore:
         self.scheduler.add_request(request)
         self._requests[request.request_id] = request
 
+    def add_beam_search(self, search_id: str, prompt_ids: list[int], params: BeamSearchParams,
+                        eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> None:
+        """Start a beam search (engine/beam.py); its result comes from
+        `beams.take_finished()` once the search ends. ValueError (engine unchanged) if it
+        can never run."""
+        group, first = self.beams.first_beam(search_id, prompt_ids, params, eos_token_ids,
+                                             priority)
+        self.add_request(first)
+        self._requests.pop(first.request_id)  # the coordinator owns its beams
+        self.beams.start(group, first)
+
     def _validate(self, request: Request) -> None:
         validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if self.beams.is_search(rid):
+                self.beams.abort(rid)
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
@@ -100,6 +117,8 @@ class EngineCore:
             with self.timer.phase("schedule"):
                 sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
+                if self.beams.active:
+                    self.beams.release_idle()
                 once()
                 return self._read_inflight(inflight)
             feed = _feed_from(inflight, sched_out)
@@ -135,6 +154,8 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.config.runner == "pooling":
             attach_pooled(outputs, runner_out)
+        if self.beams.active:
+            outputs = self.beams.on_outputs(outputs)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:

@@ -141,6 +141,27 @@ class KVCacheManager:
         # Tail first: the tail of a chain is useless without its head, so it goes first.
         self.pool.free(reversed(table))
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's computed KV (beam search): full blocks shared (one more
+        reference each), the partly filled last block copied into a fresh block (copy on
+        write). Returns the (source, destination) block pairs the runner must copy before the
+        next forward, or None, changing nothing, when no block is free for the copy."""
+        table = self._tables.get(parent.request_id, [])
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = table[:num_full]
+        self.pool.touch(shared)
+        copies = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            copies.append((table[num_full], dst))
+        pid, cid = parent.request_id, child.request_id
+        self._tables[cid] = shared + [dst for _, dst in copies]
+        self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
+        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
+        return copies
+
     # ---- internals ---------------------------------------------------------------------
     def _request_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The request's chained hashes, grown to cover its first `num_blocks` full blocks."""

@@ -169,6 +169,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer, queued on the stream
+        before the next forward (a forked beam's partly filled block: KVCacheManager.fork)."""
+        if not pairs or not self.kv_caches:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()
     def forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor, ModelInputs]:

@@ -80,6 +80,26 @@ class Scheduler:
                 f"request {rid!r}: prompt has {num_prompt} tokens but max_num_tokens is "
                 f"{self.config.max_num_tokens} and chunked prefill is off")
 
+    def adopt_running(self, request: Request) -> None:
+        """Take in a request whose KV blocks the KV manager already holds (a beam forked
+        from a running one: KVCacheManager.fork) as running, after those admitted so far."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def preempt_idle(self, request: Request) -> None:
+        """Recompute-preempt a running request that has nothing to compute (a beam waiting for
+        its siblings), so a waiting request can have its blocks."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> list[Request]:
