@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -24,6 +25,7 @@ import zmq.asyncio
 from slipstream.config import EngineConfig
 from slipstream.engine.core_proc import (
     config_to_dict,
+    decode_beam_output,
     decode_output,
     encode_request,
     pack,
@@ -31,6 +33,7 @@ from slipstream.engine.core_proc import (
 )
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.outputs import EngineCoreOutput, RequestOutput
+from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream.engine.async_llm")
@@ -95,6 +98,7 @@ class AsyncLLM:
         self.dead_reason: str | None = None
         self._streams: dict[str, _RequestStream] = {}
         self._pooling: dict[str, asyncio.Future] = {}  # pooling requests (encode) by id
+        self._beams: dict[str, asyncio.Future] = {}  # beam searches by id
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
@@ -203,7 +207,7 @@ class AsyncLLM:
         error = EngineDeadError(reason)
         for stream in self._streams.values():
             stream.fail(error)
-        for fut in self._pooling.values():
+        for fut in [*self._pooling.values(), *self._beams.values()]:
             if not fut.done():
                 fut.set_exception(error)
         for fut in self._stats_waiters:
@@ -251,6 +255,10 @@ class AsyncLLM:
                     if not fut.done():
                         fut.set_result(self.stats)
                 self._stats_waiters.clear()
+        elif kind == "beam_done":
+            fut = self._beams.get(msg["id"])
+            if fut is not None and not fut.done():
+                fut.set_result(decode_beam_output(msg["out"]))
         elif kind == "req_error":
             self._on_request_error(msg.get("id"), msg.get("msg", "invalid request"))
         elif kind == "fatal":
@@ -284,7 +292,7 @@ class AsyncLLM:
         return rest
 
     def _on_request_error(self, child_id: str | None, message: str) -> None:
-        fut = self._pooling.get(child_id or "")
+        fut = self._pooling.get(child_id or "") or self._beams.get(child_id or "")
         if fut is not None and not fut.done():
             fut.set_exception(ValueError(message))
         parent = self._child_parent.get(child_id or "")
@@ -393,6 +401,30 @@ class AsyncLLM:
             return vector
         finally:
             self._pooling.pop(request_id, None)
+            if not answered and not self.dead.is_set():
+                self._send({"t": "abort", "ids": [request_id]})
+
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams,
+                          request_id: str, priority: int = 0) -> BeamSearchOutput:
+        """Run a beam search (engine/beam.py) and return its hypotheses, best first (token
+        ids; no text). Cancelling the wait aborts the search."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._beams or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.validate_prompt(prompt_ids, SamplingParams())
+        fut = asyncio.get_running_loop().create_future()
+        self._beams[request_id] = fut
+        self._send({"t": "beam", "id": request_id, "prompt": list(prompt_ids),
+                    "params": dataclasses.asdict(params), "priority": priority,
+                    "eos": list(self.input_processor.eos_token_ids)})
+        answered = False
+        try:
+            out = await fut
+            answered = True
+            return out
+        finally:
+            self._beams.pop(request_id, None)
             if not answered and not self.dead.is_set():
                 self._send({"t": "abort", "ids": [request_id]})
 

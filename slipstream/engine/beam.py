@@ -51,12 +51,11 @@ class BeamCoordinator:
         `start` registers the search once that succeeded."""
         if group_id in self._groups:
             raise ValueError(f"beam search id {group_id!r} is already running")
-        need = len(prompt_ids) + params.max_tokens + 1
-        if need > self.scheduler.max_seq_len:
+        if len(prompt_ids) + params.max_tokens > self.scheduler.max_seq_len:
             raise ValueError(
-                f"beam search: a prompt of {len(prompt_ids)} tokens plus max_tokens="
+                f"max_tokens: a prompt of {len(prompt_ids)} tokens plus max_tokens="
                 f"{params.max_tokens} does not fit the longest sequence this engine holds "
-                f"({self.scheduler.max_seq_len - 1} tokens)")
+                f"({self.scheduler.max_seq_len} tokens)")
         state = BeamSearchState(params, eos_token_ids)
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
                                   ignore_eos=True, logprobs=state.num_candidates)
@@ -89,7 +88,8 @@ class BeamCoordinator:
             if not out.new_token_ids:
                 continue
             request = self.scheduler.get_request(out.request_id)
-            del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
+            if request is not None:  # None: ended by length at the search's last step
+                del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
             best = sorted(out.new_logprobs[-1].items(), key=lambda kv: -kv[1])
             group.reports[out.request_id] = best[: group.state.num_candidates]
             if len(group.reports) == len(group.beams) and group not in ready:

@@ -125,7 +125,7 @@ def test_bad_parameters(llm):
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.5)
     with pytest.raises(ValueError, match="does not fit"):
-        llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=125))
+        llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=122))
     _assert_clean(llm.engine)
 
 
@@ -134,3 +134,13 @@ def _assert_clean(engine) -> None:
     assert not engine.has_unfinished_requests() and not engine.beams.active
     assert kv.num_free_blocks == kv.num_total_blocks
     assert not any(kv.pool.ref_cnt)
+
+
+def test_search_that_fills_the_context(tiny_llama_dir, hf_model):
+    """prompt + max_tokens == max_model_len: the scheduler ends the beams by length at the
+    search's last step, as the search itself does."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=16)
+    params = BeamSearchParams(beam_width=2, max_tokens=9, ignore_eos=True)
+    (out,) = llm.beam_search([PROMPT], params)
+    assert_same_beams(out, hf_beams(hf_model, PROMPT, 2, 9, 1.0, None), 1.0)
+    _assert_clean(llm.engine)
