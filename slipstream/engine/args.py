@@ -17,6 +17,7 @@ from slipstream.models.gguf import load_model_config, resolve_model_path
 from slipstream.pooling.config import ENCODER_ARCHITECTURES, RUNNERS, resolve_pooler, resolve_runner
 from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
+from slipstream.scheduler.scheduler import PREEMPTION_MODES
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -33,6 +34,10 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
+    # Host KV tier (pinned host memory on CUDA): bytes for cached blocks evicted from the
+    # device, copied back on a prefix hit (--kv-offload-gb). None: no host tier.
+    kv_cache_host_memory: int | None = None
+    preemption_mode: str = "auto"  # auto / swap / recompute (swap needs the host tier)
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     load_format: str = "auto"
@@ -87,6 +92,7 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_host_memory=self.kv_cache_host_memory,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -94,6 +100,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 decode_steps=self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
+                preemption_mode=self.preemption_mode,
                 async_scheduling=(device.startswith("cuda") if self.async_scheduling is None
                                   else self.async_scheduling),
             ),
@@ -129,6 +136,13 @@ class EngineArgs:
                        action="store_false", help="turn off prefix-cache reuse")
         g.add_argument("--kv-cache-memory", type=int, default=None,
                        help="bytes for the KV cache (default: CPU 1 GiB, GPU from profiling)")
+        g.add_argument("--kv-offload-gb", dest="kv_cache_host_memory", type=_gib_to_bytes,
+                       default=None, help="GiB of host memory (pinned) for a second KV tier: "
+                       "cached blocks evicted from the GPU go there, and a prefix hit copies "
+                       "them back")
+        g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
+                       help="when KV blocks run out: recompute the victim, or swap it to the "
+                            "host tier (auto: swap long requests when there is a host tier)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
@@ -201,6 +215,13 @@ def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
     return QuantConfig(method=method, lm_head=head_format(wanted, method))
 
 
+def _gib_to_bytes(value: str) -> int:
+    gib = float(value)
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {value}")
+    return int(gib * 2**30)
+
+
 def _check_limits(args: EngineArgs, max_len: int) -> None:
     for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size",
                  "decode_steps"):
@@ -215,6 +236,15 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
         raise ValueError(f"cpu_threads must be a positive integer, got {args.cpu_threads!r}")
     if max_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_len}")
+    if args.preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
+                         f"{args.preemption_mode!r}")
+    host = args.kv_cache_host_memory
+    if host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 1):
+        raise ValueError(f"kv_cache_host_memory must be a positive number of bytes, got {host!r}")
+    if host is not None and not args.enable_prefix_caching:
+        raise ValueError("kv_cache_host_memory: the host KV tier holds cached prefixes, so it "
+                         "needs prefix caching")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -134,6 +134,8 @@ class BeamCoordinator:
                 seen.add(b)
                 group.beams[b].output_token_ids.append(token)
                 new_beams[slot] = group.beams[b]
+        if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
+            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
         self.runner.copy_blocks(copies)
         group.beams = new_beams
 

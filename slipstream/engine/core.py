@@ -35,12 +35,14 @@ class EngineCore:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        num_host_blocks = self.runner.initialize_host_cache()
         self.runner.warmup()
         self.runner.capture_cuda_graphs()
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
         self.trace = StepTrace()
-        cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
+        cache = dataclasses.replace(config.cache, num_blocks=num_blocks,
+                                    num_host_blocks=num_host_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache)
         self._requests: dict[str, Request] = {}
@@ -128,6 +130,7 @@ class EngineCore:
             multi_step = (self.config.scheduler.decode_steps > 1
                           and not _holds_first_tokens(inflight))
             num_steps = self._plan_decode_steps(sched_out) if multi_step else 1
+            self.flush_kv_transfers()
             tokens = None
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
@@ -211,6 +214,7 @@ class EngineCore:
                                      kv.get_block_ids(request.request_id), True,
                                      num_lookahead=steps - 1))
         sched_out = SchedulerOutput(seqs=seqs)
+        self.flush_kv_transfers()
         return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps,
                                                                  (tokens.on_device[-1], rows))
 
@@ -276,6 +280,12 @@ class EngineCore:
                 return 1
             seq.num_lookahead = steps - 1
         return steps
+
+    def flush_kv_transfers(self) -> None:
+        """Queue the host tier's pending block copies (offloads of evicted blocks, restores
+        of host prefix hits) ahead of the forward that follows."""
+        if self.scheduler.kv.host is not None:
+            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
 
     def has_unfinished_requests(self) -> bool:
         return (self._queued is not None or self._inflight is not None

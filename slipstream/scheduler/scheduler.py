@@ -17,6 +17,11 @@ from slipstream.kv_cache.manager import KVCacheManager
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 
+# preemption_mode="auto": shorter requests are recomputed (a prefill of a few hundred tokens
+# costs about what copying their K/V out and back does).
+SWAP_MIN_TOKENS = 256
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
@@ -25,7 +30,8 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_host_blocks=cache_config.num_host_blocks,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []  # in order of admission
@@ -160,6 +166,8 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "host_cache_hits": kv.host_hits,
+            "host_blocks_offloaded": kv.blocks_offloaded,
         }
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -231,6 +239,8 @@ class Scheduler:
     ) -> int:
         """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
         self.running.remove(request)
+        if self._swaps(request):
+            self.kv.offload_request(request)
         self.kv.free(request)  # before resetting num_computed_tokens (see KVCacheManager.free)
         # A pending token stays: update_from_output puts it in before the next schedule.
         request.num_computed_tokens = 0
@@ -245,6 +255,13 @@ class Scheduler:
             return 0
         out.seqs.remove(seq)
         return seq.num_tokens
+
+    def _swaps(self, request: Request) -> bool:
+        """Swap (copy to the host tier) rather than only recompute a preempted request?"""
+        mode = self.config.preemption_mode
+        if self.kv.host is None or mode == "recompute":
+            return False
+        return mode == "swap" or request.num_computed_tokens >= SWAP_MIN_TOKENS
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit in (priority, arrival) order; the first that does not fit stops admission."""
