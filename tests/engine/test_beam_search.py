@@ -33,7 +33,7 @@ def eos_dir(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return _llm(tiny_llama_dir)
+    return _llm(tiny_llama_dir, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
