@@ -202,7 +202,8 @@ def _pooling_config(config: EngineConfig, args: EngineArgs) -> EngineConfig:
                             args.pooling_type, args.pooling_normalize)
     sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=False, decode_steps=1,
                                 async_scheduling=False)
-    cache = dataclasses.replace(config.cache, enable_prefix_caching=False)
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=False,
+                                kv_cache_host_memory=None)
     return config.replace(runner="pooling", pooler=pooler, scheduler=sched, cache=cache)
 
 
