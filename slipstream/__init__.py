@@ -15,6 +15,8 @@ _LAZY = {
     "Executor": "slipstream.engine.executor",
     "Response": "slipstream.engine.executor",
     "SamplingParams": "slipstream.sampling_params",
+    "PoolingParams": "slipstream.pooling.params",
+    "BeamSearchParams": "slipstream.sampling.beam_search",
     "RequestOutput": "slipstream.outputs",
     "CompletionOutput": "slipstream.outputs",
     "RequestMetrics": "slipstream.outputs",
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     from slipstream.llm import LLM  # noqa: F401
     from slipstream.lora.request import LoRARequest  # noqa: F401
     from slipstream.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: F401
+    from slipstream.pooling.params import PoolingParams  # noqa: F401
+    from slipstream.sampling.beam_search import BeamSearchParams  # noqa: F401
     from slipstream.sampling_params import SamplingParams  # noqa: F401
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.pooling.config import PoolerConfig
 from slipstream.quantization.modelopt import with_hf_quant_config
 from slipstream.speculative.config import SpeculativeConfig
 
@@ -93,6 +94,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None  # filled in by the engine once memory is known
     kv_cache_dtype: str = "auto"
+    # Host KV tier (kv_cache/host_tier.py): bytes of host memory (pinned on CUDA) for cached
+    # blocks evicted from the device; num_host_blocks is filled in by the engine.
+    kv_cache_host_memory: int | None = None
+    num_host_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,10 @@ class SchedulerConfig:
     # it on the device), when no request needs its tokens on the host first (EngineArgs turns
     # it on for CUDA).
     async_scheduling: bool = False
+    # When blocks run out: "recompute" frees the victim's blocks to the prefix cache, "swap"
+    # also copies them to the host KV tier at once; "auto" swaps long requests when a host
+    # tier exists.
+    preemption_mode: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -156,6 +165,9 @@ class EngineConfig:
     # Speculative decoding (speculative/); None: off.
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig = LoRAConfig()
+    # "generate" (text) or "pooling" (embeddings / classification: pooling/, with `pooler`).
+    runner: str = "generate"
+    pooler: PoolerConfig | None = None
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -37,6 +37,7 @@ class LLM:
         self._inputs = InputProcessor(self.engine_config, self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._pooling_client = None
 
     def generate(
         self,
@@ -54,6 +55,8 @@ class LLM:
         Every prompt is validated before any runs: a bad one raises ValueError and nothing
         is queued. Outputs come back in the order of the prompts.
         """
+        if self.engine_config.runner == "pooling":
+            raise ValueError("this is a pooling model: use llm.embed, llm.classify or llm.score")
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -95,6 +98,62 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(
                 text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params, use_tqdm: bool = False) -> list:
+        """Beam search for each prompt (BeamSearchParams: beam_width, max_tokens,
+        length_penalty, ignore_eos): a BeamSearchOutput per prompt, its `sequences` best
+        first. The beams run in-flight like any request (engine/beam.py)."""
+        from slipstream.sampling.beam_search import BeamSearchParams
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("beam_search takes a BeamSearchParams")
+        if self.engine_config.runner == "pooling":
+            raise ValueError("this is a pooling model: use llm.embed, llm.classify or llm.score")
+        ids = [self._inputs.tokenize(_split_prompt(p)[1]) for p in _as_prompt_list(prompts)]
+        order: dict[str, int] = {}
+        results: list = [None] * len(ids)
+        try:
+            for prompt_ids in ids:
+                self._inputs.validate_prompt(prompt_ids, SamplingParams())
+                search_id = f"beam-{next(self._ids)}"
+                self.engine.add_beam_search(search_id, prompt_ids, params,
+                                            self._inputs.eos_token_ids)
+                order[search_id] = len(order)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+                for search_id, out in self.engine.beams.take_finished().items():
+                    results[order[search_id]] = out
+        except BaseException:
+            self.engine.abort_requests(list(order))
+            raise
+        for prompt_ids, out in zip(ids, results):
+            for seq in out.sequences:
+                seq.tokens = prompt_ids + seq.output_token_ids
+                if self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids)
+        return results
+
+    # ---- pooling models (pooling/): LLM(model, runner="pooling") or an encoder checkpoint ----
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = False) -> list:
+        """One embedding per prompt (`.outputs.embedding`); pooling_params: PoolingParams
+        (dimensions for Matryoshka models, normalize)."""
+        return self._pooling().embed(prompts, pooling_params)
+
+    def classify(self, prompts, use_tqdm: bool = False) -> list:
+        """Class probabilities per prompt (`.outputs.probs`) from a classification model."""
+        return self._pooling().classify(prompts)
+
+    def score(self, text_1, text_2, use_tqdm: bool = False) -> list:
+        """`.outputs.score` per (text_1, text_2) pair: a cross-encoder's, or the cosine
+        similarity of an embedding model's vectors."""
+        return self._pooling().score(text_1, text_2)
+
+    def _pooling(self):
+        if self._pooling_client is None:
+            from slipstream.pooling.offline import PoolingClient
+
+            self._pooling_client = PoolingClient(self)
+        return self._pooling_client
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()

@@ -77,6 +77,7 @@ class EngineCoreOutput:
     # Speculative decoding: draft tokens verified this step and how many were accepted.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    pooled: list[float] | None = None  # a pooling request's embedding or class logits
 
     @property
     def finished(self) -> bool:

@@ -16,8 +16,10 @@ from slipstream.config import (
     SchedulerConfig,
 )
 from slipstream.models.gguf import load_model_config, resolve_model_path
+from slipstream.pooling.config import ENCODER_ARCHITECTURES, RUNNERS, resolve_pooler, resolve_runner
 from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_choice, head_format
 from slipstream.quantization.utils import resolve_quantization
+from slipstream.scheduler.scheduler import PREEMPTION_MODES
 from slipstream.speculative.config import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -35,6 +37,10 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
+    # Host KV tier (pinned host memory on CUDA): bytes for cached blocks evicted from the
+    # device, copied back on a prefix hit (--kv-offload-gb). None: no host tier.
+    kv_cache_host_memory: int | None = None
+    preemption_mode: str = "auto"  # auto / swap / recompute (swap needs the host tier)
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     load_format: str = "auto"
@@ -65,6 +71,11 @@ class EngineArgs:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # "auto": "pooling" for encoder / headless / classification checkpoints, else "generate";
+    # "pooling" also turns a causal LM into an embedder (pooling/).
+    runner: str = "auto"
+    pooling_type: str | None = None  # last / mean / cls (None: the checkpoint's or model's)
+    pooling_normalize: bool | None = None  # embeddings L2-normalised (None: the checkpoint's, else yes)
 
     def create_engine_config(self) -> EngineConfig:
         model_path = resolve_model_path(self.model or _default_model_path())
@@ -85,9 +96,12 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        runner = resolve_runner(self.runner, model_cfg.architecture)
         max_len = self.max_model_len or model_cfg.max_position_embeddings
+        if runner == "pooling" and model_cfg.architecture in ENCODER_ARCHITECTURES:
+            max_len = min(max_len, model_cfg.max_position_embeddings) + 1  # no output token
         _check_limits(self, max_len)
-        return EngineConfig(
+        config = EngineConfig(
             model_path=str(model_path),
             model=model_cfg,
             cache=CacheConfig(
@@ -96,6 +110,7 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_host_memory=self.kv_cache_host_memory,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -103,6 +118,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 decode_steps=self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
+                preemption_mode=self.preemption_mode,
                 async_scheduling=(device.startswith("cuda") if self.async_scheduling is None
                                   else self.async_scheduling),
             ),
@@ -120,6 +136,7 @@ class EngineArgs:
             speculative=(None if self.speculative_config is None
                          else SpeculativeConfig.from_dict(self.speculative_config)),
         )
+        return _pooling_config(config, self) if runner == "pooling" else config
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +157,13 @@ class EngineArgs:
                        action="store_false", help="turn off prefix-cache reuse")
         g.add_argument("--kv-cache-memory", type=int, default=None,
                        help="bytes for the KV cache (default: CPU 1 GiB, GPU from profiling)")
+        g.add_argument("--kv-offload-gb", dest="kv_cache_host_memory", type=_gib_to_bytes,
+                       default=None, help="GiB of host memory (pinned) for a second KV tier: "
+                       "cached blocks evicted from the GPU go there, and a prefix hit copies "
+                       "them back")
+        g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
+                       help="when KV blocks run out: recompute the victim, or swap it to the "
+                            "host tier (auto: swap long requests when there is a host tier)")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
@@ -176,6 +200,11 @@ class EngineArgs:
                        help="schedule and launch each step before reading the previous step's "
                             "tokens (fed on the device) when no request needs them on the host "
                             "(default: on with CUDA)")
+        g.add_argument("--runner", default="auto", choices=RUNNERS,
+                       help="pooling: embeddings / classification (/v1/embeddings); auto: "
+                            "pooling for encoder and classification checkpoints")
+        g.add_argument("--pooling-type", default=None, choices=("last", "mean", "cls"),
+                       help="how a pooling model pools (default: the checkpoint's)")
         g.add_argument("--cpu-threads", type=int, default=None,
                        help="CPU engine: torch threads (default: OMP_NUM_THREADS if set, else "
                             "the physical cores less those other processes keep busy)")
@@ -197,6 +226,19 @@ class EngineArgs:
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _pooling_config(config: EngineConfig, args: EngineArgs) -> EngineConfig:
+    """A pooling engine: every prompt whole in one step (mean pooling needs all its hidden
+    states), no prefix cache and no multi-step or async decode; blocks are freed after it."""
+    model = config.model
+    pooler = resolve_pooler(config.model_path, model.architecture, model.hf_config,
+                            args.pooling_type, args.pooling_normalize)
+    sched = dataclasses.replace(config.scheduler, enable_chunked_prefill=False, decode_steps=1,
+                                async_scheduling=False)
+    cache = dataclasses.replace(config.cache, enable_prefix_caching=False,
+                                kv_cache_host_memory=None)
+    return config.replace(runner="pooling", pooler=pooler, scheduler=sched, cache=cache)
 
 
 def _quant_config(args: EngineArgs, model_cfg: ModelConfig) -> QuantConfig:
@@ -223,6 +265,13 @@ def _lora_config(args: EngineArgs) -> LoRAConfig:
                       max_cpu_loras=cpu)
 
 
+def _gib_to_bytes(value: str) -> int:
+    gib = float(value)
+    if not gib > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {value}")
+    return int(gib * 2**30)
+
+
 def _check_limits(args: EngineArgs, max_len: int) -> None:
     for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size",
                  "decode_steps"):
@@ -237,6 +286,15 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
         raise ValueError(f"cpu_threads must be a positive integer, got {args.cpu_threads!r}")
     if max_len < 2:
         raise ValueError(f"max_model_len must be at least 2, got {max_len}")
+    if args.preemption_mode not in PREEMPTION_MODES:
+        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
+                         f"{args.preemption_mode!r}")
+    host = args.kv_cache_host_memory
+    if host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 1):
+        raise ValueError(f"kv_cache_host_memory must be a positive number of bytes, got {host!r}")
+    if host is not None and not args.enable_prefix_caching:
+        raise ValueError("kv_cache_host_memory: the host KV tier holds cached prefixes, so it "
+                         "needs prefix caching")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

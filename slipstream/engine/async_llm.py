@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
 import shutil
 import time
@@ -26,11 +27,18 @@ import zmq
 import zmq.asyncio
 
 from slipstream.config import EngineConfig
-from slipstream.engine.core_proc import decode_output, encode_request, pack, unpack
+from slipstream.engine.core_proc import (
+    decode_beam_output,
+    decode_output,
+    encode_request,
+    pack,
+    unpack,
+)
 from slipstream.engine.engine_proc import EngineProcess, remove_stale_ipc_dirs
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.lora.request import LoRARequest
 from slipstream.outputs import EngineCoreOutput, RequestOutput
+from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream.engine.async_llm")
@@ -118,6 +126,8 @@ class AsyncLLM:
         self._failed = asyncio.Event()
         self._failure_reason = ""
         self._streams: dict[str, _RequestStream] = {}
+        self._pooling: dict[str, asyncio.Future] = {}  # pooling requests (encode) by id
+        self._beams: dict[str, asyncio.Future] = {}  # beam searches by id
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
@@ -276,6 +286,9 @@ class AsyncLLM:
         self._last_token_time.clear()
         for stream in self._streams.values():
             stream.fail(error)
+        for fut in [*self._pooling.values(), *self._beams.values()]:
+            if not fut.done():
+                fut.set_exception(error)
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_exception(error)
@@ -341,6 +354,10 @@ class AsyncLLM:
                     if not fut.done():
                         fut.set_result(self.stats)
                 self._stats_waiters.clear()
+        elif kind == "beam_done":
+            fut = self._beams.get(msg["id"])
+            if fut is not None and not fut.done():
+                fut.set_result(decode_beam_output(msg["out"]))
         elif kind == "req_error":
             self._on_request_error(msg.get("id"), msg.get("msg", "invalid request"))
         elif kind == "fatal":
@@ -348,6 +365,8 @@ class AsyncLLM:
             self._report_failure(f"engine core failed: {msg.get('msg')}")
 
     def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._pooling:
+            outputs = self._take_pooled(outputs)
         now = time.monotonic()
         self._record_token_stats(outputs, now)
         request_outputs, to_abort = self.output_processor.process(outputs)
@@ -360,7 +379,21 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(ro)
 
+    def _take_pooled(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Resolve the encode() futures of finished pooling requests; the rest go on."""
+        rest = []
+        for out in outputs:
+            fut = self._pooling.get(out.request_id)
+            if fut is None:
+                rest.append(out)
+            elif out.finished and not fut.done():
+                fut.set_result(out.pooled)
+        return rest
+
     def _on_request_error(self, child_id: str | None, message: str) -> None:
+        fut = self._pooling.get(child_id or "") or self._beams.get(child_id or "")
+        if fut is not None and not fut.done():
+            fut.set_exception(ValueError(message))
         parent = self._child_parent.get(child_id or "")
         if parent is None:
             return
@@ -411,6 +444,8 @@ class AsyncLLM:
             raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.config.runner == "pooling":
+            raise ValueError("this server runs a pooling model: use /v1/embeddings")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority,
                                                             lora_request=lora_request)
         try:
@@ -448,6 +483,59 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort_now(request_id)
+
+    async def encode(self, prompt_ids: list[int], pooling_params: dict[str, Any],
+                     request_id: str) -> list[float]:
+        """A pooling model's vector for one prompt (token ids, validated by the caller).
+        Cancelling the wait aborts the request."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not self.is_running:
+            raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
+        if request_id in self._pooling or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        from slipstream.engine.request import Request
+
+        request = Request(request_id, prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                          pooling_params=pooling_params)
+        fut = asyncio.get_running_loop().create_future()
+        self._pooling[request_id] = fut
+        self._send({"t": "add", "reqs": [encode_request(request)]})
+        answered = False
+        try:
+            vector = await fut
+            answered = True
+            return vector
+        finally:
+            self._pooling.pop(request_id, None)
+            if not answered and not self.dead.is_set():
+                self._send({"t": "abort", "ids": [request_id]})
+
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams,
+                          request_id: str, priority: int = 0) -> BeamSearchOutput:
+        """Run a beam search (engine/beam.py) and return its hypotheses, best first (token
+        ids; no text). Cancelling the wait aborts the search."""
+        if self.dead.is_set():
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if not self.is_running:
+            raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
+        if request_id in self._beams or request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.validate_prompt(prompt_ids, SamplingParams())
+        fut = asyncio.get_running_loop().create_future()
+        self._beams[request_id] = fut
+        self._send({"t": "beam", "id": request_id, "prompt": list(prompt_ids),
+                    "params": dataclasses.asdict(params), "priority": priority,
+                    "eos": list(self.input_processor.eos_token_ids)})
+        answered = False
+        try:
+            out = await fut
+            answered = True
+            return out
+        finally:
+            self._beams.pop(request_id, None)
+            if not answered and not self.dead.is_set():
+                self._send({"t": "abort", "ids": [request_id]})
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (idempotent: a finished or unknown id is ignored).

@@ -11,13 +11,16 @@ import time
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
+from slipstream.engine.beam import BeamCoordinator
 from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.startup import KernelCaches, StartupPhases, device_sync
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
 from slipstream.outputs import EngineCoreOutput
+from slipstream.pooling.runner import PoolingModelRunner, attach_pooled
 from slipstream.runner.model_runner import ModelRunner
+from slipstream.sampling.beam_search import BeamSearchParams
 from slipstream.sampling.logit_controls import needs_known_tokens
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
@@ -32,13 +35,14 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
-        self.runner = ModelRunner(config)
-        num_blocks = self._start_up(config)
+        self.runner = _runner_class(config)(config)
+        num_blocks, num_host_blocks = self._start_up(config)
         draft = getattr(self.spec, "proposer", None) if self.spec else None
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
         self.trace = StepTrace()
-        cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
+        cache = dataclasses.replace(config.cache, num_blocks=num_blocks,
+                                    num_host_blocks=num_host_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache,
                                    config.lora.max_loras if config.lora.enabled else 0)
@@ -49,6 +53,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (off the step loop).
         self.grammar_wait = GrammarWaitRoom(config.tokenizer_path, config.model.vocab_size)
+        self.beams = BeamCoordinator(self.scheduler, self.runner)
         # A decode launched ahead (pipeline_decode): (sched_out, steps, device tokens).
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
@@ -60,7 +65,7 @@ class EngineCore:
                     weight_bytes / 2**30, kv_bytes / 2**30, num_blocks, cache.block_size)
         self.startup.log()
 
-    def _start_up(self, config: EngineConfig) -> int:
+    def _start_up(self, config: EngineConfig) -> tuple[int, int]:
         """Load, size the KV cache, warm up and capture, each phase timed (`startup_phases`),
         with kernel choices and compiled kernels reused from a build or the cache directory."""
         self.startup = StartupPhases(sync=device_sync(config.device))
@@ -79,13 +84,14 @@ class EngineCore:
             self.runner.initialize_kv_cache(num_blocks)
             if hasattr(draft, "initialize_kv_cache"):
                 draft.initialize_kv_cache(num_blocks)
+            num_host_blocks = self.runner.initialize_host_cache()
         with self.startup.phase("warm_up"):
             self.runner.warmup()
         with self.startup.phase("capture_graphs"):
             self.runner.capture_cuda_graphs()
         kernels.save()
         self.startup.end()
-        return num_blocks
+        return num_blocks, num_host_blocks
 
     @property
     def startup_phases(self) -> dict[str, float]:
@@ -104,6 +110,17 @@ class EngineCore:
             self.scheduler.add_request(request)
         self._requests[request.request_id] = request
 
+    def add_beam_search(self, search_id: str, prompt_ids: list[int], params: BeamSearchParams,
+                        eos_token_ids: tuple[int, ...] = (), priority: int = 0) -> None:
+        """Start a beam search (engine/beam.py); its result comes from
+        `beams.take_finished()` once the search ends. ValueError (engine unchanged) if it
+        can never run."""
+        group, first = self.beams.first_beam(search_id, prompt_ids, params, eos_token_ids,
+                                             priority)
+        self.add_request(first)
+        self._requests.pop(first.request_id)  # the coordinator owns its beams
+        self.beams.start(group, first)
+
     def _validate(self, request: Request) -> None:
         validate_prompt_tokens(request.prompt_token_ids, self.config.model.vocab_size,
                                self.config.scheduler.max_model_len)
@@ -112,6 +129,9 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.grammar_wait.discard(request_ids)
+        for rid in request_ids:
+            if self.beams.is_search(rid):
+                self.beams.abort(rid)
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
@@ -141,7 +161,9 @@ class EngineCore:
         if self.spec is not None:
             self.spec.forget([o.request_id for o in outputs if o.finished])
             if self._inflight is None and self._queued is None:
-                self.spec.propose(self.scheduler.running)
+                # Beam search takes back one token per beam per step: beams never speculate.
+                self.spec.propose([r for r in self.scheduler.running
+                                   if not self.beams.owns(r.request_id)])
         return failed + outputs
 
     def _step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
@@ -167,6 +189,8 @@ class EngineCore:
             with self.timer.phase("schedule"):
                 sched_out = self.scheduler.schedule()
             if sched_out.is_empty:
+                if self.beams.active:
+                    self.beams.release_idle()
                 once()
                 return self._read_inflight(inflight)
             feed = _feed_from(inflight, sched_out)
@@ -176,6 +200,7 @@ class EngineCore:
             multi_step = (self.config.scheduler.decode_steps > 1
                           and not _holds_first_tokens(inflight))
             num_steps = self._plan_decode_steps(sched_out) if multi_step else 1
+            self.flush_kv_transfers()
             tokens = None
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
@@ -203,6 +228,10 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         for out in outputs:
             out.num_draft_tokens, out.num_accepted_tokens = spec_counts.get(out.request_id, (0, 0))
+        if self.config.runner == "pooling":
+            attach_pooled(outputs, runner_out)
+        if self.beams.active:
+            outputs = self.beams.on_outputs(outputs)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:
@@ -258,6 +287,7 @@ class EngineCore:
                                      kv.get_block_ids(request.request_id), True,
                                      num_lookahead=steps - 1))
         sched_out = SchedulerOutput(seqs=seqs)
+        self.flush_kv_transfers()
         return sched_out, steps, self.runner.launch_decode_steps(sched_out, steps,
                                                                  (tokens.on_device[-1], rows))
 
@@ -334,6 +364,12 @@ class EngineCore:
         return (any(s.num_spec_tokens for s in sched_out.seqs)
                 or self.spec.wants(self.scheduler.num_running))
 
+    def flush_kv_transfers(self) -> None:
+        """Queue the host tier's pending block copies (offloads of evicted blocks, restores
+        of host prefix hits) ahead of the forward that follows."""
+        if self.scheduler.kv.host is not None:
+            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
+
     def has_unfinished_requests(self) -> bool:
         return (self._queued is not None or self._inflight is not None
                 or self.scheduler.has_unfinished_requests() or bool(self.grammar_wait))
@@ -343,6 +379,12 @@ class EngineCore:
         if self.spec is not None:
             stats.update(self.spec.get_stats())
         return stats
+
+
+def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+    if config.runner == "pooling":
+        return PoolingModelRunner
+    return ModelRunner
 
 
 class _Once:

@@ -25,6 +25,7 @@ from slipstream import envs
 from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.outputs import EngineCoreOutput
+from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSequence
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream.engine.core_proc")
@@ -111,6 +112,10 @@ def decode_request(data: dict) -> Request:
     return Request(**data)
 
 
+def decode_beam_output(data: dict) -> BeamSearchOutput:
+    return BeamSearchOutput([BeamSequence(**seq) for seq in data["sequences"]])
+
+
 def encode_output(output: EngineCoreOutput) -> dict:
     return dataclasses.asdict(output)
 
@@ -149,6 +154,7 @@ class EngineLoop:
                 if outputs:
                     self.outbox.send(pack({"t": "outputs",
                                            "outs": [encode_output(o) for o in outputs]}))
+                self._send_finished_beams()
             self._maybe_send_stats()
 
     def _record_step(self, outputs: list, seconds: float) -> None:
@@ -157,6 +163,19 @@ class EngineLoop:
         self.last_step = {"iteration": self.num_iterations, "step_time_s": seconds,
                           "num_requests_with_output": len(outputs),
                           "num_new_tokens": sum(len(o.new_token_ids) for o in outputs)}
+
+    def _send_finished_beams(self) -> None:
+        for search_id, out in self.core.beams.take_finished().items():
+            self.outbox.send(pack({"t": "beam_done", "id": search_id,
+                                   "out": dataclasses.asdict(out)}))
+
+    def _add_beam_search(self, msg: dict) -> None:
+        try:
+            self.core.add_beam_search(msg["id"], list(msg["prompt"]),
+                                      BeamSearchParams(**msg["params"]), tuple(msg["eos"]),
+                                      msg.get("priority", 0))
+        except (ValueError, TypeError) as exc:
+            self.outbox.send(pack({"t": "req_error", "id": msg.get("id"), "msg": str(exc)}))
 
     def _drain(self, block: bool) -> None:
         """Handle every queued message; wait up to IDLE_POLL_MS for the first one when idle."""
@@ -174,6 +193,8 @@ class EngineLoop:
         if kind == "add":
             for data in msg["reqs"]:
                 self._add(data)
+        elif kind == "beam":
+            self._add_beam_search(msg)
         elif kind == "abort":
             self.core.abort_requests(list(msg["ids"]))
             self.num_aborted += len(msg["ids"])

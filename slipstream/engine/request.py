@@ -43,6 +43,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # A pooling request (pooling/): {"dimensions", "normalize"}; its one step returns a vector.
+    pooling_params: dict[str, Any] | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

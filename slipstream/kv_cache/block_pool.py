@@ -6,7 +6,7 @@ them, least recently freed first; blocks with nothing cached are handed out befo
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from slipstream.kv_cache.hashing import BlockHash
 
@@ -25,6 +25,9 @@ class BlockPool:
         # when a prefix hit revives a freed block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}  # hash -> the one block that holds it
+        # Called with (block, hash) before a cached block's contents are evicted for reuse
+        # (the host KV tier copies them out: kv_cache/host_tier.py).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -48,6 +51,8 @@ class BlockPool:
         ids = []
         for _ in range(num):
             block_id, _ = self._free.popitem(last=False)
+            if self.on_evict is not None and self.block_hash[block_id] is not None:
+                self.on_evict(block_id, self.block_hash[block_id])
             self._evict(block_id)
             self.ref_cnt[block_id] = 1
             ids.append(block_id)

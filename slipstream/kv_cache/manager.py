@@ -8,6 +8,7 @@ from __future__ import annotations
 from slipstream.engine.request import Request
 from slipstream.kv_cache.block_pool import BlockPool
 from slipstream.kv_cache.hashing import BlockHash, hash_block_tokens
+from slipstream.kv_cache.host_tier import HostTier, Transfer
 
 
 def cdiv(a: int, b: int) -> int:
@@ -15,9 +16,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if num_host_blocks and not enable_prefix_caching:
+            raise ValueError("the host KV tier holds cached prefixes: it needs prefix caching")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -30,7 +34,16 @@ class KVCacheManager:
         # that waits several steps for blocks is counted once.
         self._pending_stats: dict[str, tuple[int, int]] = {}
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found (host tier included)
+        # The host tier (host_tier.py): evicted cached blocks are copied there, and prefix
+        # hits on it copied back; the copies wait in _transfers for the runner.
+        self.host = HostTier(num_host_blocks) if num_host_blocks else None
+        self._transfers: list[Transfer] = []
+        self._host_hits: dict[str, list[tuple[BlockHash, int]]] = {}
+        self.host_hits = 0  # tokens found in the host tier
+        self.blocks_offloaded = 0
+        if self.host is not None:
+            self.pool.on_evict = self._offload
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -70,13 +83,17 @@ class KVCacheManager:
             if block_id is None:
                 break
             hit.append(block_id)
-        num_hit_tokens = len(hit) * self.block_size
+        host_hits = self._host_lookup(hashes[len(hit):max_blocks])
+        self._host_hits[request.request_id] = host_hits
+        num_hit_tokens = (len(hit) + len(host_hits)) * self.block_size
         self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)
         return hit, num_hit_tokens
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after new weights). Always succeeds."""
         self.pool.reset_prefix_cache()
+        if self.host is not None:
+            self.host.reset()
         return True
 
     # ---- allocation --------------------------------------------------------------------
@@ -100,7 +117,9 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         if hits and table:
             raise ValueError(f"request {rid!r} already has blocks: prefix hits only on admission")
-        total_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        host_hits = self._host_hits.pop(rid, []) if new_computed_blocks is not None else []
+        num_hit = len(hits) + len(host_hits)
+        total_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         num_have = len(hits) + (len(table) if table else 0)
         num_needed = max(0, self.num_blocks_for(total_tokens) - num_have)
         # Hit blocks nobody holds sit in the free queue: taking them shrinks it.
@@ -115,11 +134,63 @@ class KVCacheManager:
             table.extend(hits)
             self._num_hashed[rid] = len(hits)
         if num_needed:
-            table.extend(self.pool.allocate(num_needed))
+            for block_hash, _ in host_hits:  # offloads this allocation causes must not reuse them
+                self.host.pin(block_hash)
+            new_blocks = self.pool.allocate(num_needed)
+            self._restore_host_hits(host_hits, new_blocks)
+            table.extend(new_blocks)
+            self._num_hashed[rid] = num_hit
         if new_computed_blocks is not None:
             self._commit_stats(rid)
         self._cache_full_blocks(request, table, total_tokens)
         return True
+
+    # ---- host tier ---------------------------------------------------------------------
+    def take_transfers(self) -> list[Transfer]:
+        """The block copies to make before the next forward, in order (then forgotten)."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    def offload_request(self, request: Request) -> None:
+        """Swap preemption: copy the request's written, cached blocks to the host tier now,
+        so its resume finds them there even if the GPU evicts them first."""
+        if self.host is None:
+            return
+        table = self._tables.get(request.request_id, [])
+        num_written = min(self._num_hashed.get(request.request_id, 0),
+                          request.num_computed_tokens // self.block_size)
+        for block_id in table[:num_written]:
+            block_hash = self.pool.block_hash[block_id]
+            if block_hash is not None:
+                self._offload(block_id, block_hash)
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        host_id = self.host.store(block_hash)
+        if host_id is not None:
+            self._transfers.append(("out", block_id, host_id))
+            self.blocks_offloaded += 1
+
+    def _host_lookup(self, hashes: list[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """The chain's continuation in the host tier: (hash, host block) while it hits."""
+        found = []
+        if self.host is not None:
+            for block_hash in hashes:
+                host_id = self.host.lookup(block_hash)
+                if host_id is None:
+                    break
+                found.append((block_hash, host_id))
+        return found
+
+    def _restore_host_hits(self, host_hits: list[tuple[BlockHash, int]],
+                           new_blocks: list[int]) -> None:
+        """Queue the copies of host hits into the first new blocks and cache them there (the
+        copies run before the forward that reads them)."""
+        for (block_hash, host_id), block_id in zip(host_hits, new_blocks):
+            self._transfers.append(("in", host_id, block_id))
+            self.pool.cache_block(block_id, block_hash)  # a duplicate stays private
+        if host_hits:
+            self.host.unpin_all()
+            self.host_hits += len(host_hits) * self.block_size
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (finish, abort or preemption).
@@ -132,6 +203,7 @@ class KVCacheManager:
         self._num_hashed.pop(rid, None)
         self._hashes.pop(rid, None)
         self._pending_stats.pop(rid, None)
+        self._host_hits.pop(rid, None)
         if not table:
             return
         first_unwritten = request.num_computed_tokens // self.block_size
@@ -157,6 +229,27 @@ class KVCacheManager:
             if self.pool.ref_cnt[block_id] == 1:
                 self.pool.uncache_block(block_id)
         self.pool.free(reversed(extra))
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give `child` the parent's computed KV (beam search): full blocks shared (one more
+        reference each), the partly filled last block copied into a fresh block (copy on
+        write). Returns the (source, destination) block pairs the runner must copy before the
+        next forward, or None, changing nothing, when no block is free for the copy."""
+        table = self._tables.get(parent.request_id, [])
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = table[:num_full]
+        self.pool.touch(shared)
+        copies = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            copies.append((table[num_full], dst))
+        pid, cid = parent.request_id, child.request_id
+        self._tables[cid] = shared + [dst for _, dst in copies]
+        self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
+        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
+        return copies
 
     # ---- internals ---------------------------------------------------------------------
     def _request_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:

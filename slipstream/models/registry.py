@@ -14,6 +14,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("slipstream.models.moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("slipstream.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("slipstream.models.moe", "Qwen3MoeForCausalLM"),
+    # Pooling models (pooling/): encoders, headless decoders, classifiers.
+    "BertModel": ("slipstream.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("slipstream.models.bert", "BertForSequenceClassification"),
+    **{f"{family}Model": ("slipstream.models.llama_pooling", "LlamaHeadlessModel")
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
+    **{f"{family}ForSequenceClassification": ("slipstream.models.llama_pooling",
+                                              "LlamaForSequenceClassification")
+       for family in ("Llama", "Mistral", "Qwen2", "Qwen3")},
 }
 
 

@@ -53,6 +53,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.kv_caches: list[KVCache] = []
+        self.host_kv_caches: list[KVCache] = []  # the host tier's blocks (initialize_host_cache)
         self.num_blocks = 0
         self._sampler = None
         self._graphs = None
@@ -200,6 +201,51 @@ class ModelRunner:
         self.kv_caches, self.num_blocks = saved
         torch.cuda.empty_cache()
         return peak
+
+    def initialize_host_cache(self) -> int:
+        """The host KV tier (kv_cache/host_tier.py): as many blocks as kv_cache_host_memory
+        holds, K and V of every layer, pinned on CUDA so copies run asynchronously. Returns
+        the block count (0: no tier)."""
+        budget = self.config.cache.kv_cache_host_memory
+        if not budget:
+            return 0
+        num_blocks = budget // self.kv_cache_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_host_memory={budget} holds no block of "
+                             f"{self.kv_cache_bytes_per_block()} bytes")
+        shape, pin = self._kv_shape(num_blocks), self.device.type == "cuda"
+        self.host_kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, pin_memory=pin),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, pin_memory=pin))
+            for _ in range(self.config.model.num_hidden_layers)]
+        return int(num_blocks)
+
+    def apply_kv_transfers(self, transfers: list[tuple[str, int, int]]) -> None:
+        """The host tier's block copies, in order, queued on the stream before the next
+        forward: ("out", device block, host block) or ("in", host block, device block)."""
+        if not transfers:
+            return
+        non_blocking = self.device.type == "cuda"
+        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
+            for kind, src, dst in transfers:
+                if kind == "out":
+                    hk[dst].copy_(k[src], non_blocking=non_blocking)
+                    hv[dst].copy_(v[src], non_blocking=non_blocking)
+                else:
+                    k[dst].copy_(hk[src], non_blocking=non_blocking)
+                    v[dst].copy_(hv[src], non_blocking=non_blocking)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer, queued on the stream
+        before the next forward (a forked beam's partly filled block: KVCacheManager.fork)."""
+        if not pairs or not self.kv_caches:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     # ---- execution -----------------------------------------------------------------------
     @torch.inference_mode()

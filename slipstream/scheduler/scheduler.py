@@ -23,6 +23,11 @@ from slipstream.speculative.tree import prune
 # joining pinned adapters, so pinned slots drain and it gets one (no starvation).
 LORA_MAX_WAIT_STEPS = 64
 
+# preemption_mode="auto": shorter requests are recomputed (a prefill of a few hundred tokens
+# costs about what copying their K/V out and back does).
+SWAP_MIN_TOKENS = 256
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -32,7 +37,8 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_host_blocks=cache_config.num_host_blocks,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []  # in order of admission
@@ -90,6 +96,26 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt has {num_prompt} tokens but max_num_tokens is "
                 f"{self.config.max_num_tokens} and chunked prefill is off")
+
+    def adopt_running(self, request: Request) -> None:
+        """Take in a request whose KV blocks the KV manager already holds (a beam forked
+        from a running one: KVCacheManager.fork) as running, after those admitted so far."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def preempt_idle(self, request: Request) -> None:
+        """Recompute-preempt a running request that has nothing to compute (a beam waiting for
+        its siblings), so a waiting request can have its blocks."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -152,6 +178,8 @@ class Scheduler:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "host_cache_hits": kv.host_hits,
+            "host_blocks_offloaded": kv.blocks_offloaded,
         }
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -244,6 +272,8 @@ class Scheduler:
     ) -> int:
         """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
         self.running.remove(request)
+        if self._swaps(request):
+            self.kv.offload_request(request)
         self.kv.free(request)  # before resetting num_computed_tokens (see KVCacheManager.free)
         self._release_lora(request)
         # A pending token stays: update_from_output puts it in before the next schedule.
@@ -259,6 +289,13 @@ class Scheduler:
             return 0
         out.seqs.remove(seq)
         return seq.num_tokens
+
+    def _swaps(self, request: Request) -> bool:
+        """Swap (copy to the host tier) rather than only recompute a preempted request?"""
+        mode = self.config.preemption_mode
+        if self.kv.host is None or mode == "recompute":
+            return False
+        return mode == "swap" or request.num_computed_tokens >= SWAP_MIN_TOKENS
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit in (priority, arrival) order; the first that does not fit stops admission.

@@ -15,6 +15,7 @@ from slipstream.serve.auth import OPEN_PATHS, ApiKeyMiddleware
 from slipstream.serve.chat import create_chat_completion, render_chat
 from slipstream.serve.completions import create_completion
 from slipstream.serve.context import EngineClient, ServeContext
+from slipstream.serve.embeddings import EmbeddingRequest, EmbeddingResponse, create_embedding
 from slipstream.serve.errors import APIError, error_response, install_error_handlers
 from slipstream.serve.hardening import UNCOUNTED_PATHS, HttpLimits, RequestCapMiddleware
 from slipstream.serve.limits import BodySizeLimitMiddleware
@@ -82,6 +83,10 @@ def _add_generation_routes(app: FastAPI, ctx: ServeContext) -> None:
               responses={**_ERRORS, **_SSE_200})
     async def chat_completions(req: ChatCompletionRequest, raw_request: Request) -> Response:
         return await create_chat_completion(req, raw_request, ctx)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(req: EmbeddingRequest, raw_request: Request) -> Response:
+        return await create_embedding(req, raw_request, ctx)
 
 
 def _add_info_routes(app: FastAPI, ctx: ServeContext) -> None:

@@ -84,6 +84,10 @@ def _check_request(req: CompletionRequest, ctx: ServeContext) -> None:
 
 async def create_completion(req: CompletionRequest, raw_request: Request,
                             ctx: ServeContext) -> Response:
+    if req.use_beam_search:
+        from slipstream.serve.beam_search import create_beam_completion
+
+        return await create_beam_completion(req, raw_request, ctx, _prompts)
     _check_request(req, ctx)
     prompts = await _prompts(req, ctx)
     params = [completion_params(req, len(ids), ctx.limits) for _, ids in prompts]

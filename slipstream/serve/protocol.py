@@ -104,7 +104,10 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     suffix: str | None = None  # accepted only when empty: not supported
-    best_of: int | None = Field(None, ge=1)  # accepted only when <= n
+    best_of: int | None = Field(None, ge=1)  # accepted only when <= n (beam search: the width)
+    # Beam search (vLLM's fields): best_of (else n) beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     _utf8_prompt = field_validator("prompt", "suffix")(_check_text)
 

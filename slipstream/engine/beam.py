@@ -1,0 +1,170 @@
+"""BeamCoordinator: beam searches run as ordinary requests, in-flight with every other request.
+
+Each beam is a Request that asks for greedy tokens with the top-K logprobs of every step
+(the device picks them: the sampler's top-k). When a beam's step comes back the coordinator
+takes the sampled token back, so the beam waits (nothing left to compute) until every beam of
+its search has reported; then `BeamSearchState.step` picks the next beams. A beam chosen
+once keeps its request and gets the chosen token; one chosen twice is forked: the child
+shares the parent's full KV blocks and gets a copy of the partly filled one
+(`KVCacheManager.fork`, `ModelRunner.copy_blocks`); a beam not chosen is aborted, freeing
+its blocks. A beam preempted meanwhile is recomputed like any request, and a fork that finds
+no free block starts as a waiting request that recomputes from the prefix cache.
+"""
+from __future__ import annotations
+
+import itertools
+
+from slipstream.engine.request import Request, RequestStatus
+from slipstream.outputs import EngineCoreOutput
+from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchState
+from slipstream.sampling_params import SamplingParams
+
+
+class _Group:
+    def __init__(self, group_id: str, params: BeamSearchParams, state: BeamSearchState):
+        self.id = group_id
+        self.params = params
+        self.state = state
+        self.beams: list[Request] = []  # aligned with state.running
+        self.reports: dict[str, list[tuple[int, float]]] = {}
+        self.next_index = itertools.count()
+
+
+class BeamCoordinator:
+    def __init__(self, scheduler, runner):
+        self.scheduler = scheduler
+        self.runner = runner
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}  # beam request id -> search id
+        self._finished: dict[str, BeamSearchOutput] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._groups)
+
+    def is_search(self, group_id: str) -> bool:
+        return group_id in self._groups
+
+    def owns(self, request_id: str) -> bool:
+        """Whether request_id is one of a running search's beams."""
+        return request_id in self._group_of
+
+    def first_beam(self, group_id: str, prompt_ids: list[int], params: BeamSearchParams,
+                   eos_token_ids: tuple[int, ...], priority: int = 0) -> tuple[_Group, Request]:
+        """The search and its first beam (the prompt), for EngineCore to validate and queue;
+        `start` registers the search once that succeeded."""
+        if group_id in self._groups:
+            raise ValueError(f"beam search id {group_id!r} is already running")
+        if len(prompt_ids) + params.max_tokens > self.scheduler.max_seq_len:
+            raise ValueError(
+                f"max_tokens: a prompt of {len(prompt_ids)} tokens plus max_tokens="
+                f"{params.max_tokens} does not fit the longest sequence this engine holds "
+                f"({self.scheduler.max_seq_len} tokens)")
+        state = BeamSearchState(params, eos_token_ids)
+        sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
+                                  ignore_eos=True, logprobs=state.num_candidates)
+        group = _Group(group_id, params, state)
+        return group, Request(self._beam_id(group), prompt_ids, sampling, priority=priority)
+
+    def start(self, group: _Group, request: Request) -> None:
+        group.beams = [request]
+        self._groups[group.id] = group
+        self._group_of[request.request_id] = group.id
+
+    def take_finished(self) -> dict[str, BeamSearchOutput]:
+        done, self._finished = self._finished, {}
+        return done
+
+    def abort(self, group_id: str) -> None:
+        group = self._groups.pop(group_id, None)
+        if group is not None:
+            self._drop(group.beams)
+
+    # ---- per step --------------------------------------------------------------------
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Consume the step's news of beam requests; return the others'."""
+        rest, ready = [], []
+        for out in outputs:
+            group = self._groups.get(self._group_of.get(out.request_id, ""))
+            if group is None:
+                rest.append(out)
+                continue
+            if not out.new_token_ids:
+                continue
+            request = self.scheduler.get_request(out.request_id)
+            if request is not None:  # None: ended by length at the search's last step
+                del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
+            best = sorted(out.new_logprobs[-1].items(), key=lambda kv: -kv[1])
+            group.reports[out.request_id] = best[: group.state.num_candidates]
+            if len(group.reports) == len(group.beams) and group not in ready:
+                ready.append(group)
+        for group in ready:
+            self._advance(group)
+        self.release_idle()
+        return rest
+
+    def release_idle(self) -> None:
+        """A search with a beam in the waiting queue cannot advance until that beam runs, so
+        its beams that only wait for it give their blocks back (their reports are kept):
+        otherwise searches could hold every block while each waits for a queued beam."""
+        for group in self._groups.values():
+            if all(b.status == RequestStatus.RUNNING for b in group.beams):
+                continue
+            for beam in group.beams:
+                if beam.status == RequestStatus.RUNNING and beam.request_id in group.reports:
+                    self.scheduler.preempt_idle(beam)
+
+    def _advance(self, group: _Group) -> None:
+        candidates = [group.reports[b.request_id] for b in group.beams]
+        group.reports.clear()
+        chosen = group.state.step(candidates)
+        if group.state.done:
+            del self._groups[group.id]
+            self._drop(group.beams)
+            self._finished[group.id] = group.state.result()
+            return
+        used = {b for b, _ in chosen}
+        self._drop([beam for i, beam in enumerate(group.beams) if i not in used])
+        new_beams: list[Request | None] = [None] * len(chosen)
+        copies: list[tuple[int, int]] = []
+        first_use: set[int] = set()
+        for slot, (b, token) in enumerate(chosen):  # forks first: they copy the parent's tokens
+            if b in first_use:
+                new_beams[slot] = self._fork(group, group.beams[b], token, copies)
+            first_use.add(b)
+        seen: set[int] = set()
+        for slot, (b, token) in enumerate(chosen):
+            if b not in seen:
+                seen.add(b)
+                group.beams[b].output_token_ids.append(token)
+                new_beams[slot] = group.beams[b]
+        if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
+            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
+        self.runner.copy_blocks(copies)
+        group.beams = new_beams
+
+    def _fork(self, group: _Group, parent: Request, token: int,
+              copies: list[tuple[int, int]]) -> Request:
+        child = Request(self._beam_id(group), parent.prompt_token_ids, parent.sampling_params,
+                        priority=parent.priority, arrival_time=parent.arrival_time)
+        child.output_token_ids = parent.output_token_ids + [token]
+        self._group_of[child.request_id] = group.id
+        if parent.status == RequestStatus.RUNNING:
+            pairs = self.scheduler.kv.fork(parent, child)
+            if pairs is not None:
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.scheduler.adopt_running(child)
+                copies.extend(pairs)
+                return child
+        self.scheduler.add_request(child)  # recomputes, sharing full blocks through the prefix cache
+        return child
+
+    def _drop(self, beams: list[Request]) -> None:
+        ids = [b.request_id for b in beams]
+        self.scheduler.abort_requests(ids)
+        for rid in ids:
+            self._group_of.pop(rid, None)
+
+    @staticmethod
+    def _beam_id(group: _Group) -> str:
+        return f"{group.id}-beam{next(group.next_index)}"

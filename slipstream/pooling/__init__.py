@@ -1,0 +1,1 @@
+"""Pooling models: embeddings (last-token, mean or CLS pooling) and sequence classification."""

@@ -1,0 +1,110 @@
+"""Beam search: the parameters and the per-prompt search state (pure Python, integers and
+floats; the engine feeds it each beam's top candidates, computed on the device).
+
+The rule is transformers' `generate(num_beams=k, do_sample=False, early_stopping=True)`:
+each step takes the best K = max(2, 1 + #EOS) * k continuations over all beams by cumulative
+log-probability; an EOS among the first k of them (or any continuation reaching max_tokens)
+becomes a finished hypothesis scored cum_logprob / generated_len ** length_penalty; the best k
+that did not finish run on. The search ends once k hypotheses are finished, or when every
+continuation finished.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.sampling_params import MAX_LOGPROBS
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # beam search is deterministic: only 0 is accepted
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.beam_width > MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {self.beam_width}")
+        if self.temperature != 0.0:
+            raise ValueError("beam search takes temperature 0 only")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or lp != lp:
+            raise ValueError(f"length_penalty must be a number, got {lp!r}")
+
+    def num_candidates(self, num_eos: int) -> int:
+        """Continuations kept per step (transformers' beams_to_keep)."""
+        return max(2, 1 + num_eos) * self.beam_width
+
+
+@dataclass
+class BeamSequence:
+    """One finished hypothesis: its generated tokens (EOS included) and scores."""
+
+    output_token_ids: list[int]
+    cum_logprob: float
+    score: float  # cum_logprob / len(output_token_ids) ** length_penalty
+    finish_reason: str  # "stop" (EOS) or "length"
+    tokens: list[int] = field(default_factory=list)  # prompt + output
+    text: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best hypotheses of one prompt, best first."""
+
+    sequences: list[BeamSequence]
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]  # generated so far
+    score: float  # cumulative log-probability
+
+
+class BeamSearchState:
+    """The search of one prompt. `step(candidates)` advances it by one token."""
+
+    def __init__(self, params: BeamSearchParams, eos_token_ids: tuple[int, ...] = ()):
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.num_candidates = params.num_candidates(len(self.eos))
+        self.running: list[_Beam] = [_Beam([], 0.0)]
+        self.finished: list[BeamSequence] = []
+        self.done = False
+
+    def step(self, candidates: list[list[tuple[int, float]]]) -> list[tuple[int, int]]:
+        """candidates[b]: (token, logprob) of running beam b, at least num_candidates of its
+        best. Returns the next running beams as (parent beam index, token), best first."""
+        if self.done:
+            raise RuntimeError("the beam search is over")
+        k, lp = self.params.beam_width, self.params.length_penalty
+        flat = [(beam.score + logprob, b, token)
+                for b, beam in enumerate(self.running) for token, logprob in candidates[b]]
+        flat.sort(key=lambda c: (-c[0], c[1], c[2]))
+        top = flat[: self.num_candidates]
+        gen_len = len(self.running[0].tokens) + 1
+        at_limit = gen_len >= self.params.max_tokens
+        hits = [at_limit or token in self.eos for _, _, token in top]
+        if len(self.finished) < k:
+            for (score, b, token), hit in zip(top[:k], hits[:k]):
+                if hit:
+                    self._add_finished(self.running[b].tokens + [token], score, gen_len ** lp,
+                                       "stop" if token in self.eos else "length")
+        chosen = [(b, token, score) for (score, b, token), hit in zip(top, hits) if not hit][:k]
+        self.running = [_Beam(self.running[b].tokens + [token], score)
+                        for b, token, score in chosen]
+        self.done = len(self.finished) >= k or all(hits)
+        return [(b, token) for b, token, _ in chosen]
+
+    def _add_finished(self, tokens: list[int], cum: float, norm: float, reason: str) -> None:
+        self.finished.append(BeamSequence(tokens, cum, cum / norm, reason))
+        self.finished.sort(key=lambda s: -s.score)  # stable: earlier hypotheses win ties
+        del self.finished[self.params.beam_width:]
+
+    def result(self) -> BeamSearchOutput:
+        return BeamSearchOutput(list(self.finished))
