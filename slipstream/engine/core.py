@@ -30,7 +30,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
-        self.runner = ModelRunner(config)
+        self.runner = _make_runner(config)
         num_blocks = self._start_up(config)
         draft = getattr(self.spec, "proposer", None) if self.spec else None
         self.timer = StepTimer(config.device)
@@ -48,7 +48,7 @@ class EngineCore:
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
         self._inflight: tuple[SchedulerOutput, object] | None = None
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        weight_bytes = self.runner.weight_bytes()
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
                     "(%d blocks of %d tokens)", time.perf_counter() - start, config.device,
@@ -313,11 +313,27 @@ class EngineCore:
         return (self._queued is not None or self._inflight is not None
                 or self.scheduler.has_unfinished_requests())
 
+    def shutdown(self) -> None:
+        """Release what outlives the object: a distributed engine's worker processes."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def get_stats(self) -> dict:
         stats = self.scheduler.get_stats()
         if self.spec is not None:
             stats.update(self.spec.get_stats())
         return stats
+
+
+def _make_runner(config: EngineConfig):
+    """The model runner in this process, or, for a model on worker ranks (tensor / pipeline
+    parallel, or a backend named), the runner that drives them (engine/distributed.py)."""
+    if config.parallel.uses_workers:
+        from slipstream.engine.distributed import DistributedRunner
+
+        return DistributedRunner(config)
+    return ModelRunner(config)
 
 
 class _Once:
