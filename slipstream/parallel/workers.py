@@ -54,7 +54,7 @@ class WorkerPool:
             self.cmd_addrs.append(self._bind(sock, host, f"cmd-{rank}"))
             self.commands.append(sock)
         self.init_method = f"tcp://{host or '127.0.0.1'}:{_free_port()}"
-        self.closed = False
+        self.closed = self.started = False
         self.failure: str | None = None
         self._last_beat = [time.monotonic()] * world_size
 
@@ -73,16 +73,32 @@ class WorkerPool:
 
     def start(self) -> None:
         """Launch the ranks and wait until every one has joined the process group."""
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Start the ranks without waiting for them (wait_started does)."""
         self._launch()
-        self.wait("hello", range(self.world_size), envs.WORKER_START_TIMEOUT_S.get())
+
+    def wait_started(self) -> None:
+        if not self.started:
+            self.wait("hello", range(self.world_size), envs.WORKER_START_TIMEOUT_S.get())
+            self.started = True
 
     # ---- subclasses ----------------------------------------------------------------------
     def _launch(self) -> None:
         raise NotImplementedError
 
-    def _dead_worker(self) -> str | None:
-        """A description of a rank that has exited, or None."""
+    def _dead_workers(self) -> dict[int, str]:
+        """{rank: description} of the ranks that have exited."""
         raise NotImplementedError
+
+    def _dead_worker(self, errored: int | None = None) -> str | None:
+        """A rank that has exited, preferring one other than `errored` (which failed in a
+        collective because a peer died), or None."""
+        dead = self._dead_workers()
+        others = [d for r, d in dead.items() if r != errored]
+        return (others or list(dead.values()) or [None])[0]
 
     def _stop_workers(self) -> None:
         raise NotImplementedError
@@ -100,7 +116,8 @@ class WorkerPool:
         a rank reports an error, exits, stops sending heartbeats, or timeout_s passes."""
         self._check_usable()
         pending, replies = set(ranks), {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._wait_start = time.monotonic()
+        deadline = None if timeout_s is None else self._wait_start + timeout_s
         while pending:
             if self.results.poll(POLL_MS):
                 while self.results.poll(0):
@@ -119,7 +136,11 @@ class WorkerPool:
         if 0 <= rank < self.world_size:
             self._last_beat[rank] = time.monotonic()
         if t == "error":
-            self.fail(f"worker rank {rank} failed: {msg.get('msg')}")
+            # A rank whose peer died fails in its collective: name the dead one first.
+            time.sleep(0.2)
+            dead = self._dead_worker(errored=rank)
+            reported = f"worker rank {rank} failed: {msg.get('msg')}"
+            self.fail(f"{dead} ({reported})" if dead else reported)
         if t == kind and rank in pending:
             pending.discard(rank)
             replies[rank] = msg
@@ -130,6 +151,8 @@ class WorkerPool:
         limit = envs.WORKER_TIMEOUT_S.get()
         now = time.monotonic()
         for rank, last in enumerate(self._last_beat):
+            # Beats queue up while nobody waits: count silence from the start of this wait.
+            last = max(last, self._wait_start)
             if now - last > limit:
                 return (f"worker rank {rank} sent no heartbeat for {now - last:.1f} s "
                         f"(SLIPSTREAM_WORKER_TIMEOUT_S={limit:g}): hung or stopped")
@@ -170,6 +193,8 @@ class WorkerPool:
 class MpWorkerPool(WorkerPool):
     """Ranks as child processes of this one, rank r on GPU r (or on the CPU, with gloo)."""
 
+    launcher = "mp"
+
     def _launch(self) -> None:
         self.procs = []
         for rank in range(self.world_size):
@@ -181,12 +206,9 @@ class MpWorkerPool(WorkerPool):
             self.procs.append(proc)
         atexit.register(self.close)
 
-    def _dead_worker(self) -> str | None:
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None:
-                return f"worker rank {rank} (pid {proc.pid}) exited with code {code}"
-        return None
+    def _dead_workers(self) -> dict[int, str]:
+        return {rank: f"worker rank {rank} (pid {proc.pid}) exited with code {proc.poll()}"
+                for rank, proc in enumerate(self.procs) if proc.poll() is not None}
 
     def _stop_workers(self) -> None:
         procs = getattr(self, "procs", [])
@@ -224,14 +246,14 @@ _KEEP = [False]
 def acquire_pool(world_size: int, device: str, backend: str) -> WorkerPool:
     """A started pool of at least world_size ranks: a kept idle one, or a new one."""
     for pool in list(_IDLE):
-        _IDLE.remove(pool)
         if pool.closed or pool._dead_worker() is not None:
+            _IDLE.remove(pool)
             pool.close()
-            continue
-        if pool.world_size >= world_size and pool.device == device \
-                and getattr(pool, "launcher", "mp") == backend:
+        elif pool.world_size >= world_size and pool.device == device \
+                and pool.launcher == backend:
+            _IDLE.remove(pool)
+            pool.wait_started()
             return pool
-        pool.close()
     pool = new_pool(world_size, device, backend)
     pool.start()
     return pool
@@ -245,6 +267,11 @@ def new_pool(world_size: int, device: str, backend: str) -> WorkerPool:
     if backend != "mp":
         raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
     return MpWorkerPool(world_size, device)
+
+
+def keep(pool: WorkerPool) -> None:
+    """Offer a pool (started or only launched) to the next engine, inside keep_pools."""
+    _IDLE.append(pool)
 
 
 def release_pool(pool: WorkerPool) -> None:
