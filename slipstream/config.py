@@ -126,6 +126,22 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE models: experts placed across the tensor-parallel ranks instead of each expert's
+    # weights split across them (docs/parallelism.md: the expert-parallel hook).
+    enable_expert_parallel: bool = False
+    # "mp" (worker processes on this machine) or "ray" (Ray actors, across nodes). None: the
+    # model runs in the engine's own process when one rank suffices, else on "mp" workers.
+    distributed_executor_backend: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_workers(self) -> bool:
+        """Whether the model runs on worker ranks (engine/distributed.py) rather than in the
+        engine's own process: several ranks, or a backend asked for by name."""
+        return self.world_size > 1 or self.distributed_executor_backend is not None
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,13 @@ CACHE_DIR = EnvVar("SLIPSTREAM_CACHE_DIR", str, "",
                    "off: no persistent cache.")
 COMMIT = EnvVar("SLIPSTREAM_COMMIT", str, "",
                 "Git commit recorded in benchmark JSON where the tree has no .git folder.")
+WORKER_TIMEOUT_S = EnvVar("SLIPSTREAM_WORKER_TIMEOUT_S", float, 10.0,
+                         "Distributed engines: seconds a worker process may go without a "
+                         "heartbeat before the engine declares it hung and fails (a worker that "
+                         "exits is reported at once).")
+WORKER_START_TIMEOUT_S = EnvVar("SLIPSTREAM_WORKER_START_TIMEOUT_S", float, 300.0,
+                                "Distributed engines: seconds to wait for every worker process "
+                                "(or Ray actor) to start and join the process group.")
 
 # Other programs' variables that slipstream also reads.
 OMP_NUM_THREADS = EnvVar("OMP_NUM_THREADS", str, "",
@@ -97,5 +104,6 @@ TRITON_CACHE_DIR = EnvVar("TRITON_CACHE_DIR", str, "",
                           "(empty: Triton's default, ~/.triton/cache).")
 
 ALL: tuple[EnvVar, ...] = (LOG_LEVEL, API_KEY, STEP_TRACE, STEP_TIMING, KERNELS, LINEAR, PDL,
-                           CUDA_GEMV, DEFAULT_MODEL, CACHE_DIR, COMMIT, OMP_NUM_THREADS,
+                           CUDA_GEMV, DEFAULT_MODEL, CACHE_DIR, COMMIT, WORKER_TIMEOUT_S,
+                           WORKER_START_TIMEOUT_S, OMP_NUM_THREADS,
                            OPENAI_API_KEY, TRITON_CACHE_DIR)

@@ -85,7 +85,8 @@ def run(command: str, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess
 # What names each bash block the tests below run (a block of only install / test commands
 # needs none).
 BLOCK_MARKERS = ("# the main job", "slipstream chat", "slipstream quantize --model ./ckpt --method int8_wo",
-                 "slipstream serve", "slipstream build --model ./ckpt", "--speculative-config")
+                 "slipstream serve", "slipstream build --model ./ckpt", "--speculative-config",
+                 "--tensor-parallel-size 2")
 
 
 def test_every_readme_block_is_run_here() -> None:
@@ -142,6 +143,11 @@ def test_build_example(workdir: Path) -> None:
 
 def test_speculative_example(workdir: Path) -> None:
     for command in block_with("--speculative-config"):
+        assert run(command, workdir).stdout.strip(), command
+
+
+def test_tensor_parallel_example(workdir: Path) -> None:
+    for command in block_with("--tensor-parallel-size 2"):
         assert run(command, workdir).stdout.strip(), command
 
 

@@ -54,6 +54,11 @@ class EngineArgs:
     quantize_lm_head: bool | str | None = None
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    # "mp" (worker processes here) or "ray" (Ray actors, across nodes); None: "mp" when
+    # tensor_parallel_size x pipeline_parallel_size > 1, else the engine's own process.
+    distributed_executor_backend: str | None = None
     decode_steps: int = 1
     pipeline_decode: bool = True
     # None: on with CUDA, off elsewhere (a CPU runs each step as it is launched, so leaving it
@@ -101,6 +106,7 @@ class EngineArgs:
         if runner == "pooling" and model_cfg.architecture in ENCODER_ARCHITECTURES:
             max_len = min(max_len, model_cfg.max_position_embeddings) + 1  # no output token
         _check_limits(self, max_len)
+        parallel = _parallel_config(self)
         config = EngineConfig(
             model_path=str(model_path),
             model=model_cfg,
@@ -116,13 +122,15 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_tokens=self.max_num_tokens,
                 max_model_len=max_len,
-                decode_steps=self.decode_steps,
+                # Worker ranks run each step as it comes (engine/distributed.py).
+                decode_steps=1 if parallel.uses_workers else self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
                 preemption_mode=self.preemption_mode,
-                async_scheduling=(device.startswith("cuda") if self.async_scheduling is None
-                                  else self.async_scheduling),
+                async_scheduling=not parallel.uses_workers and (
+                    device.startswith("cuda") if self.async_scheduling is None
+                    else self.async_scheduling),
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=parallel,
             quant=_quant_config(self, model_cfg),
             device=device,
             dtype=dtype,
@@ -190,6 +198,17 @@ class EngineArgs:
         g.add_argument("--kv-cache-dtype", default="auto",
                        help="fp8 or int8 (one byte per element), bfloat16 / float16 / float32, "
                             "or auto (the checkpoint's choice, else the model dtype)")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="GPUs (ranks) each layer is split across (docs/parallelism.md)")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="pipeline stages the layers are split into")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: place whole experts on ranks instead of splitting "
+                            "each expert")
+        g.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
+                       help="mp: one worker process per rank on this machine (default when "
+                            "more than one rank); ray: Ray actors, across nodes (pip install "
+                            "'slipstream[ray]'; start Ray first)")
         g.add_argument("--decode-steps", type=int, default=1,
                        help="decode steps per host round trip for greedy pure-decode batches "
                             "(GPU multi-step decoding; the offline LLM API defaults to 8)")
@@ -274,7 +293,7 @@ def _gib_to_bytes(value: str) -> int:
 
 def _check_limits(args: EngineArgs, max_len: int) -> None:
     for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size",
-                 "decode_steps"):
+                 "pipeline_parallel_size", "decode_steps"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -297,6 +316,33 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
                          "needs prefix caching")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def _parallel_config(args: EngineArgs) -> ParallelConfig:
+    backend = args.distributed_executor_backend
+    if backend not in (None, "mp", "ray"):
+        raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
+    parallel = ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
+                              enable_expert_parallel=bool(args.enable_expert_parallel),
+                              distributed_executor_backend=backend)
+    if parallel.world_size > 1 and backend is None:
+        parallel = dataclasses.replace(parallel, distributed_executor_backend="mp")
+    if parallel.uses_workers:
+        _check_single_process_features(args)
+    return parallel
+
+
+def _check_single_process_features(args: EngineArgs) -> None:
+    """Features that run in one process only, refused with worker ranks."""
+    single = {"speculative_config": args.speculative_config is not None,
+              "enable_lora": args.enable_lora,
+              "kv_cache_host_memory": bool(args.kv_cache_host_memory),
+              "runner='pooling'": args.runner == "pooling"}
+    used = [name for name, on in single.items() if on]
+    if used:
+        raise ValueError(f"{', '.join(used)} run in one process only: drop them or use "
+                         "tensor/pipeline_parallel_size 1 without distributed_executor_backend")
 
 
 def _default_model_path() -> str:

@@ -35,7 +35,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
-        self.runner = _runner_class(config)(config)
+        self.runner = _make_runner(config)
         num_blocks, num_host_blocks = self._start_up(config)
         draft = getattr(self.spec, "proposer", None) if self.spec else None
         self.timer = StepTimer(config.device)
@@ -58,7 +58,7 @@ class EngineCore:
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
         self._inflight: tuple[SchedulerOutput, object] | None = None
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        weight_bytes = self.runner.weight_bytes()
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
                     "(%d blocks of %d tokens)", time.perf_counter() - start, config.device,
@@ -115,6 +115,9 @@ class EngineCore:
         """Start a beam search (engine/beam.py); its result comes from
         `beams.take_finished()` once the search ends. ValueError (engine unchanged) if it
         can never run."""
+        if self.config.parallel.uses_workers:  # forks copy blocks in this process's cache
+            raise ValueError("beam search runs in one process only: use tensor/pipeline_"
+                             "parallel_size 1 without distributed_executor_backend")
         group, first = self.beams.first_beam(search_id, prompt_ids, params, eos_token_ids,
                                              priority)
         self.add_request(first)
@@ -374,6 +377,12 @@ class EngineCore:
         return (self._queued is not None or self._inflight is not None
                 or self.scheduler.has_unfinished_requests() or bool(self.grammar_wait))
 
+    def shutdown(self) -> None:
+        """Release what outlives the object: a distributed engine's worker processes."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def get_stats(self) -> dict:
         stats = self.scheduler.get_stats()
         if self.spec is not None:
@@ -381,10 +390,20 @@ class EngineCore:
         return stats
 
 
-def _runner_class(config: EngineConfig) -> type[ModelRunner]:
+def _make_runner(config: EngineConfig):
+    """The model runner in this process (a pooling runner for a pooling model), or, for a
+    model on worker ranks (tensor / pipeline parallel, or a backend named), the runner that
+    drives them (engine/distributed.py)."""
+    if config.parallel.uses_workers:
+        if config.runner == "pooling":
+            raise ValueError("pooling models run in one process: tensor and pipeline "
+                             "parallelism are not supported for them")
+        from slipstream.engine.distributed import DistributedRunner
+
+        return DistributedRunner(config)
     if config.runner == "pooling":
-        return PoolingModelRunner
-    return ModelRunner
+        return PoolingModelRunner(config)
+    return ModelRunner(config)
 
 
 class _Once:

@@ -5,6 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.parallel import state as parallel_state
+from slipstream.parallel.checkpoint_slices import materialize
+from slipstream.parallel.sharding import vocab_rows, vocab_shard
 from slipstream.quantization import fp8, int8_wo, utils
 from slipstream.quantization.base import linear_kernels
 from slipstream.quantization.int4_awq import int4_linear_kernel
@@ -12,34 +15,72 @@ from slipstream.quantization.lm_head import int4_group
 
 
 class VocabEmbedding(nn.Module):
-    """[vocab, hidden] table, allocated uninitialised (the loader fills it)."""
+    """[vocab, hidden] table, allocated uninitialised (the loader fills it). With tp_size > 1
+    each rank holds a slice of the rows (sharding.vocab_shard): ids outside it look up zeros,
+    and an all-reduce sums the slices."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype),
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+        self.vocab_start, rows = vocab_shard(vocab_size, tp_size, tp_rank)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype),
                                    requires_grad=False)
+        if tp_size > 1:
+            self.weight.weight_loader = self.load_rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0)
+        return parallel_state.tp_all_reduce(hidden)
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """This rank's rows of the whole [vocab, hidden] checkpoint table."""
+        param.data.copy_(vocab_rows(loaded, self.vocab_start, param.shape[0]))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        custom = getattr(param, "weight_loader", None)
+        if custom is not None:
+            custom(param, loaded, shard)
+            return
+        loaded = materialize(loaded)  # a distributed rank's lazily read tensor
+        if param.shape != loaded.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the parameter's "
+                             f"{tuple(param.shape)}")
+        param.data.copy_(loaded)
 
 
 class LMHead(nn.Module):
-    """hidden -> float32 logits. With `tied`, reuses the embedding's weight (no copy)."""
+    """hidden -> float32 logits. With `tied`, reuses the embedding's weight (no copy). With
+    tp_size > 1 each rank multiplies its vocabulary slice and the slices are gathered, so every
+    rank of the group ends with the whole logits (the padding rows cut off)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
-                 tied: VocabEmbedding | None = None):
+                 tied: VocabEmbedding | None = None, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.full_vocab_size, self.tp_size = vocab_size, tp_size
+        self.vocab_start, rows = vocab_shard(vocab_size, tp_size, tp_rank)
+        self.vocab_size = rows if tp_size > 1 else vocab_size  # this rank's logits columns
         if tied is not None:
             self.weight = tied.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype),
+            self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=params_dtype),
                                        requires_grad=False)
-
+            if tp_size > 1:
+                self.weight.weight_loader = self.load_rows
         self.quantized_linear = None  # set by quantize()
         self.weight_zero = None  # the int4 head's zero points
         self.large_m_rows = 0  # quantized head: vocabulary rows per call above 16 tokens (0: all)
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        """This rank's rows of the whole [vocab, hidden] checkpoint head."""
+        param.data.copy_(vocab_rows(loaded, self.vocab_start, param.shape[0]))
+
+    weight_loader = VocabEmbedding.weight_loader
 
     def forward(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """float32=False: logits in the model dtype, for a caller that converts them itself
@@ -50,6 +91,8 @@ class LMHead(nn.Module):
             logits = linear_kernels().linear(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = parallel_state.tp_all_gather_last_dim(logits)[..., :self.full_vocab_size]
         return logits.float() if float32 else logits
 
     def _quantized_logits(self, hidden: torch.Tensor) -> torch.Tensor:

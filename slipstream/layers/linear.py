@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slipstream.parallel import state as parallel_state
+from slipstream.parallel.checkpoint_slices import materialize
+from slipstream.parallel.sharding import kv_heads_per_rank, kv_shard_position, shard_checkpoint_tensor
 from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod
 
 
@@ -68,11 +71,13 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
+        if self.tp_size > 1:  # tensor parallel: this rank's slice, in the checkpoint's layout
+            loaded = shard_checkpoint_tensor(self, param, loaded, shard)
+        loaded = materialize(loaded)  # a distributed rank's lazily read tensor, if not sliced
         custom = getattr(param, "weight_loader", None)
         if custom is not None:
             custom(param, loaded, shard)
             return
-        loaded = self._tp_slice(param, loaded)
         dest = param.data
         out_dim = getattr(param, "output_dim", None)
         if shard is not None:
@@ -85,14 +90,9 @@ class LinearBase(nn.Module):
                              f"parameter slice {tuple(dest.shape)}")
         dest.copy_(loaded)
 
-    def _tp_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1 or self.tp_split is None:
-            return loaded
-        dim = getattr(param, f"{self.tp_split}_dim", None)
-        if dim is None:
-            return loaded
-        size = loaded.shape[dim] // self.tp_size
-        return loaded.narrow(dim, self.tp_rank * size, size)
+    def tp_shard_position(self, shard: int | None) -> tuple[int, int]:
+        """(index, parts): this rank holds part `index` of a checkpoint tensor cut in `parts`."""
+        return self.tp_rank, self.tp_size
 
 
 class ColumnParallelLinear(LinearBase):
@@ -129,13 +129,22 @@ class MergedColumnParallelLinear(LinearBase):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """Fused q, k, v projection: shards 0, 1, 2 of sizes Hq*D, Hkv*D, Hkv*D."""
+    """Fused q, k, v projection: shards 0, 1, 2 of sizes Hq*D, Hkv*D, Hkv*D (this rank's heads;
+    with fewer KV heads than ranks each rank holds one KV head, replicated)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, params_dtype: torch.dtype, quant_method: QuantMethod | None = None,
                  tp_size: int = 1, tp_rank: int = 0):
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias, params_dtype, quant_method, tp_size, tp_rank)
+        self.num_kv_heads = num_kv_heads
+        kv = kv_heads_per_rank(num_kv_heads, tp_size) * head_dim
+        sizes = [num_heads // tp_size * head_dim, kv, kv]
+        LinearBase.__init__(self, hidden_size, sizes, bias, params_dtype, quant_method,
+                            tp_size, tp_rank)
+
+    def tp_shard_position(self, shard: int | None) -> tuple[int, int]:
+        if shard in (1, 2):
+            return kv_shard_position(self.tp_rank, self.tp_size, self.num_kv_heads)
+        return self.tp_rank, self.tp_size
 
 
 class RowParallelLinear(LinearBase):
@@ -151,8 +160,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        y = self.quant_method.apply(self, x, None)
-        torch.distributed.all_reduce(y)
+        y = parallel_state.tp_all_reduce(self.quant_method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -170,6 +178,5 @@ class RowParallelLinear(LinearBase):
             return self.forward(act(gate_up))
         if self.tp_size == 1:
             return self.quant_method.apply_gated(self, gate_up, self.bias, act)
-        y = self.quant_method.apply_gated(self, gate_up, None, act)
-        torch.distributed.all_reduce(y)
+        y = parallel_state.tp_all_reduce(self.quant_method.apply_gated(self, gate_up, None, act))
         return y if self.bias is None else y + self.bias

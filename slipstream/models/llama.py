@@ -21,6 +21,8 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.parallel.pipeline import PipelineStage, stage_of
+from slipstream.parallel.sharding import kv_heads_per_rank
 from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ class BuildContext:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: SimpleNamespace, backend,
                  quant_factory: QuantMethodFactory | None = None, max_positions: int | None = None,
-                 tp_size: int = 1, tp_rank: int = 0, local_experts: Sequence[int] | None = None):
+                 tp_size: int = 1, tp_rank: int = 0, local_experts: Sequence[int] | None = None,
+                 stage: PipelineStage | None = None):
         self.cfg, self.dtype, self.ops, self.backend = cfg, dtype, ops, backend
         # Builds each decoder layer's MLP: (ctx, prefix) -> module; None: LlamaMLP. An MoE
         # family (models/moe.py) puts its sparse block here.
@@ -42,6 +45,7 @@ class BuildContext:
         self.quant_factory = quant_factory or (lambda prefix: UnquantizedLinearMethod())
         self.max_positions = max(max_positions or 0, cfg.max_position_embeddings)
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.stage = stage  # pipeline parallel: this rank's layers (None: all of them)
 
     def linear_kwargs(self, prefix: str) -> dict:
         return dict(params_dtype=self.dtype, quant_method=self.quant_factory(prefix),
@@ -54,7 +58,8 @@ class LlamaAttention(nn.Module):
         cfg = ctx.cfg
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = hq * d // ctx.tp_size
-        self.kv_size = hkv * d // ctx.tp_size
+        hkv_local = kv_heads_per_rank(hkv, ctx.tp_size)
+        self.kv_size = hkv_local * d
         # Qwen2 has bias on q/k/v only; Llama/Qwen3 attention_bias also covers o_proj.
         o_bias = cfg.attention_bias and cfg.hf_config.get("model_type") not in ("qwen2", "qwen2_moe")
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, hq, hkv, cfg.attention_bias,
@@ -66,7 +71,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend)
+        self.attn = Attention(hq // ctx.tp_size, hkv_local, d, d**-0.5, ctx.backend)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -174,15 +179,26 @@ class LlamaModel(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str = "model"):
         super().__init__()
         cfg = ctx.cfg
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.stage = stage = stage_of(ctx.stage, cfg.num_hidden_layers)
+        # Pipeline parallel: a stage builds only its own layers (the others stay empty slots,
+        # so names and indices match the checkpoint's), the first the embedding, the last the
+        # final norm (and LMHead, in LlamaForCausalLM).
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
+                                            ctx.tp_size, ctx.tp_rank)
+                             if stage.has_embedding else None)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") if stage.owns_layer(i) else nn.Module()
+            for i in range(cfg.num_hidden_layers))
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+                     if stage.has_head else None)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
                                           cfg.rope_scaling)
+        self.hidden_size, self.dtype = cfg.hidden_size, ctx.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        if not self.stage.is_whole_model:
+            return self.stage.forward(self, input_ids, positions, kv_caches, meta)
         hidden = self.embed_tokens(input_ids)
         residual = None
         cos_sin = self.rotary_emb.cos_sin_cache
@@ -209,7 +225,10 @@ class LlamaForCausalLM(nn.Module):
         _warn_unsupported(ctx.cfg)
         self.model = LlamaModel(ctx, "model")
         tied = self.model.embed_tokens if ctx.cfg.tie_word_embeddings else None
-        self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
+        self.lm_head = None
+        if self.model.stage.has_head:  # pipeline parallel: the last stage only
+            self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied,
+                                  tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -218,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
     def norm_fold_pairs(self) -> dict[str, str]:
         """{projection: the RMSNorm feeding it} of every decoder layer (models/norm_fold.py)."""
         pairs = {}
-        for i in range(len(self.model.layers)):
+        for i in range(self.model.stage.start, self.model.stage.end):
             layer = f"model.layers.{i}"
             pairs[f"{layer}.self_attn.qkv_proj"] = f"{layer}.input_layernorm"
             pairs[f"{layer}.mlp.gate_up_proj"] = f"{layer}.post_attention_layernorm"
@@ -230,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
         of o_proj, then gate/up's leading rows, up to `budget` bytes (kernels/attention/l2_spans.py; 0
         detaches); `targets` picks among the two. Returns the bytes a layer prefetches."""
         per_layer = 0
-        for layer in self.model.layers:
+        for i in range(self.model.stage.start, self.model.stage.end):
+            layer = self.model.layers[i]
             attn = layer.self_attn
             modules = {"o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj}
             groups = [_own_tensors(modules[name]) for name in targets]
@@ -240,14 +260,22 @@ class LlamaForCausalLM(nn.Module):
         return per_layer
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab], float32 (else the model's dtype)."""
+        """hidden [N, hidden_size] -> logits [N, vocab], float32 (else the model's dtype);
+        None on a pipeline stage without the head."""
+        if self.lm_head is None:
+            return None
         return self.lm_head(hidden, float32)
 
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         """Checkpoint tensors we skip: cached rotary tables, the tied head's duplicate."""
         if name.endswith("rotary_emb.inv_freq"):
             return True
-        return self.config.tie_word_embeddings and name == "lm_head.weight"
+        if not self.model.stage.is_whole_model and not self.model.stage.holds_tensor(name):
+            return True  # pipeline parallel: another stage's tensor
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            # A last pipeline stage without the embedding fills its own head (tied_head_alias).
+            return self.model.embed_tokens is not None
+        return False
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:

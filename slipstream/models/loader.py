@@ -33,6 +33,10 @@ from slipstream.models.quantize_as_loaded import (
 )
 from slipstream.models.registry import get_model_class
 from slipstream.models.sizes import weight_bytes
+from slipstream.parallel import state as parallel_state
+from slipstream.parallel.checkpoint_slices import iterate_safetensor_slices, materialize
+from slipstream.parallel.pipeline import PipelineStage, tied_head_alias
+from slipstream.parallel.sharding import check_tensor_parallel
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.kv_cache import load_kv_scale
 from slipstream.quantization.utils import deferring_load_time_weights
@@ -47,9 +51,6 @@ def load_model(config: EngineConfig) -> nn.Module:
     """The config's model on config.device in config.dtype, weights loaded, in eval mode."""
     if config.load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {config.load_format!r}")
-    if config.parallel.tensor_parallel_size != 1:
-        raise NotImplementedError("tensor parallelism: layers take tp_size/tp_rank, but the "
-                                  "loader does not start process groups yet")
     device = torch.device(config.device)
     if device.type != "cuda":
         return _load_model(config, device)
@@ -89,7 +90,7 @@ def _load_model(config: EngineConfig, device: torch.device) -> nn.Module:
         else:
             shards = tqdm(files, desc="Loading checkpoint shards", unit="file",
                           disable=len(files) < 2)
-            load_weights(model, iterate_safetensors(shards), layers)
+            load_weights(model, _iterate_checkpoint(shards, model), layers)
     layers.finish()
     if config.quant.lm_head:
         with counting("quantize"):
@@ -106,9 +107,10 @@ def weights_estimate(config: EngineConfig, method: str | None = "as loaded") -> 
     quantized_head = config.quant.lm_head if method == "as loaded" else None
     method = config.quant.method if method == "as loaded" else method
     try:
-        return weight_bytes(config.model.hf_config, dtype, method, quantized_head)
+        total = weight_bytes(config.model.hf_config, dtype, method, quantized_head)
     except (KeyError, ValueError):
         return None
+    return total // parallel_state.rank_info().world_size  # a rank's share, roughly
 
 
 def check_weights_fit(config: EngineConfig, free: int, total: int) -> None:
@@ -152,11 +154,17 @@ def build_model(config: EngineConfig) -> nn.Module:
     16-bit weights that a quant method replaces at load get no storage yet (quantize_as_loaded)."""
     cls = get_model_class(config.model.architecture)
     ops = get_ops(config.device)
+    rank = parallel_state.rank_info()  # tp = pp = 1 outside a distributed worker
+    check_tensor_parallel(config.model, rank.tp_size)
+    stage = None
+    if rank.pp_size > 1:
+        stage = PipelineStage.of(config.model.num_hidden_layers, rank.pp_size, rank.pp_rank)
     ctx = BuildContext(
         config.model, resolve_dtype(config.dtype), ops,
         backend=get_attention_backend(config.device, ops),
         quant_factory=get_quant_method_factory(config.quant.method, config.model.hf_config),
         max_positions=config.scheduler.max_model_len,
+        tp_size=rank.tp_size, tp_rank=rank.tp_rank, stage=stage,
     )
     with torch.device(config.device), deferring_load_time_weights():
         return cls(ctx)
@@ -219,6 +227,17 @@ def iterate_in_layer_order(files: list[Path]) -> Iterator[tuple[str, torch.Tenso
             yield name, where[name].get_tensor(name)
 
 
+def _iterate_checkpoint(files: Iterable[Path], model: nn.Module
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """iterate_safetensors; in a distributed worker, slices read lazily instead, so a rank
+    reads only its part of each tensor and nothing of another stage's."""
+    if parallel_state.rank_info().world_size == 1:
+        return iterate_safetensors(files)
+    ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
+    aliases = tied_head_alias(model)
+    return iterate_safetensor_slices(files, lambda name: name not in aliases and ignored(name))
+
+
 def checkpoint_name_map(model: nn.Module) -> dict[str, tuple[str, int | None]]:
     """Checkpoint tensor name -> (parameter name, fused shard index or None)."""
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
@@ -242,10 +261,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     name_map = checkpoint_name_map(model)
     layers.expect((pname.rpartition(".")[0], name) for name, (pname, _) in name_map.items())
     ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
+    aliases = tied_head_alias(model)  # pipeline parallel: a tied head on the last stage
     seen: set[str] = set()
     for name, tensor in weights:
+        name = aliases.get(name, name)
         if ignored(name):
             continue
+        if name not in name_map:
+            tensor = materialize(tensor)
         if name not in name_map and load_kv_scale(model, name, tensor):
             continue  # optional per-layer KV-cache scale (fp8 / int8 caches)
         if name not in name_map and _unused_by_quant_method(model, name_map, name):
@@ -285,6 +308,7 @@ def _load_one(module: nn.Module, param: nn.Parameter, tensor: torch.Tensor,
     if loader is not None:
         loader(param, tensor, shard)
         return
+    tensor = materialize(tensor)  # a replicated tensor (norms): read whole
     if param.shape != tensor.shape:
         raise ValueError(f"shape {tuple(tensor.shape)} does not match the parameter's "
                          f"{tuple(param.shape)}")

@@ -16,6 +16,8 @@ from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
 from slipstream.kernels.attention.l2_spans import budget_bytes
 from slipstream.models.loader import load_model
+from slipstream.parallel.sharding import kv_heads_per_rank
+from slipstream.parallel.state import rank_info
 from slipstream.quantization.kv_cache import check_kv_cache_device, prepare_kv_scales, resolve_kv_cache_dtype
 from slipstream.runner.cuda_graphs import DecodeGraphs
 from slipstream.runner.input_batch import (
@@ -93,6 +95,9 @@ class ModelRunner:
                              "LoRA adapters")
         self.lora.add(lora_int_id, path)
 
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     @property
     def kv_cache_dtype(self) -> torch.dtype:
         """float32 / bfloat16 / float16, or 1-byte fp8 (e4m3) / int8 with per-layer scales.
@@ -112,15 +117,23 @@ class ModelRunner:
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
         m = self.config.model
-        kv_heads = m.num_key_value_heads // self.config.parallel.tensor_parallel_size
+        # Tensor parallel: this rank's KV heads (parallel/sharding.py; 1 replicated head when
+        # there are fewer heads than ranks).
+        kv_heads = kv_heads_per_rank(m.num_key_value_heads, rank_info().tp_size)
         return (num_blocks, self.block_size, kv_heads, m.head_dim)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Decoder layers whose KV this runner holds (pipeline parallel: its stage's)."""
+        stage = getattr(getattr(self.model, "model", None), "stage", None)
+        return stage.num_layers if stage is not None else self.config.model.num_hidden_layers
 
     def kv_cache_bytes_per_block(self) -> int:
         """K and V of one block in every layer (fp8 / int8: 1 byte an element; the per-layer
         scales are model buffers, not cache)."""
         _, bs, heads, dim = self._kv_shape(1)
         elem = self.kv_cache_dtype.itemsize
-        return 2 * self.config.model.num_hidden_layers * bs * heads * dim * elem
+        return 2 * self.num_cache_layers * bs * heads * dim * elem
 
     def determine_num_blocks(self) -> int:
         """cache.num_blocks if set; else a byte budget (cache.kv_cache_memory, CPU default 1 GiB,
@@ -156,7 +169,7 @@ class ModelRunner:
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device),
              torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.config.model.num_hidden_layers)
+            for _ in range(self.num_cache_layers)
         ]
         self.num_blocks = num_blocks
 

@@ -1,0 +1,111 @@
+"""DistributedRunner: the EngineCore's model runner when the model runs on worker ranks.
+
+It has the ModelRunner methods EngineCore calls, and carries each out on every rank of a
+worker pool (parallel/workers.py): load, size the KV cache (the smallest rank's count), warm
+up, capture, and each step: the SchedulerOutput goes to every rank as one msgpack message, and
+the output rank answers with the sampled tokens. The scheduler, KV manager and detokenizer
+stay in the engine core's process, unchanged.
+
+Steps are synchronous (each read before the next is scheduled): multi-step decode, async
+scheduling and speculative decoding stay off (EngineArgs turns them off).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+
+from slipstream.config import EngineConfig
+from slipstream.engine.core_proc import config_to_dict
+from slipstream.engine.step_timer import StepTimer
+from slipstream.parallel.messages import StepEncoder, decode_runner_output
+from slipstream.parallel.state import output_rank
+from slipstream.parallel.workers import acquire_pool, release_pool
+from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedRunner:
+    def __init__(self, config: EngineConfig):
+        p = config.parallel
+        self.config = config
+        self.tp_size, self.pp_size = p.tensor_parallel_size, p.pipeline_parallel_size
+        self.ranks = list(range(self.tp_size * self.pp_size))
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self.timer = StepTimer(config.device, enabled=False)
+        self.draft_kv_bytes_per_block = 0
+        self.max_decode_batch = 0  # no multi-step decode
+        self.num_blocks = 0
+        self._kv_bytes = self._weight_bytes = 0
+        self._encoder = StepEncoder()
+        self.pool = acquire_pool(len(self.ranks), config.device, p.distributed_executor_backend)
+        self._finalizer = weakref.finalize(self, release_pool, self.pool)
+
+    def _all(self, msg: dict, reply: str = "done", ranks: list[int] | None = None
+             ) -> dict[int, dict]:
+        ranks = self.ranks if ranks is None else ranks
+        self.pool.send(ranks, msg)
+        return self.pool.wait(reply, ranks)
+
+    # ---- set-up --------------------------------------------------------------------------
+    def load_model(self) -> None:
+        """Every rank of the pool takes part in making the layout's groups; those outside the
+        layout stay idle."""
+        msg = {"t": "load", "config": config_to_dict(self.config), "tp": self.tp_size,
+               "pp": self.pp_size}
+        replies = self._all(msg, "loaded", list(range(self.pool.world_size)))
+        active = [replies[r] for r in self.ranks]
+        self._kv_bytes = sum(r["kv_bytes_per_block"] for r in active)
+        self._weight_bytes = sum(r["weight_bytes"] for r in active)
+
+    def weight_bytes(self) -> int:
+        """The model's parameter bytes over all ranks."""
+        return self._weight_bytes
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """K and V of one block over all ranks (each holds its heads of its stage's layers)."""
+        return self._kv_bytes
+
+    def determine_num_blocks(self) -> int:
+        """The smallest rank's count: a block id means the same slot on every rank."""
+        if self.config.cache.num_blocks is not None:
+            return self.config.cache.num_blocks
+        return min(r["n"] for r in self._all({"t": "num_blocks"}, "num_blocks").values())
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._all({"t": "init_kv", "n": num_blocks})
+        self.num_blocks = num_blocks
+
+    def initialize_host_cache(self) -> int:
+        """No host KV tier on worker ranks (EngineArgs refuses kv_cache_host_memory)."""
+        return 0
+
+    def warmup(self) -> None:
+        self._all({"t": "warmup"})
+
+    def capture_cuda_graphs(self) -> None:
+        self._all({"t": "capture"})
+
+    # ---- steps ---------------------------------------------------------------------------
+    def execute_model(self, sched: SchedulerOutput,
+                      while_gpu_runs: Callable[[], None] | None = None,
+                      feed=None) -> RunnerOutput:
+        """Run the step on every rank; the output rank's sampled tokens (and logprobs)."""
+        if feed is not None:
+            raise ValueError("distributed engines take input tokens from the host only")
+        if sched.is_empty:
+            if while_gpu_runs is not None:
+                while_gpu_runs()
+            return RunnerOutput()
+        with self.timer.phase("forward"):
+            self.pool.send(self.ranks, self._encoder.encode(sched))
+        if while_gpu_runs is not None:
+            while_gpu_runs()
+        with self.timer.phase("sample"):
+            reply = self.pool.wait("out", [self.output_rank])[self.output_rank]
+        return decode_runner_output(reply)
+
+    def shutdown(self) -> None:
+        """Stop the workers (or hand them back to a kept pool)."""
+        self._finalizer()

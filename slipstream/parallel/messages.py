@@ -1,0 +1,73 @@
+"""What the engine core sends its workers each step, and what the output rank sends back:
+plain msgpack dicts (never pickle).
+
+Workers keep a mirror of each running request (prompt, sampling params, output tokens) so the
+runner and sampler see the same `Request` fields as in one process; a step message carries only
+what changed: requests seen for the first time, new output tokens, finished ids.
+"""
+from __future__ import annotations
+
+from slipstream.engine.core_proc import decode_request, encode_request
+from slipstream.engine.request import Request
+from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+
+
+class StepEncoder:
+    """Driver side: SchedulerOutput -> step message, remembering what the workers know."""
+
+    def __init__(self) -> None:
+        self._outputs_sent: dict[str, int] = {}  # request id -> output tokens sent
+
+    def encode(self, sched: SchedulerOutput) -> dict:
+        done = list(sched.finished_request_ids)
+        for rid in done:
+            self._outputs_sent.pop(rid, None)
+        new, seqs = [], []
+        for seq in sched.seqs:
+            request = seq.request
+            sent = self._outputs_sent.get(seq.request_id)
+            if sent is None:
+                new.append(encode_request(_fresh_copy(request)))
+                sent = 0
+            seqs.append([seq.request_id, seq.token_ids, seq.start_pos, seq.block_ids,
+                         seq.needs_sample, seq.num_lookahead, seq.num_spec_tokens,
+                         request.output_token_ids[sent:]])
+            self._outputs_sent[seq.request_id] = request.num_output_tokens
+        return {"t": "step", "done": done, "new": new, "seqs": seqs}
+
+
+def _fresh_copy(request: Request) -> Request:
+    """The request as first added (encode_request sends init fields; outputs follow as deltas)."""
+    return Request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                   request.eos_token_ids, request.priority, request.arrival_time)
+
+
+class StepDecoder:
+    """Worker side: step message -> SchedulerOutput over mirrored requests."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def decode(self, msg: dict) -> SchedulerOutput:
+        for rid in msg["done"]:
+            self.requests.pop(rid, None)
+        for data in msg["new"]:
+            request = decode_request(data)
+            self.requests[request.request_id] = request
+        seqs = []
+        for rid, tokens, start, blocks, sample, lookahead, spec, new_outputs in msg["seqs"]:
+            request = self.requests[rid]
+            request.output_token_ids.extend(new_outputs)
+            request.num_computed_tokens = start
+            seqs.append(ScheduledSeq(request, tokens, start, blocks, sample, lookahead, spec))
+        return SchedulerOutput(seqs=seqs, finished_request_ids=list(msg["done"]))
+
+
+def encode_runner_output(out: RunnerOutput) -> dict:
+    return {"t": "out", "sampled": out.sampled_token_ids, "logprobs": out.logprobs,
+            "prompt_logprobs": out.prompt_logprobs}
+
+
+def decode_runner_output(msg: dict) -> RunnerOutput:
+    return RunnerOutput(sampled_token_ids=msg["sampled"], logprobs=msg["logprobs"],
+                        prompt_logprobs=msg["prompt_logprobs"])

@@ -1,0 +1,173 @@
+"""One rank of a distributed engine: a worker process (mp) or a Ray actor running `serve`.
+
+It joins the world process group, then obeys the engine core's messages (msgpack over ZeroMQ):
+load a model on a tp x pp layout, size and fill the KV cache, run each step's batch. Every
+active rank runs every step (the collectives need them all); the output rank (tensor rank 0 of
+the last stage) sends the sampled tokens back. A heartbeat thread lets the engine tell a hung
+worker from a slow one; any exception is reported as an "error" message before the worker exits.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from slipstream import envs
+from slipstream.engine.core_proc import config_from_dict, pack, unpack
+
+logger = logging.getLogger("slipstream.parallel.worker")
+
+HEARTBEAT_S = 1.0
+
+
+class Worker:
+    """The message loop of one rank."""
+
+    def __init__(self, header: dict, commands: zmq.Socket, results: zmq.Socket):
+        self.rank, self.header = header["rank"], header
+        self.commands, self.results = commands, results
+        self.runner = None
+        self.decoder = None
+        self.is_output_rank = False
+
+    def run(self) -> None:
+        while True:
+            msg = unpack(self.commands.recv())
+            if msg["t"] == "shutdown":
+                return
+            reply = self.handle(msg)
+            if reply is not None:
+                self.results.send(pack({**reply, "rank": self.rank}))
+
+    def handle(self, msg: dict) -> dict | None:
+        kind = msg["t"]
+        if kind == "step":
+            out = self.runner.execute_model(self.decoder.decode(msg))
+            if self.is_output_rank:
+                from slipstream.parallel.messages import encode_runner_output
+
+                return encode_runner_output(out)
+            return None
+        if kind == "load":
+            return self.load(msg)
+        if kind == "num_blocks":
+            return {"t": "num_blocks", "n": self.runner.determine_num_blocks()}
+        if kind == "init_kv":
+            self.runner.initialize_kv_cache(msg["n"])
+            return {"t": "done"}
+        if kind == "warmup":
+            self.runner.warmup()
+            return {"t": "done"}
+        if kind == "capture":
+            self.runner.capture_cuda_graphs()
+            return {"t": "done"}
+        raise ValueError(f"worker: unknown message {kind!r}")
+
+    def load(self, msg: dict) -> dict:
+        """Drop any model, make the layout's groups (collective over the world), and load this
+        rank's shard; ranks the layout leaves out answer "idle"."""
+        from slipstream.config import EngineConfig
+        from slipstream.parallel import state
+        from slipstream.parallel.messages import StepDecoder
+        from slipstream.parallel.worker_runner import WorkerRunner
+
+        self.runner = self.decoder = None
+        gc.collect()
+        info = state.set_layout(msg["tp"], msg["pp"])
+        if info is None:
+            return {"t": "loaded", "idle": True}
+        config = config_from_dict(EngineConfig, msg["config"])
+        config = config.replace(device=self.header["device"])
+        if info.pp_size > 1 and config.device.startswith("cuda"):
+            config = config.replace(enforce_eager=True)  # stages send and receive eagerly
+        self.runner = WorkerRunner(config)
+        self.runner.load_model()
+        self.decoder = StepDecoder()
+        self.is_output_rank = info.rank == state.output_rank(info.tp_size, info.pp_size)
+        return {"t": "loaded", "idle": False, "weight_bytes": self.runner.weight_bytes(),
+                "kv_bytes_per_block": self.runner.kv_cache_bytes_per_block()}
+
+
+def _heartbeat(ctx: zmq.Context, address: str, rank: int) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    beat = pack({"t": "beat", "rank": rank})
+    while True:
+        sock.send(beat)
+        time.sleep(HEARTBEAT_S)
+
+
+def serve(header: dict) -> int:
+    """Run one rank until shutdown; header: rank, world_size, init_method, backend, device,
+    cmd_addr, result_addr. Returns the exit code."""
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(header["cmd_addr"])
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 2000)
+    results.connect(header["result_addr"])
+    threading.Thread(target=_heartbeat, args=(ctx, header["result_addr"], header["rank"]),
+                     name="heartbeat", daemon=True).start()
+    try:
+        _init(header)
+        results.send(pack({"t": "hello", "rank": header["rank"]}))
+        Worker(header, commands, results).run()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - report any failure to the engine, then die
+        logger.error("worker rank %d failed:\n%s", header["rank"], traceback.format_exc())
+        results.send(pack({"t": "error", "rank": header["rank"],
+                           "msg": f"{type(exc).__name__}: {exc}"}))
+        return 1
+    finally:
+        commands.close(0)
+        results.close()
+
+
+def _init(header: dict) -> None:
+    import torch
+
+    from slipstream.parallel import state
+
+    device = header["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    state.init_world(header["rank"], header["world_size"], header["init_method"],
+                     header["backend"], envs.WORKER_START_TIMEOUT_S.get())
+
+
+def _watch_parent() -> None:
+    """Exit as soon as stdin closes: the engine process died or let us go."""
+    def watch() -> None:
+        while os.read(sys.stdin.fileno(), 4096):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main() -> None:
+    logging.basicConfig(level=envs.LOG_LEVEL.get(),
+                        format="%(asctime)s worker %(levelname)s %(message)s")
+    # The engine decides when we stop (shutdown message, stdin EOF): a Ctrl-C sent to the
+    # whole process group must not kill a rank in the middle of a collective.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    header = json.loads(sys.stdin.buffer.readline())
+    _watch_parent()
+    code = serve(header)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
