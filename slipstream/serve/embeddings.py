@@ -45,7 +45,7 @@ class EmbeddingResponse(BaseModel):
     usage: UsageInfo
 
 
-def _inputs(req: EmbeddingRequest, ctx: ServeContext) -> list[list[int]]:
+async def _inputs(req: EmbeddingRequest, ctx: ServeContext) -> list[list[int]]:
     raw = req.input
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else list(raw)
     if not items:
@@ -55,7 +55,7 @@ def _inputs(req: EmbeddingRequest, ctx: ServeContext) -> list[list[int]]:
                        param="input")
     out = []
     for item in items:
-        ids = ctx.encode(item) if isinstance(item, str) else list(item)
+        ids = await ctx.encode(item) if isinstance(item, str) else list(item)
         if not ids:
             raise APIError("input is empty: give at least one token", param="input")
         ctx.check_token_ids(ids, "input")
@@ -85,7 +85,7 @@ async def create_embedding(req: EmbeddingRequest, raw_request: Request,
         check_pooling_params(params, config.pooler, config.model.hidden_size, False)
     except ValueError as exc:
         raise APIError(str(exc), param="dimensions") from exc
-    prompts = _inputs(req, ctx)
+    prompts = await _inputs(req, ctx)
     request_id = random_id("embd")
 
     async def run() -> Response:
