@@ -51,7 +51,7 @@ async def create_beam_completion(req: CompletionRequest, raw_request: Request, c
                                  prompts_of: Callable) -> Response:
     ctx.check_model(req.model)
     check_common(req, ctx.limits)
-    prompts = prompts_of(req, ctx)
+    prompts = await prompts_of(req, ctx)
     params = [beam_params(req, len(ids), ctx) for _, ids in prompts]
     request_id = random_id("cmpl")
 
