@@ -16,6 +16,7 @@ from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.startup import KernelCaches, StartupPhases, device_sync
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
+from slipstream.models.layer_types import freeable_window
 from slipstream.outputs import EngineCoreOutput
 from slipstream.runner.model_runner import ModelRunner
 from slipstream.sampling.penalties import has_penalties
@@ -38,7 +39,10 @@ class EngineCore:
         self.trace = StepTrace()
         cache = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.config = config.replace(cache=cache)
-        self.scheduler = Scheduler(config.scheduler, cache)
+        # A draft model reads the target's block tables from its own lagging position, so
+        # blocks behind the window stay while one runs.
+        window = None if draft is not None else freeable_window(config.model)
+        self.scheduler = Scheduler(config.scheduler, cache, sliding_window=window)
         if self.spec is not None:
             self.spec.max_seq_len = self.scheduler.max_seq_len
             if draft is not None:

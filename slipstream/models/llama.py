@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one class, config flags for the variants.
 
-Qwen2: bias on q/k/v. Qwen3: RMSNorm on each head of q and k before RoPE. Parameter names follow
+Qwen2: bias on q/k/v. Qwen3: RMSNorm on each head of q and k before RoPE. Mistral (and Qwen
+where configured): sliding-window attention (models/layer_types.py). Parameter names follow
 the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules_mapping`).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.models.layer_types import layer_sliding_windows
 from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class BuildContext:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None):
         super().__init__()
         cfg = ctx.cfg
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -61,7 +63,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend)
+        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend,
+                              sliding_window=sliding_window)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -124,10 +127,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None):
         super().__init__()
         cfg = ctx.cfg
-        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn", sliding_window)
         self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
@@ -169,8 +172,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") for i in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}", windows[i])
+            for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
                                           cfg.rope_scaling)
@@ -200,7 +205,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, ctx: BuildContext):
         super().__init__()
         self.config = ctx.cfg
-        _warn_unsupported(ctx.cfg)
         self.model = LlamaModel(ctx, "model")
         tied = self.model.embed_tokens if ctx.cfg.tie_word_embeddings else None
         self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
@@ -247,14 +251,6 @@ class LlamaForCausalLM(nn.Module):
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
     """A layer's parameters and buffers (weights, scales, zeros, bias), not its children's."""
     return [t.data for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
-
-
-def _warn_unsupported(cfg: ModelConfig) -> None:
-    window = cfg.hf_config.get("sliding_window")
-    uses_window = cfg.hf_config.get("use_sliding_window", cfg.hf_config.get("model_type") == "mistral")
-    if window and uses_window and window < cfg.max_position_embeddings:
-        logger.warning("sliding_window=%d is not implemented: attention is full-context, so "
-                       "outputs past %d tokens differ from the reference model", window, window)
 
 
 # Same network, different checkpoints' names for it.

@@ -176,3 +176,30 @@ def test_hits_only_on_admission():
     _admit(kv, a)
     with pytest.raises(ValueError, match="already has blocks"):
         kv.allocate_slots(a, 1, [3])
+
+
+def test_sliding_window_releases_blocks_behind_it():
+    """Window 6, blocks of 4: before computing from token c, blocks wholly below c - 5 go back
+    to the pool (their entries read NULL_BLOCK); free and trim skip them; the cached ones stay
+    reusable as prefix hits."""
+    from slipstream.kv_cache.manager import NULL_BLOCK
+
+    kv = KVCacheManager(16, BS, sliding_window=6)
+    req = _req("a", list(range(20)))
+    _admit(kv, req, num_new=8)
+    first_two = kv.get_block_ids("a")[:2]
+    req.num_computed_tokens = 8  # next queries at 8.. see keys from 3 on: block 0 still needed
+    assert kv.allocate_slots(req, 8)
+    assert kv.num_held_blocks("a") == 4 and kv.num_free_blocks == 12
+    req.num_computed_tokens = 16  # keys from 11 on: blocks 0 and 1 released, 2 (8-11) kept
+    assert kv.allocate_slots(req, 4)
+    assert kv.get_block_ids("a")[:2] == [NULL_BLOCK] * 2
+    assert kv.num_held_blocks("a") == 3 and kv.num_free_blocks == 13
+    assert kv.peak_blocks(10_000, 8) == 5  # cdiv(6 - 1 + 8, 4) + 1
+    req.num_computed_tokens = 20
+    kv.trim(req, 20)
+    kv.free(req)
+    assert kv.num_free_blocks == 16
+    other = _req("b", list(range(20)))  # same prompt: the released blocks are prefix hits
+    hits, num_hit = kv.get_computed_blocks(other)
+    assert hits[:2] == first_two and num_hit == 16

@@ -30,6 +30,10 @@ CASES = [
     ("Qwen3ForCausalLM", {"tie_word_embeddings": True, "rope_scaling": LLAMA3}),
     ("LlamaForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 4}),  # plain MHA
     ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8}),
+    # Sliding windows shorter than the prompt: every layer (Mistral), layers past the first (Qwen2)
+    ("MistralForCausalLM", {"sliding_window": 16}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
+                          "max_window_layers": 1}),
 ]
 REL_TOL = 1e-4
 
