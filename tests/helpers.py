@@ -82,7 +82,10 @@ def _set_rope_scaling(config, scaling: dict[str, Any], theta: float) -> None:
     """transformers >= 5 keeps scaling in rope_parameters; older versions in rope_scaling."""
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if hasattr(config, "rope_parameters"):
+    params = getattr(config, "rope_parameters", None)
+    if params and "full_attention" in params:  # Gemma 3: scaling on the global layers only
+        params["full_attention"] = {**params["full_attention"], **scaling}
+    elif hasattr(config, "rope_parameters"):
         config.rope_parameters = {**scaling, "rope_theta": theta}
     else:
         config.rope_scaling = scaling

@@ -1,4 +1,5 @@
-"""Gated MLP activation: silu(gate) * up on a fused [gate | up] tensor."""
+"""Gated MLP activations on a fused [gate | up] tensor: silu(gate) * up (through the kernel
+table, fused into the GEMVs where they can) and gelu_tanh(gate) * up (Gemma's GeGLU)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,3 +19,22 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
+
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, approximate="tanh") * up, in float32 like the other twins. Plain torch ops on
+    every device: the quant methods' fused gated GEMVs compute SiLU only, so callers run the
+    down projection on this output (not forward_gated)."""
+
+    def __init__(self, act: str = "gelu_pytorch_tanh"):
+        super().__init__()
+        if act not in _GELU_TANH:
+            raise ValueError(f"unsupported hidden_activation {act!r}; supported: "
+                             f"{', '.join(_GELU_TANH)}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.float().chunk(2, dim=-1)
+        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)

@@ -46,7 +46,12 @@ class BuildContext:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None):
+    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None, *,
+                 scale: float | None = None, logit_softcap: float | None = None,
+                 qk_norm: bool | None = None, norm_offset: float = 0.0):
+        """Options for other families: the score scale (default head_dim ** -0.5),
+        attention-logit soft-capping, q/k norms (default: the config's qk_norm) and their
+        weight offset (Gemma's 1 + w)."""
         super().__init__()
         cfg = ctx.cfg
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -58,13 +63,14 @@ class LlamaAttention(nn.Module):
                                           **ctx.linear_kwargs(f"{prefix}.qkv_proj"))
         self.o_proj = RowParallelLinear(hq * d, cfg.hidden_size, o_bias,
                                         **ctx.linear_kwargs(f"{prefix}.o_proj"))
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+        if cfg.qk_norm if qk_norm is None else qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops, norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops, norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d, d**-0.5, ctx.backend,
-                              sliding_window=sliding_window)
+        self.attn = Attention(hq // ctx.tp_size, hkv // ctx.tp_size, d,
+                              d**-0.5 if scale is None else scale, ctx.backend,
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:

@@ -11,6 +11,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("slipstream.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("slipstream.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("slipstream.models.llama", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("slipstream.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("slipstream.models.gemma", "Gemma3ForCausalLM"),
 }
 
 

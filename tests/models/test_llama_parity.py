@@ -34,6 +34,10 @@ CASES = [
     ("MistralForCausalLM", {"sliding_window": 16}),
     ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
                           "max_window_layers": 1}),
+    # tests/helpers.FAMILY_DEFAULTS: windows of 8, soft-capping, query_pre_attn_scalar 24
+    ("Gemma2ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
 ]
 REL_TOL = 1e-4
 
