@@ -60,7 +60,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")),
+            rope_scaling=_with_original_len(
+                cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")), cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3" or arch.startswith("Qwen3"),
@@ -76,6 +77,16 @@ class ModelConfig:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
         return ModelConfig.from_hf_dict(with_hf_quant_config(json.loads(cfg_path.read_text()), path))
+
+
+def _with_original_len(scaling: dict[str, Any] | None, cfg: dict[str, Any]
+                       ) -> dict[str, Any] | None:
+    """Phi-3 keeps original_max_position_embeddings beside rope_scaling, not in it."""
+    if scaling and "original_max_position_embeddings" not in scaling \
+            and cfg.get("original_max_position_embeddings"):
+        return {**scaling, "original_max_position_embeddings":
+                cfg["original_max_position_embeddings"]}
+    return scaling
 
 
 def _rope_params_scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:

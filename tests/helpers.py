@@ -85,8 +85,8 @@ def _set_rope_scaling(config, scaling: dict[str, Any], theta: float) -> None:
     params = getattr(config, "rope_parameters", None)
     if params and "full_attention" in params:  # Gemma 3: scaling on the global layers only
         params["full_attention"] = {**params["full_attention"], **scaling}
-    elif hasattr(config, "rope_parameters"):
-        config.rope_parameters = {**scaling, "rope_theta": theta}
+    elif hasattr(config, "rope_parameters"):  # keeps e.g. Phi-3's partial_rotary_factor
+        config.rope_parameters = {**(params or {}), **scaling, "rope_theta": theta}
     else:
         config.rope_scaling = scaling
 

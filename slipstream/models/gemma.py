@@ -101,10 +101,10 @@ class GemmaModel(nn.Module):
                             GEMMA_NORM_OFFSET)
         global_theta, global_scaling = rope_settings(cfg, "full_attention")
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, global_theta,
-                                          global_scaling)
+                                          global_scaling, cfg.max_position_embeddings)
         local_theta, local_scaling = rope_settings(cfg, "sliding_attention")
         self.rotary_emb_local = RotaryEmbedding(cfg.head_dim, ctx.max_positions, local_theta,
-                                                local_scaling)
+                                                local_scaling, cfg.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

@@ -184,7 +184,7 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
-                                          cfg.rope_scaling)
+                                          cfg.rope_scaling, cfg.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:

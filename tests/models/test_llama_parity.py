@@ -19,6 +19,9 @@ from tests.helpers import load_hf_model, max_rel_err
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 CASES = [
     ("LlamaForCausalLM", {}),
     ("MistralForCausalLM", {}),
@@ -38,6 +41,12 @@ CASES = [
     ("Gemma2ForCausalLM", {}),
     ("Gemma3ForCausalLM", {}),
     ("Gemma3ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("Phi3ForCausalLM", {}),  # q/k/v and gate/up fused in the checkpoint
+    # The 45-token prompt stays inside the original context (see tests/layers/test_rotary.py)
+    ("Phi3ForCausalLM", {"original_max_position_embeddings": 64, "rope_scaling": LONGROPE}),
+    ("Phi3ForCausalLM", {"sliding_window": 10}),
+    ("LlamaForCausalLM", {"rope_scaling": YARN}),
+    ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
 ]
 REL_TOL = 1e-4
 
