@@ -41,6 +41,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _with_standard_names(cfg)
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else cfg.get("model_type", "unknown")
         heads = cfg["num_attention_heads"]
@@ -77,6 +78,24 @@ class ModelConfig:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
         return ModelConfig.from_hf_dict(with_hf_quant_config(json.loads(cfg_path.read_text()), path))
+
+
+# GPT-2's config names -> the standard ones (rms_norm_eps then holds its LayerNorm epsilon).
+_NAME_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+                 "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+                 "layer_norm_epsilon": "rms_norm_eps"}
+
+
+def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    if not any(alias in cfg for alias in _NAME_ALIASES):
+        return cfg
+    out = dict(cfg)
+    for alias, name in _NAME_ALIASES.items():
+        if alias in cfg and name not in cfg:
+            out[name] = cfg[alias]
+    if "intermediate_size" not in out and "hidden_size" in out:
+        out["intermediate_size"] = cfg.get("n_inner") or 4 * out["hidden_size"]
+    return out
 
 
 def _with_original_len(scaling: dict[str, Any] | None, cfg: dict[str, Any]

@@ -65,6 +65,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                               rope_local_base_freq=100.0, rope_theta=10000.0,
                               tie_word_embeddings=True),
     "Phi3ForCausalLM": dict(pad_token_id=0),
+    "GPT2LMHeadModel": dict(tie_word_embeddings=True),  # as every GPT-2 checkpoint
 }
 
 

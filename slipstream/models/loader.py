@@ -241,8 +241,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     name_map = checkpoint_name_map(model)
     layers.expect((pname.rpartition(".")[0], name) for name, (pname, _) in name_map.items())
     ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
+    # A model may accept other spellings of its tensor names (GPT-2 with or without its prefix).
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     seen: set[str] = set()
     for name, tensor in weights:
+        name = rename(name)
         if ignored(name):
             continue
         if name not in name_map and load_kv_scale(model, name, tensor):

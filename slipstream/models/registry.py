@@ -14,6 +14,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("slipstream.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("slipstream.models.gemma", "Gemma3ForCausalLM"),
     "Phi3ForCausalLM": ("slipstream.models.phi3", "Phi3ForCausalLM"),
+    "GPT2LMHeadModel": ("slipstream.models.gpt2", "GPT2LMHeadModel"),
 }
 
 

@@ -16,7 +16,7 @@ from tests.helpers import greedy_ids
 
 # Gemma: windows of 8 tokens (tests/helpers.FAMILY_DEFAULTS), so most prompts outgrow them.
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-         "Gemma2ForCausalLM", "Gemma3ForCausalLM"]
+         "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel"]
 MAX_NEW = 12
 
 
@@ -53,7 +53,8 @@ def test_greedy_matches_hf_mixed_lengths(checkpoint):
 # (arch, config overrides, KV blocks of 8 tokens). Mistral with a window on every layer: blocks
 # behind it are released as requests advance, so fewer blocks are needed to force preemption.
 ENGINE_CASES = [("LlamaForCausalLM", {}, 16), ("Qwen3ForCausalLM", {}, 16),
-                ("MistralForCausalLM", {"sliding_window": 12}, 7), ("Gemma2ForCausalLM", {}, 16)]
+                ("MistralForCausalLM", {"sliding_window": 12}, 7), ("Gemma2ForCausalLM", {}, 16),
+                ("GPT2LMHeadModel", {}, 16)]
 
 
 @pytest.mark.parametrize("arch,overrides,num_blocks", ENGINE_CASES,
@@ -112,9 +113,8 @@ def test_sliding_window_holds_window_blocks(tiny_checkpoint):
 
 
 def _bytes_for_blocks(path, num_blocks: int, block_size: int) -> int:
-    import json
+    from slipstream.config import ModelConfig
 
-    cfg = json.loads((path / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_block = 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 4
+    m = ModelConfig.from_dir(path)  # the standard names (GPT-2's config has its own)
+    per_block = 2 * m.num_hidden_layers * block_size * m.num_key_value_heads * m.head_dim * 4
     return num_blocks * per_block

@@ -47,6 +47,8 @@ CASES = [
     ("Phi3ForCausalLM", {"sliding_window": 10}),
     ("LlamaForCausalLM", {"rope_scaling": YARN}),
     ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    ("GPT2LMHeadModel", {}),
+    ("GPT2LMHeadModel", {"activation_function": "gelu", "tie_word_embeddings": False}),
 ]
 REL_TOL = 1e-4
 
@@ -123,3 +125,21 @@ def test_l2_prefetch_tables_cover_o_then_gate_up(tiny_llama_dir):
         assert any(a == gu_w.data_ptr() for a, _ in table)
     assert model.attach_l2_prefetch(0) == 0
     assert all(layer.self_attn.attn.l2_prefetch is None for layer in model.model.layers)
+
+
+def test_gpt2_openai_checkpoint_names(tiny_checkpoint, tmp_path):
+    """OpenAI's GPT-2 files: no `transformer.` prefix, causal-mask buffers saved as tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint("GPT2LMHeadModel")
+    tensors = load_file(src / "model.safetensors")
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()
+               if k != "lm_head.weight"}
+    renamed["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    save_file(renamed, tmp_path / "model.safetensors")
+    prompt = list(range(3, 30))
+    ours = full_logits(make_runner(tmp_path), prompt, list(range(8)))
+    assert max_rel_err(ours, hf_logits(src, prompt)) < REL_TOL
