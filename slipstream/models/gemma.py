@@ -91,7 +91,8 @@ class GemmaModel(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str = "model"):
         super().__init__()
         cfg = ctx.cfg
-        self.hidden_size = cfg.hidden_size
+        # sqrt(hidden_size) rounded to the model dtype first, as transformers does.
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=ctx.dtype))
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
@@ -109,8 +110,7 @@ class GemmaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # The normaliser is rounded to the model dtype first, as transformers does.
-        hidden = hidden * torch.tensor(self.hidden_size**0.5, dtype=hidden.dtype)
+        hidden = hidden * self.embed_scale
         residual = None
         global_cs = self.rotary_emb.cos_sin_cache
         local_cs = self.rotary_emb_local.cos_sin_cache
