@@ -110,8 +110,7 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(ctx, f"{prefix}.h.{i}")
                                for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
-        # Rows up to the engine's longest sequence, so every position the kernels see is in.
-        rows = max(ctx.max_positions, cfg.max_position_embeddings)
+        rows = cfg.max_position_embeddings  # no position past the learned ones (checked above)
         identity = torch.cat([torch.ones(rows, cfg.head_dim // 2),
                               torch.zeros(rows, cfg.head_dim // 2)], dim=-1)
         self.register_buffer("identity_rope", identity.to(torch.get_default_device()),
@@ -139,6 +138,9 @@ class GPT2LMHeadModel(nn.Module):
                 raise ValueError(f"GPT-2 with {flag}=true is not supported")
         if hf.get("scale_attn_weights") is False:
             raise ValueError("GPT-2 with scale_attn_weights=false is not supported")
+        if ctx.max_positions > ctx.cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {ctx.max_positions} exceeds GPT-2's "
+                             f"{ctx.cfg.max_position_embeddings} learned positions")
         self.config = ctx.cfg
         self.tied = bool(hf.get("tie_word_embeddings", True))
         self.transformer = GPT2Model(ctx, "transformer")
