@@ -9,6 +9,7 @@
    4000-token prompts, 64 new tokens each: decode ms per step, for Mistral-7B layers with a
    1024-token window against the same model without it, Gemma-2-2B and GPT-2 small.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,19 @@ from slipstream.engine.request import Request
 from slipstream.kv_cache.manager import KVCacheManager
 from slipstream.sampling_params import SamplingParams
 
-MISTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-               max_position_embeddings=32768, rope_theta=10000.0)
+MISTRAL = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=32768,
+    rope_theta=10000.0,
+)
 
 
-def peak_blocks(window: int | None, tokens: int = 32768, chunk: int = 2048,
-                block: int = 16) -> int:
+def peak_blocks(window: int | None, tokens: int = 32768, chunk: int = 2048, block: int = 16) -> int:
     """Run one request through the KV manager as the scheduler would; the most blocks held."""
     kv = KVCacheManager(4096, block, enable_prefix_caching=True, sliding_window=window)
     req = Request("r", list(range(tokens)), SamplingParams(max_tokens=1))
@@ -55,9 +62,11 @@ def kv_memory_rows() -> list[dict]:
 def _config_dir(root: Path, arch: str, **fields) -> Path:
     import transformers
 
-    cls = {"MistralForCausalLM": transformers.MistralConfig,
-           "Gemma2ForCausalLM": transformers.Gemma2Config,
-           "GPT2LMHeadModel": transformers.GPT2Config}[arch]
+    cls = {
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "GPT2LMHeadModel": transformers.GPT2Config,
+    }[arch]
     config = cls(**fields)
     config.architectures = [arch]
     path = root / f"{arch}-{len(list(root.iterdir()))}"
@@ -65,14 +74,20 @@ def _config_dir(root: Path, arch: str, **fields) -> Path:
     return path
 
 
-def decode_ms(path: Path, prompt_len: int, batch: int = 8, new: int = 64,
-              kv_bytes: int = 6 << 30) -> float:
+def decode_ms(path: Path, prompt_len: int, batch: int = 8, new: int = 64, kv_bytes: int = 6 << 30) -> float:
     from slipstream import LLM
 
-    llm = LLM(str(path), load_format="dummy", max_model_len=prompt_len + new + 8,
-              max_num_seqs=batch, max_num_tokens=2048, kv_cache_memory=kv_bytes)
-    prompts = [{"prompt_token_ids": [(i * 7 + j) % 1000 + 3 for j in range(prompt_len)]}
-               for i in range(batch)]
+    llm = LLM(
+        str(path),
+        load_format="dummy",
+        max_model_len=prompt_len + new + 8,
+        max_num_seqs=batch,
+        max_num_tokens=2048,
+        kv_cache_memory=kv_bytes,
+    )
+    prompts = [
+        {"prompt_token_ids": [(i * 7 + j) % 1000 + 3 for j in range(prompt_len)]} for i in range(batch)
+    ]
 
     ms = (_timed(llm, prompts, new) - _timed(llm, prompts, 1)) / (new - 1) * 1e3
     del llm
@@ -95,14 +110,33 @@ def decode_rows() -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         cases = [
-            ("Mistral-7B x8 layers, full", "MistralForCausalLM",
-             dict(MISTRAL, num_hidden_layers=8, sliding_window=None), 4000),
-            ("Mistral-7B x8 layers, window 1024", "MistralForCausalLM",
-             dict(MISTRAL, num_hidden_layers=8, sliding_window=1024), 4000),
-            ("Gemma-2-2B x8 layers (window 4096)", "Gemma2ForCausalLM",
-             dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=256, max_position_embeddings=8192), 4000),
+            (
+                "Mistral-7B x8 layers, full",
+                "MistralForCausalLM",
+                dict(MISTRAL, num_hidden_layers=8, sliding_window=None),
+                4000,
+            ),
+            (
+                "Mistral-7B x8 layers, window 1024",
+                "MistralForCausalLM",
+                dict(MISTRAL, num_hidden_layers=8, sliding_window=1024),
+                4000,
+            ),
+            (
+                "Gemma-2-2B x8 layers (window 4096)",
+                "Gemma2ForCausalLM",
+                dict(
+                    vocab_size=256000,
+                    hidden_size=2304,
+                    intermediate_size=9216,
+                    num_hidden_layers=8,
+                    num_attention_heads=8,
+                    num_key_value_heads=4,
+                    head_dim=256,
+                    max_position_embeddings=8192,
+                ),
+                4000,
+            ),
             ("GPT-2 small", "GPT2LMHeadModel", dict(n_positions=1024), 900),
         ]
         for name, arch, fields, prompt_len in cases:

@@ -7,6 +7,7 @@ score scale query_pre_attn_scalar ** -0.5; attention-logit and final-logit soft-
 q/k norms and its two RoPE tables (a local base for the window layers, the global base and
 scaling for the others).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,16 +37,19 @@ class GemmaMLP(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, False,
-            **ctx.linear_kwargs(f"{prefix}.gate_up_proj"))
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False,
-                                           **ctx.linear_kwargs(f"{prefix}.down_proj"))
+            cfg.hidden_size, [cfg.intermediate_size] * 2, False, **ctx.linear_kwargs(f"{prefix}.gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, False, **ctx.linear_kwargs(f"{prefix}.down_proj")
+        )
         hf = cfg.hf_config
-        self.act_fn = GeluTanhAndMul(hf.get("hidden_activation") or hf.get("hidden_act")
-                                     or "gelu_pytorch_tanh")
+        self.act_fn = GeluTanhAndMul(
+            hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        )
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up, residual = self.gate_up_proj.forward_normed(x, residual, norm)
         return self.down_proj(self.act_fn(gate_up)), residual
 
@@ -60,30 +64,37 @@ class GemmaDecoderLayer(nn.Module):
         hf = cfg.hf_config
 
         def norm() -> RMSNorm:
-            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops,
-                           GEMMA_NORM_OFFSET)
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops, GEMMA_NORM_OFFSET)
 
         self.sliding = sliding_window is not None
         self.self_attn = LlamaAttention(
-            ctx, f"{prefix}.self_attn", sliding_window,
+            ctx,
+            f"{prefix}.self_attn",
+            sliding_window,
             scale=float(hf.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5,
             logit_softcap=hf.get("attn_logit_softcapping"),
-            qk_norm=hf.get("model_type") != "gemma2", norm_offset=GEMMA_NORM_OFFSET)
+            qk_norm=hf.get("model_type") != "gemma2",
+            norm_offset=GEMMA_NORM_OFFSET,
+        )
         self.mlp = GemmaMLP(ctx, f"{prefix}.mlp")
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
         self.post_feedforward_layernorm = norm()
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
         qkv, residual = attn.qkv_proj.forward_normed(hidden, residual, self.input_layernorm)
-        hidden = self.post_attention_layernorm(attn.attend(qkv, positions, cos_sin_cache,
-                                                           kv_cache, meta))
-        hidden, residual = self.mlp.forward_normed(hidden, residual,
-                                                   self.pre_feedforward_layernorm)
+        hidden = self.post_attention_layernorm(attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta))
+        hidden, residual = self.mlp.forward_normed(hidden, residual, self.pre_feedforward_layernorm)
         return self.post_feedforward_layernorm(hidden), residual
 
 
@@ -96,19 +107,25 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            GemmaDecoderLayer(ctx, f"{prefix}.layers.{i}", windows[i])
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops,
-                            GEMMA_NORM_OFFSET)
+            GemmaDecoderLayer(ctx, f"{prefix}.layers.{i}", windows[i]) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops, GEMMA_NORM_OFFSET)
         global_theta, global_scaling = rope_settings(cfg, "full_attention")
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, global_theta,
-                                          global_scaling, cfg.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, ctx.max_positions, global_theta, global_scaling, cfg.max_position_embeddings
+        )
         local_theta, local_scaling = rope_settings(cfg, "sliding_attention")
-        self.rotary_emb_local = RotaryEmbedding(cfg.head_dim, ctx.max_positions, local_theta,
-                                                local_scaling, cfg.max_position_embeddings)
+        self.rotary_emb_local = RotaryEmbedding(
+            cfg.head_dim, ctx.max_positions, local_theta, local_scaling, cfg.max_position_embeddings
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         hidden = hidden * self.embed_scale
         residual = None
@@ -154,8 +171,13 @@ class Gemma2ForCausalLM(nn.Module):
         self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
         self.final_logit_softcap = ctx.cfg.hf_config.get("final_logit_softcapping")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:

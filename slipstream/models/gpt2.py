@@ -5,6 +5,7 @@ c_attn holds q, k and v fused already. GPT-2 has no RoPE: the attention backend 
 identity table (cos 1, sin 0), which leaves q and k bit for bit, so the paged-attention paths
 (fused decode included) serve it unchanged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,14 +56,18 @@ class GPT2Attention(nn.Module):
         super().__init__()
         cfg = ctx.cfg
         h, d = cfg.num_attention_heads, cfg.head_dim
-        self.c_attn = Conv1DQKV(cfg.hidden_size, d, h, h, True,
-                                **ctx.linear_kwargs(f"{prefix}.c_attn"))
-        self.c_proj = Conv1DRow(h * d, cfg.hidden_size, True,
-                                **ctx.linear_kwargs(f"{prefix}.c_proj"))
+        self.c_attn = Conv1DQKV(cfg.hidden_size, d, h, h, True, **ctx.linear_kwargs(f"{prefix}.c_attn"))
+        self.c_proj = Conv1DRow(h * d, cfg.hidden_size, True, **ctx.linear_kwargs(f"{prefix}.c_proj"))
         self.attn = Attention(h, h, d, d**-0.5, ctx.backend)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, identity_rope: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        identity_rope: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         return self.c_proj(self.attn(q, k, v, positions, identity_rope, kv_cache, meta))
 
@@ -71,14 +76,15 @@ class GPT2MLP(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str):
         super().__init__()
         cfg = ctx.cfg
-        self.c_fc = Conv1DColumn(cfg.hidden_size, cfg.intermediate_size, True,
-                                 **ctx.linear_kwargs(f"{prefix}.c_fc"))
-        self.c_proj = Conv1DRow(cfg.intermediate_size, cfg.hidden_size, True,
-                                **ctx.linear_kwargs(f"{prefix}.c_proj"))
+        self.c_fc = Conv1DColumn(
+            cfg.hidden_size, cfg.intermediate_size, True, **ctx.linear_kwargs(f"{prefix}.c_fc")
+        )
+        self.c_proj = Conv1DRow(
+            cfg.intermediate_size, cfg.hidden_size, True, **ctx.linear_kwargs(f"{prefix}.c_proj")
+        )
         act = cfg.hf_config.get("activation_function", "gelu_new")
         if act not in _GELU:
-            raise ValueError(f"unsupported activation_function {act!r}; supported: "
-                             f"{', '.join(_GELU)}")
+            raise ValueError(f"unsupported activation_function {act!r}; supported: {', '.join(_GELU)}")
         self.approximate = _GELU[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,8 +101,14 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         self.mlp = GPT2MLP(ctx, f"{prefix}.mlp")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, identity_rope: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        identity_rope: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), positions, identity_rope, kv_cache, meta)
         return x + self.mlp(self.ln_2(x))
 
@@ -107,17 +119,21 @@ class GPT2Model(nn.Module):
         cfg = ctx.cfg
         self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ctx.dtype)
-        self.h = nn.ModuleList(GPT2Block(ctx, f"{prefix}.h.{i}")
-                               for i in range(cfg.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(ctx, f"{prefix}.h.{i}") for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
         rows = cfg.max_position_embeddings  # no position past the learned ones (checked above)
-        identity = torch.cat([torch.ones(rows, cfg.head_dim // 2),
-                              torch.zeros(rows, cfg.head_dim // 2)], dim=-1)
-        self.register_buffer("identity_rope", identity.to(torch.get_default_device()),
-                             persistent=False)
+        identity = torch.cat(
+            [torch.ones(rows, cfg.head_dim // 2), torch.zeros(rows, cfg.head_dim // 2)], dim=-1
+        )
+        self.register_buffer("identity_rope", identity.to(torch.get_default_device()), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)
         for block, kv_cache in zip(self.h, kv_caches, strict=True):
             x = block(x, positions, self.identity_rope, kv_cache, meta)
@@ -139,16 +155,27 @@ class GPT2LMHeadModel(nn.Module):
         if hf.get("scale_attn_weights") is False:
             raise ValueError("GPT-2 with scale_attn_weights=false is not supported")
         if ctx.max_positions > ctx.cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {ctx.max_positions} exceeds GPT-2's "
-                             f"{ctx.cfg.max_position_embeddings} learned positions")
+            raise ValueError(
+                f"max_model_len {ctx.max_positions} exceeds GPT-2's "
+                f"{ctx.cfg.max_position_embeddings} learned positions"
+            )
         self.config = ctx.cfg
         self.tied = bool(hf.get("tie_word_embeddings", True))
         self.transformer = GPT2Model(ctx, "transformer")
-        self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype,
-                              tied=self.transformer.wte if self.tied else None)
+        self.lm_head = LMHead(
+            ctx.cfg.vocab_size,
+            ctx.cfg.hidden_size,
+            ctx.dtype,
+            tied=self.transformer.wte if self.tied else None,
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         return self.transformer(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -160,5 +187,4 @@ class GPT2LMHeadModel(nn.Module):
 
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         """The tied head's copy and the attention-mask buffers older checkpoints saved."""
-        return (self.tied and name == "lm_head.weight") or name.endswith(
-            (".attn.bias", ".attn.masked_bias"))
+        return (self.tied and name == "lm_head.weight") or name.endswith((".attn.bias", ".attn.masked_bias"))

@@ -4,6 +4,7 @@ transformers >= 4.5x writes `layer_types` ("sliding_attention" / "full_attention
 older configs say it with per-family flags (Qwen's use_sliding_window and max_window_layers,
 Gemma's alternation pattern), read here the way transformers reads them.
 """
+
 from __future__ import annotations
 
 from slipstream.config import ModelConfig

@@ -4,6 +4,7 @@ attention with windows and soft-capping) against the reference ops on the same G
 float32: greedy tokens equal; bfloat16: first-token logprobs within a stated tolerance of the
 float32 reference. Prompts up to 400 tokens against windows of 8 to 64 tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,12 +16,14 @@ from slipstream import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 BF16_LOGPROB_ATOL = 0.08  # as tests/engine/test_gpu_e2e.py
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-            "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
 CASES = [
     ("MistralForCausalLM", {"sliding_window": 64}),  # every layer: blocks behind it released
-    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 48,
-                          "max_window_layers": 1}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
     ("Gemma2ForCausalLM", {}),
     ("Gemma3ForCausalLM", {}),
     ("Phi3ForCausalLM", {"original_max_position_embeddings": 128, "rope_scaling": LONGROPE}),
@@ -31,21 +34,26 @@ IDS = [a for a, _ in CASES]
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(500) for _ in range(rng.choice([1, 7, 33, 150, 400]))]
-            for _ in range(n)]
+    return [[rng.randrange(500) for _ in range(rng.choice([1, 7, 33, 150, 400]))] for _ in range(n)]
 
 
 def _run(path, monkeypatch, kernels: str, **kwargs):
     monkeypatch.setenv("SLIPSTREAM_KERNELS", kernels)
-    llm = LLM(str(path), device="cuda", max_num_seqs=16, max_num_tokens=256, max_model_len=512,
-              kv_cache_memory=256 << 20, **kwargs)
+    llm = LLM(
+        str(path),
+        device="cuda",
+        max_num_seqs=16,
+        max_num_tokens=256,
+        max_model_len=512,
+        kv_cache_memory=256 << 20,
+        **kwargs,
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     return llm.generate(_prompts(12, 0), params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("arch,overrides", CASES, ids=IDS)
-def test_fast_path_greedy_equals_reference_float32(arch, overrides, tiny_checkpoint,
-                                                   monkeypatch):
+def test_fast_path_greedy_equals_reference_float32(arch, overrides, tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint(arch, **overrides)
     ref = _run(path, monkeypatch, "reference", dtype="float32", enforce_eager=True)
     fast = _run(path, monkeypatch, "triton", dtype="float32", enforce_eager=False)

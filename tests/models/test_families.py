@@ -1,6 +1,7 @@
 """The families beyond Llama through the whole engine on the CPU: per-token logprobs equal to
 transformers' within tolerance, and weight-only int8 at load (teacher forcing: the quantized
 model scores the float model's greedy tokens)."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,7 @@ def test_logprobs_match_transformers(family):
         gen = list(out.outputs[0].token_ids)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + gen])).logits[0].float()
-        want = logits.log_softmax(-1)[len(prompt) - 1:-1]
+        want = logits.log_softmax(-1)[len(prompt) - 1 : -1]
         assert gen == want.argmax(-1).tolist()
         got = [lp[t] for lp, t in zip(out.outputs[0].logprobs, gen, strict=True)]
         ref = want.gather(1, torch.tensor(gen)[:, None]).squeeze(1)
@@ -41,10 +42,8 @@ def test_int8_weight_only(family):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     score = SamplingParams(max_tokens=1, prompt_logprobs=0)
     prompt = PROMPTS[0]
-    cont = list(llm.generate([{"prompt_token_ids": prompt}], greedy,
-                             use_tqdm=False)[0].outputs[0].token_ids)
-    quant = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20,
-                quantization="int8_wo")
+    cont = list(llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    quant = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20, quantization="int8_wo")
     out = quant.generate([{"prompt_token_ids": prompt + cont}], score, use_tqdm=False)[0]
     lps = [out.prompt_logprobs[len(prompt) + i][t] for i, t in enumerate(cont)]
     ref = llm.generate([{"prompt_token_ids": prompt + cont}], score, use_tqdm=False)[0]
