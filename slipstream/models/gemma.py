@@ -167,7 +167,9 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         self.config = ctx.cfg
         self.model = GemmaModel(ctx, "model")
-        tied = self.model.embed_tokens if ctx.cfg.tie_word_embeddings else None
+        # Gemma ties its head to the embedding; its configs often leave the flag out.
+        self.tied = bool(ctx.cfg.hf_config.get("tie_word_embeddings", True))
+        tied = self.model.embed_tokens if self.tied else None
         self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
         self.final_logit_softcap = ctx.cfg.hf_config.get("final_logit_softcapping")
 
@@ -187,7 +189,7 @@ class Gemma2ForCausalLM(nn.Module):
     def ignored_checkpoint_tensor(self, name: str) -> bool:
         if name.endswith("rotary_emb.inv_freq"):
             return True
-        return self.config.tie_word_embeddings and name == "lm_head.weight"
+        return self.tied and name == "lm_head.weight"
 
 
 Gemma3ForCausalLM = Gemma2ForCausalLM  # q/k norms and the two RoPE tables come from the config

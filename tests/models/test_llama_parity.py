@@ -143,3 +143,33 @@ def test_gpt2_openai_checkpoint_names(tiny_checkpoint, tmp_path):
     prompt = list(range(3, 30))
     ours = full_logits(make_runner(tmp_path), prompt, list(range(8)))
     assert max_rel_err(ours, hf_logits(src, prompt)) < REL_TOL
+
+
+def test_gemma_config_without_tie_flag_ties(tiny_checkpoint, tmp_path):
+    """Gemma's configs often omit tie_word_embeddings: the head is the embedding all the same."""
+    import json
+    import shutil
+
+    src = tiny_checkpoint("Gemma2ForCausalLM")
+    shutil.copytree(src, tmp_path / "g", dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
+    prompt = list(range(3, 20))
+    ours = full_logits(make_runner(tmp_path / "g"), prompt, list(range(8)))
+    assert max_rel_err(ours, hf_logits(src, prompt)) < REL_TOL
+
+
+def test_gemma_written_checkpoint_keeps_norm_weights(tiny_checkpoint):
+    """Norms hold 1 + w once loaded; a checkpoint written from the model has w again."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization.checkpoint import checkpoint_tensors
+
+    src = tiny_checkpoint("Gemma3ForCausalLM")
+    written = checkpoint_tensors(make_runner(src).model)
+    original = load_file(src / "model.safetensors")
+    norms = [n for n in original if n.endswith("norm.weight")]
+    assert len(norms) == 2 * 6 + 1  # 4 + q/k a layer, the final norm
+    for name in norms:
+        torch.testing.assert_close(written[name].float(), original[name], atol=1e-6, rtol=0)
