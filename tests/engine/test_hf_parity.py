@@ -84,14 +84,14 @@ def test_chunked_prefill_preemption_and_prefix_hits(arch, overrides, num_blocks,
 
 def test_sliding_window_holds_window_blocks(tiny_checkpoint):
     """Every layer slides (Mistral): a 300-token request in 16-token chunks holds at most the
-    blocks of the window behind a chunk plus the chunk, never all of its 39, with the same
-    tokens as transformers; a second run of the prompt hits the blocks still cached."""
+    blocks of the window behind a chunk plus the chunk, so it runs in a cache of 8 blocks (64
+    tokens) with the same tokens as transformers; full attention would need 39."""
     window, block, chunk = 12, 8, 16
     path = tiny_checkpoint("MistralForCausalLM", sliding_window=window)
     prompt = random_prompts(1, 500, seed=11, lengths=(300,))[0]
     expected = hf_greedy(path, [prompt], MAX_NEW)
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_tokens=chunk, block_size=block,
-              kv_cache_memory=_bytes_for_blocks(path, 64, block), decode_steps=1)
+              kv_cache_memory=_bytes_for_blocks(path, 8, block), decode_steps=1)
     kv = llm.engine.scheduler.kv
     held: list[int] = []
     allocate = kv.allocate_slots
@@ -104,12 +104,15 @@ def test_sliding_window_holds_window_blocks(tiny_checkpoint):
     kv.allocate_slots = recording
     out = llm.generate([prompt], greedy(), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected[0]
-    bound = -(-(window - 1 + chunk) // block) + 1  # = kv.peak_blocks(...)
-    assert max(held) <= bound == kv.peak_blocks(len(prompt) + MAX_NEW, chunk)
-    assert -(-(len(prompt) + MAX_NEW) // block) == 39  # what a full-attention model holds
-    assert llm.get_stats()["num_free_blocks"] == llm.get_stats()["num_total_blocks"]
-    again = llm.generate([prompt], greedy(), use_tqdm=False)[0]
-    assert again.outputs[0].token_ids == expected[0] and again.num_cached_tokens > 0
+    bound = -(-(window - 1 + chunk) // block) + 1
+    assert max(held) <= bound == kv.peak_blocks(len(prompt) + MAX_NEW, chunk) == 5
+    assert kv.num_blocks_for(len(prompt) + MAX_NEW) == 39  # what full attention holds
+    assert llm.get_stats()["num_free_blocks"] == llm.get_stats()["num_total_blocks"] == 8
+    full = tiny_checkpoint("MistralForCausalLM")  # no window: the prompt cannot fit
+    llm = LLM(str(full), dtype="float32", device="cpu", max_num_tokens=chunk, block_size=block,
+              kv_cache_memory=_bytes_for_blocks(full, 8, block))
+    with pytest.raises(ValueError, match="needs 38 KV blocks"):
+        llm.generate([prompt], greedy(), use_tqdm=False)
 
 
 def _bytes_for_blocks(path, num_blocks: int, block_size: int) -> int:
