@@ -35,6 +35,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> gelu(gate, approximate="tanh") * up (GeGLU)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """NeoX-style rotation (rotate_half), as in HF Llama/Qwen. x: [T, H, D].
 

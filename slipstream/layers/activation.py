@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from slipstream.kernels import reference
+
 _SUPPORTED = ("silu", "swish")
 
 
@@ -25,16 +27,16 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
 
 class GeluTanhAndMul(nn.Module):
-    """gelu(gate, approximate="tanh") * up, in float32 like the other twins. Plain torch ops on
-    every device: the quant methods' fused gated GEMVs compute SiLU only, so callers run the
-    down projection on this output (not forward_gated)."""
+    """gelu(gate, approximate="tanh") * up through the kernel table (gelu_tanh_and_mul). The
+    quant methods' fused gated GEMVs compute SiLU only, so callers run the down projection on
+    this output (not forward_gated)."""
 
-    def __init__(self, act: str = "gelu_pytorch_tanh"):
+    def __init__(self, ops: SimpleNamespace, act: str = "gelu_pytorch_tanh"):
         super().__init__()
         if act not in _GELU_TANH:
             raise ValueError(f"unsupported hidden_activation {act!r}; supported: "
                              f"{', '.join(_GELU_TANH)}")
+        self.op = getattr(ops, "gelu_tanh_and_mul", None) or reference.gelu_tanh_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.float().chunk(2, dim=-1)
-        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+        return self.op(x)

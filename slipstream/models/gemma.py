@@ -43,9 +43,8 @@ class GemmaMLP(nn.Module):
             cfg.intermediate_size, cfg.hidden_size, False, **ctx.linear_kwargs(f"{prefix}.down_proj")
         )
         hf = cfg.hf_config
-        self.act_fn = GeluTanhAndMul(
-            hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        )
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+        self.act_fn = GeluTanhAndMul(ctx.ops, act)
 
     def forward_normed(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
