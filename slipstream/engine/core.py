@@ -41,7 +41,8 @@ class EngineCore:
         self.config = config.replace(cache=cache)
         # A draft model reads the target's block tables from its own lagging position, so
         # blocks behind the window stay while one runs.
-        window = None if draft is not None else freeable_window(config.model)
+        window = None if draft is not None else freeable_window(
+            config.model, config.scheduler.max_model_len)
         self.scheduler = Scheduler(config.scheduler, cache, sliding_window=window)
         if self.spec is not None:
             self.spec.max_seq_len = self.scheduler.max_seq_len

@@ -23,7 +23,7 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.layer_types import layer_sliding_windows
+from slipstream.models.layer_types import layer_sliding_windows, within
 from slipstream.models.llama import BuildContext, KVCache, LlamaAttention
 
 GEMMA_NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + weight)
@@ -65,11 +65,11 @@ class GemmaDecoderLayer(nn.Module):
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops, GEMMA_NORM_OFFSET)
 
-        self.sliding = sliding_window is not None
+        self.sliding = sliding_window is not None  # a local layer: the local RoPE table
         self.self_attn = LlamaAttention(
             ctx,
             f"{prefix}.self_attn",
-            sliding_window,
+            within(sliding_window, ctx.max_positions),
             scale=float(hf.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5,
             logit_softcap=hf.get("attn_logit_softcapping"),
             qk_norm=hf.get("model_type") != "gemma2",

@@ -36,10 +36,16 @@ def layer_sliding_windows(cfg: ModelConfig) -> list[int | None]:
     return [window] * n  # Mistral, Phi-3: every layer
 
 
-def freeable_window(cfg: ModelConfig) -> int | None:
+def within(window: int | None, max_len: int) -> int | None:
+    """The window a layer applies when sequences stay under max_len tokens: None where it
+    covers them all (Phi-3-128k's 262144), so no kernel pays for a mask that hides nothing."""
+    return window if window and window < max_len else None
+
+
+def freeable_window(cfg: ModelConfig, max_len: int) -> int | None:
     """The window the KV manager may free blocks behind: the widest one when every layer has a
     window (a block outside it is outside all of them); None when any layer attends fully."""
-    windows = layer_sliding_windows(cfg)
+    windows = [within(w, max_len) for w in layer_sliding_windows(cfg)]
     if not windows or any(w is None for w in windows):
         return None
     return max(windows)

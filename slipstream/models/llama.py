@@ -21,7 +21,7 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
-from slipstream.models.layer_types import layer_sliding_windows
+from slipstream.models.layer_types import layer_sliding_windows, within
 from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
         windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}", windows[i])
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}", within(windows[i], ctx.max_positions))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
