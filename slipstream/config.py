@@ -87,6 +87,15 @@ _NAME_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
 
 
 def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_attention_heads" not in cfg:
+        # A multimodal checkpoint served as text (Gemma 3): its language model's settings, under
+        # the checkpoint's own architecture name.
+        cfg = {**text, "architectures": cfg.get("architectures") or text.get("architectures"),
+               "tie_word_embeddings": cfg.get("tie_word_embeddings",
+                                              text.get("tie_word_embeddings", True)),
+               "quantization_config": cfg.get("quantization_config")}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
     if not any(alias in cfg for alias in _NAME_ALIASES):
         return cfg
     out = dict(cfg)

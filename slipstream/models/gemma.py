@@ -192,3 +192,20 @@ class Gemma2ForCausalLM(nn.Module):
 
 
 Gemma3ForCausalLM = Gemma2ForCausalLM  # q/k norms and the two RoPE tables come from the config
+
+
+class Gemma3ForConditionalGeneration(Gemma2ForCausalLM):
+    """The language model of a multimodal Gemma 3 checkpoint, served as text only: its tensors
+    carry a `language_model.` prefix, and the vision tower and projector are skipped."""
+
+    _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+               "model.multi_modal_projector.")
+
+    def checkpoint_name(self, name: str) -> str:
+        for prefix in ("language_model.model.", "model.language_model."):
+            if name.startswith(prefix):
+                return "model." + name.removeprefix(prefix)
+        return name.removeprefix("language_model.")  # language_model.lm_head.weight
+
+    def ignored_checkpoint_tensor(self, name: str) -> bool:
+        return name.startswith(self._VISION) or super().ignored_checkpoint_tensor(name)

@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("slipstream.models.llama", "Qwen3ForCausalLM"),
     "Gemma2ForCausalLM": ("slipstream.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("slipstream.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("slipstream.models.gemma", "Gemma3ForConditionalGeneration"),
     "Phi3ForCausalLM": ("slipstream.models.phi3", "Phi3ForCausalLM"),
     "GPT2LMHeadModel": ("slipstream.models.gpt2", "GPT2LMHeadModel"),
 }

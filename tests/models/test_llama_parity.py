@@ -173,3 +173,29 @@ def test_gemma_written_checkpoint_keeps_norm_weights(tiny_checkpoint):
     assert len(norms) == 2 * 6 + 1  # 4 + q/k a layer, the final norm
     for name in norms:
         torch.testing.assert_close(written[name].float(), original[name], atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
+    """Gemma3ForConditionalGeneration: its language model's logits on a text prompt, the vision
+    tower and projector skipped, the settings read from text_config."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+    from transformers import Gemma3ForConditionalGeneration as HFGemma3
+
+    from tests.helpers import tiny_config
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_config("Gemma3ForCausalLM").to_dict(),
+                          vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    hf = HFGemma3(config).float().eval()
+    for name, param in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)
+    prompt = list(range(3, 40))
+    ours = full_logits(make_runner(tmp_path), prompt, list(range(10)))
+    ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert max_rel_err(ours, ref) < REL_TOL
