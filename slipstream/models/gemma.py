@@ -198,8 +198,12 @@ class Gemma3ForConditionalGeneration(Gemma2ForCausalLM):
     """The language model of a multimodal Gemma 3 checkpoint, served as text only: its tensors
     carry a `language_model.` prefix, and the vision tower and projector are skipped."""
 
-    _VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-               "model.multi_modal_projector.")
+    _VISION = (
+        "vision_tower.",
+        "multi_modal_projector.",
+        "model.vision_tower.",
+        "model.multi_modal_projector.",
+    )
 
     def checkpoint_name(self, name: str) -> str:
         for prefix in ("language_model.model.", "model.language_model."):
