@@ -42,6 +42,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _with_standard_names(cfg)
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else cfg.get("model_type", "unknown")
         heads = cfg["num_attention_heads"]
@@ -61,7 +62,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")),
+            rope_scaling=_with_original_len(
+                cfg.get("rope_scaling") or _rope_params_scaling(cfg.get("rope_parameters")), cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
             qk_norm=model_type == "qwen3" or arch.startswith("Qwen3"),
@@ -77,6 +79,43 @@ class ModelConfig:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path!s}")
         return ModelConfig.from_hf_dict(with_hf_quant_config(json.loads(cfg_path.read_text()), path))
+
+
+# GPT-2's config names -> the standard ones (rms_norm_eps then holds its LayerNorm epsilon).
+_NAME_ALIASES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+                 "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+                 "layer_norm_epsilon": "rms_norm_eps"}
+
+
+def _with_standard_names(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_attention_heads" not in cfg:
+        # A multimodal checkpoint served as text (Gemma 3): its language model's settings, under
+        # the checkpoint's own architecture name.
+        cfg = {**text, "architectures": cfg.get("architectures") or text.get("architectures"),
+               "tie_word_embeddings": cfg.get("tie_word_embeddings",
+                                              text.get("tie_word_embeddings", True)),
+               "quantization_config": cfg.get("quantization_config")}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+    if not any(alias in cfg for alias in _NAME_ALIASES):
+        return cfg
+    out = dict(cfg)
+    for alias, name in _NAME_ALIASES.items():
+        if alias in cfg and name not in cfg:
+            out[name] = cfg[alias]
+    if "intermediate_size" not in out and "hidden_size" in out:
+        out["intermediate_size"] = cfg.get("n_inner") or 4 * out["hidden_size"]
+    return out
+
+
+def _with_original_len(scaling: dict[str, Any] | None, cfg: dict[str, Any]
+                       ) -> dict[str, Any] | None:
+    """Phi-3 keeps original_max_position_embeddings beside rope_scaling, not in it."""
+    if scaling and "original_max_position_embeddings" not in scaling \
+            and cfg.get("original_max_position_embeddings"):
+        return {**scaling, "original_max_position_embeddings":
+                cfg["original_max_position_embeddings"]}
+    return scaling
 
 
 def _rope_params_scaling(params: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -114,7 +114,8 @@ class LLM:
         results: list = [None] * len(ids)
         try:
             for prompt_ids in ids:
-                self._inputs.validate_prompt(prompt_ids, SamplingParams())
+                # The prompt alone; the search's own length is checked as it starts.
+                self._inputs.validate_prompt(prompt_ids, SamplingParams(max_tokens=None))
                 search_id = f"beam-{next(self._ids)}"
                 self.engine.add_beam_search(search_id, prompt_ids, params,
                                             self._inputs.eos_token_ids)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
 
 TINY_DEFAULTS: dict[str, Any] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -29,6 +30,8 @@ def _config_class(arch: str):
     names = {
         "LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
         "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+        "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig",
+        "Phi3ForCausalLM": "Phi3Config", "GPT2LMHeadModel": "GPT2Config",
     }
     if arch not in names:
         raise ValueError(f"make_tiny_checkpoint: unknown arch {arch!r}; known: {sorted(names)}")
@@ -38,11 +41,13 @@ def _config_class(arch: str):
 def tiny_config(arch: str, **overrides: Any):
     """A transformers config object of the tiny shape; overrides win (rope_scaling accepted)."""
     config_cls, _ = _config_class(arch)
-    kwargs = {**TINY_DEFAULTS, **overrides}
+    kwargs = {**TINY_DEFAULTS, **FAMILY_DEFAULTS.get(arch, {}), **overrides}
     if "head_dim" not in overrides:  # keep hidden = heads * head_dim when the shape changes
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     if arch == "MistralForCausalLM":
-        kwargs.setdefault("sliding_window", None)  # we implement full attention only
+        kwargs.setdefault("sliding_window", None)  # a window only where a test asks for one
+    if arch == "GPT2LMHeadModel":
+        kwargs = _gpt2_kwargs(kwargs)
     rope_scaling = kwargs.pop("rope_scaling", None)
     config = config_cls(**kwargs)
     if rope_scaling is not None:
@@ -51,12 +56,39 @@ def tiny_config(arch: str, **overrides: Any):
     return config
 
 
+# Per family, on top of TINY_DEFAULTS: each family's own features switched on at a tiny size
+# (windows shorter than the test prompts, soft-capping that bites at these logit scales).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": dict(sliding_window=8, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                              hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    "Gemma3ForCausalLM": dict(sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=2,
+                              rope_local_base_freq=100.0, rope_theta=10000.0,
+                              tie_word_embeddings=True),
+    "Phi3ForCausalLM": dict(pad_token_id=0),
+    "GPT2LMHeadModel": dict(tie_word_embeddings=True),  # as every GPT-2 checkpoint
+}
+
+
+def _gpt2_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's own config names for the tiny shape (learned positions, LayerNorm)."""
+    return dict(vocab_size=kwargs["vocab_size"], n_embd=kwargs["hidden_size"],
+                n_layer=kwargs["num_hidden_layers"], n_head=kwargs["num_attention_heads"],
+                n_positions=kwargs["max_position_embeddings"], n_inner=kwargs["intermediate_size"],
+                bos_token_id=1, eos_token_id=2, initializer_range=kwargs["initializer_range"],
+                tie_word_embeddings=kwargs.get("tie_word_embeddings", True),
+                activation_function=kwargs.get("activation_function", "gelu_new"))
+
+
 def _set_rope_scaling(config, scaling: dict[str, Any], theta: float) -> None:
     """transformers >= 5 keeps scaling in rope_parameters; older versions in rope_scaling."""
     if "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if hasattr(config, "rope_parameters"):
-        config.rope_parameters = {**scaling, "rope_theta": theta}
+    params = getattr(config, "rope_parameters", None)
+    if params and "full_attention" in params:  # Gemma 3: scaling on the global layers only
+        params["full_attention"] = {**params["full_attention"], **scaling}
+    elif hasattr(config, "rope_parameters"):  # keeps e.g. Phi-3's partial_rotary_factor
+        config.rope_parameters = {**(params or {}), **scaling, "rope_theta": theta}
     else:
         config.rope_scaling = scaling
 
@@ -76,7 +108,9 @@ def make_tiny_checkpoint(tmp_path: Path, arch: str, **overrides: Any) -> Path:
     model = model_cls(config).to(torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and arch.startswith("Gemma"):  # stored as w in (1 + w)
+            param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+        elif name.endswith(("norm.weight", ".ln_1.weight", ".ln_2.weight", "ln_f.weight")):
             param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
         elif name.endswith(".bias"):
             param.copy_(0.2 * torch.randn(param.shape, generator=gen))

@@ -27,11 +27,23 @@ class ReferenceAttentionBackend:
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None, l2_prefetch: torch.Tensor | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:
         # l2_prefetch is a hint for the fused decode kernel (TritonAttentionBackend): unused here.
-        # Scales travel only when given, so op tables without the keywords keep working.
+        # Scales and options travel only when given, so op tables without the keywords work.
         kv = {} if k_scale is None and v_scale is None else {"k_scale": k_scale,
                                                             "v_scale": v_scale}
         q, _ = self.ops.rotary_and_cache_write(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping, **kv)
-        return self.ops.paged_attention(q, k_cache, v_cache, meta, scale, **kv)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, scale, **kv,
+                                        **attention_options(sliding_window, logit_softcap))
+
+
+def attention_options(sliding_window: int | None, logit_softcap: float | None) -> dict:
+    """The paged_attention keywords of a layer's options, only those it sets."""
+    opts = {}
+    if sliding_window:
+        opts["sliding_window"] = sliding_window
+    if logit_softcap is not None:
+        opts["logit_softcap"] = logit_softcap
+    return opts

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 from slipstream.attention.backend import AttentionMetadata
-from slipstream.attention.reference import ReferenceAttentionBackend
+from slipstream.attention.reference import ReferenceAttentionBackend, attention_options
 from slipstream.kernels.attention.paged import RopeInput, paged_attention
 
 
@@ -29,10 +29,13 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, scale: float, *, k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None, l2_prefetch: torch.Tensor | None = None,
+        sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:
         if not (self.fuse_decode and q.is_cuda and meta.max_query_len <= 1):
             return super().forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
-                                   scale, k_scale=k_scale, v_scale=v_scale)
+                                   scale, k_scale=k_scale, v_scale=v_scale,
+                                   sliding_window=sliding_window, logit_softcap=logit_softcap)
         return paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale,
                                v_scale=v_scale, rope=RopeInput(k, v, positions, cos_sin_cache),
-                               l2_prefetch=l2_prefetch)
+                               l2_prefetch=l2_prefetch,
+                               **attention_options(sliding_window, logit_softcap))

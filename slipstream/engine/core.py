@@ -17,6 +17,8 @@ from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
 from slipstream.engine.startup import KernelCaches, StartupPhases, device_sync
 from slipstream.engine.step_timer import StepTimer
 from slipstream.engine.step_trace import StepTrace
+from slipstream.models.layer_types import freeable_window, layer_sliding_windows, within
+from slipstream.models.registry import check_parallel_support
 from slipstream.outputs import EngineCoreOutput
 from slipstream.pooling.runner import PoolingModelRunner, attach_pooled
 from slipstream.runner.model_runner import ModelRunner
@@ -35,6 +37,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         start = time.perf_counter()
+        _check_sliding_window_combinations(config)
         self.runner = _make_runner(config)
         num_blocks, num_host_blocks = self._start_up(config)
         draft = getattr(self.spec, "proposer", None) if self.spec else None
@@ -45,7 +48,8 @@ class EngineCore:
                                     num_host_blocks=num_host_blocks)
         self.config = config.replace(cache=cache)
         self.scheduler = Scheduler(config.scheduler, cache,
-                                   config.lora.max_loras if config.lora.enabled else 0)
+                                   config.lora.max_loras if config.lora.enabled else 0,
+                                   sliding_window=_releasable_window(config))
         if self.spec is not None:
             self.spec.max_seq_len = self.scheduler.max_seq_len
             if draft is not None:
@@ -390,6 +394,36 @@ class EngineCore:
         return stats
 
 
+# Proposers that keep K/V on the target's block ids and attend over all of it from their own
+# (lagging) positions: the blocks behind the target's window must stay while one runs.
+_KV_SHARING_PROPOSERS = ("draft_model", "eagle", "eagle3")
+
+
+def _releasable_window(config: EngineConfig) -> int | None:
+    """The window the KV manager frees blocks behind (models/layer_types.py freeable_window),
+    or None: no window on every layer, or a proposer that still reads those blocks."""
+    spec = config.speculative
+    if spec is not None and spec.method in _KV_SHARING_PROPOSERS:
+        return None
+    return freeable_window(config.model, config.scheduler.max_model_len)
+
+
+def _check_sliding_window_combinations(config: EngineConfig) -> None:
+    """ValueError for what a model with sliding-window layers cannot run correctly."""
+    windows = [within(w, config.scheduler.max_model_len)
+               for w in layer_sliding_windows(config.model)]
+    if not any(windows):
+        return
+    spec = config.speculative
+    if spec is not None and (spec.method == "medusa" or spec.speculative_token_tree is not None):
+        # A tree node attends from its depth's position but sits at its breadth-first slot;
+        # the kernels place the window by slot, which would hide keys the node must see.
+        raise ValueError(
+            f"{config.model.architecture} has sliding-window attention layers: draft trees "
+            "(medusa, speculative_token_tree) are not supported with them; use a chain "
+            "method (ngram, draft_model, eagle) or no speculation")
+
+
 def _make_runner(config: EngineConfig):
     """The model runner in this process (a pooling runner for a pooling model), or, for a
     model on worker ranks (tensor / pipeline parallel, or a backend named), the runner that
@@ -398,6 +432,9 @@ def _make_runner(config: EngineConfig):
         if config.runner == "pooling":
             raise ValueError("pooling models run in one process: tensor and pipeline "
                              "parallelism are not supported for them")
+        p = config.parallel
+        check_parallel_support(config.model.architecture, p.tensor_parallel_size,
+                               p.pipeline_parallel_size)
         from slipstream.engine.distributed import DistributedRunner
 
         return DistributedRunner(config)

@@ -12,7 +12,8 @@ from slipstream import envs
 from slipstream.kernels import reference
 
 OP_NAMES = (
-    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "write_kv_cache",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "apply_rotary",
+    "write_kv_cache",
     "rotary_and_cache_write", "paged_attention",
 )
 

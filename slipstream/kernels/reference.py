@@ -35,6 +35,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> gelu(gate, approximate="tanh") * up (GeGLU)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """NeoX-style rotation (rotate_half), as in HF Llama/Qwen. x: [T, H, D].
 
@@ -111,10 +117,14 @@ def rotary_and_cache_write(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None, logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
 
-    fp8 / int8 caches are read as stored * k_scale / v_scale (dequantize_kv).
+    fp8 / int8 caches are read as stored * k_scale / v_scale (dequantize_kv). `sliding_window`
+    W: a query at position p sees keys at p - W + 1 .. p only, and blocks wholly before the
+    window are never read (the KV manager may have freed them). `logit_softcap` c: scores
+    become c * tanh(scores / c) before the mask (Gemma 2).
     """
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
@@ -125,12 +135,17 @@ def paged_attention(
         if q_hi == q_lo:
             continue
         seq_len = lens[s]
+        first = window_start(seq_len - (q_hi - q_lo), sliding_window) // block_size
         n_blocks = (seq_len + block_size - 1) // block_size
-        blocks = meta.block_tables[s, :n_blocks].long()
-        k = dequantize_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], k_scale)
-        v = dequantize_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len], v_scale)
+        blocks = meta.block_tables[s, first:n_blocks].long()
+        kv_len = seq_len - first * block_size
+        k = dequantize_kv(k_cache.index_select(0, blocks).flatten(0, 1)[:kv_len], k_scale)
+        v = dequantize_kv(v_cache.index_select(0, blocks).flatten(0, 1)[:kv_len], v_scale)
         tree = tree_visibility(meta, q_lo, q_hi, seq_len, q.device)
-        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale, tree).to(q.dtype)
+        if tree is not None:
+            tree = tree[:, seq_len - kv_len:]
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], k, v, seq_len, scale, tree, sliding_window,
+                                 logit_softcap).to(q.dtype)
     return out
 
 
@@ -151,20 +166,34 @@ def tree_visibility(meta: AttentionMetadata, q_lo: int, q_hi: int, seq_len: int,
     return (bit != 0) | ~in_chunk[None, :]
 
 
+def window_start(first_query_pos: int, sliding_window: int | None) -> int:
+    """The first key position any query at or after `first_query_pos` can see."""
+    return 0 if not sliding_window else max(0, first_query_pos - sliding_window + 1)
+
+
+def softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's attention and final-logit soft-capping)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, scale: float,
-            visible: torch.Tensor | None = None):
-    """q [Lq, Hq, D] at the last Lq positions of k/v [seq_len, Hkv, D]; GQA by head groups.
-    visible: [Lq, seq_len] bool narrowing the causal mask (draft trees)."""
+            visible: torch.Tensor | None = None, sliding_window: int | None = None,
+            logit_softcap: float | None = None):
+    """q [Lq, Hq, D] at the last Lq positions of a sequence of seq_len tokens; k/v [L, Hkv, D]
+    its last L keys and values; GQA by head groups. visible: [Lq, L] bool narrowing the causal
+    mask (draft trees)."""
     lq, hq, _ = q.shape
     group = hq // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
     vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
+    scores = softcap(torch.einsum("qhd,khd->hqk", q.float(), kf) * scale, logit_softcap)
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+    k_pos = torch.arange(seq_len - k.shape[0], seq_len, device=q.device).unsqueeze(0)
     hidden = k_pos > q_pos
+    if sliding_window:
+        hidden |= k_pos <= q_pos - sliding_window
     if visible is not None:
-        hidden = hidden | ~visible
+        hidden |= ~visible
     scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, vf)

@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 _OP_MODULES = {
     "rms_norm": "norm_act.rms_norm", "fused_add_rms_norm": "norm_act.rms_norm",
-    "silu_and_mul": "norm_act.activation", "apply_rotary": "attention.rotary_cache",
+    "silu_and_mul": "norm_act.activation", "gelu_tanh_and_mul": "norm_act.activation",
+    "apply_rotary": "attention.rotary_cache",
     "write_kv_cache": "attention.rotary_cache", "rotary_and_cache_write": "attention.rotary_cache",
     "paged_attention": "attention.paged",
 }

@@ -2,6 +2,9 @@
 
 Holds integers only. A request's table grows block by block as it computes tokens; full blocks
 are hashed (chained) and registered so later requests with the same prefix can share them.
+With a sliding window on every layer, blocks wholly behind the window of the next query are
+released as the request advances (their table entries become NULL_BLOCK), so a long request
+holds O(window) blocks.
 """
 from __future__ import annotations
 
@@ -10,6 +13,10 @@ from slipstream.kv_cache.block_pool import BlockPool
 from slipstream.kv_cache.hashing import BlockHash, hash_block_tokens
 from slipstream.kv_cache.host_tier import HostTier, Transfer
 
+# What a released block's table entry reads: a valid index, never read by attention (each
+# layer's kernels start at its window).
+NULL_BLOCK = 0
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -17,17 +24,24 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, sliding_window: int | None = None):
+        """sliding_window: the widest window when every layer has one (models/layer_types.py
+        freeable_window); blocks behind it are released. None: tables only grow."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_host_blocks and not enable_prefix_caching:
             raise ValueError("the host KV tier holds cached prefixes: it needs prefix caching")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already offered to the prefix cache.
         self._num_hashed: dict[str, int] = {}
+        # Leading blocks of each table released behind the sliding window (NULL_BLOCK now).
+        self._num_released: dict[str, int] = {}
         # Chained hashes of each request's full blocks, grown lazily (kept across retries).
         self._hashes: dict[str, list[BlockHash]] = {}
         # Lookup stats held back until the admission they belong to succeeds, so a request
@@ -65,6 +79,19 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once, computed in chunks of
+        at most max_chunk tokens: all of them, or with a sliding window the window behind a
+        chunk plus the chunk (and a partly covered block at each end)."""
+        need = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return need
+        return min(need, cdiv(self.sliding_window - 1 + max_chunk, self.block_size) + 1)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (released ones not counted)."""
+        return len(self._tables.get(request_id, ())) - self._num_released.get(request_id, 0)
 
     # ---- prefix cache ------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -108,6 +135,8 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.get(rid)
+        if table is not None and self.sliding_window is not None:
+            self._release_behind_window(request, table)
         if table is not None and not new_computed_blocks:
             # Fast path (most decode steps): the table already covers the new tokens.
             total_tokens = request.num_computed_tokens + num_new_tokens
@@ -156,10 +185,12 @@ class KVCacheManager:
         so its resume finds them there even if the GPU evicts them first."""
         if self.host is None:
             return
-        table = self._tables.get(request.request_id, [])
-        num_written = min(self._num_hashed.get(request.request_id, 0),
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        num_written = min(self._num_hashed.get(rid, 0),
                           request.num_computed_tokens // self.block_size)
-        for block_id in table[:num_written]:
+        # Released entries (NULL_BLOCK) are not this request's blocks: nothing to copy.
+        for block_id in table[self._num_released.get(rid, 0):num_written]:
             block_hash = self.pool.block_hash[block_id]
             if block_hash is not None:
                 self._offload(block_id, block_hash)
@@ -200,18 +231,19 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self._tables.pop(rid, None)
+        released = self._num_released.pop(rid, 0)
         self._num_hashed.pop(rid, None)
         self._hashes.pop(rid, None)
         self._pending_stats.pop(rid, None)
         self._host_hits.pop(rid, None)
         if not table:
             return
-        first_unwritten = request.num_computed_tokens // self.block_size
+        first_unwritten = max(request.num_computed_tokens // self.block_size, released)
         for block_id in table[first_unwritten:]:
             if self.pool.ref_cnt[block_id] == 1:
                 self.pool.uncache_block(block_id)
         # Tail first: the tail of a chain is useless without its head, so it goes first.
-        self.pool.free(reversed(table))
+        self.pool.free(reversed(table[released:]))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Speculative decoding's rollback: free the blocks past those holding the first
@@ -219,7 +251,7 @@ class KVCacheManager:
         tokens, so none is in the prefix cache; a hash is withdrawn all the same."""
         rid = request.request_id
         table = self._tables.get(rid)
-        keep = self.num_blocks_for(num_tokens)
+        keep = max(self.num_blocks_for(num_tokens), self._num_released.get(rid, 0))
         if not table or len(table) <= keep:
             return
         extra = table[keep:]
@@ -235,23 +267,44 @@ class KVCacheManager:
         reference each), the partly filled last block copied into a fresh block (copy on
         write). Returns the (source, destination) block pairs the runner must copy before the
         next forward, or None, changing nothing, when no block is free for the copy."""
-        table = self._tables.get(parent.request_id, [])
+        pid, cid = parent.request_id, child.request_id
+        table = self._tables.get(pid, [])
         num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
         if partial and self.pool.num_free_blocks < 1:
             return None
-        shared = table[:num_full]
+        # Entries released behind the sliding window stay NULL_BLOCK, owned by nobody: the
+        # child's table starts with as many, and only held blocks gain a reference.
+        released = min(self._num_released.get(pid, 0), num_full)
+        shared = table[released:num_full]
         self.pool.touch(shared)
         copies = []
         if partial:
             (dst,) = self.pool.allocate(1)
             copies.append((table[num_full], dst))
-        pid, cid = parent.request_id, child.request_id
-        self._tables[cid] = shared + [dst for _, dst in copies]
+        self._tables[cid] = [NULL_BLOCK] * released + shared + [dst for _, dst in copies]
+        if released:
+            self._num_released[cid] = released
         self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
         self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
         return copies
 
     # ---- internals ---------------------------------------------------------------------
+    def _release_behind_window(self, request: Request, table: list[int]) -> None:
+        """Release the blocks no coming query can see: the next query sits at
+        num_computed_tokens or later, and sees keys from num_computed_tokens - W + 1 on.
+        Launched steps still reading them run before any later step's writes (one stream)."""
+        rid = request.request_id
+        first_needed = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        keep_from = min(first_needed // self.block_size, len(table))
+        done = self._num_released.get(rid, 0)
+        if keep_from <= done:
+            return
+        behind = table[done:keep_from]
+        table[done:keep_from] = [NULL_BLOCK] * (keep_from - done)
+        self._num_released[rid] = keep_from
+        # Tail first, as in free(): a chain's head is worth more to the prefix cache.
+        self.pool.free(reversed(behind))
+
     def _request_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The request's chained hashes, grown to cover its first `num_blocks` full blocks."""
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -278,7 +331,7 @@ class KVCacheManager:
         # Only blocks whose tokens are all known (multi-step decode reserves slots ahead; an
         # async step's sampled token is a placeholder until read).
         num_full = min(total_tokens, request.num_known_tokens) // self.block_size
-        start = self._num_hashed[rid]
+        start = max(self._num_hashed[rid], self._num_released.get(rid, 0))
         if num_full <= start:
             return
         hashes = self._request_hashes(request, num_full)

@@ -32,7 +32,10 @@ def get_attention_backend(device: str, ops: SimpleNamespace):
 class Attention(nn.Module):
     """Multi-head / grouped-query attention for q [T, Hq*D], k and v [T, Hkv*D] (not rotated)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend,
+                 sliding_window: int | None = None, logit_softcap: float | None = None):
+        """sliding_window W: a query sees its last W positions only (Mistral, Gemma's local
+        layers); logit_softcap c: scores become c * tanh(scores / c) (Gemma 2)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
@@ -40,6 +43,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window or None
+        self.logit_softcap = logit_softcap
         # Buffers, not parameters: weight loading, dummy init and checkpoint export skip them;
         # they follow the model's device and stay put for CUDA-graph replay.
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
@@ -64,6 +69,10 @@ class Attention(nn.Module):
             kv = {"k_scale": self.k_scale, "v_scale": self.v_scale}
         if self.l2_prefetch is not None:
             kv["l2_prefetch"] = self.l2_prefetch
+        if self.sliding_window is not None:
+            kv["sliding_window"] = self.sliding_window
+        if self.logit_softcap is not None:
+            kv["logit_softcap"] = self.logit_softcap
         out = self.backend.forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
                                    self.scale, **kv)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): one class, config flags for the variants.
 
-Qwen2: bias on q/k/v. Qwen3: RMSNorm on each head of q and k before RoPE. Parameter names follow
+Qwen2: bias on q/k/v. Qwen3: RMSNorm on each head of q and k before RoPE. Mistral (and Qwen
+where configured): sliding-window attention (models/layer_types.py). Parameter names follow
 the HF checkpoint, except q/k/v and gate/up which are fused (see `packed_modules_mapping`).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
 from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.models.layer_types import layer_sliding_windows, within
 from slipstream.parallel.pipeline import PipelineStage, stage_of
 from slipstream.parallel.sharding import kv_heads_per_rank
 from slipstream.quantization.base import QuantMethodFactory, UnquantizedLinearMethod
@@ -53,7 +55,12 @@ class BuildContext:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None, *,
+                 scale: float | None = None, logit_softcap: float | None = None,
+                 qk_norm: bool | None = None, norm_offset: float = 0.0):
+        """Options for other families: the score scale (default head_dim ** -0.5),
+        attention-logit soft-capping, q/k norms (default: the config's qk_norm) and their
+        weight offset (Gemma's 1 + w)."""
         super().__init__()
         cfg = ctx.cfg
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -66,12 +73,14 @@ class LlamaAttention(nn.Module):
                                           **ctx.linear_kwargs(f"{prefix}.qkv_proj"))
         self.o_proj = RowParallelLinear(hq * d, cfg.hidden_size, o_bias,
                                         **ctx.linear_kwargs(f"{prefix}.o_proj"))
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
+        if cfg.qk_norm if qk_norm is None else qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops, norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, ctx.dtype, ctx.ops, norm_offset)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(hq // ctx.tp_size, hkv_local, d, d**-0.5, ctx.backend)
+        self.attn = Attention(hq // ctx.tp_size, hkv_local, d, d**-0.5 if scale is None else scale,
+                              ctx.backend, sliding_window=sliding_window,
+                              logit_softcap=logit_softcap)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -135,10 +144,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: BuildContext, prefix: str):
+    def __init__(self, ctx: BuildContext, prefix: str, sliding_window: int | None = None):
         super().__init__()
         cfg = ctx.cfg
-        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(ctx, f"{prefix}.self_attn", sliding_window)
         self.mlp = (ctx.mlp_factory or LlamaMLP)(ctx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype,
@@ -186,13 +195,15 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype,
                                             ctx.tp_size, ctx.tp_rank)
                              if stage.has_embedding else None)
+        windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}") if stage.owns_layer(i) else nn.Module()
+            LlamaDecoderLayer(ctx, f"{prefix}.layers.{i}", within(windows[i], ctx.max_positions))
+            if stage.owns_layer(i) else nn.Module()
             for i in range(cfg.num_hidden_layers))
         self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
                      if stage.has_head else None)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
-                                          cfg.rope_scaling)
+                                          cfg.rope_scaling, cfg.max_position_embeddings)
         self.hidden_size, self.dtype = cfg.hidden_size, ctx.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -222,7 +233,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, ctx: BuildContext):
         super().__init__()
         self.config = ctx.cfg
-        _warn_unsupported(ctx.cfg)
         self.model = LlamaModel(ctx, "model")
         tied = self.model.embed_tokens if ctx.cfg.tie_word_embeddings else None
         self.lm_head = None
@@ -281,14 +291,6 @@ class LlamaForCausalLM(nn.Module):
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
     """A layer's parameters and buffers (weights, scales, zeros, bias), not its children's."""
     return [t.data for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))]
-
-
-def _warn_unsupported(cfg: ModelConfig) -> None:
-    window = cfg.hf_config.get("sliding_window")
-    uses_window = cfg.hf_config.get("use_sliding_window", cfg.hf_config.get("model_type") == "mistral")
-    if window and uses_window and window < cfg.max_position_embeddings:
-        logger.warning("sliding_window=%d is not implemented: attention is full-context, so "
-                       "outputs past %d tokens differ from the reference model", window, window)
 
 
 # Same network, different checkpoints' names for it.

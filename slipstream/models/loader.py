@@ -262,8 +262,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     layers.expect((pname.rpartition(".")[0], name) for name, (pname, _) in name_map.items())
     ignored = getattr(model, "ignored_checkpoint_tensor", lambda name: False)
     aliases = tied_head_alias(model)  # pipeline parallel: a tied head on the last stage
+    # A model may accept other spellings of its tensor names (GPT-2 with or without its prefix).
+    rename = getattr(model, "checkpoint_name", lambda name: name)
     seen: set[str] = set()
     for name, tensor in weights:
+        name = rename(name)
         name = aliases.get(name, name)
         if ignored(name):
             continue

@@ -11,6 +11,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("slipstream.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("slipstream.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("slipstream.models.llama", "Qwen3ForCausalLM"),
+    "Gemma2ForCausalLM": ("slipstream.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("slipstream.models.gemma", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("slipstream.models.gemma", "Gemma3ForConditionalGeneration"),
+    "Phi3ForCausalLM": ("slipstream.models.phi3", "Phi3ForCausalLM"),
+    "GPT2LMHeadModel": ("slipstream.models.gpt2", "GPT2LMHeadModel"),
     "MixtralForCausalLM": ("slipstream.models.moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("slipstream.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("slipstream.models.moe", "Qwen3MoeForCausalLM"),
@@ -36,3 +41,15 @@ def get_model_class(arch: str) -> type[nn.Module]:
                          f"{', '.join(supported_architectures())}")
     module, name = _MODELS[arch]
     return getattr(importlib.import_module(module), name)
+
+
+def check_parallel_support(arch: str, tp_size: int, pp_size: int) -> None:
+    """ValueError when the family cannot be split as asked (a class says so with
+    `supports_tensor_parallel` / `supports_pipeline_parallel` = False)."""
+    cls = get_model_class(arch)
+    if tp_size > 1 and not getattr(cls, "supports_tensor_parallel", True):
+        raise ValueError(f"{arch} does not support tensor parallelism: use "
+                         "tensor_parallel_size 1")
+    if pp_size > 1 and not getattr(cls, "supports_pipeline_parallel", True):
+        raise ValueError(f"{arch} does not support pipeline parallelism: use "
+                         "pipeline_parallel_size 1")

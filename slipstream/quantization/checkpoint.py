@@ -231,8 +231,9 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         for pname, _ in layer.named_parameters():  # e.g. ignored input scales
             done.add(f"{name}.{pname}")
     for name, p in model.named_parameters():
-        if name not in done:
-            out[name] = p.data
+        if name not in done:  # minus what loading added (layers/norm.py: Gemma's 1 + w)
+            offset = getattr(p, "checkpoint_offset", 0.0)
+            out[name] = p.data - offset if offset else p.data
     return out
 
 

@@ -31,14 +31,16 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_lora_slots: int = 0):
+                 num_lora_slots: int = 0, sliding_window: int | None = None):
+        """sliding_window: every layer's widest window, when all have one (blocks behind it
+        are released as requests advance: kv_cache/manager.py)."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the scheduler")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            num_host_blocks=cache_config.num_host_blocks,
+            num_host_blocks=cache_config.num_host_blocks, sliding_window=sliding_window,
         )
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.running: list[Request] = []  # in order of admission
@@ -53,7 +55,11 @@ class Scheduler:
         self.num_preemptions = 0
         # A sequence can never outgrow the whole cache: at capacity + 1 tokens the next step
         # would need more blocks than exist, so it ends there (length) instead of hanging.
+        # With a sliding window on every layer a request holds a bounded number of blocks.
         capacity = cache_config.num_blocks * cache_config.block_size
+        if self.kv.peak_blocks(scheduler_config.max_model_len, self._max_chunk()) \
+                <= cache_config.num_blocks:
+            capacity = scheduler_config.max_model_len
         self._max_seq_len = min(scheduler_config.max_model_len, capacity + 1)
         # LoRA (slipstream/lora/slots.py): device slots pinned by running requests.
         self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
@@ -86,7 +92,8 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt has {num_prompt} tokens but max_model_len is "
                 f"{max_len}; the prompt must leave room for at least one output token")
-        need, total = self.kv.num_blocks_for(num_prompt + 1), self.kv.num_total_blocks
+        need = self.kv.peak_blocks(num_prompt + 1, self._max_chunk())
+        total = self.kv.num_total_blocks
         if need > total:
             raise ValueError(
                 f"request {rid!r}: prompt of {num_prompt} tokens needs {need} KV blocks of "
@@ -116,6 +123,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
+
+    def _max_chunk(self) -> int:
+        """The most tokens of one request a step computes (the whole prompt without chunked
+        prefill)."""
+        if self.config.enable_chunked_prefill:
+            return self.config.max_num_tokens
+        return self.config.max_model_len
 
     def abort_requests(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

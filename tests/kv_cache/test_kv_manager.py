@@ -176,3 +176,74 @@ def test_hits_only_on_admission():
     _admit(kv, a)
     with pytest.raises(ValueError, match="already has blocks"):
         kv.allocate_slots(a, 1, [3])
+
+
+def test_sliding_window_releases_blocks_behind_it():
+    """Window 6, blocks of 4: before computing from token c, blocks wholly below c - 5 go back
+    to the pool (their entries read NULL_BLOCK); free and trim skip them; the cached ones stay
+    reusable as prefix hits."""
+    from slipstream.kv_cache.manager import NULL_BLOCK
+
+    kv = KVCacheManager(16, BS, sliding_window=6)
+    req = _req("a", list(range(20)))
+    _admit(kv, req, num_new=8)
+    first_two = kv.get_block_ids("a")[:2]
+    req.num_computed_tokens = 8  # next queries at 8.. see keys from 3 on: block 0 still needed
+    assert kv.allocate_slots(req, 8)
+    assert kv.num_held_blocks("a") == 4 and kv.num_free_blocks == 12
+    req.num_computed_tokens = 16  # keys from 11 on: blocks 0 and 1 released, 2 (8-11) kept
+    assert kv.allocate_slots(req, 4)
+    assert kv.get_block_ids("a")[:2] == [NULL_BLOCK] * 2
+    assert kv.num_held_blocks("a") == 3 and kv.num_free_blocks == 13
+    assert kv.peak_blocks(10_000, 8) == 5  # cdiv(6 - 1 + 8, 4) + 1
+    req.num_computed_tokens = 20
+    kv.trim(req, 20)
+    kv.free(req)
+    assert kv.num_free_blocks == 16
+    other = _req("b", list(range(20)))  # same prompt: the released blocks are prefix hits
+    hits, num_hit = kv.get_computed_blocks(other)
+    assert hits[:2] == first_two and num_hit == 16
+
+
+def _past_the_window(kv: KVCacheManager) -> Request:
+    """A 20-token request with 18 computed under window 6: blocks 0 and 1 released."""
+    req = _req("a", list(range(20)))
+    _admit(kv, req, num_new=8)
+    req.num_computed_tokens = 8
+    assert kv.allocate_slots(req, 8)
+    req.num_computed_tokens = 16
+    assert kv.allocate_slots(req, 4)
+    req.num_computed_tokens = 18
+    return req
+
+
+def test_fork_keeps_released_entries_unreferenced():
+    """Beam search's fork past the window: the child's first entries are NULL_BLOCK without a
+    reference, the held full blocks are shared, the partial one copied; both free cleanly."""
+    from slipstream.kv_cache.manager import NULL_BLOCK
+
+    kv = KVCacheManager(16, BS, sliding_window=6)
+    parent = _past_the_window(kv)
+    table = list(kv.get_block_ids("a"))
+    null_refs = kv.pool.ref_cnt[NULL_BLOCK]
+    child = _req("b", list(range(20)))
+    copies = kv.fork(parent, child)
+    child.num_computed_tokens = 18
+    assert copies == [(table[4], kv.get_block_ids("b")[4])]
+    assert kv.get_block_ids("b")[:4] == [NULL_BLOCK, NULL_BLOCK, table[2], table[3]]
+    assert kv.pool.ref_cnt[NULL_BLOCK] == null_refs
+    assert [kv.pool.ref_cnt[b] for b in table[2:4]] == [2, 2]
+    assert kv.num_held_blocks("b") == 3
+    kv.free(child)
+    kv.free(parent)
+    assert kv.num_free_blocks == 16
+
+
+def test_host_offload_skips_released_entries():
+    kv = KVCacheManager(16, BS, num_host_blocks=8, sliding_window=6)
+    req = _past_the_window(kv)
+    held = kv.get_block_ids("a")[2:4]
+    kv.offload_request(req)
+    outs = [t for t in kv.take_transfers() if t[0] == "out"]
+    assert sorted(src for _, src, _ in outs) == sorted(held)
+    assert kv.blocks_offloaded == 2

@@ -19,6 +19,9 @@ from tests.helpers import load_hf_model, max_rel_err
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 CASES = [
     ("LlamaForCausalLM", {}),
     ("MistralForCausalLM", {}),
@@ -30,6 +33,22 @@ CASES = [
     ("Qwen3ForCausalLM", {"tie_word_embeddings": True, "rope_scaling": LLAMA3}),
     ("LlamaForCausalLM", {"num_attention_heads": 4, "num_key_value_heads": 4}),  # plain MHA
     ("LlamaForCausalLM", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8}),
+    # Sliding windows shorter than the prompt: every layer (Mistral), layers past the first (Qwen2)
+    ("MistralForCausalLM", {"sliding_window": 16}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 12,
+                          "max_window_layers": 1}),
+    # tests/helpers.FAMILY_DEFAULTS: windows of 8, soft-capping, query_pre_attn_scalar 24
+    ("Gemma2ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {}),
+    ("Gemma3ForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("Phi3ForCausalLM", {}),  # q/k/v and gate/up fused in the checkpoint
+    # The 45-token prompt stays inside the original context (see tests/layers/test_rotary.py)
+    ("Phi3ForCausalLM", {"original_max_position_embeddings": 64, "rope_scaling": LONGROPE}),
+    ("Phi3ForCausalLM", {"sliding_window": 10}),
+    ("LlamaForCausalLM", {"rope_scaling": YARN}),
+    ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
+    ("GPT2LMHeadModel", {}),
+    ("GPT2LMHeadModel", {"activation_function": "gelu", "tie_word_embeddings": False}),
 ]
 REL_TOL = 1e-4
 
@@ -106,3 +125,77 @@ def test_l2_prefetch_tables_cover_o_then_gate_up(tiny_llama_dir):
         assert any(a == gu_w.data_ptr() for a, _ in table)
     assert model.attach_l2_prefetch(0) == 0
     assert all(layer.self_attn.attn.l2_prefetch is None for layer in model.model.layers)
+
+
+def test_gpt2_openai_checkpoint_names(tiny_checkpoint, tmp_path):
+    """OpenAI's GPT-2 files: no `transformer.` prefix, causal-mask buffers saved as tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint("GPT2LMHeadModel")
+    tensors = load_file(src / "model.safetensors")
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()
+               if k != "lm_head.weight"}
+    renamed["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    save_file(renamed, tmp_path / "model.safetensors")
+    prompt = list(range(3, 30))
+    ours = full_logits(make_runner(tmp_path), prompt, list(range(8)))
+    assert max_rel_err(ours, hf_logits(src, prompt)) < REL_TOL
+
+
+def test_gemma_config_without_tie_flag_ties(tiny_checkpoint, tmp_path):
+    """Gemma's configs often omit tie_word_embeddings: the head is the embedding all the same."""
+    import json
+    import shutil
+
+    src = tiny_checkpoint("Gemma2ForCausalLM")
+    shutil.copytree(src, tmp_path / "g", dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    cfg.pop("tie_word_embeddings", None)
+    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
+    prompt = list(range(3, 20))
+    ours = full_logits(make_runner(tmp_path / "g"), prompt, list(range(8)))
+    assert max_rel_err(ours, hf_logits(src, prompt)) < REL_TOL
+
+
+def test_gemma_written_checkpoint_keeps_norm_weights(tiny_checkpoint):
+    """Norms hold 1 + w once loaded; a checkpoint written from the model has w again."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization.checkpoint import checkpoint_tensors
+
+    src = tiny_checkpoint("Gemma3ForCausalLM")
+    written = checkpoint_tensors(make_runner(src).model)
+    original = load_file(src / "model.safetensors")
+    norms = [n for n in original if n.endswith("norm.weight")]
+    assert len(norms) == 2 * 6 + 1  # 4 + q/k a layer, the final norm
+    for name in norms:
+        torch.testing.assert_close(written[name].float(), original[name], atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
+    """Gemma3ForConditionalGeneration: its language model's logits on a text prompt, the vision
+    tower and projector skipped, the settings read from text_config."""
+    from transformers import Gemma3Config, SiglipVisionConfig
+    from transformers import Gemma3ForConditionalGeneration as HFGemma3
+
+    from tests.helpers import tiny_config
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_config("Gemma3ForCausalLM").to_dict(),
+                          vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    hf = HFGemma3(config).float().eval()
+    for name, param in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            param.normal_(0.0, 0.2)
+    hf.save_pretrained(tmp_path)
+    prompt = list(range(3, 40))
+    ours = full_logits(make_runner(tmp_path), prompt, list(range(10)))
+    ref = hf(torch.tensor([prompt])).logits[0].float()
+    assert max_rel_err(ours, ref) < REL_TOL

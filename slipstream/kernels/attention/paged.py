@@ -99,28 +99,34 @@ def _quantized_to_f16(v, KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr):
 @triton.jit
 def _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v,
                stride_kb, stride_ks, stride_vb, stride_vs, q_pos, seq_len, qk_scale,
-               tree_bits, ctx_len,
+               tree_bits, ctx_len, kv_start, window, cap_log2,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
                F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-               ASM_CVT: tl.constexpr, TREE: tl.constexpr):
+               ASM_CVT: tl.constexpr, TREE: tl.constexpr, SLIDING: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """One K/V tile of BLOCK_N tokens: scores, online-softmax update, accumulate P @ V."""
     kt, v = _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb,
-                     stride_ks, stride_vb, stride_vs, seq_len, BLOCK_N, BLOCK_D, HEAD_DIM,
-                     PAGE_SIZE)
+                     stride_ks, stride_vb, stride_vs, kv_start, seq_len, BLOCK_N, BLOCK_D,
+                     HEAD_DIM, PAGE_SIZE, SLIDING)
     return _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_bits,
-                        ctx_len, BLOCK_N, MASKED, DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT,
-                        TREE)
+                        ctx_len, window, cap_log2, BLOCK_N, MASKED, DOT_PREC, F16_KV, P_DTYPE,
+                        KV_QUANT, ASM_CVT, TREE, SLIDING, SOFTCAP)
 
 
 @triton.jit
 def _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb, stride_ks,
-             stride_vb, stride_vs, kv_end, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """K ([D, N], transposed) and V ([N, D]) of one tile as stored; positions >= kv_end read 0."""
+             stride_vb, stride_vs, kv_start, kv_end, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+             SLIDING: tl.constexpr = False):
+    """K ([D, N], transposed) and V ([N, D]) of one tile as stored; positions >= kv_end read 0,
+    and with SLIDING those before kv_start too (their blocks may be freed: the table entry is
+    not even read)."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_ok = offs_n < kv_end
+    if SLIDING:
+        kv_ok = kv_ok & (offs_n >= kv_start)
     d_ok = offs_d < HEAD_DIM  # constant over runs of 16 (head_dim % 16 == 0): loads stay wide
     blk = tl.load(bt_row + offs_n // PAGE_SIZE, mask=kv_ok, other=0).to(tl.int64)
     row = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -138,18 +144,23 @@ def _tile_kv(tile, bt_row, k_ptr, v_ptr, kv_head_off_k, kv_head_off_v, stride_kb
 
 @triton.jit
 def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_bits, ctx_len,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
-                 F16_KV: tl.constexpr, P_DTYPE: tl.constexpr, KV_QUANT: tl.constexpr,
-                 ASM_CVT: tl.constexpr, TREE: tl.constexpr = False):
+                 window, cap_log2, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PREC: tl.constexpr, F16_KV: tl.constexpr, P_DTYPE: tl.constexpr,
+                 KV_QUANT: tl.constexpr, ASM_CVT: tl.constexpr, TREE: tl.constexpr = False,
+                 SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     """Scores of q against one loaded tile, the online-softmax update, acc += P @ V.
     TREE: tree_bits ([BLOCK_M] int64) is each row's set of visible chunk positions (bit j:
-    position ctx_len + j; -1 for ordinary causal rows), see speculative/tree.py."""
+    position ctx_len + j; -1 for ordinary causal rows), see speculative/tree.py.
+    SOFTCAP: qk_scale is scale / cap and the scores become tanh(.) * cap (in log2 units,
+    cap_log2); SLIDING: a row at position p sees keys above p - window only."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     kv_ok = offs_n < seq_len
     if F16_KV:
         s = tl.dot(q, _quantized_to_f16(kt, KV_QUANT, ASM_CVT)) * qk_scale
     else:
         s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PREC) * qk_scale
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (e^2x + 1): saturates to +-1 without inf - inf
+        s = (1.0 - 2.0 / (tl.math.exp2(s * 2.8853900817779268) + 1.0)) * cap_log2
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         if TREE:  # a draft tree's rows see the prefix and their ancestors only
@@ -157,6 +168,8 @@ def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_b
             in_chunk = (rel >= 0) & (rel < 64)
             bit = (tree_bits[:, None] >> tl.where(in_chunk, rel, 0)[None, :]) & 1
             visible = visible & ((bit != 0) | (in_chunk == 0)[None, :])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows that have seen nothing yet keep m = -inf; shift them by 0 to avoid inf - inf.
@@ -174,20 +187,22 @@ def _tile_update(acc, m_i, l_i, q, kt, v, tile, q_pos, seq_len, qk_scale, tree_b
 
 
 # The split count and batch size vary step to step: runtime ints, never recompile triggers.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "attn_rows", "pf_spans", "pf_chunk"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "attn_rows", "pf_spans", "pf_chunk",
+                               "window"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr, cnt_ptr, qsl_ptr, seq_lens_ptr,
     bt_ptr, ks_ptr, vs_ptr, num_seqs, num_splits, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_pt,
     stride_ph, stride_ps,
     kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_cs, pf_ptr, pf_spans, pf_chunk, attn_rows, tree_ptr,
+    stride_cs, pf_ptr, pf_spans, pf_chunk, attn_rows, tree_ptr, window, cap_log2,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr, USE_PDL: tl.constexpr = False, FUSE_ROPE: tl.constexpr = False,
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, TREE: tl.constexpr = False,
+    SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -222,12 +237,20 @@ def _paged_attn_kernel(
     # KV tiles this program covers: its share of [0, last visible position of the q tile].
     kv_end = ctx_len + tl.minimum(q0 + BLOCK_Q, q_len)
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
+    # A sliding window starts the range at the first key the tile's first row sees; tiles
+    # below t_mask_lo hold keys some row of the tile no longer sees (masked).
+    kv_start = ctx_len * 0
+    t_mask_lo = ctx_len * 0
+    if SLIDING:
+        kv_start = tl.maximum(ctx_len + q0 - window + 1, 0)
+        t_mask_lo = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N)
+    tile0 = kv_start // BLOCK_N
+    per_split = tl.cdiv(n_tiles - tile0, num_splits)
+    t_lo = tile0 + split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
     # Splits are sized for the longest context a CUDA graph will see; a shorter one leaves the
     # trailing splits without tiles. They leave now, and the merge covers only the used ones.
-    used_splits = tl.cdiv(n_tiles, per_split)
+    used_splits = tl.cdiv(n_tiles - tile0, per_split)
     if split >= used_splits:
         _wait_if(PRELOAD, USE_PDL)
         return
@@ -245,8 +268,8 @@ def _paged_attn_kernel(
     off_v = kv_head.to(tl.int64) * stride_vh
     if PRELOAD:  # every cached position of the first tile; the new token's row reads 0 here
         kt0, v0 = _tile_kv(t_lo, bt_row, k_ptr, v_ptr, off_k, off_v, stride_kb, stride_ks,
-                           stride_vb, stride_vs, seq_len - 1, BLOCK_N, BLOCK_D, HEAD_DIM,
-                           PAGE_SIZE)
+                           stride_vb, stride_vs, kv_start, seq_len - 1, BLOCK_N, BLOCK_D,
+                           HEAD_DIM, PAGE_SIZE, SLIDING)
         pdl_wait(USE_PDL)
     if FUSE_ROPE:  # decode: q arrives unrotated (see paged_attention's rope argument)
         pos = tl.load(pos_ptr + token, mask=row_ok, other=0)[:, None]
@@ -286,8 +309,9 @@ def _paged_attn_kernel(
         kt0 = tl.where(own[None, :], tl.trans(k_new), kt0)
         v0 = tl.where(own[:, None], v_new, v0)
         acc, m_i, l_i = _tile_update(acc, m_i, l_i, q, kt0, v0, t_lo, q_pos, seq_len, qk_scale,
-                                     tree_bits, ctx_len, BLOCK_N, True, DOT_PREC, F16_KV,
-                                     P_DTYPE, KV_QUANT, ASM_CVT)
+                                     tree_bits, ctx_len, window, cap_log2, BLOCK_N, True,
+                                     DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, False,
+                                     SLIDING, SOFTCAP)
         first = t_lo + 1
     short = False  # a split of at most SHORT_CHAIN tiles (a runtime test when SHORT_CHAIN > 0)
     if SHORT_CHAIN:
@@ -296,22 +320,33 @@ def _paged_attn_kernel(
         for tile in tl.range(first, t_hi, num_stages=1):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
-                                       HEAD_DIM, PAGE_SIZE, True, DOT_PREC, F16_KV, P_DTYPE,
-                                       KV_QUANT, ASM_CVT, TREE)
+                                       seq_len, qk_scale, tree_bits, ctx_len, kv_start, window,
+                                       cap_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
+                                       DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, TREE,
+                                       SLIDING, SOFTCAP)
     else:
-        for tile in range(first, tl.minimum(t_hi, t_full)):
+        if SLIDING:  # the window's lower edge
+            for tile in range(first, tl.minimum(t_hi, t_mask_lo)):
+                acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
+                                           off_v, stride_kb, stride_ks, stride_vb, stride_vs,
+                                           q_pos, seq_len, qk_scale, tree_bits, ctx_len,
+                                           kv_start, window, cap_log2, BLOCK_N, BLOCK_D,
+                                           HEAD_DIM, PAGE_SIZE, True, DOT_PREC, F16_KV, P_DTYPE,
+                                           KV_QUANT, ASM_CVT, TREE, SLIDING, SOFTCAP)
+        for tile in range(tl.maximum(first, t_mask_lo), tl.minimum(t_hi, t_full)):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
-                                       HEAD_DIM, PAGE_SIZE, False, DOT_PREC, F16_KV, P_DTYPE,
-                                       KV_QUANT, ASM_CVT, False)
-        for tile in range(tl.maximum(first, t_full), t_hi):
+                                       seq_len, qk_scale, tree_bits, ctx_len, kv_start, window,
+                                       cap_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, False,
+                                       DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, False,
+                                       SLIDING, SOFTCAP)
+        for tile in range(tl.maximum(tl.maximum(first, t_full), t_mask_lo), t_hi):
             acc, m_i, l_i = _attn_tile(acc, m_i, l_i, q, tile, bt_row, k_ptr, v_ptr, off_k,
                                        off_v, stride_kb, stride_ks, stride_vb, stride_vs, q_pos,
-                                       seq_len, qk_scale, tree_bits, ctx_len, BLOCK_N, BLOCK_D,
-                                       HEAD_DIM, PAGE_SIZE, True, DOT_PREC, F16_KV, P_DTYPE,
-                                       KV_QUANT, ASM_CVT, TREE)
+                                       seq_len, qk_scale, tree_bits, ctx_len, kv_start, window,
+                                       cap_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE_SIZE, True,
+                                       DOT_PREC, F16_KV, P_DTYPE, KV_QUANT, ASM_CVT, TREE,
+                                       SLIDING, SOFTCAP)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -484,7 +519,8 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     config: AttnConfig | None = None, rope: RopeInput | None = None,
-    l2_prefetch: torch.Tensor | None = None,
+    l2_prefetch: torch.Tensor | None = None, sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each sequence's paged K/V. Returns [T, Hq, D].
     meta.tree_mask (draft trees, speculative/tree.py) narrows chunk rows to their ancestors.
@@ -495,6 +531,8 @@ def paged_attention(
     decode batches only (one query token per sequence), see RopeInput. `l2_prefetch`: a span
     table (kernels/attention/l2_spans.span_table) that a spare row of programs prefetches into L2, in
     split decode launches with `rope` (few sequences: the launch leaves SMs and HBM idle).
+    `sliding_window` and `logit_softcap` as in the reference; a window's programs never read
+    the block-table entries of blocks wholly before it.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -531,14 +569,17 @@ def paged_attention(
     pf_args = (l2_prefetch, l2_prefetch.shape[0], l2_prefetch_chunk(cfg.num_warps)) if spare \
         else (out, 0, 0)
     quant, ks, vs = kv_quant_args(k_cache, v_cache, k_scale, v_scale)
+    # Soft-capping takes the scores in natural units (scale / cap), then tanh(.) * cap in log2.
+    qk_scale = scale / logit_softcap if logit_softcap else scale * _LOG2E
+    cap_log2 = logit_softcap * _LOG2E if logit_softcap else 1.0
     rope_args = _rope_args(q, k_cache, v_cache, meta, rope)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, cnt, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, ks, vs, meta.num_seqs, splits, scale * _LOG2E, q.stride(0), q.stride(1),
+        meta.block_tables, ks, vs, meta.num_seqs, splits, qk_scale, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         num_heads * splits, splits, 1, *rope_args, *pf_args, attn_rows,
-        out if meta.tree_mask is None else meta.tree_mask,
+        out if meta.tree_mask is None else meta.tree_mask, sliding_window or 0, cap_log2,
         GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, SPLIT_KV=splits > 1,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=quant,
@@ -546,7 +587,8 @@ def paged_attention(
         FUSE_ROPE=rope is not None, DECODE=decode, ASM_CVT=q.is_cuda,
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
         PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF,
-        TREE=meta.tree_mask is not None,
+        TREE=meta.tree_mask is not None, SLIDING=bool(sliding_window),
+        SOFTCAP=bool(logit_softcap),
     )
     return out
 

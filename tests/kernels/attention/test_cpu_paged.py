@@ -56,9 +56,42 @@ def test_plan_is_built_once_per_step() -> None:
     q, kc, vc, meta = make_batch([1, 1], [10, 20], num_kv_heads=2, group=2, head_dim=64,
                                  block_size=16, dtype=torch.float32)
     cpu.paged_attention(q, kc, vc, meta, 0.125)
-    plan = meta.__dict__[cpu._PLAN_ATTR]
+    plan = meta.__dict__[cpu._PLAN_ATTR][None]
     cpu.paged_attention(q, kc, vc, meta, 0.125)
-    assert meta.__dict__[cpu._PLAN_ATTR] is plan
+    assert meta.__dict__[cpu._PLAN_ATTR][None] is plan
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 7, 1, 20, 3], [1, 30, 45, 20, 70]),
+    ([1, 1, 1, 1], [17, 3, 64, 40]),
+])
+@pytest.mark.parametrize("window", [5, 16, 33])
+def test_sliding_window_matches_reference(query_lens, seq_lens, window: int) -> None:
+    """Only the blocks the window reaches are gathered; blocks before it may hold anything
+    (the KV manager frees them), so they are filled with NaN here."""
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, num_kv_heads=2, group=2, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=window)
+    _poison_blocks_before_window(kc, vc, meta, window)
+    _check(q, kc, vc, meta, sliding_window=window)
+    _check(q, kc, vc, meta, sliding_window=window, logit_softcap=2.0)
+
+
+def _poison_blocks_before_window(kc, vc, meta, window: int) -> None:
+    qsl, block_size = meta.query_start_loc_cpu, kc.shape[1]
+    for s, seq_len in enumerate(meta.seq_lens_cpu):
+        first = reference.window_start(seq_len - (qsl[s + 1] - qsl[s]), window) // block_size
+        for b in meta.block_tables[s, :first].tolist():
+            kc[b] = vc[b] = float("nan")
+
+
+def test_sliding_window_and_softcap_change_the_result() -> None:
+    """Guards the tests above: the window and the cap are applied at all."""
+    q, kc, vc, meta = make_batch([1, 9], [40, 30], num_kv_heads=2, group=2, head_dim=64,
+                                 block_size=16, dtype=torch.float32, seed=1)
+    full = reference.paged_attention(q, kc, vc, meta, 1.0)
+    windowed = reference.paged_attention(q, kc, vc, meta, 1.0, sliding_window=8)
+    capped = reference.paged_attention(q, kc, vc, meta, 1.0, logit_softcap=1.0)
+    assert (full - windowed).abs().max() > 1e-2 and (full - capped).abs().max() > 1e-2
 
 
 def test_cpu_table(monkeypatch: pytest.MonkeyPatch) -> None:

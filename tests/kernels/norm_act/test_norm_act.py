@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from slipstream.kernels import reference
-from slipstream.kernels.norm_act.activation import silu_and_mul
+from slipstream.kernels.norm_act.activation import gelu_tanh_and_mul, silu_and_mul
 from slipstream.kernels.norm_act.rms_norm import fused_add_rms_norm, rms_norm
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
@@ -56,6 +56,14 @@ def test_silu_and_mul(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(silu_and_mul(x), reference.silu_and_mul(x), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("shape", [(1, 2 * 64), (3, 2 * 1500)])
+def test_gelu_tanh_and_mul(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape) * 4
+    want = reference.gelu_tanh_and_mul(x)
+    torch.testing.assert_close(gelu_tanh_and_mul(x), want, atol=ATOL, rtol=RTOL)
+    assert (want - reference.silu_and_mul(x)).abs().max() > 0.1  # a different activation
+
+
 # ---------------------------------------------------------------------------- GPU (bf16)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 33, 4096])
@@ -80,3 +88,5 @@ def test_gpu_norms_bf16(tokens: int, hidden: int) -> None:
 def test_gpu_silu_and_mul_bf16(tokens: int, inter: int) -> None:
     x = torch.randn(tokens, 2 * inter, device="cuda", dtype=torch.bfloat16) * 4
     torch.testing.assert_close(silu_and_mul(x), reference.silu_and_mul(x), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(gelu_tanh_and_mul(x), reference.gelu_tanh_and_mul(x), atol=2e-2,
+                               rtol=1e-2)

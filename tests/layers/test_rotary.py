@@ -1,0 +1,77 @@
+"""RoPE tables (layers/rotary.py) against transformers' own frequency functions, row by row.
+
+yarn: every position. longrope: positions inside the original context against transformers'
+short factors, later ones against its long factors (what it uses for a sequence that long).
+dynamic: inside the original context the plain frequencies, later ones the NTK base for a
+sequence of the table's length.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.layers.rotary import build_cos_sin_cache
+
+DIM, THETA, MAX_POS, ORIG = 16, 10000.0, 256, 64
+
+
+def _hf(kind: str, params: dict, seq_len: int | None, max_pos: int = MAX_POS):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=DIM, max_position_embeddings=max_pos)
+    config.rope_parameters = {"rope_type": kind, "rope_theta": THETA, **params}
+    if kind == "default":
+        inv_freq, attention = 1.0 / THETA ** (torch.arange(0, DIM, 2).float() / DIM), 1.0
+    else:
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=seq_len)
+    freqs = torch.arange(MAX_POS, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": ORIG},
+        {
+            "factor": 8.0,
+            "original_max_position_embeddings": ORIG,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+    ],
+)
+def test_yarn(params):
+    ours = build_cos_sin_cache(DIM, MAX_POS, THETA, {"rope_type": "yarn", **params}, MAX_POS)
+    torch.testing.assert_close(ours, _hf("yarn", params, None), atol=1e-5, rtol=1e-5)
+
+
+def test_longrope_short_then_long():
+    params = {
+        "short_factor": [1.0 + 0.1 * i for i in range(DIM // 2)],
+        "long_factor": [2.0 + 0.5 * i for i in range(DIM // 2)],
+        "original_max_position_embeddings": ORIG,
+    }
+    ours = build_cos_sin_cache(DIM, MAX_POS, THETA, {"rope_type": "longrope", **params}, MAX_POS)
+    short, long = _hf("longrope", params, ORIG), _hf("longrope", params, ORIG + 1)
+    assert not torch.allclose(short, long)
+    torch.testing.assert_close(ours[:ORIG], short[:ORIG], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[ORIG:], long[ORIG:], atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_ntk():
+    params = {"factor": 2.0}
+    ours = build_cos_sin_cache(DIM, MAX_POS, THETA, {"rope_type": "dynamic", **params}, ORIG)
+    plain = _hf("default", {}, None)
+    ntk = _hf("dynamic", params, MAX_POS, max_pos=ORIG)
+    torch.testing.assert_close(ours[:ORIG], plain[:ORIG], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[ORIG:], ntk[ORIG:], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours[ORIG:], plain[ORIG:])
+
+
+def test_unknown_type_is_a_value_error():
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'su'"):
+        build_cos_sin_cache(DIM, 8, THETA, {"rope_type": "su"})
