@@ -240,8 +240,8 @@ def _leave_a_core_for_the_front_end(config: EngineConfig) -> None:
     configure_cpu_threads(config.cpu_threads, reserve=1)
 
 
-def _watch_parent() -> None:
-    """Exit as soon as stdin closes: the front end died or shut us down."""
+def watch_parent() -> None:
+    """Exit as soon as stdin closes: the process that started this one died or let it go."""
     def watch() -> None:
         # os.read on the raw fd: a thread blocked inside sys.stdin's buffered reader would hold
         # its lock and make interpreter shutdown abort.
@@ -287,7 +287,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     header = json.loads(sys.stdin.buffer.readline())
     config = config_from_dict(EngineConfig, header["config"])
-    _watch_parent()
+    watch_parent()
     code = run_engine_core(config, header["input_addr"], header["output_addr"])
     logging.shutdown()
     sys.stdout.flush()

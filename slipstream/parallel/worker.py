@@ -21,7 +21,7 @@ import traceback
 import zmq
 
 from slipstream import envs
-from slipstream.engine.core_proc import config_from_dict, pack, unpack
+from slipstream.engine.core_proc import config_from_dict, pack, unpack, watch_parent
 
 logger = logging.getLogger("slipstream.parallel.worker")
 
@@ -144,16 +144,6 @@ def _init(header: dict) -> None:
                      header["backend"], envs.WORKER_START_TIMEOUT_S.get())
 
 
-def _watch_parent() -> None:
-    """Exit as soon as stdin closes: the engine process died or let us go."""
-    def watch() -> None:
-        while os.read(sys.stdin.fileno(), 4096):
-            pass
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main() -> None:
     logging.basicConfig(level=envs.LOG_LEVEL.get(),
                         format="%(asctime)s worker %(levelname)s %(message)s")
@@ -161,7 +151,7 @@ def main() -> None:
     # whole process group must not kill a rank in the middle of a collective.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     header = json.loads(sys.stdin.buffer.readline())
-    _watch_parent()
+    watch_parent()
     code = serve(header)
     logging.shutdown()
     sys.stdout.flush()

@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 # running estimate (an exponential moving average over steps).
 _PRIOR_ACCEPTANCE = 0.7
 _EMA_WEIGHT = 0.1
+# With adaptive k at 0 (acceptance too low to pay), one proposal round in this many drafts
+# k = 1 anyway, so the estimate can recover when the text turns predictable again.
+_PROBE_EVERY = 32
 
 
 class SpecStats:
@@ -54,6 +57,7 @@ class SpeculativeDecoder:
         self.acceptance = _PRIOR_ACCEPTANCE
         self.stats = SpecStats()
         self.last_k = config.num_speculative_tokens
+        self._rounds_off = 0  # proposal rounds since adaptive k last drafted anything
 
     @property
     def method(self) -> str:
@@ -70,6 +74,20 @@ class SpeculativeDecoder:
             return cfg.num_speculative_tokens
         return choose_k(batch_size, cfg.num_speculative_tokens, self.acceptance, cfg.ridge_tokens)
 
+    def _probe_due(self, batch_size: int) -> bool:
+        """Adaptive k chose 0: every _PROBE_EVERY such rounds, one with a single draft (never
+        past disable_by_batch_size)."""
+        cfg = self.config
+        if not (self.enabled and cfg.adaptive):
+            return False
+        if cfg.disable_by_batch_size is not None and batch_size >= cfg.disable_by_batch_size:
+            return False
+        self._rounds_off += 1
+        if self._rounds_off < _PROBE_EVERY:
+            return False
+        self._rounds_off = 0
+        return True
+
     def wants(self, batch_size: int) -> bool:
         """Whether steps of this batch size speculate (the engine then reads every step's tokens
         before the next: no async steps or multi-step decode)."""
@@ -79,6 +97,8 @@ class SpeculativeDecoder:
         """Set spec_token_ids of each running request that decodes next (drafts are cleared by
         the scheduler when it schedules the request, used or not)."""
         k = self.num_drafts_for(len(running))
+        if k == 0 and running and self._probe_due(len(running)):
+            k = 1
         if running:
             self.last_k = k
         if k == 0:

@@ -8,12 +8,15 @@ of xgrammar's kernel, used on the CPU and as the test oracle.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from slipstream.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -63,13 +66,25 @@ class BitmaskFiller:
         return buf[:num_rows]
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set logits[i, t] to -inf where bit t of bitmask[i] is 0, for i in rows. In place."""
-    if logits.is_cuda:
-        import xgrammar as xgr
+_DEVICE_KERNEL_OK = True  # False once xgrammar's CUDA kernel failed to build or load here
 
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
-        return
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set logits[i, t] to -inf where bit t of bitmask[i] is 0, for i in rows. In place.
+    On CUDA xgrammar's kernel does it; where that kernel cannot be built (it compiles at first
+    use and needs build tools some images lack) the reference runs on the device instead."""
+    global _DEVICE_KERNEL_OK
+    if logits.is_cuda and _DEVICE_KERNEL_OK:
+        try:
+            import xgrammar as xgr
+
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
+                                            indices=rows)
+            return
+        except (ImportError, RuntimeError, OSError) as exc:
+            _DEVICE_KERNEL_OK = False
+            logger.warning("xgrammar's CUDA bitmask kernel is unavailable (%s); applying the "
+                           "bitmask with torch ops on the device", exc)
     apply_bitmask_reference(logits, bitmask, rows)
 
 

@@ -63,14 +63,7 @@ def test_random_operations_across_tiers(name):
     totals = {"preemptions": 0, "host_hits": 0, "in": 0, "out": 0}
     for seed in range(2):
         fz = TieredFuzz(seed * 104729 + len(name), TIERED[name])
-        for _ in range(1000):
-            r = fz.rng.random()
-            if r < 0.25:
-                fz.add()
-            elif r < 0.29 and fz.live:
-                fz.abort()
-            else:
-                fz.step()
+        fz.random_operations(1000)
         fz.drain()
         kv = fz.sched.kv
         assert not kv._host_hits

@@ -48,6 +48,17 @@ class Fuzz:
         self.next_id = 0
 
     # ---- operations ----------------------------------------------------------------------
+    def random_operations(self, count: int) -> None:
+        """count random operations: about a quarter adds, a few aborts, the rest steps."""
+        for _ in range(count):
+            r = self.rng.random()
+            if r < 0.25:
+                self.add()
+            elif r < 0.29 and self.live:
+                self.abort()
+            else:
+                self.step()
+
     def add(self) -> None:
         rng, cfg = self.rng, self.cfg
         length = rng.choice([0, 1, 2, 5, 9, 17, 30, cfg["max_model_len"] - 1,
@@ -178,14 +189,7 @@ def test_random_operations_leak_nothing(name):
     totals = {"preemptions": 0, "hits": 0, "finished": 0}
     for seed in range(3):
         fz = Fuzz(seed * 7919 + len(name), CONFIGS[name])
-        for _ in range(1200):
-            r = fz.rng.random()
-            if r < 0.25:
-                fz.add()
-            elif r < 0.29 and fz.live:
-                fz.abort()
-            else:
-                fz.step()
+        fz.random_operations(1200)
         if seed == 2:  # also end with everything aborted at once
             for req in fz.sched.abort_requests(list(fz.live)):
                 fz._retire(req.request_id)

@@ -117,14 +117,7 @@ def test_random_speculation_leaks_nothing(name):
     totals = {"preemptions": 0, "hits": 0, "verified": 0}
     for seed in range(2):
         fz = SpecFuzz(seed * 104729 + len(name), CONFIGS[name])
-        for _ in range(800):
-            r = fz.rng.random()
-            if r < 0.25:
-                fz.add()
-            elif r < 0.29 and fz.live:
-                fz.abort()
-            else:
-                fz.step()
+        fz.random_operations(800)
         fz.drain()
         totals["preemptions"] += fz.sched.num_preemptions
         totals["hits"] += fz.sched.kv.prefix_cache_hits

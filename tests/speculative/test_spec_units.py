@@ -86,6 +86,20 @@ def test_adaptive_k_speculates_fully_alone_and_not_at_large_batches():
     assert 0 < choose_k(32, 4, 0.7, 128) < 4
     assert choose_k(128, 4, 0.7, 128) == 0
     assert choose_k(1, 4, 0.0, 128) == 0  # drafts never accepted: no speculation
+    # A speculating step costs more than a plain one even at batch 1: poor acceptance stops it.
+    assert choose_k(1, 4, 0.15, 128) == 0
+
+
+def test_adaptive_k_probes_while_off():
+    from slipstream.speculative.config import SpeculativeConfig
+    from slipstream.speculative.decoder import _PROBE_EVERY, SpeculativeDecoder
+
+    spec = SpeculativeDecoder(SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 4}), proposer=None, max_seq_len=64)
+    spec.acceptance = 0.0
+    assert spec.num_drafts_for(1) == 0
+    due = [spec._probe_due(1) for _ in range(3 * _PROBE_EVERY)]
+    assert sum(due) == 3 and due[_PROBE_EVERY - 1]
 
 
 def test_metrics_families_per_method():
