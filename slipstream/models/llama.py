@@ -261,11 +261,9 @@ class LlamaForCausalLM(nn.Module):
         per_layer = 0
         for i in range(self.model.stage.start, self.model.stage.end):
             layer = self.model.layers[i]
-            attn = layer.self_attn
-            modules = {"o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj}
-            groups = [_own_tensors(modules[name]) for name in targets]
+            groups = [_own_tensors(_prefetch_target(layer, name)) for name in targets]
             table = span_table(groups, budget, groups[0][0].device) if budget else None
-            attn.attn.l2_prefetch = table
+            layer.self_attn.attn.l2_prefetch = table
             per_layer = 0 if table is None else int(table[:, 1].sum())
         return per_layer
 
@@ -286,6 +284,12 @@ class LlamaForCausalLM(nn.Module):
             # A last pipeline stage without the embedding fills its own head (tied_head_alias).
             return self.model.embed_tokens is not None
         return False
+
+
+def _prefetch_target(layer: nn.Module, name: str) -> nn.Module:
+    """A decoder layer's o_proj ("o") or its MLP's gate/up projection ("gate_up"), looked up
+    only when asked: a sparse MoE block has no gate_up_proj."""
+    return layer.self_attn.o_proj if name == "o" else layer.mlp.gate_up_proj
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:

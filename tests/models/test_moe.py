@@ -163,3 +163,13 @@ def test_sizes_count_every_parameter_and_the_active_experts(checkpoints, arch):
                  if i not in (cfg.get("mlp_only_layers") or []))
     unread = sparse * (experts - cfg["num_experts_per_tok"]) * 3 * hidden * inter * 4
     assert every - one_token == unread
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
+def test_l2_prefetch_spans_only_the_attention_output(checkpoints, arch):
+    """The GPU attaches L2 prefetch spans at start-up; an MoE layer has no gate/up projection
+    to name (which experts follow is known only after routing), so only o_proj is prefetched."""
+    model = make_runner(checkpoints[arch]).model
+    o_bytes = sum(t.numel() * t.element_size()
+                  for t in model.model.layers[0].self_attn.o_proj.parameters())
+    assert model.attach_l2_prefetch(1 << 30) == o_bytes
