@@ -193,9 +193,15 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
 
+        # A CPU step has no device work to overlap with: process its outputs right after it,
+        # or a first token would be recorded only after the multi-step decode that follows.
+        overlap = not self.engine_config.device.startswith("cpu")
         try:
             while self.engine.has_unfinished_requests():
-                unprocessed.append(self.engine.step(while_gpu_runs=process_previous))
+                unprocessed.append(self.engine.step(
+                    while_gpu_runs=process_previous if overlap else None))
+                if not overlap:
+                    process_previous()
                 if failed:
                     raise failed[0]
                 if to_abort:

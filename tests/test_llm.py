@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -140,6 +141,21 @@ def test_multi_step_decode_equals_single_step(tiny_llama_dir):
     assert calls == [8, 8, 4]  # 1 prefill token + 8 + 8 + 4 = 21, never past max_tokens
     stats = multi.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_first_token_is_recorded_before_the_decode_that_follows(llm):
+    """On a CPU nothing overlaps a step, so each step's outputs are processed right after it:
+    the prefill's token is timed before the multi-step decode after it runs, not after."""
+    launches = []
+    launch = llm.engine.runner.launch_decode_steps
+    llm.engine.runner.launch_decode_steps = (
+        lambda *args: launches.append(time.monotonic()) or launch(*args))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    finally:
+        llm.engine.runner.launch_decode_steps = launch
+    assert launches and out.metrics.first_token_time < launches[0]
 
 
 def test_n_samples_share_the_prompt_blocks(tiny_llama_dir):
