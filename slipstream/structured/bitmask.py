@@ -66,13 +66,13 @@ class BitmaskFiller:
         return buf[:num_rows]
 
 
-_DEVICE_KERNEL_OK = True  # False once xgrammar's CUDA kernel failed to build or load here
+_DEVICE_KERNEL_OK = True  # False once xgrammar's CUDA kernel failed to load here
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set logits[i, t] to -inf where bit t of bitmask[i] is 0, for i in rows. In place.
-    On CUDA xgrammar's kernel does it; where that kernel cannot be built (it compiles at first
-    use and needs build tools some images lack) the reference runs on the device instead."""
+    On CUDA xgrammar's kernel does it; where xgrammar or its kernel cannot load (a missing
+    dependency, no compiler for its first-use build) the reference runs on the device instead."""
     global _DEVICE_KERNEL_OK
     if logits.is_cuda and _DEVICE_KERNEL_OK:
         try:
