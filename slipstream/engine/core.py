@@ -171,6 +171,7 @@ class EngineCore:
                 # Beam search takes back one token per beam per step: beams never speculate.
                 self.spec.propose([r for r in self.scheduler.running
                                    if not self.beams.owns(r.request_id)])
+            self.spec.step_ended(time.perf_counter())  # measures the cost of verifying
         return failed + outputs
 
     def _step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
@@ -230,7 +231,10 @@ class EngineCore:
     def _apply(self, sched_out: SchedulerOutput, runner_out, num_steps: int
                ) -> list[EngineCoreOutput]:
         """update_from_output and the engine's own bookkeeping of a step read back."""
-        spec_counts = self.spec.record(sched_out, runner_out) if self.spec is not None else {}
+        spec_counts = {}
+        if self.spec is not None:
+            spec_counts = self.spec.record(sched_out, runner_out)
+            self.spec.step_applied(sched_out, num_steps)
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out)
         for out in outputs:

@@ -14,6 +14,7 @@ from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
 from slipstream.speculative import tree
 from slipstream.speculative.adaptive import choose_k
 from slipstream.speculative.config import SpeculativeConfig
+from slipstream.speculative.step_cost import StepCostEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
         self.last_k = config.num_speculative_tokens
         self._rounds_off = 0  # proposal rounds since adaptive k last drafted anything
+        self.step_cost = StepCostEstimator(config.ridge_tokens)
+        self._applied: list[tuple[SchedulerOutput, int]] = []  # steps read back this engine step
+        self._last_step_end: float | None = None
 
     @property
     def method(self) -> str:
@@ -72,7 +76,13 @@ class SpeculativeDecoder:
             return 0
         if not cfg.adaptive:
             return cfg.num_speculative_tokens
-        return choose_k(batch_size, cfg.num_speculative_tokens, self.acceptance, cfg.ridge_tokens)
+        return choose_k(
+            batch_size,
+            cfg.num_speculative_tokens,
+            self.acceptance,
+            cfg.ridge_tokens,
+            self.step_cost.cost_ratio(batch_size),
+        )
 
     def _probe_due(self, batch_size: int) -> bool:
         """Adaptive k chose 0: every _PROBE_EVERY such rounds, one with a single draft (never
@@ -154,6 +164,31 @@ class SpeculativeDecoder:
             self.acceptance += _EMA_WEIGHT * (accepted / proposed - self.acceptance)
         return per_request
 
+    def step_applied(self, sched_out: SchedulerOutput, num_steps: int) -> None:
+        """The engine read back a step that ran num_steps decode steps without the host."""
+        self._applied.append((sched_out, num_steps))
+
+    def step_ended(self, now: float) -> None:
+        """An engine step (`EngineCore.step`, proposing included) ended at `now` (seconds).
+
+        The time since the previous one is the cost of the step read back in between: in steady
+        state that holds with async steps and pipelined multi-step decode too, as each engine
+        step then reads back one step. Engine steps that read back none or two (idle, the first
+        async launch, leaving async mode) are not measured, nor is the one after them; nor are
+        steps with a prefill chunk."""
+        applied, self._applied = self._applied, []
+        last, self._last_step_end = self._last_step_end, now if len(applied) == 1 else None
+        if last is None or len(applied) != 1:
+            return
+        sched_out, num_steps = applied[0]
+        seqs = sched_out.seqs
+        if not seqs or any(s.num_tokens != 1 + s.num_spec_tokens or not s.needs_sample for s in seqs):
+            return
+        if any(s.num_spec_tokens for s in seqs):
+            self.step_cost.record_verify(len(seqs), sched_out.num_batched_tokens, now - last)
+        else:
+            self.step_cost.record_plain(len(seqs), now - last, num_steps)
+
     def forget(self, request_ids) -> None:
         self.proposer.forget(request_ids)
 
@@ -166,6 +201,7 @@ class SpeculativeDecoder:
             "spec_acceptance_rate": s["acceptance_rate"],
             "spec_mean_accepted_length": s["mean_accepted_length"],
             "spec_num_speculative_tokens": self.last_k,
+            "spec_step_cost_ratio": self.step_cost.ratios(),
             "speculative": {self.method: s},
         }
 
