@@ -42,7 +42,8 @@ def _spec_run(llm, requests, rate: float, adaptive: bool) -> dict:
     return {"a": rate, "adaptive": adaptive, "tok_s": tok_s,
             "acceptance_rate": stats["spec_acceptance_rate"],
             "mean_accepted_length": stats["spec_mean_accepted_length"],
-            "last_k": stats["spec_num_speculative_tokens"]}
+            "last_k": stats["spec_num_speculative_tokens"],
+            "cost_ratio": spec.step_cost.cost_ratio(len(requests))}
 
 
 def main() -> None:
@@ -86,13 +87,14 @@ def main() -> None:
     (out / "speculative_cost.json").write_text(json.dumps(rows, indent=1))
     print(f"\nspeedup vs no speculation (same engine, same run), k=4, {args.model} dummy, "
           f"{args.dtype}")
-    print("| batch | no spec tok/s | a=0.5 | a=0.7 | a=0.9 | a=0.7 adaptive (k) |")
-    print("|---|---|---|---|---|---|")
+    print("| batch | no spec tok/s | a=0.5 | a=0.7 | a=0.9 | a=0.7 adaptive (k) | verify/plain |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         r = row["runs"]
         print(f"| {row['batch']} | {row['baseline_tok_s']:.0f} | " + " | ".join(
             f"{x['tok_s'] / row['baseline_tok_s']:.2f}x" for x in r[:3])
-            + f" | {r[3]['tok_s'] / row['baseline_tok_s']:.2f}x ({r[3]['last_k']}) |")
+            + f" | {r[3]['tok_s'] / row['baseline_tok_s']:.2f}x ({r[3]['last_k']}) | "
+            + (f"{r[3]['cost_ratio']:.2f} |" if r[3]["cost_ratio"] else "- |"))
 
 
 if __name__ == "__main__":
