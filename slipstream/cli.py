@@ -15,6 +15,7 @@ _EPILOG = """examples:
   slipstream generate --prompt "def fibonacci(n):" --max-tokens 64
   slipstream chat
   slipstream serve --port 8000
+  slipstream serve engine/ --port 8000
   slipstream build --model llama-3.1-8b/ --output engine/ --quantization fp8 --max-num-seqs 64
   slipstream bench latency --model llama-3.1-8b --batch-size 1 --input-len 128 --output-len 256
   slipstream bench throughput --model llama-3.1-8b --load-format dummy --num-requests 1000
@@ -67,6 +68,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the model's chat template "
                         "and print only the reply")
+    EngineArgs.add_model_positional(p)
     EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run_generate)

@@ -56,3 +56,25 @@ def test_top_level_help_lists_the_bench_modes(capsys):
 @pytest.mark.parametrize("argv", [["--help"], ["latency", "--help"], ["throughput", "--help"]])
 def test_standalone_bench_cli_help(argv, capsys):
     _help(bench_cli.main, argv, capsys)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return cli.build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_model_is_positional_or_a_flag(command):
+    from slipstream.engine.args import EngineArgs
+
+    for argv, model in [([command, "eng/"], "eng/"), ([command, "--model", "eng/"], "eng/"),
+                        ([command, "eng/", "--model", "eng/"], "eng/"), ([command], None),
+                        ([command, "--max-num-seqs", "4", "eng/"], "eng/")]:
+        assert EngineArgs.from_cli_args(_parse(argv)).model == model, argv
+
+
+@pytest.mark.parametrize("argv", [["serve", "a/", "--model", "b/"],
+                                  ["generate", "--model", "b/", "--prompt", "x", "a/"]])
+def test_two_different_models_are_an_error(argv, capsys):
+    assert cli.main(argv) == 2  # found before any engine starts
+    err = capsys.readouterr().err
+    assert "given twice" in err and "(a/)" in err and "(b/)" in err

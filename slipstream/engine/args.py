@@ -241,10 +241,26 @@ class EngineArgs:
         g.add_argument("--max-cpu-loras", type=int, default=None,
                        help="adapters kept read in host memory (default: --max-loras)")
 
+    @staticmethod
+    def add_model_positional(parser: argparse.ArgumentParser) -> None:
+        """An optional positional MODEL, the same as --model (`slipstream serve ENGINE_DIR`)."""
+        parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                            help="checkpoint directory, GGUF file or engine directory "
+                                 "(the same as --model)")
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        kwargs = {k: v for k, v in vars(ns).items() if k in names}
+        kwargs["model"] = _cli_model(kwargs.get("model"), getattr(ns, "model_positional", None))
+        return cls(**kwargs)
+
+
+def _cli_model(flag: str | None, positional: str | None) -> str | None:
+    if flag is not None and positional is not None and flag != positional:
+        raise ValueError(f"the model is given twice, as MODEL ({positional}) and --model "
+                         f"({flag}): give one of them")
+    return flag if flag is not None else positional
 
 
 def _pooling_config(config: EngineConfig, args: EngineArgs) -> EngineConfig:

@@ -17,6 +17,7 @@ from typing import Any
 
 from slipstream.engine.args import EngineArgs
 from slipstream.engine.async_llm import AsyncLLM, EngineDeadError, RequestAbortedError
+from slipstream.lora.request import LoRARequest
 from slipstream.sampling_params import SamplingParams
 
 
@@ -24,7 +25,9 @@ from slipstream.sampling_params import SamplingParams
 class Response:
     """News of one request. Streaming: the tokens (and logprobs) new since the last response;
     otherwise every output token, in the final response. finish_reason: "stop", "length",
-    "cancelled" or "error" on the final response, else None."""
+    "cancelled" or "error" on the final response, else None. A request with n sequences
+    (`SamplingParams.n`) gets responses for each: `index` (0..n-1) says which, `is_final` ends
+    that sequence, and the request is done once each of its n sequences has had its final one."""
 
     request_id: int
     token_ids: list[int]
@@ -32,6 +35,7 @@ class Response:
     finish_reason: str | None
     is_final: bool
     error: str | None = None
+    index: int = 0
 
 
 class Executor:
@@ -42,7 +46,8 @@ class Executor:
         config = EngineArgs(model=model, **engine_args).create_engine_config()
         self._cond = threading.Condition()
         self._queued: dict[int, list[Response]] = {}
-        self._open: set[int] = set()  # enqueued, final response not yet taken by a caller
+        # enqueued request -> its sequences whose final response no caller has taken yet
+        self._open: dict[int, int] = {}
         self._ids = itertools.count()
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -61,24 +66,20 @@ class Executor:
 
     def enqueue_request(self, prompt_token_ids: Sequence[int],
                         sampling_params: SamplingParams | None = None, streaming: bool = False,
-                        priority: int = 0, lora_request: Any = None) -> int:
+                        priority: int = 0, lora_request: LoRARequest | None = None) -> int:
         """Queue a request; returns its id. A bad request raises ValueError here."""
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not supported by this engine")
         params = sampling_params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"the executor serves one sequence a request, got n={params.n}")
         with self._cond:
             if self._closed:
                 raise RuntimeError("the executor is shut down")
             request_id = next(self._ids)
-            self._open.add(request_id)
+            self._open[request_id] = params.n
         try:
             self._call(self._start(request_id, list(prompt_token_ids), params, streaming,
-                                   priority))
+                                   priority, lora_request))
         except BaseException:
             with self._cond:
-                self._open.discard(request_id)
+                self._open.pop(request_id, None)
             raise
         return request_id
 
@@ -96,7 +97,9 @@ class Executor:
             self._cond.wait_for(lambda: self._ready(request_id), timeout)
             ids = [request_id] if request_id is not None else list(self._queued)
             out = [r for rid in ids for r in self._queued.pop(rid, [])]
-            self._open.difference_update(r.request_id for r in out if r.is_final)
+            for r in out:
+                if r.is_final:
+                    self._close_sequence(r.request_id)
             return out
 
     def cancel_request(self, request_id: int) -> None:
@@ -141,6 +144,11 @@ class Executor:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
 
+    def _close_sequence(self, request_id: int) -> None:
+        self._open[request_id] -= 1
+        if not self._open[request_id]:
+            del self._open[request_id]
+
     def _ready(self, request_id: int | None) -> bool:
         if self._closed and not self._thread.is_alive():
             return True
@@ -154,28 +162,41 @@ class Executor:
             self._cond.notify_all()
 
     async def _start(self, request_id: int, prompt: list[int], params: SamplingParams,
-                     streaming: bool, priority: int) -> None:
-        stream = self._llm.generate(prompt, params, str(request_id), priority)  # may raise
-        asyncio.get_running_loop().create_task(self._pump(request_id, stream, streaming))
+                     streaming: bool, priority: int, lora_request: LoRARequest | None) -> None:
+        stream = self._llm.generate(prompt, params, str(request_id), priority,
+                                    lora_request=lora_request)  # may raise
+        asyncio.get_running_loop().create_task(
+            self._pump(request_id, stream, streaming, params.n))
 
-    async def _pump(self, request_id: int, stream, streaming: bool) -> None:
-        """Turn one request's RequestOutputs into Responses until its final one."""
-        sent = 0
+    async def _pump(self, request_id: int, stream, streaming: bool, n: int) -> None:
+        """Turn one request's RequestOutputs into Responses, each sequence's up to its final
+        one (a sequence may finish before the others)."""
+        sent = [0] * n  # tokens already sent, per sequence (streaming)
+        done = [False] * n
         try:
             async for out in stream:
-                c = out.outputs[0]
-                reason = _finish_reason(c.finish_reason) if out.finished else None
-                if streaming and (len(c.token_ids) > sent or out.finished):
-                    lps = c.logprobs[sent:] if c.logprobs is not None else None
-                    self._push(Response(request_id, list(c.token_ids[sent:]), lps, reason,
-                                        out.finished))
-                    sent = len(c.token_ids)
-                elif out.finished:
-                    self._push(Response(request_id, list(c.token_ids), c.logprobs, reason, True))
+                for c in out.outputs:
+                    if done[c.index]:
+                        continue
+                    final = out.finished or c.finish_reason is not None
+                    reason = _finish_reason(c.finish_reason) if final else None
+                    start = sent[c.index] if streaming else 0
+                    if final or (streaming and len(c.token_ids) > start):
+                        lps = c.logprobs[start:] if c.logprobs is not None else None
+                        self._push(Response(request_id, list(c.token_ids[start:]), lps, reason,
+                                            final, index=c.index))
+                        sent[c.index], done[c.index] = len(c.token_ids), final
         except RequestAbortedError:
-            self._push(Response(request_id, [], None, "cancelled", True))
+            self._end_open(request_id, done, "cancelled")
         except (EngineDeadError, ValueError) as exc:
-            self._push(Response(request_id, [], None, "error", True, error=str(exc)))
+            self._end_open(request_id, done, "error", str(exc))
+
+    def _end_open(self, request_id: int, done: list[bool], reason: str,
+                  error: str | None = None) -> None:
+        """A final response for each sequence not yet ended."""
+        for i, ended in enumerate(done):
+            if not ended:
+                self._push(Response(request_id, [], None, reason, True, error=error, index=i))
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -26,6 +26,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_model_positional(parser)
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")

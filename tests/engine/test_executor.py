@@ -1,6 +1,7 @@
 """The executor API from many threads: requests complete with the offline engine's tokens,
 cancelled ones end "cancelled" at whatever point they were stopped, no KV block is left held,
-and shutdown is prompt even with requests running."""
+and shutdown is prompt even with requests running. n > 1 sequences and a LoRA adapter give the
+offline engine's tokens too."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,13 @@ import time
 
 import pytest
 
-from slipstream import LLM, AsyncLLM, EngineArgs, Executor, SamplingParams
+from slipstream import LLM, AsyncLLM, EngineArgs, Executor, LoRARequest, SamplingParams
+from tests.lora.peft_adapters import make_adapter
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 ENGINE = dict(kv_cache_memory=4 << 20, max_model_len=64, max_num_seqs=16, max_num_tokens=256)
+# the shared executor and its offline twin also serve an adapter
+WITH_LORA = dict(ENGINE, enable_lora=True, max_loras=1, max_lora_rank=8)
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +27,37 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama_dir, prompts) -> list[list[int]]:
-    llm = LLM(str(tiny_llama_dir), **ENGINE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+def offline(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), **WITH_LORA)
+
+
+@pytest.fixture(scope="module")
+def expected(offline, prompts) -> list[list[int]]:
+    outs = offline.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
 def executor(tiny_llama_dir):
-    with Executor(str(tiny_llama_dir), **ENGINE) as ex:
+    with Executor(str(tiny_llama_dir), **WITH_LORA) as ex:
         yield ex
+
+
+def _collect(ex: Executor, rid: int, n: int) -> dict[int, tuple[list[int], list, str | None]]:
+    """Each sequence's tokens, logprobs and finish reason, once all n have ended."""
+    seqs: dict[int, tuple[list[int], list, list[str | None]]] = {}
+    finals = 0
+    while finals < n:
+        for r in ex.await_responses(rid, timeout=60):
+            assert r.request_id == rid and r.error is None
+            tokens, lps, reason = seqs.setdefault(r.index, ([], [], [None]))
+            assert reason == [None]  # nothing after a sequence's final response
+            tokens += r.token_ids
+            lps += r.logprobs or []
+            if r.is_final:
+                reason[0] = r.finish_reason
+                finals += 1
+    return {i: (t, lp, reason[0]) for i, (t, lp, reason) in seqs.items()}
 
 
 def _run_one(ex: Executor, prompt: list[int], cancel: bool, streaming: bool,
@@ -90,8 +115,10 @@ def test_many_threads_with_cancellations(executor, prompts, expected) -> None:
 def test_bad_requests_raise_at_enqueue(executor) -> None:
     with pytest.raises(ValueError):
         executor.enqueue_request([], PARAMS)
-    with pytest.raises(ValueError, match="n=2"):
-        executor.enqueue_request([5, 6], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n"):
+        executor.enqueue_request([5, 6], SamplingParams(n=1).clone(n=0))
+    with pytest.raises(ValueError, match="LoRARequest"):
+        executor.enqueue_request([5, 6], PARAMS, lora_request="adapter")
     with pytest.raises(ValueError, match="unknown"):
         executor.await_responses(10**6, timeout=0)
     assert executor.await_responses(timeout=0) == []  # nothing open: no wait
@@ -127,3 +154,35 @@ def test_async_llm_from_engine_args_serves_a_built_engine(tiny_llama_dir, tmp_pa
             await llm.shutdown()
 
     assert asyncio.run(run()) == expected[0]
+
+
+def test_n_sequences_equal_the_offline_engine(executor, offline, prompts) -> None:
+    params = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=11, ignore_eos=True,
+                            logprobs=1)
+    want = offline.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    want_ids = [list(c.token_ids) for c in want.outputs]
+    assert want_ids[0] != want_ids[1]  # two real samples, not one twice
+    for streaming in (False, True):
+        rid = executor.enqueue_request(prompts[1], params, streaming=streaming)
+        got = _collect(executor, rid, 2)
+        assert [got[i][0] for i in (0, 1)] == want_ids
+        assert [got[i][2] for i in (0, 1)] == ["length", "length"]
+        assert [len(got[i][1]) for i in (0, 1)] == [5, 5]  # a logprob entry per token
+        with pytest.raises(ValueError, match="unknown"):  # closed once both ended
+            executor.await_responses(rid, timeout=0)
+    rid = executor.enqueue_request(prompts[1], params.clone(max_tokens=50), streaming=True)
+    executor.cancel_request(rid)
+    assert {i: reason for i, (_, _, reason) in _collect(executor, rid, 2).items()} \
+        == {0: "cancelled", 1: "cancelled"}
+
+
+def test_lora_request_reaches_the_engine(executor, offline, tiny_llama_dir, tmp_path,
+                                         prompts) -> None:
+    lora = LoRARequest("a", 1, str(make_adapter(tiny_llama_dir, tmp_path / "a", ["q_proj"], 4)))
+    want = offline.generate([{"prompt_token_ids": prompts[2]}], PARAMS, use_tqdm=False,
+                            lora_request=lora)[0].outputs[0].token_ids
+    base = offline.generate([{"prompt_token_ids": prompts[2]}], PARAMS,
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert list(want) != list(base)  # the adapter changes the output
+    rid = executor.enqueue_request(prompts[2], PARAMS, lora_request=lora)
+    assert _collect(executor, rid, 1)[0][0] == list(want)
