@@ -3,7 +3,8 @@
 Weights are quantized at load time (or loaded pre-quantized: `weight` int8 + `weight_scale`, or a
 compressed-tensors INT8 checkpoint: the same tensors with [N, 1] scales, or pack-quantized words).
 Decode-size batches run a Triton dequant-GEMV, larger ones a Triton GEMM that converts the weight
-tiles in registers (or, where measured faster, convert the whole weight and use cuBLAS).
+tiles in registers (or, where measured faster, convert the whole weight and use cuBLAS). On the
+CPU, up to 8 rows run torch's INT8-weight GEMM with bf16 activations, more convert the weight.
 """
 from __future__ import annotations
 
@@ -160,20 +161,37 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
         large = _qlinear_large()
         if large is not None:
             return large(x, qweight, scale, bias)
+    if x.device.type == "cpu" and 0 < m <= _CPU_PACKED_MAX_M and _HAS_INT8PACK_MM:
+        return int8pack_linear(x, qweight, scale, bias)
     return convert_linear(x, qweight, scale, bias)
+
+
+def int8pack_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """CPU: torch's INT8-weight GEMM (scales per output channel), fast with bf16 activations
+    (float32 ones take a slow path): x and the scales rounded to bf16, the result back in x's
+    dtype; no [N, K] float temporary."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch._weight_int8pack_mm(x2, qweight.contiguous(), scale.to(torch.bfloat16))
+    out = out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+    return out if bias is None else out + bias
 
 
 def convert_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """Convert the whole weight to x's dtype (INT8 values are exact there; a temporary [N, K]),
-    F.linear, then scale the output: the CPU path, and on CUDA the cuBLAS alternative the
-    large-M tuner measures (kernels/gemm/int8.py)."""
+    F.linear, then scale the output: the CPU path above int8pack_linear's rows, and on CUDA the
+    cuBLAS alternative the large-M tuner measures (kernels/gemm/int8.py)."""
     out = F.linear(x, qweight.to(x.dtype))
     out = out * scale.to(out.dtype)
     return out if bias is None else out + bias
 
 
 _SMALL_M = 16
+# CPU rows up to which int8pack_linear beats convert_linear (one thread, SmolLM2's layers and
+# LM head: faster at 1 and 8 rows, slower at 128)
+_CPU_PACKED_MAX_M = 8
+_HAS_INT8PACK_MM = hasattr(torch, "_weight_int8pack_mm")
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.engine.args import EngineArgs
 from slipstream.kernels.gemv.int4_common import w4_linear_reference
 from slipstream.layers.embedding import LMHead, VocabEmbedding
-from slipstream.quantization import fp8, utils
+from slipstream.quantization import fp8, int8_wo, utils
 from tests.helpers import rel_err
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -46,9 +46,12 @@ def test_quantized_head_is_the_methods_linear(method: str, m: int) -> None:
     assert logits.dtype == torch.float32 and logits.shape == (m, 300) and logits.is_contiguous()
     if method == "fp8":  # the CPU twin quantizes activations per token, as large batches do
         want = fp8.fp8_linear_reference(x, want_q, want_scale)
+    elif m <= int8_wo._CPU_PACKED_MAX_M:  # the CPU's bf16 INT8 GEMM: x and scales in bf16
+        want = F.linear(x.bfloat16().float(), want_q.float()) * want_scale.bfloat16().float()
     else:
         want = F.linear(x, want_q.float()) * want_scale
-    torch.testing.assert_close(logits, want)
+    bf16 = method == "int8_wo" and m <= int8_wo._CPU_PACKED_MAX_M
+    torch.testing.assert_close(logits, want, **({"rtol": 2 ** -8, "atol": 1e-3} if bf16 else {}))
     # Within the weight rounding of the float head: a real quantization, not a different matrix.
     exact = F.linear(x, w)
     assert rel_err(logits, exact) < (0.06 if method == "fp8" else 0.01)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.layers.linear import ColumnParallelLinear, QKVParallelLinear
-from slipstream.quantization import utils
+from slipstream.quantization import int8_wo, utils
 from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.fp8 import fp8_linear_reference
 from tests.helpers import rel_err, skip_without_fp8
@@ -78,10 +78,36 @@ def _layer(method: str, fused: bool) -> torch.nn.Module:
 def test_int8_wo_apply_matches_dequantized(fused: bool) -> None:
     layer, w = _layer("int8_wo", fused)
     assert layer.weight.dtype == torch.int8
-    x = torch.randn(5, 64)
+    x = torch.randn(int8_wo._CPU_PACKED_MAX_M + 1, 64)  # above the bf16 path's rows: exact
     deq = utils.dequantize_per_channel(layer.weight, layer.weight_scale)
     torch.testing.assert_close(layer(x), F.linear(x, deq, layer.bias), rtol=1e-5, atol=1e-5)
     assert rel_err(layer(x), F.linear(x, w, layer.bias)) < 0.01  # vs the unquantized layer
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (8, 96), (2, 3, 96)])
+def test_int8_wo_cpu_bf16_path_matches_dequantized(shape: tuple[int, ...]) -> None:
+    """Up to _CPU_PACKED_MAX_M rows the CPU runs torch's INT8 GEMM in bf16: equal to the
+    dequantized product of bf16-rounded x and scales within the bf16 rounding of the output
+    (2**-8 relative), and within 1% of the float32 dequantized reference."""
+    if not int8_wo._HAS_INT8PACK_MM:
+        pytest.skip("this torch has no _weight_int8pack_mm")
+    q, s = utils.quantize_int8_per_channel(torch.randn(200, 96))
+    x, bias = torch.randn(shape), torch.randn(200)
+    got = int8_wo.int8_linear(x, q, s, bias)
+    assert got.dtype == torch.float32 and got.shape == (*shape[:-1], 200)
+    bf16 = F.linear(x.bfloat16().float(), q.float()) * s.bfloat16().float()
+    torch.testing.assert_close(got - bias, bf16, rtol=2 ** -8, atol=1e-3)
+    exact = F.linear(x, utils.dequantize_per_channel(q, s), bias)
+    assert 1e-4 < rel_err(got, exact) < 0.01  # the bf16 path ran, not the exact conversion
+
+
+def test_int8_wo_cpu_without_int8pack_converts(monkeypatch) -> None:
+    monkeypatch.setattr(int8_wo, "_HAS_INT8PACK_MM", False)
+    q, s = utils.quantize_int8_per_channel(torch.randn(40, 32))
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(int8_wo.int8_linear(x, q, s, None),
+                               F.linear(x, utils.dequantize_per_channel(q, s)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fused", [False, True])
