@@ -34,6 +34,10 @@ class LLM:
         self.tokenizer = maybe_load_tokenizer(self.engine_config.tokenizer_path)
         self.engine = EngineCore(self.engine_config)
         self.engine_config = self.engine.config
+        # Each step's outputs are processed while the next step's device work runs. A CPU step
+        # has none to overlap with: its outputs are processed right after it, or a first token
+        # would be timed only after the multi-step decode that follows.
+        self._overlap_outputs = not self.engine_config.device.startswith("cpu")
         self._inputs = InputProcessor(self.engine_config, self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -193,9 +197,7 @@ class LLM:
                     if bar is not None:
                         bar.update(1)
 
-        # A CPU step has no device work to overlap with: process its outputs right after it,
-        # or a first token would be recorded only after the multi-step decode that follows.
-        overlap = not self.engine_config.device.startswith("cpu")
+        overlap = self._overlap_outputs
         try:
             while self.engine.has_unfinished_requests():
                 unprocessed.append(self.engine.step(

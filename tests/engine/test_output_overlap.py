@@ -1,6 +1,8 @@
 """The offline loop processes each step's outputs while the next step's GPU work runs: the
 engine calls that work once per step, after queueing the step and before waiting for it, and
-nothing changes in what generate() returns (tokens, text, stop strings, freed blocks)."""
+nothing changes in what generate() returns (tokens, text, stop strings, freed blocks). A CPU
+engine processes them right after each step instead; these tests turn the overlap on to run
+it on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -11,10 +13,13 @@ from slipstream.assets import default_model_path
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(default_model_path()), device="cpu", max_num_seqs=4)
+    llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=4)
+    llm._overlap_outputs = True  # as on a GPU
+    return llm
 
 
-def test_outputs_are_processed_during_the_next_step(llm):
+def _events(llm) -> list[str]:
+    """The order of forwards and output processing in a generate() of two 5-token requests."""
     events = []
     runner, graphs = llm.engine.runner, llm.engine.runner._graphs
     forward, steps, process = runner._forward_inputs, graphs.run_steps, llm._outputs.process
@@ -28,9 +33,23 @@ def test_outputs_are_processed_during_the_next_step(llm):
     finally:
         del runner._forward_inputs, graphs.run_steps, llm._outputs.process
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+    return events
+
+
+def test_outputs_are_processed_during_the_next_step(llm):
+    events = _events(llm)
     # Step 1's outputs wait for step 2's forward; the last ones are processed after the loop.
     assert events[:3] == ["forward", "forward", "process"]
     assert events[-1] == "process" and events.count("process") == events.count("forward")
+
+
+def test_a_cpu_engine_processes_each_step_right_after_it(llm):
+    llm._overlap_outputs = False  # a CPU engine's default
+    try:
+        events = _events(llm)
+    finally:
+        llm._overlap_outputs = True
+    assert events == ["forward", "process"] * (len(events) // 2)
 
 
 def test_engine_calls_the_overlap_work_once_per_step(llm):
