@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from slipstream import envs
 from slipstream.build.engine_dir import is_engine_dir
 from slipstream.build.manifest import checkpoint_hash, environment, write_manifest
 
@@ -108,17 +109,18 @@ def _compiling_into(tmp: Path, device: str) -> Iterator[None]:
         return
     from slipstream.engine import startup
 
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    os.environ["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
+    name = envs.TRITON_CACHE_DIR.name
+    previous = os.environ.get(name)
+    os.environ[name] = str(tmp / "triton_cache")
     token = startup.BUILD_DIR.set(tmp)
     try:
         yield
     finally:
         startup.BUILD_DIR.reset(token)
         if previous is None:
-            os.environ.pop("TRITON_CACHE_DIR", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["TRITON_CACHE_DIR"] = previous
+            os.environ[name] = previous
 
 
 def _save_model(core, tmp: Path) -> dict[str, Any]:

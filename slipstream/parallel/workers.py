@@ -226,8 +226,8 @@ class MpWorkerPool(WorkerPool):
 def _worker_env(world_size: int) -> dict[str, str]:
     """The worker's environment: on a CPU, the cores shared out between the ranks."""
     env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world_size))
+    if envs.OMP_NUM_THREADS.name not in env:
+        env[envs.OMP_NUM_THREADS.name] = str(max(1, (os.cpu_count() or 1) // world_size))
     return env
 
 
