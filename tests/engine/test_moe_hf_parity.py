@@ -72,20 +72,23 @@ def test_chunked_prefill_and_prefix_hits_match_hf(case):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_fast_path_matches_hf(case, dtype):
     """Triton MoE kernels (decode GEMVs at one token, the grouped GEMM for prefills), CUDA
-    graphs and multi-step decode: float32 greedy equal to transformers' tokens; bf16 logprobs
-    within 0.08 of its float32 ones (as tests/engine/test_gpu_e2e.py)."""
+    graphs and multi-step decode: float32 greedy equal to transformers' tokens; in bf16,
+    transformers' first token's logprob within 0.08 of its float32 one (as
+    tests/engine/test_gpu_e2e.py)."""
     path, prompts, expected, expected_lp = case
     llm = LLM(str(path), dtype=dtype, device="cuda", max_num_tokens=512, max_model_len=512,
               kv_cache_memory=64 << 20)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     singles = [llm.generate([p], greedy, use_tqdm=False)[0] for p in prompts[:2]]  # batch 1
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
     outs = llm.generate(prompts, params, use_tqdm=False)
     if dtype == "float32":
         assert [o.outputs[0].token_ids for o in singles] == expected[:2]
         assert [o.outputs[0].token_ids for o in outs] == expected
         return
+    # bf16 may swap near-tied first tokens (or near-tied experts) of a random model, so the
+    # check is on values: transformers' float32 first token is among the top 5 with its logprob.
     for out, want, want_lp in zip(outs, expected, expected_lp, strict=True):
-        first = out.outputs[0]
-        assert first.token_ids[0] == want[0]
-        assert abs(first.logprobs[0][first.token_ids[0]] - want_lp[0]) < 0.08
+        top = out.outputs[0].logprobs[0]
+        assert want[0] in top, (want[0], top)
+        assert abs(top[want[0]] - want_lp[0]) < 0.08, (want[0], want_lp[0], top)
