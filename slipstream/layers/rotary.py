@@ -86,7 +86,8 @@ def _yarn(rotary_dim: int, theta: float, s: dict[str, Any], model_max_positions:
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    dims = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((dims - low) / (high - low)).clamp(0, 1)
     pos_freqs = theta ** _exponents(rotary_dim)
     extrapolate = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
@@ -135,7 +136,7 @@ def build_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float,
     if kind == "longrope":
         orig = _original_len(scaling, model_max_positions)
         attention = _longrope_attention(scaling, orig, model_max_positions)
-        short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32)
+        short, long = (1.0 / (torch.tensor(scaling[k], dtype=torch.float32, device="cpu")
                               * theta ** _exponents(rotary_dim))
                        for k in ("short_factor", "long_factor"))
         return torch.cat([_cos_sin(short, pos[:orig], attention),

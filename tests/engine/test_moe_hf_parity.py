@@ -13,6 +13,7 @@ from tests.models.moe_checkpoints import MOE_ARCHITECTURES, make_tiny_moe_checkp
 
 MAX_NEW = 8
 LOGPROB_TOL = 1e-4
+MOE_BF16_LOGPROB_TOL = 0.12
 
 
 def hf_greedy_with_logprobs(path, prompts: list[list[int]], max_new: int
@@ -73,8 +74,8 @@ def test_chunked_prefill_and_prefix_hits_match_hf(case):
 def test_gpu_fast_path_matches_hf(case, dtype):
     """Triton MoE kernels (decode GEMVs at one token, the grouped GEMM for prefills), CUDA
     graphs and multi-step decode: float32 greedy equal to transformers' tokens; in bf16,
-    transformers' first token's logprob within 0.08 of its float32 one (as
-    tests/engine/test_gpu_e2e.py)."""
+    transformers' first token's logprob within MOE_BF16_LOGPROB_TOL of its float32
+    one."""
     path, prompts, expected, expected_lp = case
     llm = LLM(str(path), dtype=dtype, device="cuda", max_num_tokens=512, max_model_len=512,
               kv_cache_memory=64 << 20)
@@ -88,7 +89,9 @@ def test_gpu_fast_path_matches_hf(case, dtype):
         return
     # bf16 may swap near-tied first tokens (or near-tied experts) of a random model, so the
     # check is on values: transformers' float32 first token is among the top 5 with its logprob.
+    # The bound is above the dense models' 0.08: the router's logits come from a bf16 GEMM, so
+    # the top-k renormalised expert weights move with it.
     for out, want, want_lp in zip(outs, expected, expected_lp, strict=True):
         top = out.outputs[0].logprobs[0]
         assert want[0] in top, (want[0], top)
-        assert abs(top[want[0]] - want_lp[0]) < 0.08, (want[0], want_lp[0], top)
+        assert abs(top[want[0]] - want_lp[0]) < MOE_BF16_LOGPROB_TOL, (want[0], want_lp[0], top)

@@ -75,3 +75,27 @@ def test_dynamic_ntk():
 def test_unknown_type_is_a_value_error():
     with pytest.raises(ValueError, match="unsupported rope scaling type 'su'"):
         build_cos_sin_cache(DIM, 8, THETA, {"rope_type": "su"})
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": ORIG},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIG},
+        {"rope_type": "longrope", "short_factor": [1.0] * (DIM // 2),
+         "long_factor": [2.0] * (DIM // 2), "original_max_position_embeddings": ORIG},
+        {"rope_type": "dynamic", "factor": 2.0},
+    ],
+    ids=lambda s: (s or {}).get("rope_type", "default"),
+)
+def test_tables_are_built_on_the_cpu_whatever_the_default_device(scaling):
+    """The engine builds models under torch.set_default_device(<the GPU>); every table must still
+    be computed on the CPU (bit-identical on every device) or mixed devices fail at start-up."""
+    want = build_cos_sin_cache(DIM, MAX_POS, THETA, scaling, ORIG)
+    with torch.device("meta"):
+        got = build_cos_sin_cache(DIM, MAX_POS, THETA, scaling, ORIG)
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
