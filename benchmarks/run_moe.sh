@@ -40,12 +40,15 @@ run layer 100 "$PY" benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b-
 W1=(latency --load-format dummy --batch-size 1 --input-len 128 --output-len 128 --num-iters 2)
 W2=(throughput --input-len 128 --output-len 128 --num-requests 2000 --max-batch-size 256
     --max-num-tokens 8192)
-bench() { local name=$1; shift; "$PY" -m slipstream.bench.cli "$@" --label "$name" \
-  --output-json "$RESULTS/$name.json"; }
-run qwen3_w1 110 bench qwen3_w1 "${W1[@]}" --model qwen3-30b-a3b
-run qwen3_w2 110 bench qwen3_w2 "${W2[@]}" --model qwen3-30b-a3b
-run mixtral_fp8_w1 130 bench mixtral_fp8_w1 "${W1[@]}" --model mixtral-8x7b --quantization fp8
-run mixtral_fp8_w2 130 bench mixtral_fp8_w2 "${W2[@]}" --model mixtral-8x7b --quantization fp8
+bench() {  # NAME CAP_S bench arguments... (run() times out a command, not a shell function)
+  local name=$1 cap=$2; shift 2
+  run "$name" "$cap" "$PY" -m slipstream.bench.cli "$@" --label "$name" \
+    --output-json "$RESULTS/$name.json"
+}
+bench qwen3_w1 110 "${W1[@]}" --model qwen3-30b-a3b
+bench qwen3_w2 110 "${W2[@]}" --model qwen3-30b-a3b
+bench mixtral_fp8_w1 130 "${W1[@]}" --model mixtral-8x7b --quantization fp8
+bench mixtral_fp8_w2 130 "${W2[@]}" --model mixtral-8x7b --quantization fp8
 
 echo
 echo "took ${SECONDS}s on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); in $RESULTS"
