@@ -4,10 +4,13 @@
 ([gate | up] of each expert) and w2 [E_local, H, I], and runs them through the fused kernels
 (kernels/moe/fused_moe.py on CUDA, their twin kernels/moe/reference.py elsewhere).
 
-Expert parallelism: `local_experts` lists the global expert ids this rank holds (default: all).
-Routing is over every expert; a token's slot whose expert lives elsewhere maps to -1 and adds
-nothing here, so `forward` returns this rank's partial sum and the parallel layer adds the
-ranks' sums. `route` gives the global ids for a dispatcher that sends tokens to their experts.
+Tensor parallelism (tp_size > 1), one of two placements; either way every rank sees every
+token (the attention's all-reduce leaves the whole batch on each rank), computes its share of
+the routed sum, and `forward` all-reduces the shares across the tensor-parallel group:
+- split experts (default): each expert's intermediate dimension is split across the ranks
+  (gate/up rows and down columns), like the dense MLP;
+- expert parallel (`local_experts`): each rank holds whole experts, a token's slot whose
+  expert lives elsewhere maps to -1 and adds nothing here.
 
 Weight-only quantization of the experts at load: fp8 (e4m3) or int8, one float32 scale per
 output row of each expert.
@@ -20,6 +23,8 @@ import torch
 from torch import nn
 
 from slipstream.kernels.moe import reference
+from slipstream.parallel import state as parallel_state
+from slipstream.parallel.checkpoint_slices import materialize
 from slipstream.quantization.utils import (
     load_time_weight,
     new_param,
@@ -64,7 +69,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  params_dtype: torch.dtype, *, renormalize: bool,
                  weight_format: str | None = None, local_experts: Sequence[int] | None = None,
-                 use_triton: bool = False):
+                 use_triton: bool = False, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
@@ -72,6 +77,15 @@ class FusedMoE(nn.Module):
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.local_experts = _check_placement(local_experts, num_experts)
         self.holds_all = len(self.local_experts) == num_experts
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        # Split experts: this rank's slice of every expert's intermediate dimension.
+        self.split = tp_size if self.holds_all else 1
+        if intermediate_size % self.split:
+            raise ValueError(f"expert intermediate size {intermediate_size} does not split "
+                             f"across {tp_size} ranks: enable expert parallelism instead")
+        self.full_intermediate = intermediate_size
+        intermediate_size //= self.split
+        self.intermediate_size = intermediate_size
         expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
         expert_map[list(self.local_experts)] = torch.arange(len(self.local_experts),
                                                             dtype=torch.int32)
@@ -94,6 +108,10 @@ class FusedMoE(nn.Module):
             raise ValueError("expert weights load one expert's tensor at a time")
         expert, part = divmod(shard, 3)
         inter = self.intermediate_size
+        start = self.tp_rank * inter if self.split > 1 else 0
+        # Only this rank's slice is read from a memory-mapped checkpoint tensor.
+        loaded = loaded.narrow(1 if part == DOWN else 0, start, inter) if self.split > 1 \
+            else materialize(loaded)
         dest = param.data[expert]
         if part in (GATE, UP):
             dest = dest.narrow(0, part * inter, inter)
@@ -123,7 +141,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(router_logits)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        return parallel_state.tp_all_reduce(out) if self.tp_size > 1 else out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, global_ids: torch.Tensor
                 ) -> torch.Tensor:
@@ -139,11 +158,22 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         fmt = self.quant_method.weight_format or str(self.w13_weight.dtype).removeprefix("torch.")
         return (f"experts={len(self.local_experts)}/{self.num_experts}, top_k={self.top_k}, "
-                f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, {fmt}")
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+                f"{f'/{self.full_intermediate}' if self.split > 1 else ''}, {fmt}")
 
 
 def _empty_2d(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(n, k, dtype=dtype)
+
+
+def experts_of_rank(num_experts: int, tp_size: int, tp_rank: int) -> tuple[int, ...]:
+    """Expert parallelism's placement: contiguous ranges, sizes differing by at most one."""
+    if num_experts < tp_size:
+        raise ValueError(f"expert parallelism needs at least one expert per rank: "
+                         f"{num_experts} experts on {tp_size} ranks")
+    base, extra = divmod(num_experts, tp_size)
+    start = tp_rank * base + min(tp_rank, extra)
+    return tuple(range(start, start + base + (1 if tp_rank < extra else 0)))
 
 
 def _check_placement(local_experts: Sequence[int] | None, num_experts: int) -> tuple[int, ...]:

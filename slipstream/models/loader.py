@@ -24,8 +24,10 @@ from slipstream.dtypes import resolve_dtype
 from slipstream.engine.startup import counting
 from slipstream.kernels import get_ops
 from slipstream.layers.attention import get_attention_backend
+from slipstream.layers.moe import experts_of_rank
 from slipstream.models.gguf import is_gguf_file, iterate_gguf_weights
 from slipstream.models.llama import BuildContext
+from slipstream.models.moe_config import num_experts_of
 from slipstream.models.quantize_as_loaded import (
     QuantizeAsLoaded,
     decoder_layer_of,
@@ -165,9 +167,18 @@ def build_model(config: EngineConfig) -> nn.Module:
         quant_factory=get_quant_method_factory(config.quant.method, config.model.hf_config),
         max_positions=config.scheduler.max_model_len,
         tp_size=rank.tp_size, tp_rank=rank.tp_rank, stage=stage,
+        local_experts=_local_experts(config, rank.tp_size, rank.tp_rank),
     )
     with torch.device(config.device), deferring_load_time_weights():
         return cls(ctx)
+
+
+def _local_experts(config: EngineConfig, tp_size: int, tp_rank: int) -> tuple[int, ...] | None:
+    """Expert parallelism: the experts this rank holds (None: all of them, each split)."""
+    num_experts = num_experts_of(config.model.hf_config)
+    if tp_size == 1 or not num_experts or not config.parallel.enable_expert_parallel:
+        return None
+    return experts_of_rank(num_experts, tp_size, tp_rank)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:

@@ -61,7 +61,8 @@ class SparseMoeBlock(nn.Module):
             num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
             expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
             weight_format=expert_weight_format(ctx, f"{prefix}.experts"),
-            local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton")
+            local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton",
+            tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
         shared = cfg.get("shared_expert_intermediate_size") or 0
         if shared:
             self.shared_expert = LlamaMLP(ctx, f"{prefix}.shared_expert", shared)
@@ -124,8 +125,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().__init__(ctx)
 
     def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        # getattr: a pipeline stage holds placeholders, without an mlp, for other stages' layers
         return {i: layer.mlp for i, layer in enumerate(self.model.layers)
-                if isinstance(layer.mlp, SparseMoeBlock)}
+                if isinstance(getattr(layer, "mlp", None), SparseMoeBlock)}
 
     def remap_checkpoint_names(self, name_map: dict[str, tuple[str, int | None]]
                                ) -> dict[str, tuple[str, int | None]]:
@@ -147,7 +149,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         if self.checkpoint_block == "mlp":
             return name
         layer = decoder_layer_of(name)
-        if layer is None or not isinstance(self.model.layers[layer[1]].mlp, SparseMoeBlock):
+        if layer is None or not isinstance(getattr(self.model.layers[layer[1]], "mlp", None),
+                                           SparseMoeBlock):
             return name
         return name.replace(f"{layer[0]}.mlp.", f"{layer[0]}.{self.checkpoint_block}.", 1)
 

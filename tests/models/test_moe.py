@@ -8,7 +8,7 @@ import torch
 
 from slipstream.engine.args import EngineArgs
 from slipstream.kernels.moe import reference
-from slipstream.layers.moe import FusedMoE
+from slipstream.layers.moe import DOWN, GATE, UP, FusedMoE, experts_of_rank
 from slipstream.models.loader import iterate_safetensors, load_weights, safetensors_files
 from slipstream.models.moe import MixtralForCausalLM, SparseMoeBlock
 from slipstream.models.quantize_as_loaded import QuantizeAsLoaded
@@ -64,6 +64,35 @@ def test_expert_placement_splits_the_sum_exactly():
     torch.testing.assert_close(even(x, logits) + odd(x, logits), full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="subset"):
         _random_moe(local=[6])
+
+
+def test_split_experts_load_their_slices_and_sum_exactly():
+    """Tensor parallelism without expert parallelism: rank r holds rows [r I/2, (r+1) I/2) of
+    each expert's gate and up and those columns of its down; the ranks' partial sums (before
+    the all-reduce) add up to the whole layer's output."""
+    full = _random_moe()
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(2))
+    weights, ids = full.route(torch.randn(9, 6, generator=torch.Generator().manual_seed(3)))
+    inter, total = full.intermediate_size, torch.zeros(9, 32)
+    for rank in range(2):
+        part = FusedMoE(6, 2, 32, inter, torch.float32, renormalize=True, tp_size=2, tp_rank=rank)
+        assert part.intermediate_size == inter // 2 and part.w2_weight.shape == (6, 32, inter // 2)
+        for e in range(6):
+            gate, up = full.w13_weight[e, :inter], full.w13_weight[e, inter:]
+            part.weight_loader(part.w13_weight, gate, 3 * e + GATE)
+            part.weight_loader(part.w13_weight, up, 3 * e + UP)
+            part.weight_loader(part.w2_weight, full.w2_weight[e], 3 * e + DOWN)
+        total += part.experts(x, weights, ids)
+    torch.testing.assert_close(total, full.experts(x, weights, ids), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not split"):
+        FusedMoE(6, 2, 32, 25, torch.float32, renormalize=True, tp_size=2)
+
+
+def test_expert_parallel_placement():
+    assert [experts_of_rank(8, 4, r) for r in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [experts_of_rank(7, 3, r) for r in range(3)] == [(0, 1, 2), (3, 4), (5, 6)]
+    with pytest.raises(ValueError, match="at least one expert per rank"):
+        experts_of_rank(2, 4, 0)
 
 
 def test_loader_keeps_only_this_ranks_experts(checkpoints):

@@ -74,6 +74,33 @@ def test_greedy_equals_one_rank(pool, tiny_checkpoint, arch, overrides, tp, pp) 
     assert _tokens(_generate(path, tensor_parallel_size=tp, pipeline_parallel_size=pp)) == want
 
 
+MOE_LAYOUTS = [
+    ("MixtralForCausalLM", False, 2, 1),  # each expert's intermediate split across the ranks
+    ("Qwen2MoeForCausalLM", True, 2, 1),  # whole experts per rank, and a shared expert
+    ("Qwen3MoeForCausalLM", True, 2, 2),
+]
+
+
+@pytest.mark.parametrize("arch,ep,tp,pp", MOE_LAYOUTS,
+                         ids=[f"{a[:-11]}-{'ep' if e else 'split'}-tp{t}pp{p}"
+                              for a, e, t, p in MOE_LAYOUTS])
+def test_moe_greedy_equals_one_rank(pool, tmp_path, arch, ep, tp, pp) -> None:
+    """Every rank sees every token and computes its share of the routed sum (its slice of
+    each expert, or its whole experts); the all-reduce adds the shares."""
+    from tests.models.moe_checkpoints import make_tiny_moe_checkpoint
+
+    path = make_tiny_moe_checkpoint(tmp_path, arch)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    want = _generate(path, params)
+    got = _generate(path, params, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                    enable_expert_parallel=ep)
+    assert _tokens(got) == _tokens(want)
+    for a, b in zip(want, got, strict=True):
+        steps = zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
+        assert max(abs(_lp(x[t]) - _lp(y[t])) for (x, y), t in
+                   zip(steps, a.outputs[0].token_ids, strict=True)) < 1e-4
+
+
 @pytest.mark.parametrize("method", ["int8_wo", "int4_awq"])
 def test_quantized_greedy_equals_one_rank(pool, tiny_checkpoint, method) -> None:
     """Weight-only methods: weights and their per-channel / per-group scales split with the
