@@ -196,7 +196,8 @@ def _with_tools_section(dicts: list[dict], tools: list[dict], parser: ToolParser
 
 class ToolCallStream:
     """One choice's stream: content deltas until the tool calls start (a possible start is held
-    back), then the calls. With a JSON-writing parser each call streams as OpenAI streams it:
+    back), then the calls. With a JSON-writing parser (and with "required", whose reply is a
+    JSON array of {"name", "arguments"}) each call streams as OpenAI streams it:
     a first delta with index, id, type and name once the name is complete, then fragments of
     its arguments as they become certain (serve/partial_json.py); once the reply is complete,
     whatever the whole reply's parse adds. Other parsers (pythonic) send each call whole at the
@@ -206,7 +207,8 @@ class ToolCallStream:
         self.plan = plan
         self._sent = 0  # characters of content sent
         self._in_calls = plan.mode in ("named", "required")
-        self._calls_at: int | None = None  # where the tool calls start in the text
+        # Where the tool calls start in the text ("required": a JSON array from the start).
+        self._calls_at: int | None = 0 if plan.mode == "required" else None
         self._named_id: str | None = None
         self._streamed: list[tuple[str, str]] = []  # (id, arguments sent) per call started
         self.found_calls = False  # the whole reply's parse found calls (set by final)
@@ -232,9 +234,9 @@ class ToolCallStream:
         return new
 
     def call_deltas(self, text: str) -> list[DeltaToolCall]:
-        """Deltas of the calls in the text so far ("auto"; after content_delta)."""
-        keys = self.plan.parser.args_keys
-        if self.plan.mode != "auto" or self._calls_at is None or not keys:
+        """Deltas of the calls in the text so far ("auto" after content_delta, "required")."""
+        keys = ("arguments",) if self.plan.mode == "required" else self.plan.parser.args_keys
+        if self.plan.mode not in ("auto", "required") or self._calls_at is None or not keys:
             return []
         scans = scan_calls(text, self._calls_at, keys)
         if not self.plan.parallel:

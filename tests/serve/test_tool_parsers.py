@@ -178,3 +178,14 @@ def test_a_tools_section_is_supplied_where_the_template_has_none():
     assert "<tool_call>" in dicts[0]["content"]
     assert dicts[2] == {"role": "assistant", "content": parser.render([ParsedCall("add", '{"a": 1}')])}
     assert dicts[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>"}
+
+
+def test_required_calls_stream_their_arguments():
+    """Replies of tool_choice "required" (a JSON array of {"name", "arguments"}) stream alike."""
+    text = '[{"name": "add", "arguments": {"a": 1, "b": [2, "x"]}}, {"name": "g", "arguments": {}}]'
+    plan = ToolPlan("required", [], get_tool_parser("hermes"))
+    content, calls, deltas = _stream_by_characters(plan, text)
+    _, want = plan.extract(text)
+    assert content == ""
+    assert [(c[1], c[2]) for c in calls.values()] == [(c.function.name, c.function.arguments) for c in want]
+    assert sum(1 for d in deltas if d.index == 0) > 3
