@@ -38,7 +38,7 @@ from slipstream.engine.engine_proc import EngineProcess, remove_stale_ipc_dirs
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.lora.request import LoRARequest
 from slipstream.outputs import EngineCoreOutput, RequestOutput
-from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams
+from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchUpdate
 from slipstream.sampling_params import SamplingParams
 
 logger = logging.getLogger("slipstream.engine.async_llm")
@@ -127,7 +127,8 @@ class AsyncLLM:
         self._failure_reason = ""
         self._streams: dict[str, _RequestStream] = {}
         self._pooling: dict[str, asyncio.Future] = {}  # pooling requests (encode) by id
-        self._beams: dict[str, asyncio.Future] = {}  # beam searches by id
+        # Beam searches by id: their updates, then the result (or an error), in order.
+        self._beams: dict[str, asyncio.Queue] = {}
         self._child_parent: dict[str, str] = {}
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
@@ -286,9 +287,11 @@ class AsyncLLM:
         self._last_token_time.clear()
         for stream in self._streams.values():
             stream.fail(error)
-        for fut in [*self._pooling.values(), *self._beams.values()]:
+        for fut in self._pooling.values():
             if not fut.done():
                 fut.set_exception(error)
+        for queue in self._beams.values():
+            queue.put_nowait(error)
         for fut in self._stats_waiters:
             if not fut.done():
                 fut.set_exception(error)
@@ -354,10 +357,14 @@ class AsyncLLM:
                     if not fut.done():
                         fut.set_result(self.stats)
                 self._stats_waiters.clear()
+        elif kind == "beam_progress":
+            queue = self._beams.get(msg["id"])
+            if queue is not None:
+                queue.put_nowait(BeamSearchUpdate(list(msg["tokens"])))
         elif kind == "beam_done":
-            fut = self._beams.get(msg["id"])
-            if fut is not None and not fut.done():
-                fut.set_result(decode_beam_output(msg["out"]))
+            queue = self._beams.get(msg["id"])
+            if queue is not None:
+                queue.put_nowait(BeamSearchUpdate([], decode_beam_output(msg["out"])))
         elif kind == "req_error":
             self._on_request_error(msg.get("id"), msg.get("msg", "invalid request"))
         elif kind == "fatal":
@@ -391,9 +398,12 @@ class AsyncLLM:
         return rest
 
     def _on_request_error(self, child_id: str | None, message: str) -> None:
-        fut = self._pooling.get(child_id or "") or self._beams.get(child_id or "")
+        fut = self._pooling.get(child_id or "")
         if fut is not None and not fut.done():
             fut.set_exception(ValueError(message))
+        queue = self._beams.get(child_id or "")
+        if queue is not None:
+            queue.put_nowait(ValueError(message))
         parent = self._child_parent.get(child_id or "")
         if parent is None:
             return
@@ -515,6 +525,18 @@ class AsyncLLM:
                           request_id: str, priority: int = 0) -> BeamSearchOutput:
         """Run a beam search (engine/beam.py) and return its hypotheses, best first (token
         ids; no text). Cancelling the wait aborts the search."""
+        updates = self.beam_search_stream(prompt_ids, params, request_id, priority)
+        async with contextlib.aclosing(updates):
+            async for update in updates:
+                if update.output is not None:
+                    return update.output
+        raise RuntimeError(f"beam search {request_id} ended without a result")
+
+    async def beam_search_stream(self, prompt_ids: list[int], params: BeamSearchParams,
+                                 request_id: str, priority: int = 0
+                                 ) -> AsyncIterator[BeamSearchUpdate]:
+        """Run a beam search, yielding the tokens every hypothesis begins with as they settle,
+        then (last) the result. Leaving the loop early, or `abort(request_id)`, aborts it."""
         if self.dead.is_set():
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if not self.is_running:
@@ -522,20 +544,31 @@ class AsyncLLM:
         if request_id in self._beams or request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.input_processor.validate_prompt(prompt_ids, SamplingParams())
-        fut = asyncio.get_running_loop().create_future()
-        self._beams[request_id] = fut
+        queue: asyncio.Queue = asyncio.Queue()
+        self._beams[request_id] = queue
         self._send({"t": "beam", "id": request_id, "prompt": list(prompt_ids),
                     "params": dataclasses.asdict(params), "priority": priority,
                     "eos": list(self.input_processor.eos_token_ids)})
         answered = False
         try:
-            out = await fut
-            answered = True
-            return out
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.output is not None:
+                    answered = True
+                    self._forget_beams(request_id, queue)
+                yield item
+                if answered:
+                    return
         finally:
-            self._beams.pop(request_id, None)
+            self._forget_beams(request_id, queue)
             if not answered and not self.dead.is_set():
                 self._send({"t": "abort", "ids": [request_id]})
+
+    def _forget_beams(self, request_id: str, queue: asyncio.Queue) -> None:
+        if self._beams.get(request_id) is queue:
+            del self._beams[request_id]
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (idempotent: a finished or unknown id is ignored).
@@ -544,6 +577,11 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.fail(RequestAbortedError(f"request {request_id} was aborted"))
+        beams = self._beams.pop(request_id, None)
+        if beams is not None:
+            beams.put_nowait(RequestAbortedError(f"beam search {request_id} was aborted"))
+            if self.is_running:
+                self._send({"t": "abort", "ids": [request_id]})
         self._abort_now(request_id)
 
     def _abort_now(self, request_id: str, record: bool = True) -> None:

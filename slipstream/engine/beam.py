@@ -9,6 +9,10 @@ shares the parent's full KV blocks and gets a copy of the partly filled one
 (`KVCacheManager.fork`, `ModelRunner.copy_blocks`); a beam not chosen is aborted, freeing
 its blocks. A beam preempted meanwhile is recomputed like any request, and a fork that finds
 no free block starts as a waiting request that recomputes from the prefix cache.
+
+Streaming: after each step of a search, the tokens every live hypothesis (running beams and
+finished ones still among the best) begins with are settled, since every final hypothesis
+descends from one of them. `take_progress` hands out the newly settled tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ class _Group:
         self.beams: list[Request] = []  # aligned with state.running
         self.reports: dict[str, list[tuple[int, float]]] = {}
         self.next_index = itertools.count()
+        self.settled: list[int] = []  # tokens every live hypothesis begins with
 
 
 class BeamCoordinator:
@@ -37,6 +42,7 @@ class BeamCoordinator:
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}  # beam request id -> search id
         self._finished: dict[str, BeamSearchOutput] = {}
+        self._progress: dict[str, list[int]] = {}  # newly settled tokens per running search
 
     @property
     def active(self) -> bool:
@@ -75,8 +81,15 @@ class BeamCoordinator:
         done, self._finished = self._finished, {}
         return done
 
+    def take_progress(self) -> dict[str, list[int]]:
+        """Tokens settled since the last call, per search still running (a finished search's
+        last tokens are in its result)."""
+        progress, self._progress = self._progress, {}
+        return progress
+
     def abort(self, group_id: str) -> None:
         group = self._groups.pop(group_id, None)
+        self._progress.pop(group_id, None)
         if group is not None:
             self._drop(group.beams)
 
@@ -120,9 +133,11 @@ class BeamCoordinator:
         chosen = group.state.step(candidates)
         if group.state.done:
             del self._groups[group.id]
+            self._progress.pop(group.id, None)
             self._drop(group.beams)
             self._finished[group.id] = group.state.result()
             return
+        self._settle(group)
         used = {b for b, _ in chosen}
         self._drop([beam for i, beam in enumerate(group.beams) if i not in used])
         new_beams: list[Request | None] = [None] * len(chosen)
@@ -142,6 +157,17 @@ class BeamCoordinator:
             self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
         self.runner.copy_blocks(copies)
         group.beams = new_beams
+
+    def _settle(self, group: _Group) -> None:
+        state = group.state
+        hypotheses = [b.tokens for b in state.running] + [s.output_token_ids for s in state.finished]
+        first, n = hypotheses[0], len(group.settled)
+        shortest = min(len(h) for h in hypotheses)
+        while n < shortest and all(h[n] == first[n] for h in hypotheses):
+            n += 1
+        if n > len(group.settled):
+            self._progress.setdefault(group.id, []).extend(first[len(group.settled) : n])
+            group.settled = first[:n]
 
     def _fork(self, group: _Group, parent: Request, token: int,
               copies: list[tuple[int, int]]) -> Request:

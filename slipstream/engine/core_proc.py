@@ -165,6 +165,8 @@ class EngineLoop:
                           "num_new_tokens": sum(len(o.new_token_ids) for o in outputs)}
 
     def _send_finished_beams(self) -> None:
+        for search_id, tokens in self.core.beams.take_progress().items():
+            self.outbox.send(pack({"t": "beam_progress", "id": search_id, "tokens": tokens}))
         for search_id, out in self.core.beams.take_finished().items():
             self.outbox.send(pack({"t": "beam_done", "id": search_id,
                                    "out": dataclasses.asdict(out)}))

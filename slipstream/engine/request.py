@@ -43,7 +43,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # A pooling request (pooling/): {"dimensions", "normalize"}; its one step returns a vector.
+    # A pooling request (pooling/): {"dimensions", "normalize"}, and for a text pair
+    # "token_type_start" (pooling/pairs.py); its one step returns a vector.
     pooling_params: dict[str, Any] | None = None
 
     output_token_ids: list[int] = field(default_factory=list)

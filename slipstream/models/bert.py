@@ -3,7 +3,8 @@ cross-encoder checkpoints, for the pooling runner.
 
 Bidirectional attention over each whole sequence of the flat batch, so no KV cache: a prompt
 is encoded in one step and nothing outlives it. Parameter names follow the HF checkpoint.
-Token type ids are 0 throughout (single-segment inputs).
+Token type ids are 0, or 1 from a request's second segment on (sentence pairs for a
+cross-encoder: `token_type_ids`, built by the pooling runner).
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), hidden, dtype=dtype)
         self.LayerNorm = nn.LayerNorm(hidden, eps=cfg.get("layer_norm_eps", 1e-12), dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -124,9 +128,11 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    """forward(input_ids [T], positions [T], kv_caches (unused), meta) -> hidden [T, H]."""
+    """forward(input_ids [T], positions [T], kv_caches (unused), meta, token_type_ids [T] or
+    None) -> hidden [T, H]."""
 
     uses_kv_cache = False
+    takes_token_types = True
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
@@ -135,8 +141,10 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(cfg, ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return self.encoder(self.embeddings(input_ids, positions), meta.query_start_loc_cpu)
+                meta: AttentionMetadata, token_type_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        return self.encoder(x, meta.query_start_loc_cpu)
 
     @staticmethod
     def ignored_checkpoint_tensor(name: str) -> bool:
@@ -149,6 +157,7 @@ class BertForSequenceClassification(nn.Module):
     """BERT + pooler + classifier: pooling_head(CLS hidden) -> logits [S, num_labels]."""
 
     uses_kv_cache = False
+    takes_token_types = True
 
     def __init__(self, ctx: BuildContext):
         super().__init__()
@@ -160,8 +169,9 @@ class BertForSequenceClassification(nn.Module):
         self.classifier = nn.Linear(cfg["hidden_size"], num_labels(cfg), dtype=ctx.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = self.bert.embeddings(input_ids, positions)
+                meta: AttentionMetadata, token_type_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        x = self.bert.embeddings(input_ids, positions, token_type_ids)
         return self.bert.encoder(x, meta.query_start_loc_cpu)
 
     def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:

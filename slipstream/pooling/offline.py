@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import Request
+from slipstream.pooling.pairs import encode_pair, pair_pooling_params
 from slipstream.pooling.params import PoolingParams
 from slipstream.pooling.pooler import check_pooling_params
 from slipstream.sampling_params import SamplingParams
@@ -99,23 +100,24 @@ class PoolingClient:
                 for a, b in zip(embedded[:n], embedded[n:])]
 
     def _cross_encode(self, left: list, right: list) -> list[PoolingRequestOutput]:
-        hf_config = self.config.model.hf_config
-        if hf_config.get("model_type") == "bert":
-            raise ValueError("scoring text pairs with a BERT cross-encoder needs token type ids, "
-                             "which are not supported: use llm.classify on single texts")
         tokenizer = self._need_tokenizer()
-        ids = [list(tokenizer.hf(a, b)["input_ids"]) for a, b in zip(left, right)]
-        results = self.run(ids, PoolingParams())
+        pairs = [encode_pair(tokenizer, a, b) for a, b in zip(left, right)]
+        if not self.llm.engine.runner.takes_token_types:
+            pairs = [(ids, None) for ids, _ in pairs]  # a decoder reads the ids alone
+        results = self.run([ids for ids, _ in pairs], PoolingParams(),
+                           [start for _, start in pairs])
         if any(len(v) != 1 for _, _, v in results):
             raise ValueError("llm.score needs a one-label cross-encoder or an embedding model; "
                              "this classifier has several labels: use llm.classify")
         return [PoolingRequestOutput(rid, tok, ScoringOutput(activation(v)[0]))
                 for rid, tok, v in results]
 
-    def run(self, prompts: list[list[int]], params: PoolingParams
+    def run(self, prompts: list[list[int]], params: PoolingParams,
+            type_starts: list[int | None] | None = None
             ) -> list[tuple[str, list[int], list[float]]]:
         """(request id, prompt ids, pooled vector) per prompt, in order. Every prompt is
-        validated before any is queued."""
+        validated before any is queued. type_starts: per prompt, where a text pair's second
+        segment starts (token type 1), or None."""
         cfg = self.config
         hidden = cfg.model.hidden_size
         check_pooling_params(params.to_dict(), cfg.pooler, hidden, self.is_classifier)
@@ -125,9 +127,10 @@ class PoolingClient:
         order: dict[str, int] = {}
         results: list[list[float] | None] = [None] * len(prompts)
         try:
-            for ids in prompts:
+            for ids, start in zip(prompts, type_starts or [None] * len(prompts)):
                 rid = f"pool-{next(self._ids)}"
-                engine.add_request(Request(rid, ids, _ONE_STEP, pooling_params=params.to_dict()))
+                pooling = pair_pooling_params(params.to_dict(), start)
+                engine.add_request(Request(rid, ids, _ONE_STEP, pooling_params=pooling))
                 order[rid] = len(order)
             while engine.has_unfinished_requests():
                 for out in engine.step():

@@ -31,6 +31,11 @@ class PoolingModelRunner(ModelRunner):
         return getattr(self.model, "uses_kv_cache", True)
 
     @property
+    def takes_token_types(self) -> bool:
+        """Whether the model reads token type ids (BERT: the segments of a text pair)."""
+        return getattr(self.model, "takes_token_types", False)
+
+    @property
     def is_classifier(self) -> bool:
         return hasattr(self.model, "pooling_head")
 
@@ -77,7 +82,12 @@ class PoolingModelRunner(ModelRunner):
             if seq.start_pos != 0 or not seq.needs_sample:
                 raise RuntimeError(f"pooling request {seq.request_id} was not scheduled whole")
         inputs = prepare_inputs(sched.seqs, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        extra = {}
+        types = token_type_ids(sched.seqs, inputs.positions) if self.takes_token_types else None
+        if types is not None:
+            extra["token_type_ids"] = types
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            **extra)
         pooled = pool(hidden, inputs.query_start_loc_cpu, self.config.pooler.pooling_type)
         if self.is_classifier:
             return self.model.pooling_head(pooled).float()
@@ -88,6 +98,18 @@ class PoolingModelRunner(ModelRunner):
 
         params = seq.request.pooling_params
         return finish_embedding(vector, params, self.config.pooler).tolist()
+
+
+def token_type_ids(seqs, positions: torch.Tensor) -> torch.Tensor | None:
+    """[T] token types of a step: 1 from each text pair's second segment on (the request's
+    pooling_params["token_type_start"]), else 0; None when no request of the step is a pair."""
+    starts = [(seq.request.pooling_params or {}).get("token_type_start") for seq in seqs]
+    if all(s is None for s in starts):
+        return None
+    lengths = [seq.num_tokens for seq in seqs]
+    bounds = torch.tensor([s if s is not None else lengths[i] for i, s in enumerate(starts)])
+    per_token = torch.repeat_interleave(bounds, torch.tensor(lengths)).to(positions.device)
+    return (positions >= per_token).long()
 
 
 def attach_pooled(outputs: list, runner_out: RunnerOutput) -> None:

@@ -61,6 +61,15 @@ class BeamSearchOutput:
 
 
 @dataclass
+class BeamSearchUpdate:
+    """One piece of a streamed search: tokens that every hypothesis now begins with (after
+    those of earlier updates), or, last, the result."""
+
+    settled_token_ids: list[int]
+    output: BeamSearchOutput | None = None
+
+
+@dataclass
 class _Beam:
     tokens: list[int]  # generated so far
     score: float  # cumulative log-probability

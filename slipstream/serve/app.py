@@ -36,6 +36,14 @@ from slipstream.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from slipstream.serve.scoring import (
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    create_rerank,
+    create_score,
+)
 from slipstream.serve.tool_parsers import get_tool_parser
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -87,6 +95,16 @@ def _add_generation_routes(app: FastAPI, ctx: ServeContext) -> None:
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(req: EmbeddingRequest, raw_request: Request) -> Response:
         return await create_embedding(req, raw_request, ctx)
+
+    for path in ("/score", "/v1/score"):
+        @app.post(path, response_model=ScoreResponse, responses=_ERRORS)
+        async def score(req: ScoreRequest, raw_request: Request) -> Response:
+            return await create_score(req, raw_request, ctx)
+
+    for path in ("/rerank", "/v1/rerank"):
+        @app.post(path, response_model=RerankResponse, responses=_ERRORS)
+        async def rerank(req: RerankRequest, raw_request: Request) -> Response:
+            return await create_rerank(req, raw_request, ctx)
 
 
 def _add_info_routes(app: FastAPI, ctx: ServeContext) -> None:

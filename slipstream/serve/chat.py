@@ -189,6 +189,9 @@ class _ChatJob:
             content = tools.content_delta(text)
             if content:
                 chunks.append(self._chunk(c.index, DeltaMessage(content=content)))
+            calls = tools.call_deltas(text)
+            if calls:
+                chunks.append(self._chunk(c.index, DeltaMessage(tool_calls=calls)))
         if delta.finish_reason is not None:
             content, calls = tools.final(c.text)
             if content:
@@ -196,7 +199,7 @@ class _ChatJob:
             if calls:
                 chunks.append(self._chunk(c.index, DeltaMessage(tool_calls=calls)))
             reason = delta.finish_reason
-            if calls and reason == "stop":
+            if tools.found_calls and reason == "stop":
                 reason = "tool_calls"
             chunks.append(self._chunk(c.index, DeltaMessage(), None, reason,
                                       delta.stop_reason))

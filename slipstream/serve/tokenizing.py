@@ -59,6 +59,13 @@ class PromptTokenizer:
         self.check_bound(text, param)
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
+    async def encode_pair(self, text_1: str, text_2: str, param: str) -> tuple[list[int], int | None]:
+        """A cross-encoder's input: (token ids, where token type 1 starts or None)."""
+        from slipstream.pooling.pairs import encode_pair
+
+        self.check_bound(text_1 + text_2, param)
+        return await self._run(encode_pair, self.tokenizer, text_1, text_2)
+
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool,
                           **template_kwargs) -> list[int]:
         """Render and encode in the pool; the bound applies to the rendered text.

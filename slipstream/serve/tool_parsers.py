@@ -25,6 +25,9 @@ class ParsedCall:
 class ToolParser:
     name = ""
     start_marker = ""  # text that opens the tool calls
+    # Keys of a call object's arguments, for streaming them as they come (serve/tools.py);
+    # empty: the format is not JSON objects, each call is sent whole at the end.
+    args_keys: tuple[str, ...] = ()
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """(content or None, calls); text that does not parse as calls stays content."""
@@ -75,6 +78,7 @@ def _call_of(obj: object, args_key: str) -> ParsedCall | None:
 class HermesParser(ToolParser):
     name = "hermes"
     start_marker = "<tool_call>"
+    args_keys = ("arguments",)
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text):
@@ -102,6 +106,7 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     start_marker = "<|python_tag|>"
+    args_keys = ("parameters", "arguments")
 
     def parse(self, text):
         body = text.strip()
@@ -140,6 +145,7 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     start_marker = "[TOOL_CALLS]"
+    args_keys = ("arguments",)
 
     def parse(self, text):
         start = text.find(self.start_marker)

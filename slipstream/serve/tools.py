@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slipstream.serve.errors import APIError
+from slipstream.serve.partial_json import normalized_prefix, scan_calls
 from slipstream.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -195,14 +196,22 @@ def _with_tools_section(dicts: list[dict], tools: list[dict], parser: ToolParser
 
 class ToolCallStream:
     """One choice's stream: content deltas until the tool calls start (a possible start is held
-    back), then the calls, each as one delta with index, id, name and arguments, once the
-    reply is complete. A named function streams its arguments as they come."""
+    back), then the calls. With a JSON-writing parser (and with "required", whose reply is a
+    JSON array of {"name", "arguments"}) each call streams as OpenAI streams it:
+    a first delta with index, id, type and name once the name is complete, then fragments of
+    its arguments as they become certain (serve/partial_json.py); once the reply is complete,
+    whatever the whole reply's parse adds. Other parsers (pythonic) send each call whole at the
+    end. A named function streams its arguments as they come."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._sent = 0  # characters of content sent
         self._in_calls = plan.mode in ("named", "required")
+        # Where the tool calls start in the text ("required": a JSON array from the start).
+        self._calls_at: int | None = 0 if plan.mode == "required" else None
         self._named_id: str | None = None
+        self._streamed: list[tuple[str, str]] = []  # (id, arguments sent) per call started
+        self.found_calls = False  # the whole reply's parse found calls (set by final)
 
     def content_delta(self, text: str) -> str:
         """New content to send for the text so far (while the reply runs)."""
@@ -214,12 +223,47 @@ class ToolCallStream:
         start = parser.calls_start(text)
         if start is not None:
             self._in_calls = True
+            self._calls_at = start
             visible = text[:start]
         else:
             visible = text[: len(text) - parser.held_back(text)]
+        # The parsed content is stripped: blanks are sent once text follows them.
+        visible = visible.strip()
         new = visible[self._sent :]
         self._sent = max(self._sent, len(visible))
         return new
+
+    def call_deltas(self, text: str) -> list[DeltaToolCall]:
+        """Deltas of the calls in the text so far ("auto" after content_delta, "required")."""
+        keys = ("arguments",) if self.plan.mode == "required" else self.plan.parser.args_keys
+        if self.plan.mode not in ("auto", "required") or self._calls_at is None or not keys:
+            return []
+        scans = scan_calls(text, self._calls_at, keys)
+        if not self.plan.parallel:
+            scans = scans[:1]
+        deltas = []
+        for i, scan in enumerate(scans):
+            if scan.name is None:
+                break  # calls start in order: a later one waits for this one's name
+            args = ""
+            if scan.args_start is not None:
+                args = normalized_prefix(text, scan.args_start, scan.args_end)
+            if i == len(self._streamed):
+                call_id = _tool_call(scan.name, "").id
+                self._streamed.append((call_id, args))
+                deltas.append(
+                    DeltaToolCall(
+                        index=i,
+                        id=call_id,
+                        type="function",
+                        function=DeltaFunctionCall(name=scan.name, arguments=args),
+                    )
+                )
+            elif len(args) > len(self._streamed[i][1]):
+                call_id, sent = self._streamed[i]
+                self._streamed[i] = (call_id, args)
+                deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=args[len(sent) :])))
+        return deltas
 
     def named_delta(self, text: str, num_sent: int) -> list[DeltaToolCall]:
         """A named function: its arguments text as it grows."""
@@ -239,22 +283,28 @@ class ToolCallStream:
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))]
 
     def final(self, text: str) -> tuple[str, list[DeltaToolCall]]:
-        """(content not sent yet, the tool calls) once the reply is complete."""
+        """(content not sent yet, the calls' deltas not sent yet) once the reply is complete."""
         if self.plan.mode == "named":
             return "", []
         content, calls = self.plan.extract(text)
-        rest = ""
-        if not calls:
-            rest = text[self._sent :]
-        elif content and len(content) > self._sent:
-            rest = content[self._sent :]
-        deltas = [
-            DeltaToolCall(
-                index=i,
-                id=c.id,
-                type="function",
-                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+        self.found_calls = bool(calls)
+        rest = (content or "")[self._sent :]
+        deltas = []
+        for i, c in enumerate(calls):
+            if i < len(self._streamed):
+                sent = self._streamed[i][1]
+                args = c.function.arguments
+                if len(args) > len(sent) and args.startswith(sent):
+                    deltas.append(
+                        DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=args[len(sent) :]))
+                    )
+                continue
+            deltas.append(
+                DeltaToolCall(
+                    index=i,
+                    id=c.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments),
+                )
             )
-            for i, c in enumerate(calls)
-        ]
         return rest, deltas

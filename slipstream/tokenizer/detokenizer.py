@@ -6,6 +6,7 @@ that could still become a stop string, so streamed deltas never have to be taken
 """
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -79,6 +80,13 @@ class IncrementalDetokenizer:
         self.num_tokens += len(new_token_ids)
         end = len(new_token_ids) - (stop_terminated and not self._include_stop)
         self._ids.extend(new_token_ids[:max(end, 0)])
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy with the same text so far, to go on with other tokens (the
+        hypotheses of a beam search share their settled start)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
 
     def finalize(self) -> str:
         """The request ended without a stop string: release everything still held back,

@@ -84,6 +84,15 @@ def test_matches_transformers_with_eos_and_kv_pressure(eos_dir, hf_model):
     assert llm.engine_config.cache.num_blocks == 6
     params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=0.5)
     outs = llm.beam_search([PROMPT, OTHER], params)
+    llm.engine.add_beam_search("streamed", PROMPT, params, (331,))
+    settled, result = [], None
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        settled += llm.engine.beams.take_progress().get("streamed", [])
+        result = llm.engine.beams.take_finished().get("streamed", result)
+    assert [s.output_token_ids for s in result.sequences] == [
+        s.output_token_ids for s in outs[0].sequences]
+    assert_settled_prefix(settled, result)  # finished hypotheses count among the live ones
     for prompt, out in zip([PROMPT, OTHER], outs):
         assert_same_beams(out, hf_beams(hf_model, prompt, 4, 12, 0.5, 331), 0.5)
     reasons = {s.finish_reason for s in outs[0].sequences}
@@ -100,7 +109,7 @@ def test_in_flight_with_sampled_requests_and_aborts(llm, hf_model):
     engine.add_beam_search("keep", PROMPT, params)
     engine.add_beam_search("drop", OTHER, params)
     engine.add_request(Request("plain", OTHER, sampled))
-    got, results = [], {}
+    got, results, settled = [], {}, {"keep": [], "drop": []}
     for step in range(200):
         if not engine.has_unfinished_requests():
             break
@@ -110,11 +119,23 @@ def test_in_flight_with_sampled_requests_and_aborts(llm, hf_model):
         for out in engine.step():
             if out.request_id == "plain":
                 got += out.new_token_ids
+        for search_id, tokens in engine.beams.take_progress().items():
+            assert search_id not in results  # nothing settles after the result
+            settled[search_id] += tokens
         results.update(engine.beams.take_finished())
     assert got == alone  # a seeded sample does not depend on its batch
     assert set(results) == {"keep"}
     assert_same_beams(results["keep"], hf_beams(hf_model, PROMPT, 3, 8, 1.0, None), 1.0)
+    assert_settled_prefix(settled["keep"], results["keep"])
     _assert_clean(engine)
+
+
+def assert_settled_prefix(settled: list[int], out) -> None:
+    """Streamed tokens: what every hypothesis began with before the search ended, so a prefix
+    of each final one (and not empty on these prompts: the beams agree on their start)."""
+    assert settled
+    for seq in out.sequences:
+        assert seq.output_token_ids[: len(settled)] == settled
 
 
 def test_bad_parameters(llm):

@@ -5,6 +5,7 @@ offline engine's tokens too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
@@ -186,3 +187,43 @@ def test_lora_request_reaches_the_engine(executor, offline, tiny_llama_dir, tmp_
     assert list(want) != list(base)  # the adapter changes the output
     rid = executor.enqueue_request(prompts[2], PARAMS, lora_request=lora)
     assert _collect(executor, rid, 1)[0][0] == list(want)
+
+
+def test_async_beam_search_stream_settles_and_aborts_cleanly(executor, offline) -> None:
+    """AsyncLLM.beam_search_stream: the settled tokens start every returned hypothesis and the
+    result equals the offline search; leaving the stream early aborts the search, freeing
+    every block."""
+    from slipstream import BeamSearchParams
+
+    prompt = [5, 17, 99, 250, 8, 41, 3]
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    (want,) = offline.beam_search([prompt], params)
+    llm = executor._llm
+
+    async def read_all():
+        settled, result = [], None
+        async for update in llm.beam_search_stream(prompt, params, "beams-all"):
+            assert result is None  # the result comes last
+            settled += update.settled_token_ids
+            result = update.output
+        return settled, result
+
+    async def leave_early():
+        long = BeamSearchParams(beam_width=3, max_tokens=48, ignore_eos=True)
+        stream = llm.beam_search_stream(prompt, long, "beams-left")
+        async with contextlib.aclosing(stream):
+            first = await anext(stream)
+        for _ in range(100):
+            stats = await llm.get_stats(fresh=True)
+            if stats["num_running"] == stats["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        return first, stats
+
+    settled, result = executor._call(read_all())
+    assert [s.output_token_ids for s in result.sequences] == [s.output_token_ids for s in want.sequences]
+    assert settled and all(s.output_token_ids[: len(settled)] == settled for s in result.sequences)
+    first, stats = executor._call(leave_early())
+    assert first.output is None and first.settled_token_ids  # left mid-search
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

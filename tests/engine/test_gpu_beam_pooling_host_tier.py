@@ -31,12 +31,16 @@ def test_beam_search_matches_transformers_beside_greedy(tiny_llama_dir):
     greedy = llm.generate([[9, 8, 7]] * 4, SamplingParams(temperature=0, max_tokens=16,
                                                           ignore_eos=True), use_tqdm=False)
     assert len(greedy) == 4
+    settled = []
     while engine.has_unfinished_requests():
         engine.step()
+        settled += engine.beams.take_progress().get("b", [])
     (out,) = engine.beams.take_finished().values()
     hf = load_hf_model(tiny_llama_dir)
     ref = hf_beams(hf, PROMPT, 4, 16, 1.0, None)
     assert [s.output_token_ids for s in out.sequences] == [t for t, _ in ref]
+    # What a stream sends before the end starts every returned hypothesis.
+    assert settled and all(s.output_token_ids[: len(settled)] == settled for s in out.sequences)
     kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_total_blocks
 

@@ -88,3 +88,31 @@ def tiny_llama_cls_dir(tmp_path_factory) -> Path:
                      tmp_path_factory.mktemp("llama_cls"))
     make_tiny_tokenizer(path)
     return path
+
+
+def save_bert_tokenizer(path: Path) -> Path:
+    """A WordPiece tokenizer inside BERT_SHAPE's vocabulary: specials, words, then letters."""
+    import transformers
+
+    words = ("the quick brown fox jumps over lazy dog what who hello world a cat sat on mat "
+             "is it where paris city capital france").split()
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "?", ".", ",", *words, *letters,
+             *(f"##{c}" for c in letters)]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_cross_encoder_dir(tmp_path_factory) -> Path:
+    """BertForSequenceClassification with one label (a cross-encoder) and a tokenizer; its
+    token type embeddings differ, so a wrong segment changes the score."""
+    import transformers
+
+    torch.manual_seed(4)
+    # Weights large enough that the segments move the score well past the tolerance.
+    cfg = transformers.BertConfig(**BERT_SHAPE, num_labels=1, initializer_range=0.3)
+    model = transformers.BertForSequenceClassification(cfg)
+    path = save_tiny(model, tmp_path_factory.mktemp("bert_cross"))
+    return save_bert_tokenizer(path)

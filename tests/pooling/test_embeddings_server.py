@@ -83,3 +83,17 @@ def test_openai_client_and_errors(embed_server):
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and "embeddings" in r.json()["error"]["message"]
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_an_embedding_model_scores_by_cosine(embed_server):
+    handle, model_dir = embed_server
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    query, docs = "hello world", ["the quick brown fox", "hello world"]
+    r = httpx.post(handle.base_url + "/score", json={"text_1": query, "text_2": docs}, timeout=60)
+    assert r.status_code == 200, r.text
+    q = _reference(model_dir, tok.encode(query))
+    want = [float(q @ _reference(model_dir, tok.encode(d))) for d in docs]
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-4)
+    assert r.json()["data"][1]["score"] == pytest.approx(1.0, abs=1e-4)

@@ -125,6 +125,30 @@ def test_cross_encoder_and_embedding_scores(tiny_llama_cls_dir, mean_llm):
     assert abs(pair.outputs.score - F.cosine_similarity(a, b, dim=0).item()) < ATOL
 
 
+@torch.no_grad()
+def test_bert_cross_encoder_scores_pairs_with_token_types(tiny_bert_cross_encoder_dir):
+    import transformers
+
+    llm = _engine(tiny_bert_cross_encoder_dir)
+    hf = transformers.BertForSequenceClassification.from_pretrained(
+        tiny_bert_cross_encoder_dir, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_bert_cross_encoder_dir)
+    query, docs = "what jumps?", ["the quick brown fox", "a cat sat on the mat", "hello"]
+    scores = llm.score(query, docs)  # one batch: pairs of different lengths side by side
+    for doc, out in zip(docs, scores):
+        enc = tok(query, doc, return_tensors="pt")
+        assert enc["token_type_ids"].any()  # the second segment really is type 1
+        assert out.prompt_token_ids == enc["input_ids"][0].tolist()
+        want = hf(**enc).logits[0, 0].sigmoid().item()
+        assert abs(out.outputs.score - want) < ATOL
+        wrong = hf(input_ids=enc["input_ids"]).logits[0, 0].sigmoid().item()
+        assert abs(out.outputs.score - wrong) > 10 * ATOL  # the token types matter
+    # A single text keeps type 0 throughout, in the same engine.
+    (single,) = llm.classify([query])
+    want = hf(**tok(query, return_tensors="pt")).logits[0, 0].sigmoid().item()
+    assert abs(single.outputs.probs[0] - want) < ATOL
+
+
 def test_generate_engine_refuses_embed(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=64, max_num_tokens=64)
     with pytest.raises(ValueError, match="runner='pooling'"):

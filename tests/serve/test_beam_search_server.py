@@ -1,5 +1,6 @@
 """/v1/completions with use_beam_search on the session's server: the n best beams of best_of
-equal transformers' beam search, usage counted, and the fields beam search refuses."""
+equal transformers' beam search, usage counted, streamed deltas that join to the unstreamed
+choices, and the fields beam search refuses."""
 from __future__ import annotations
 
 import pytest
@@ -39,7 +40,7 @@ def test_beam_search_completion_matches_transformers(http, openai_client, tiny_c
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"),
+    ({"temperature": 0.7}, "temperature"),
     ({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 11}, "best_of"),
     ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop")])
 def test_beam_search_refuses_what_it_cannot_honour(http, extra, param):
@@ -47,3 +48,29 @@ def test_beam_search_refuses_what_it_cannot_honour(http, extra, param):
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_streamed_beams_join_to_the_unstreamed_choices(http, openai_client):
+    """Two prompts, echo and usage: each choice's deltas join to exactly its unstreamed text;
+    the settled start streams before the search ends (several deltas per choice)."""
+    prompts = ["hello world", "the quick brown"]
+    extra = {"use_beam_search": True, "best_of": 3, "ignore_eos": True, "length_penalty": 0.5}
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=8, n=2, echo=True, extra_body=extra)
+    full = openai_client.completions.create(**kw)
+    chunks = list(openai_client.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    texts: dict[int, list[str]] = {}
+    reasons: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts.setdefault(choice.index, []).append(choice.text)
+        if choice.finish_reason is not None:
+            assert choice.index not in reasons  # one finish per choice, at its end
+            reasons[choice.index] = choice.finish_reason
+    assert sorted(texts) == [0, 1, 2, 3]
+    for c in full.choices:
+        assert "".join(texts[c.index]) == c.text
+        assert reasons[c.index] == c.finish_reason
+    assert texts[2][0].startswith("the quick brown")  # echo comes first
+    assert max(len([t for t in parts if t]) for parts in texts.values()) > 2
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage

@@ -151,6 +151,45 @@ def test_streamed_tool_calls_equal_unstreamed(client, tool_choice):
     assert reason == full.finish_reason
 
 
+# The model is held to a hermes call (content first) so that "auto" has a call to parse.
+AUTO_CALL = (
+    r'Checking\. <tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{3,12}", "days": [1-7]\}\}\n</tool_call>'
+)
+
+
+def _assemble_auto(chunks) -> tuple[str, list[dict], str | None, int]:
+    """(content, calls with id / name / arguments text, finish reason, argument deltas)."""
+    content, calls, reason, fragments = "", {}, None, 0
+    for chunk in chunks:
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or ():
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+                else:
+                    assert d.id is None and d.function.name is None
+                    fragments += 1
+                calls[d.index]["arguments"] += d.function.arguments or ""
+    return content, [c for _, c in sorted(calls.items())], reason, fragments
+
+
+def test_auto_tool_call_arguments_stream_in_pieces(client):
+    kw = dict(temperature=0, tools=TOOLS, tool_choice="auto", extra_body={"guided_regex": AUTO_CALL})
+    full = _chat(client, **kw).choices[0]
+    assert full.finish_reason == "tool_calls" and full.message.content == "Checking."
+    content, calls, reason, fragments = _assemble_auto(_chat(client, stream=True, **kw))
+    assert content == full.message.content and reason == full.finish_reason
+    want = full.message.tool_calls
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in want
+    ]  # the arguments text exactly, not only its parse
+    assert fragments >= 3  # streamed as generated, not in one piece at the end
+    assert all(c["id"].startswith("call-") for c in calls)
+
+
 def test_tool_messages_round_trip(client):
     messages = MESSAGES + [
         {

@@ -51,21 +51,68 @@ def test_formats_as_models_write_them():
         get_tool_parser("nope")
 
 
+def _stream_by_characters(plan: ToolPlan, text: str) -> tuple[str, dict[int, list], list]:
+    """Feed the reply one character at a time: (content, deltas per call index, all deltas)."""
+    stream = ToolCallStream(plan)
+    content, deltas = "", []
+    for i in range(1, len(text) + 1):
+        content += stream.content_delta(text[:i])
+        deltas += stream.call_deltas(text[:i])
+    rest, last = stream.final(text)
+    content += rest
+    deltas += last
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.index not in calls:  # the first delta of a call names it, with its id
+            assert d.id and d.type == "function" and d.function.name
+            calls[d.index] = [d.id, d.function.name, ""]
+        else:
+            assert d.id is None and d.function.name is None
+        calls[d.index][2] += d.function.arguments or ""
+    return content, calls, deltas
+
+
 @pytest.mark.parametrize("name", sorted(PARSERS))
 def test_stream_assembles_to_the_whole_reply(name):
     parser = get_tool_parser(name)
     prefix = "Sure. " if name in ("hermes", "mistral") else ""
     text = prefix + parser.render(CALLS)
     plan = ToolPlan("auto", [], parser)
-    stream = ToolCallStream(plan)
-    sent = "".join(stream.content_delta(text[:i]) for i in range(1, len(text) + 1))
-    rest, deltas = stream.final(text)
-    content, calls = plan.extract(text)
-    assert (sent + rest).strip() == (content or "")
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [
-        (c.function.name, c.function.arguments) for c in calls
+    sent, calls, deltas = _stream_by_characters(plan, text)
+    content, want = plan.extract(text)
+    assert sent == (content or "")
+    assert [(name, args) for _, name, args in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in want
     ]
-    assert [d.index for d in deltas] == list(range(len(CALLS)))
+    assert sorted(calls) == list(range(len(CALLS)))
+    if parser.args_keys:  # JSON formats stream the arguments in pieces, before the end
+        assert sum(1 for d in deltas if d.index == 0) > 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        '{"city": "Pa\\"ris\\u00e9\\ud83d\\ude00 x", "n": [1, -2.50e3, true, null], "o": {}}',
+        '{ "a" : 1 ,"b":{"c":[ ]},"d":"\\n\\t"}',
+        "{}",
+    ],
+)
+def test_streamed_arguments_are_the_parsed_arguments(args):
+    """Spacing, escapes, surrogate pairs and numbers as a model may write them: the fragments
+    assemble to exactly the arguments of the whole reply's parse."""
+    text = f'ok <tool_call>\n{{"name": "f", "arguments": {args}}}\n</tool_call>'
+    plan = ToolPlan("auto", [], get_tool_parser("hermes"))
+    _, calls, _ = _stream_by_characters(plan, text)
+    _, want = plan.extract(text)
+    assert [c[2] for c in calls.values()] == [want[0].function.arguments]
+    assert json.loads(calls[0][2]) == json.loads(args)
+
+
+def test_one_call_streams_when_calls_are_not_parallel():
+    parser = get_tool_parser("hermes")
+    text = parser.render(CALLS)
+    _, calls, _ = _stream_by_characters(ToolPlan("auto", [], parser, parallel=False), text)
+    assert [c[1] for c in calls.values()] == ["get_weather"]
 
 
 def test_plain_text_streams_whole():
@@ -131,3 +178,14 @@ def test_a_tools_section_is_supplied_where_the_template_has_none():
     assert "<tool_call>" in dicts[0]["content"]
     assert dicts[2] == {"role": "assistant", "content": parser.render([ParsedCall("add", '{"a": 1}')])}
     assert dicts[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>"}
+
+
+def test_required_calls_stream_their_arguments():
+    """Replies of tool_choice "required" (a JSON array of {"name", "arguments"}) stream alike."""
+    text = '[{"name": "add", "arguments": {"a": 1, "b": [2, "x"]}}, {"name": "g", "arguments": {}}]'
+    plan = ToolPlan("required", [], get_tool_parser("hermes"))
+    content, calls, deltas = _stream_by_characters(plan, text)
+    _, want = plan.extract(text)
+    assert content == ""
+    assert [(c[1], c[2]) for c in calls.values()] == [(c.function.name, c.function.arguments) for c in want]
+    assert sum(1 for d in deltas if d.index == 0) > 3
