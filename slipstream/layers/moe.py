@@ -23,9 +23,16 @@ import torch
 from torch import nn
 
 from slipstream.kernels.moe import reference
+from slipstream.layers.moe_fp8_checkpoint import (
+    UNUSED_TENSORS,
+    Fp8ExpertCheckpoint,
+    PendingExpertTensors,
+    per_row_fp8,
+)
 from slipstream.parallel import state as parallel_state
 from slipstream.parallel.checkpoint_slices import materialize
 from slipstream.quantization.utils import (
+    FP8_DTYPE,
     load_time_weight,
     new_param,
     quantize_fp8_per_channel,
@@ -42,11 +49,13 @@ class ExpertQuantMethod:
     """Quantizes the stacked expert weights once they are loaded (QuantizeAsLoaded calls
     process_after_loading when the layer's last tensor is in); None keeps them as loaded."""
 
-    def __init__(self, weight_format: str | None):
+    def __init__(self, weight_format: str | None, prequantized: bool = False):
         if weight_format not in EXPERT_WEIGHT_FORMATS:
             raise ValueError(f"MoE experts support weight formats {EXPERT_WEIGHT_FORMATS[1:]}, "
                              f"not {weight_format!r}")
         self.weight_format = weight_format
+        # The loader may skip these per-expert checkpoint tensors (static activation scales).
+        self.unused_checkpoint_tensors = UNUSED_TENSORS if prequantized else ()
 
     def process_after_loading(self, layer: FusedMoE) -> None:
         if self.weight_format is None or not layer.w13_weight.is_floating_point() or \
@@ -69,7 +78,9 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  params_dtype: torch.dtype, *, renormalize: bool,
                  weight_format: str | None = None, local_experts: Sequence[int] | None = None,
-                 use_triton: bool = False, tp_size: int = 1, tp_rank: int = 0):
+                 use_triton: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 fp8_checkpoint: Fp8ExpertCheckpoint | None = None):
+        """fp8_checkpoint: the experts come pre-quantized to FP8 in that layout."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
@@ -91,16 +102,26 @@ class FusedMoE(nn.Module):
                                                             dtype=torch.int32)
         self.register_buffer("expert_map", expert_map, persistent=False)
         self.use_triton = use_triton
-        self.quant_method = ExpertQuantMethod(weight_format)
+        self.fp8_checkpoint = fp8_checkpoint
+        if fp8_checkpoint is not None:
+            weight_format, params_dtype = "fp8", FP8_DTYPE
+            self._pending = PendingExpertTensors()
+        self.quant_method = ExpertQuantMethod(weight_format, fp8_checkpoint is not None)
         count = len(self.local_experts)
-        make = load_time_weight if weight_format is not None else _empty_2d
+        make = load_time_weight if weight_format is not None and fp8_checkpoint is None \
+            else _empty_2d
         self.w13_weight = new_param(make(count * 2 * intermediate_size, hidden_size,
                                          params_dtype).view(count, 2 * intermediate_size,
                                                             hidden_size))
         self.w2_weight = new_param(make(count * hidden_size, intermediate_size, params_dtype)
                                    .view(count, hidden_size, intermediate_size))
-        self.register_parameter("w13_scale", None)  # int8 / fp8: [E_local, 2I] float32
-        self.register_parameter("w2_scale", None)
+        if fp8_checkpoint is None:  # int8 / fp8 at load: [E_local, 2I] float32, made then
+            self.register_parameter("w13_scale", None)
+            self.register_parameter("w2_scale", None)
+        else:
+            self.w13_scale = new_param(torch.empty(count, 2 * intermediate_size,
+                                                   dtype=torch.float32))
+            self.w2_scale = new_param(torch.empty(count, hidden_size, dtype=torch.float32))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """One expert's gate, up or down tensor; shard = local expert * 3 + GATE / UP / DOWN."""
@@ -109,6 +130,9 @@ class FusedMoE(nn.Module):
         expert, part = divmod(shard, 3)
         inter = self.intermediate_size
         start = self.tp_rank * inter if self.split > 1 else 0
+        if self.fp8_checkpoint is not None:
+            self._load_fp8(param, loaded, expert, part, start)
+            return
         # Only this rank's slice is read from a memory-mapped checkpoint tensor.
         loaded = loaded.narrow(1 if part == DOWN else 0, start, inter) if self.split > 1 \
             else materialize(loaded)
@@ -120,6 +144,24 @@ class FusedMoE(nn.Module):
                              f"slice {tuple(dest.shape)}")
         dest.copy_(loaded)
 
+    def _load_fp8(self, param: nn.Parameter, loaded, expert: int, part: int, start: int) -> None:
+        """A pre-quantized expert tensor or its scale; both in: the rows and their scales."""
+        kind = "scale" if param is self.w13_scale or param is self.w2_scale else "weight"
+        both = self._pending.add(expert * 3 + part, kind, loaded)
+        if both is None:
+            return
+        inter = self.intermediate_size
+        cut = (1 if part == DOWN else 0, start, inter) if self.split > 1 else None
+        q, scale = per_row_fp8(*both, self.fp8_checkpoint, cut)
+        weight, scales = (self.w2_weight[expert], self.w2_scale[expert]) if part == DOWN else (
+            self.w13_weight[expert].narrow(0, part * inter, inter),
+            self.w13_scale[expert].narrow(0, part * inter, inter))
+        if weight.shape != q.shape:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(q.shape)} vs expert slice "
+                             f"{tuple(weight.shape)}")
+        weight.copy_(q)
+        scales.copy_(scale)
+
     def checkpoint_names(self, prefix: str, names: tuple[str, str, str]
                          ) -> dict[str, tuple[str, int]]:
         """Checkpoint tensor -> (parameter, shard) for this rank's experts; names: the
@@ -127,8 +169,12 @@ class FusedMoE(nn.Module):
         out = {}
         for local, expert in enumerate(self.local_experts):
             for part, name in enumerate(names):
-                param = "w2_weight" if part == DOWN else "w13_weight"
-                out[f"{prefix}.{expert}.{name}.weight"] = (f"{prefix}.{param}", local * 3 + part)
+                param = "w2" if part == DOWN else "w13"
+                out[f"{prefix}.{expert}.{name}.weight"] = (f"{prefix}.{param}_weight",
+                                                           local * 3 + part)
+                if self.fp8_checkpoint is not None:
+                    scale = f"{prefix}.{expert}.{name}.{self.fp8_checkpoint.scale_name}"
+                    out[scale] = (f"{prefix}.{param}_scale", local * 3 + part)
         return out
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slipstream.layers.moe import FusedMoE
+from slipstream.layers.moe_fp8_checkpoint import Fp8ExpertCheckpoint
 from slipstream.layers.norm import RMSNorm
 from slipstream.models.llama import BuildContext, LlamaForCausalLM, LlamaMLP
 from slipstream.models.moe_config import (
@@ -57,10 +58,11 @@ class SparseMoeBlock(nn.Module):
         cfg = ctx.cfg.hf_config
         num_experts = num_experts_of(cfg)
         self.gate = Router(num_experts, ctx.cfg.hidden_size, ctx.dtype)
+        weight_format, fp8_checkpoint = expert_weight_format(ctx, f"{prefix}.experts")
         self.experts = FusedMoE(
             num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
             expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
-            weight_format=expert_weight_format(ctx, f"{prefix}.experts"),
+            weight_format=weight_format, fp8_checkpoint=fp8_checkpoint,
             local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton",
             tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
         shared = cfg.get("shared_expert_intermediate_size") or 0
@@ -84,24 +86,28 @@ class SparseMoeBlock(nn.Module):
         return self.forward(h), residual
 
 
-def expert_weight_format(ctx: BuildContext, prefix: str) -> str | None:
-    """The experts' weight-only format from the model's quantization method: fp8 or int8 when
-    it quantizes at load, None unquantized; anything else is refused rather than run in 16 bits
-    unnoticed."""
+def expert_weight_format(ctx: BuildContext, prefix: str
+                         ) -> tuple[str | None, Fp8ExpertCheckpoint | None]:
+    """(weight format, pre-quantized FP8 layout) of the experts from the model's quantization
+    method: fp8 or int8 when it quantizes at load, a pre-quantized FP8 checkpoint's layout,
+    None unquantized; anything else is refused rather than run in 16 bits unnoticed."""
     from slipstream.quantization.fp8 import Fp8LinearMethod
     from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
 
     method = ctx.quant_factory(prefix)
     if type(method) is UnquantizedLinearMethod:
-        return None
-    if getattr(method, "prequantized", True) is False:
-        if type(method) is Fp8LinearMethod:
-            return "fp8"
-        if type(method) is Int8WeightOnlyMethod:
-            return "int8"
-    raise ValueError(f"MoE experts support quantization 'fp8' and 'int8_wo' (weight-only, at "
-                     f"load), not {type(method).__name__} (prequantized: "
-                     f"{getattr(method, 'prequantized', '?')})")
+        return None, None
+    prequantized = getattr(method, "prequantized", True)
+    if type(method) is Fp8LinearMethod:
+        if not prequantized:
+            return "fp8", None
+        return "fp8", Fp8ExpertCheckpoint(method.block_size, method.block_scale_name
+                                          if method.block_size is not None else "weight_scale")
+    if type(method) is Int8WeightOnlyMethod and not prequantized:
+        return "int8", None
+    raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized) and "
+                     f"'int8_wo' (at load), not {type(method).__name__} (prequantized: "
+                     f"{prequantized})")
 
 
 def _mlp_factory(ctx: BuildContext, prefix: str) -> nn.Module:

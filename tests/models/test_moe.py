@@ -3,12 +3,15 @@ position, the routing rule matters, expert placement (expert parallelism) splits
 exactly, and int8 / fp8 experts stay close to the 16-bit ones."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from slipstream.engine.args import EngineArgs
 from slipstream.kernels.moe import reference
 from slipstream.layers.moe import DOWN, GATE, UP, FusedMoE, experts_of_rank
+from slipstream.layers.moe_fp8_checkpoint import Fp8ExpertCheckpoint
 from slipstream.models.loader import iterate_safetensors, load_weights, safetensors_files
 from slipstream.models.moe import MixtralForCausalLM, SparseMoeBlock
 from slipstream.models.quantize_as_loaded import QuantizeAsLoaded
@@ -151,18 +154,100 @@ def test_quantization_at_load_reaches_the_experts(checkpoints, method, dtype):
 
 
 def test_unsupported_expert_quantization_is_refused():
-    """A pre-quantized fp8 checkpoint's experts are not a format FusedMoE reads yet: refused,
-    not run in 16 bits unnoticed."""
+    """Experts in a format FusedMoE does not read (pre-quantized int8) are refused, not run in
+    16 bits unnoticed; fp8 at load and pre-quantized fp8 are read."""
     from types import SimpleNamespace
 
     from slipstream.models.moe import expert_weight_format
     from slipstream.quantization.fp8 import Fp8LinearMethod
+    from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
 
-    ctx = SimpleNamespace(quant_factory=lambda prefix: Fp8LinearMethod(prequantized=True))
+    ctx = SimpleNamespace(quant_factory=lambda prefix: Int8WeightOnlyMethod(prequantized=True))
     with pytest.raises(ValueError, match="MoE experts support quantization"):
         expert_weight_format(ctx, "model.layers.0.mlp.experts")
     ctx = SimpleNamespace(quant_factory=lambda prefix: Fp8LinearMethod())
-    assert expert_weight_format(ctx, "model.layers.0.mlp.experts") == "fp8"
+    assert expert_weight_format(ctx, "model.layers.0.mlp.experts") == ("fp8", None)
+    ctx = SimpleNamespace(quant_factory=lambda prefix: Fp8LinearMethod(True, block_size=(16, 16)))
+    assert expert_weight_format(ctx, "x")[1] == Fp8ExpertCheckpoint((16, 16), "weight_scale_inv")
+
+
+_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fp8_expert_checkpoints(src, out, layout: str, float_modules: list[str]
+                            ) -> tuple[object, object]:
+    """(pre-quantized fp8 checkpoint, float checkpoint of its dequantized values) from src: the
+    experts in `layout` ("tensor": one scale per tensor, with a static input scale; "channel":
+    one per row; "block": 16 x 16 blocks), everything else float (float_modules listed as
+    such)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from slipstream.quantization.fp8_layouts import dequantize_blockwise
+    from slipstream.quantization.utils import FP8_DTYPE, FP8_MAX, quantize_fp8_per_channel
+
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized, dequantized = {}, {}
+    for name, w in tensors.items():
+        quantized[name] = dequantized[name] = w
+        if not _EXPERT.search(name):
+            continue
+        base = name.removesuffix(".weight")
+        if layout == "block":
+            blocks = w.unflatten(0, (-1, 16)).unflatten(2, (-1, 16)).abs().amax(dim=(1, 3))
+            scale = blocks / FP8_MAX
+            q = (w / scale.repeat_interleave(16, 0).repeat_interleave(16, 1)).to(FP8_DTYPE)
+            quantized[f"{base}.weight_scale_inv"] = scale
+            # What the loader must make of it: the blocks requantized row by row.
+            q2, row_scale = quantize_fp8_per_channel(dequantize_blockwise(q, scale, (16, 16)))
+            dequantized[name] = q2.float() * row_scale[:, None]
+        elif layout == "channel":
+            q, scale = quantize_fp8_per_channel(w)
+            quantized[f"{base}.weight_scale"] = scale[:, None]
+            dequantized[name] = q.float() * scale[:, None]
+        else:
+            scale = w.abs().max() / FP8_MAX
+            q = (w / scale).to(FP8_DTYPE)
+            quantized[f"{base}.weight_scale"] = scale
+            quantized[f"{base}.input_scale"] = torch.tensor(0.02)
+            dequantized[name] = q.float() * scale
+        quantized[name] = q
+    paths = []
+    for kind, weights in (("fp8", quantized), ("dequantized", dequantized)):
+        path = out / kind
+        shutil.copytree(src, path)
+        save_file(weights, str(path / "model.safetensors"))
+        if kind == "fp8":
+            config = json.loads((path / "config.json").read_text())
+            qc = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                  "modules_to_not_convert": float_modules}
+            if layout == "block":
+                qc["weight_block_size"] = [16, 16]
+            config["quantization_config"] = qc
+            (path / "config.json").write_text(json.dumps(config))
+        paths.append(path)
+    return tuple(paths)
+
+
+@pytest.mark.parametrize("arch,layout", [("MixtralForCausalLM", "tensor"),
+                                         ("Qwen3MoeForCausalLM", "channel"),
+                                         ("Qwen2MoeForCausalLM", "block")])
+def test_prequantized_fp8_experts(checkpoints, tmp_path, arch, layout):
+    """Pre-quantized fp8 experts load into the per-row fp8 layout: the dequantized checkpoint's
+    logits (for block scales: of the blocks requantized per row, as the loader does)."""
+    float_modules = ["self_attn", "lm_head"]
+    if arch == "Qwen2MoeForCausalLM":  # its shared experts and dense layer 1 stay float too
+        float_modules += ["shared_expert", "model.layers.1.mlp"]
+    fp8_path, float_path = _fp8_expert_checkpoints(checkpoints[arch], tmp_path, layout,
+                                                   float_modules)
+    runner = make_runner(fp8_path)
+    experts = next(iter(runner.model.moe_blocks().values())).experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_scale.dtype == torch.float32
+    ours = full_logits(runner, PROMPT, block_ids=list(range(12)))
+    want = full_logits(make_runner(float_path), PROMPT, block_ids=list(range(12)))
+    assert max_rel_err(ours, want) < 1e-5
 
 
 def test_reference_routing_rules():
@@ -202,3 +287,27 @@ def test_l2_prefetch_spans_only_the_attention_output(checkpoints, arch):
     o_bytes = sum(t.numel() * t.element_size()
                   for t in model.model.layers[0].self_attn.o_proj.parameters())
     assert model.attach_l2_prefetch(1 << 30) == o_bytes
+
+
+def test_fp8_expert_slices_for_tensor_parallel_ranks():
+    """A rank's slice of a pre-quantized expert tensor: rows (gate / up) cut with their scales,
+    columns (down) keep every row's scale; block scales are requantized over the slice only."""
+    from slipstream.layers.moe_fp8_checkpoint import per_row_fp8
+    from slipstream.quantization.fp8_layouts import dequantize_blockwise
+    from slipstream.quantization.utils import quantize_fp8_per_channel
+
+    w = torch.randn(32, 48, generator=torch.Generator().manual_seed(6))
+    q, rows = quantize_fp8_per_channel(w)
+    row_fmt = Fp8ExpertCheckpoint()
+    for cut in ((0, 16, 16), (1, 24, 24)):
+        got_q, got_s = per_row_fp8(q, rows[:, None], row_fmt, cut)
+        assert torch.equal(got_q.float(), q.float().narrow(*cut))
+        assert torch.equal(got_s, rows.narrow(0, 16, 16) if cut[0] == 0 else rows)
+    blocks = torch.rand(2, 3, generator=torch.Generator().manual_seed(7)) + 0.5
+    block_fmt = Fp8ExpertCheckpoint((16, 16), "weight_scale_inv")
+    got_q, got_s = per_row_fp8(q, blocks, block_fmt, (1, 24, 24))
+    want_q, want_s = quantize_fp8_per_channel(
+        dequantize_blockwise(q, blocks, (16, 16)).narrow(1, 24, 24))
+    assert torch.equal(got_q.float(), want_q.float()) and torch.equal(got_s, want_s)
+    with pytest.raises(ValueError, match="one per tensor or one per row"):
+        per_row_fp8(q, rows[:5], row_fmt)
