@@ -104,6 +104,10 @@ class UnquantizedLinearMethod(QuantMethod):
         weight.input_dim = 1
         layer.register_parameter("weight", weight)
 
+    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """The weight in checkpoint layout (a fused layer is split into its shards by name)."""
+        return {"weight": (layer.weight.data, 0, 1)}
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:  # small batches: a Triton GEMV when it measured faster than cuBLAS
             return linear_kernels().linear(x, layer.weight, bias)

@@ -175,6 +175,21 @@ def test_gemma_written_checkpoint_keeps_norm_weights(tiny_checkpoint):
         torch.testing.assert_close(written[name].float(), original[name], atol=1e-6, rtol=0)
 
 
+def test_written_float_checkpoint_is_the_original(tiny_checkpoint):
+    """A float model written back (benchmarks/startup.py writes its random checkpoints so) has
+    the checkpoint's tensors under their names: fused q/k/v and gate/up split again."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization.checkpoint import checkpoint_tensors
+
+    src = tiny_checkpoint("LlamaForCausalLM")
+    written = checkpoint_tensors(make_runner(src).model)
+    original = load_file(src / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(written[name], tensor), name
+
+
 @torch.no_grad()
 def test_gemma3_multimodal_checkpoint_served_as_text(tmp_path):
     """Gemma3ForConditionalGeneration: its language model's logits on a text prompt, the vision
