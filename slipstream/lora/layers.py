@@ -69,8 +69,7 @@ class LoRALinear:
         """y (the base product of x) plus each row's adapter delta; y is updated in place."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         meta = self.state.meta_for(x2.shape[0])
-        h = self.ops.lora_shrink(x2, self.a, meta)
-        self.ops.lora_expand(y2, h, self.b, meta, self.shard_starts)
+        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts)
         return y
 
     def clear(self, slot: int) -> None:

@@ -1,5 +1,6 @@
-"""Batched LoRA ops: `lora_ops(device)` -> (lora_shrink, lora_expand), Triton on CUDA, the
-reference twins elsewhere (or everywhere with SLIPSTREAM_KERNELS=reference)."""
+"""Batched LoRA ops: `lora_ops(device)` -> lora_shrink, lora_expand and lora_add (shrink then
+expand, the one a layer calls), Triton on CUDA, the reference twins elsewhere (or everywhere
+with SLIPSTREAM_KERNELS=reference)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -13,4 +14,5 @@ def lora_ops(device: str) -> SimpleNamespace:
         from slipstream.kernels.lora import triton_lora as mod
     else:
         from slipstream.kernels.lora import reference as mod
-    return SimpleNamespace(lora_shrink=mod.lora_shrink, lora_expand=mod.lora_expand)
+    return SimpleNamespace(lora_shrink=mod.lora_shrink, lora_expand=mod.lora_expand,
+                           lora_add=mod.lora_add)

@@ -38,3 +38,9 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
             delta = h[rows, j * rank : (j + 1) * rank] @ b[slot, lo:hi].float().T
             y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
     return y
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
+    """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b)."""
+    return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)

@@ -6,8 +6,15 @@ its adapter's matrices once for all its rows and multiplies with tensor cores. P
 give full tiles (segmented), decode batches short ones (gathered). Tiles with slot -1 return at
 once, so a captured graph replays any mix of adapters.
 
-Shrink splits K across programs for short batches (one decode row would otherwise walk all of
-K in one program) and adds the partial sums atomically into a zeroed float32 h.
+Shrink splits K across programs until the batch's tiles fill the GPU (a tile would otherwise
+walk all of K alone) and adds the partial sums atomically into a zeroed float32 h.
+
+`lora_add` is what a layer calls. At up to FUSED_MAX_ROWS rows (small decode batches, batch-1
+above all) it launches one kernel instead of three (memset, shrink, expand): each program
+recomputes its tile's shrink for one output shard, then expands a run of that shard's columns.
+The shrink is R x K multiply-adds per row, so the recomputation costs the programs of a tile
+extra L2 reads of A (R x K x 2 bytes each, a few MB per layer in all), while it saves two
+launches and the memset, which is what a few-row step pays for: kernel latency, not bytes.
 """
 from __future__ import annotations
 
@@ -93,6 +100,47 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_pt
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr,
+                  tile_len_ptr, K, N, R, shard1, shard2, cols, stride_xm, stride_as, stride_ar,
+                  stride_bs, stride_bn, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:
+        return
+    slot, rows, m_mask = _tile_rows(sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                    tile, BLOCK_M)
+    # A program's columns never straddle two shards (cols divides the shard starts).
+    n_lo = tl.program_id(1) * cols
+    shard = (n_lo >= shard1).to(tl.int32) + (n_lo >= shard2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + (shard * R).to(tl.int64) * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                    mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+    h = acc.to(b_ptr.dtype.element_ty)  # as lora_expand reads h: rounded to the adapter dtype
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    for n0 in range(n_lo, n_lo + cols, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
+                    mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        delta = tl.dot(h, b, input_precision=PRECISION)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _precision(weights: torch.Tensor) -> str:
     """float32 adapters multiply in full precision (TF32 would move greedy tokens off the
     reference); 16-bit ones ignore the setting."""
@@ -100,17 +148,34 @@ def _precision(weights: torch.Tensor) -> str:
 
 
 _BLOCK_K = 64
-_SPLIT_K_ROWS = 64  # batches of at most this many rows split K across programs
+# Shrink programs a batch should fill (about one per SM of a large GPU): fewer full tiles split
+# K further. A decode batch of 512 rows in 64-row tiles has 8 to 16 tiles of work; unsplit,
+# each would walk K (4096 to 14336) alone while the rest of the GPU waits.
+_TARGET_PROGRAMS = 128
+_MAX_SPLIT = 32
+# Batches of at most this many rows (one decode tile) take the fused one-kernel path.
+FUSED_MAX_ROWS = 16
+_FUSED_BLOCK_K = 128
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta) -> torch.Tensor:
-    """h [T, n_sub * R] float32 = x A[slot]^T for rows with an adapter (others undefined)."""
+def shrink_split(num_tokens: int, k: int, block_m: int, r_blocks: int) -> int:
+    """Programs to split K over: enough that the batch's full tiles fill _TARGET_PROGRAMS,
+    each walking at least 256 of K."""
+    tiles = triton.cdiv(num_tokens, block_m) * r_blocks
+    return max(1, min(_MAX_SPLIT, k // 256, triton.cdiv(_TARGET_PROGRAMS, tiles)))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,
+                split: int | None = None) -> torch.Tensor:
+    """h [T, n_sub * R] float32 = x A[slot]^T for rows with an adapter (others undefined).
+    split: programs over K (default shrink_split)."""
     t, k = x.shape
     r_total = a.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     block_r = max(16, min(64, triton.next_power_of_2(r_total)))
-    split = max(1, min(16, k // 256)) if t <= _SPLIT_K_ROWS else 1
+    if split is None:
+        split = shrink_split(t, k, meta.block_m, triton.cdiv(r_total, block_r))
     k_per_split = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K
     split = triton.cdiv(k, k_per_split)
     alloc = torch.zeros if split > 1 else torch.empty
@@ -152,3 +217,47 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
         BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         PRECISION=_precision(b), num_warps=4)
     return y
+
+
+def fused_cols(shard_starts: tuple[int, ...], n: int) -> int:
+    """Output columns per fused program: about a quarter of a large layer's K (then the
+    expand's reads of B stay below the shrink's of A), a power of two that divides every shard
+    start."""
+    g = 0
+    for s in shard_starts[1:]:
+        g = math.gcd(g, s)
+    cols = 2048 if n > 8192 else 1024
+    while cols > 16 and g % cols:
+        cols //= 2
+    return cols
+
+
+def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
+    """lora_expand(y, lora_shrink(x, a), b) in one kernel (see the module docstring); y is
+    updated in place and returned."""
+    if y.stride(1) != 1:
+        raise ValueError("lora_shrink_expand writes y in place: its rows must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    k, n, rank = x.shape[1], b.shape[1], b.shape[2]
+    block_n = expand_block_n(shard_starts, n)
+    cols = max(block_n, fused_cols(shard_starts, n))
+    starts = (*shard_starts[1:], n, n)
+    grid = (meta.num_tiles, triton.cdiv(n, cols))
+    _fused_kernel[grid](
+        x, a, b, y, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len,
+        k, n, rank, starts[0], starts[1], cols, x.stride(0), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_K=_FUSED_BLOCK_K, PRECISION=_precision(b), num_warps=4)
+    return y
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
+    """y += each row's adapter delta x A[slot]^T B[slot]^T, in place; returns y. One fused
+    kernel for small batches, shrink then expand for larger ones."""
+    if meta.num_tokens <= FUSED_MAX_ROWS:
+        return lora_shrink_expand(x, y, a, b, meta, shard_starts)
+    return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)

@@ -63,6 +63,42 @@ def test_shrink_expand_match_reference(rows: int, k: int, shards: tuple[int, ...
     assert torch.equal(got[~used], y0[~used])  # rows without an adapter are untouched
 
 
+@pytest.mark.parametrize("slots,k,shards,rank", [
+    ([1], 320, (0, 64, 96), 16),             # batch-1 decode, fused q/k/v-like shards
+    ([0, -1, 2, 2, 1, 0, -1, 2], 96, (0, 32), 8),  # mixed adapters and base rows, gate/up-like
+    ([2, 2, 2], 64, (0,), 4),                # one shard wider than a program's columns
+])
+def test_fused_shrink_expand_matches_reference(slots: list[int], k: int,
+                                               shards: tuple[int, ...], rank: int) -> None:
+    from slipstream.kernels.lora import triton_lora
+
+    torch.manual_seed(1)
+    num_slots = 3
+    n = 2 * triton_lora.fused_cols(shards, 1 << 20) + 16 if shards == (0,) else shards[-1] + 32
+    meta = _meta(slots, num_slots)
+    x = torch.randn(len(slots), k)
+    a = torch.randn(num_slots, len(shards) * rank, k) * 0.1
+    b = torch.randn(num_slots, n, rank) * 0.1
+    y0 = torch.randn(len(slots), n)
+    want = reference.lora_add(x, y0.clone(), a, b, meta, shards)
+    got = triton_lora.lora_shrink_expand(x, y0.clone(), a, b, meta, shards)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    used = torch.tensor(slots) >= 0
+    assert torch.equal(got[~used], y0[~used])
+    assert not torch.allclose(got[used], y0[used])  # the delta really was added
+
+
+def test_shrink_split_fills_the_gpu_then_stops_splitting() -> None:
+    from slipstream.kernels.lora.triton_lora import shrink_split
+
+    assert shrink_split(1, 4096, 16, 1) == 16  # one decode row: K over 16 programs
+    assert shrink_split(512, 4096, 64, 1) == 16  # 8 full tiles still split
+    assert shrink_split(512, 14336, 64, 1) == 16  # 8 tiles x 16 = the target
+    assert shrink_split(1, 14336, 16, 1) == 32
+    assert shrink_split(8192, 4096, 64, 1) == 1  # prefill: its 128 tiles fill the GPU
+    assert shrink_split(5, 128, 16, 1) == 1  # K too short to split
+
+
 @pytest.mark.gpu
 def test_triton_lora_bf16_on_gpu() -> None:
     from slipstream.kernels.lora import triton_lora
@@ -77,4 +113,9 @@ def test_triton_lora_bf16_on_gpu() -> None:
     y = torch.randn(rows, 6144, device="cuda", dtype=torch.bfloat16)
     want = reference.lora_expand(y.clone(), reference.lora_shrink(x, a, meta), b, meta, shards)
     got = triton_lora.lora_expand(y.clone(), triton_lora.lora_shrink(x, a, meta), b, meta, shards)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    few = _meta(slots[:triton_lora.FUSED_MAX_ROWS], num_slots, "cuda")
+    rows_few = triton_lora.FUSED_MAX_ROWS
+    want = reference.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards)
+    got = triton_lora.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards)  # fused
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
