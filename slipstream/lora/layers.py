@@ -30,6 +30,9 @@ class LoRAState:
         self.static = torch.full((packed_size(max_tokens, num_slots),), -1, dtype=torch.int32,
                                  device=device)
         self.max_static_tokens = max_tokens
+        # The fused small-batch kernel's partials and arrival counters, shared by every layer
+        # (allocated once, so a captured graph allocates nothing); None: the ops need none.
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def active(self) -> bool:
@@ -69,7 +72,7 @@ class LoRALinear:
         """y (the base product of x) plus each row's adapter delta; y is updated in place."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         meta = self.state.meta_for(x2.shape[0])
-        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts)
+        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch)
         return y
 
     def clear(self, slot: int) -> None:
@@ -103,4 +106,10 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int
             lora = LoRALinear(state, k, outs, max_rank, dtype, device)
             linear.lora = lora
             layers[(i, kind)] = lora
+    if device.type == "cuda":
+        from slipstream.kernels.lora.triton_lora import fused_scratch
+
+        kinds = {(shapes[kind][0], lo.shard_starts, sum(lo.out_sizes))
+                 for (_, kind), lo in layers.items()}
+        state.scratch = fused_scratch(sorted(kinds), max_rank, max_loras, device)
     return state, layers

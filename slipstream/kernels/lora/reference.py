@@ -41,6 +41,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
-    """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b)."""
+             meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None) -> torch.Tensor:
+    """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b) (scratch:
+    the Triton kernel's buffers, unused here)."""
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)

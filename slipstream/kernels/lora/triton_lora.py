@@ -19,12 +19,13 @@ launches and the memset, which is what a few-row step pays for: kernel latency, 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from slipstream.kernels.lora.meta import LoRAMeta
+from slipstream.kernels.lora.meta import LoRAMeta, block_m_for, max_tiles
 
 
 @triton.jit
@@ -101,37 +102,12 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_pt
 
 
 @triton.jit
-def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr,
-                  tile_len_ptr, K, N, R, shard1, shard2, cols, stride_xm, stride_as, stride_ar,
-                  stride_bs, stride_bn, stride_ym,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile)
-    if slot < 0:
-        return
-    slot, rows, m_mask = _tile_rows(sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-                                    tile, BLOCK_M)
-    # A program's columns never straddle two shards (cols divides the shard starts).
-    n_lo = tl.program_id(1) * cols
-    shard = (n_lo >= shard1).to(tl.int32) + (n_lo >= shard2).to(tl.int32)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + (shard * R).to(tl.int64) * stride_ar
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
-                    mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
-    h = acc.to(b_ptr.dtype.element_ty)  # as lora_expand reads h: rounded to the adapter dtype
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    for n0 in range(n_lo, n_lo + cols, BLOCK_N):
+def _expand_rows(h, b_base, y_ptr, rows, m_mask, offs_r, r_mask, n_lo, n_hi, stride_bn, stride_ym,
+                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """y[rows, n_lo:n_hi] += h B[n_lo:n_hi]^T (h: [BLOCK_M, BLOCK_R], adapter dtype)."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
+        n_mask = offs_n < n_hi
         b = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None],
                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         delta = tl.dot(h, b, input_precision=PRECISION)
@@ -139,6 +115,61 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, sorted_ptr, tile_slot_ptr, tile_st
         mask = m_mask[:, None] & n_mask[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, part_ptr, count_ptr, sorted_ptr, tile_slot_ptr,
+                  tile_start_ptr, tile_len_ptr, K, N, R, shard1, shard2, num_shards, cols,
+                  k_per_split, stride_xm, stride_as, stride_ar, stride_bs, stride_bn, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:
+        return
+    slot, rows, m_mask = _tile_rows(sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                    tile, BLOCK_M)
+    chunk = tl.program_id(1)
+    # A program's columns never straddle two shards (cols divides the shard starts).
+    n_lo = chunk * cols
+    n_hi = tl.minimum(n_lo + cols, N)
+    shard = (n_lo >= shard1).to(tl.int32) + (n_lo >= shard2).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + (shard * R).to(tl.int64) * stride_ar
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    k_lo = tl.program_id(2) * k_per_split
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                    mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+    if SPLIT == 1:
+        _expand_rows(acc.to(b_ptr.dtype.element_ty), b_base, y_ptr, rows, m_mask, offs_r, r_mask,
+                     n_lo, n_hi, stride_bn, stride_ym, BLOCK_N, PRECISION)
+    else:
+        # Each K split leaves its partial shrink for (tile, shard); the last of a chunk's splits
+        # to arrive sums them (in split order: deterministic) and expands the chunk's columns.
+        # Every chunk of a shard writes the same partials, so any chunk's copies will do.
+        tile_part = (tile * num_shards + shard).to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_R)
+        offs_part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + offs_r[None, :]
+        tl.store(part_ptr + tile_part + tl.program_id(2) * (BLOCK_M * BLOCK_R) + offs_part, acc)
+        counter = count_ptr + tile * tl.num_programs(1) + chunk
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == SPLIT - 1:
+            tl.store(counter, 0)  # ready for the next launch: no memset
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for i in range(SPLIT):
+                acc += tl.load(part_ptr + tile_part + i * (BLOCK_M * BLOCK_R) + offs_part,
+                               cache_modifier=".cg")
+            _expand_rows(acc.to(b_ptr.dtype.element_ty), b_base, y_ptr, rows, m_mask, offs_r,
+                         r_mask, n_lo, n_hi, stride_bn, stride_ym, BLOCK_N, PRECISION)
 
 
 def _precision(weights: torch.Tensor) -> str:
@@ -219,45 +250,97 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
     return y
 
 
-def fused_cols(shard_starts: tuple[int, ...], n: int) -> int:
-    """Output columns per fused program: about a quarter of a large layer's K (then the
-    expand's reads of B stay below the shrink's of A), a power of two that divides every shard
-    start."""
+@dataclass(frozen=True)
+class FusedPlan:
+    """How one projection's fused launch is cut: `cols` output columns per program (a power of
+    two dividing every shard start), K over `split` programs (block `block_k`)."""
+
+    cols: int
+    split: int
+    block_k: int
+    block_r: int
+
+    def scratch_sizes(self, num_shards: int, n: int, num_slots: int) -> tuple[int, int]:
+        """(float32 partials, int32 arrival counters) a batch of up to FUSED_MAX_ROWS needs."""
+        tiles = max_tiles(FUSED_MAX_ROWS, num_slots)
+        parts = tiles * num_shards * self.split * block_m_for(FUSED_MAX_ROWS) * self.block_r
+        return (parts if self.split > 1 else 0), tiles * triton.cdiv(n, self.cols)
+
+
+# Each chunk of columns re-reads its shard's A (R x K): at most this many bytes of A per tile
+# and projection, a few microseconds of L2 reads at worst.
+_FUSED_A_BYTES = 4 << 20
+
+
+def fused_plan(k: int, shard_starts: tuple[int, ...], n: int, rank: int) -> FusedPlan:
+    """Chunks of columns as small as the A budget allows (their expand is the tail each chunk's
+    last split adds to the critical path), K split into runs of about 256."""
     g = 0
     for s in shard_starts[1:]:
         g = math.gcd(g, s)
-    cols = 2048 if n > 8192 else 1024
+    block_r = max(16, triton.next_power_of_2(rank))
+    chunks = max(1, _FUSED_A_BYTES // (block_r * k * 2))
+    cols = max(expand_block_n(shard_starts, n), triton.next_power_of_2(triton.cdiv(n, chunks)))
     while cols > 16 and g % cols:
         cols //= 2
-    return cols
+    cols = max(cols, expand_block_n(shard_starts, n))
+    split = max(1, min(_MAX_SPLIT, k // 256))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), _FUSED_BLOCK_K) * _FUSED_BLOCK_K
+    return FusedPlan(cols=cols, split=triton.cdiv(k, k_per_split), block_k=_FUSED_BLOCK_K,
+                     block_r=block_r)
+
+
+def fused_scratch(shapes: list[tuple[int, tuple[int, ...], int]], rank: int, num_slots: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed (partials, counters) for lora_shrink_expand on projections of these (K, shard
+    starts, N) shapes. The kernel leaves the counters at zero again and launches on one stream
+    run one after another, so one pair serves every projection."""
+    parts, counters = 1, 1
+    for k, shard_starts, n in shapes:
+        plan = fused_plan(k, shard_starts, n, rank)
+        p, c = plan.scratch_sizes(len(shard_starts), n, num_slots)
+        parts, counters = max(parts, p), max(counters, c)
+    return (torch.empty(parts, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device))
 
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
+                       meta: LoRAMeta, shard_starts: tuple[int, ...],
+                       scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """lora_expand(y, lora_shrink(x, a), b) in one kernel (see the module docstring); y is
-    updated in place and returned."""
+    updated in place and returned. scratch: fused_scratch's buffers, at least this shape's."""
     if y.stride(1) != 1:
         raise ValueError("lora_shrink_expand writes y in place: its rows must be contiguous")
+    if meta.num_tokens > FUSED_MAX_ROWS:
+        raise ValueError(f"the fused LoRA kernel takes up to {FUSED_MAX_ROWS} rows, "
+                         f"not {meta.num_tokens}")
     if x.stride(1) != 1:
         x = x.contiguous()
     k, n, rank = x.shape[1], b.shape[1], b.shape[2]
-    block_n = expand_block_n(shard_starts, n)
-    cols = max(block_n, fused_cols(shard_starts, n))
+    plan = fused_plan(k, shard_starts, n, rank)
+    if scratch is None:
+        scratch = fused_scratch([(k, shard_starts, n)], rank, a.shape[0], x.device)
+    parts, counters = scratch
+    k_per_split = triton.cdiv(k, plan.split)
+    k_per_split = triton.cdiv(k_per_split, plan.block_k) * plan.block_k
     starts = (*shard_starts[1:], n, n)
-    grid = (meta.num_tiles, triton.cdiv(n, cols))
+    grid = (meta.num_tiles, triton.cdiv(n, plan.cols), plan.split)
     _fused_kernel[grid](
-        x, a, b, y, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len,
-        k, n, rank, starts[0], starts[1], cols, x.stride(0), a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_K=_FUSED_BLOCK_K, PRECISION=_precision(b), num_warps=4)
+        x, a, b, y, parts, counters, meta.sorted_ids, meta.tile_slot, meta.tile_start,
+        meta.tile_len, k, n, rank, starts[0], starts[1], len(shard_starts), plan.cols,
+        k_per_split, x.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        y.stride(0), BLOCK_M=meta.block_m, BLOCK_N=expand_block_n(shard_starts, n),
+        BLOCK_R=plan.block_r, BLOCK_K=plan.block_k, SPLIT=plan.split,
+        PRECISION=_precision(b), num_warps=4)
     return y
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             meta: LoRAMeta, shard_starts: tuple[int, ...]) -> torch.Tensor:
+             meta: LoRAMeta, shard_starts: tuple[int, ...],
+             scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y += each row's adapter delta x A[slot]^T B[slot]^T, in place; returns y. One fused
-    kernel for small batches, shrink then expand for larger ones."""
+    kernel for small batches (scratch: fused_scratch's buffers), shrink then expand for larger
+    ones."""
     if meta.num_tokens <= FUSED_MAX_ROWS:
-        return lora_shrink_expand(x, y, a, b, meta, shard_starts)
+        return lora_shrink_expand(x, y, a, b, meta, shard_starts, scratch)
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)

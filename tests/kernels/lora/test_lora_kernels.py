@@ -63,29 +63,45 @@ def test_shrink_expand_match_reference(rows: int, k: int, shards: tuple[int, ...
     assert torch.equal(got[~used], y0[~used])  # rows without an adapter are untouched
 
 
-@pytest.mark.parametrize("slots,k,shards,rank", [
-    ([1], 320, (0, 64, 96), 16),             # batch-1 decode, fused q/k/v-like shards
-    ([0, -1, 2, 2, 1, 0, -1, 2], 96, (0, 32), 8),  # mixed adapters and base rows, gate/up-like
-    ([2, 2, 2], 64, (0,), 4),                # one shard wider than a program's columns
+@pytest.mark.parametrize("slots,k,shards,n,rank", [
+    ([1], 1024, (0, 64, 96), 128, 16),       # batch-1 decode: K over 4 programs, q/k/v shards
+    ([0, -1, 2, 2, 1, 0, -1, 2], 96, (0, 32), 64, 8),  # mixed adapters and base rows, unsplit
+    ([2, 2, 2], 512, (0,), 300, 4),          # several column chunks, the last one partial
 ])
 def test_fused_shrink_expand_matches_reference(slots: list[int], k: int,
-                                               shards: tuple[int, ...], rank: int) -> None:
+                                               shards: tuple[int, ...], n: int,
+                                               rank: int) -> None:
     from slipstream.kernels.lora import triton_lora
 
     torch.manual_seed(1)
     num_slots = 3
-    n = 2 * triton_lora.fused_cols(shards, 1 << 20) + 16 if shards == (0,) else shards[-1] + 32
     meta = _meta(slots, num_slots)
     x = torch.randn(len(slots), k)
     a = torch.randn(num_slots, len(shards) * rank, k) * 0.1
     b = torch.randn(num_slots, n, rank) * 0.1
     y0 = torch.randn(len(slots), n)
     want = reference.lora_add(x, y0.clone(), a, b, meta, shards)
-    got = triton_lora.lora_shrink_expand(x, y0.clone(), a, b, meta, shards)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    scratch = triton_lora.fused_scratch([(k, shards, n)], rank, num_slots, "cpu")
+    for _ in range(2):  # the arrival counters are left at zero for the next launch
+        got = triton_lora.lora_shrink_expand(x, y0.clone(), a, b, meta, shards, scratch)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not scratch[1].any()
     used = torch.tensor(slots) >= 0
     assert torch.equal(got[~used], y0[~used])
     assert not torch.allclose(got[used], y0[used])  # the delta really was added
+
+
+def test_fused_plan_at_llama_8b_shapes() -> None:
+    """Columns per program divide the shard starts; K splits into runs of at most 512."""
+    from slipstream.kernels.lora.triton_lora import fused_plan
+
+    for k, shards, n in [(4096, (0, 4096, 5120), 6144), (4096, (0,), 4096),
+                         (4096, (0, 14336), 28672), (14336, (0,), 4096)]:
+        plan = fused_plan(k, shards, n, 16)
+        assert all(s % plan.cols == 0 for s in shards) and plan.cols >= 128
+        assert plan.split > 1 and -(-k // plan.split) <= 512
+        chunks = -(-n // plan.cols)
+        assert chunks * 16 * k * 2 <= 4 << 20 or plan.cols == 128
 
 
 def test_shrink_split_fills_the_gpu_then_stops_splitting() -> None:
@@ -106,6 +122,7 @@ def test_triton_lora_bf16_on_gpu() -> None:
     torch.manual_seed(0)
     rows, k, shards, rank, num_slots = 300, 4096, (0, 4096, 5120), 16, 8
     slots = torch.randint(-1, num_slots, (rows,)).tolist()
+    slots[0] = 3  # the batch-1 case below has an adapter
     meta = _meta(slots, num_slots, "cuda")
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     a = (torch.randn(num_slots, 3 * rank, k, device="cuda") * 0.02).bfloat16()
@@ -114,8 +131,14 @@ def test_triton_lora_bf16_on_gpu() -> None:
     want = reference.lora_expand(y.clone(), reference.lora_shrink(x, a, meta), b, meta, shards)
     got = triton_lora.lora_expand(y.clone(), triton_lora.lora_shrink(x, a, meta), b, meta, shards)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-    few = _meta(slots[:triton_lora.FUSED_MAX_ROWS], num_slots, "cuda")
-    rows_few = triton_lora.FUSED_MAX_ROWS
-    want = reference.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards)
-    got = triton_lora.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards)  # fused
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # The fused kernel (K split over programs, the last to arrive expands): many launches on
+    # one scratch pair, each right (the counters reset themselves), batch-1 and 16 mixed rows.
+    for rows_few in (1, triton_lora.FUSED_MAX_ROWS):
+        few = _meta(slots[:rows_few], num_slots, "cuda")
+        scratch = triton_lora.fused_scratch([(k, shards, 6144)], rank, num_slots, "cuda")
+        want = reference.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards)
+        for _ in range(20):
+            got = triton_lora.lora_add(x[:rows_few], y[:rows_few].clone(), a, b, few, shards,
+                                       scratch)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert not scratch[1].any()
