@@ -83,6 +83,12 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
     packed = torch.from_numpy(pack_meta(slots, SLOTS)).to(dev)
     meta = meta_views(packed, tokens, SLOTS)
     linear = linear_kernels().linear
+    scratch = triton_lora.fused_scratch(
+        [(k, layers[0][name]["shards"], sum(sizes)) for name, (k, sizes) in SHAPES.items()],
+        RANK, SLOTS, dev)
+
+    def after(x, y, a, b, meta, shards):
+        return triton_lora.lora_add(x, y, a, b, meta, shards, scratch)
     xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
           for name, (k, _) in SHAPES.items()}
 
@@ -96,7 +102,7 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
         return go
 
     return (_graph_us(forward(None)), _graph_us(forward(_previous)),
-            _graph_us(forward(triton_lora.lora_add)))
+            _graph_us(forward(after)))
 
 
 def main() -> None:

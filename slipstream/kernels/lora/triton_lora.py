@@ -179,10 +179,10 @@ def _precision(weights: torch.Tensor) -> str:
 
 
 _BLOCK_K = 64
-# Shrink programs a batch should fill (about one per SM of a large GPU): fewer full tiles split
+# Shrink programs a batch should fill (about two per SM of a large GPU): fewer full tiles split
 # K further. A decode batch of 512 rows in 64-row tiles has 8 to 16 tiles of work; unsplit,
 # each would walk K (4096 to 14336) alone while the rest of the GPU waits.
-_TARGET_PROGRAMS = 128
+_TARGET_PROGRAMS = 256
 _MAX_SPLIT = 32
 # Batches of at most this many rows (one decode tile) take the fused one-kernel path.
 FUSED_MAX_ROWS = 16

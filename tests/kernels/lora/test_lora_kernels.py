@@ -109,9 +109,10 @@ def test_shrink_split_fills_the_gpu_then_stops_splitting() -> None:
 
     assert shrink_split(1, 4096, 16, 1) == 16  # one decode row: K over 16 programs
     assert shrink_split(512, 4096, 64, 1) == 16  # 8 full tiles still split
-    assert shrink_split(512, 14336, 64, 1) == 16  # 8 tiles x 16 = the target
+    assert shrink_split(512, 14336, 64, 1) == 32  # 8 tiles x 32 = the target
     assert shrink_split(1, 14336, 16, 1) == 32
-    assert shrink_split(8192, 4096, 64, 1) == 1  # prefill: its 128 tiles fill the GPU
+    assert shrink_split(8192, 4096, 64, 1) == 2  # prefill: 128 tiles nearly fill the GPU
+    assert shrink_split(16384, 4096, 64, 1) == 1
     assert shrink_split(5, 128, 16, 1) == 1  # K too short to split
 
 
