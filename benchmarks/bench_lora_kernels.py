@@ -7,11 +7,13 @@ the batch's rows spread over `--adapters` slots. For each token count it capture
 graphs of the 128 projections of a forward and times their replay (as the engine's decode
 graphs do):
 
-- base: the base products alone (the engine's linear kernels);
+- base: the base products alone (the engine's linear kernels; gate/up then SiLU-and-mul, one
+  kernel at one row);
 - base + LoRA before: memset + shrink + expand per projection, shrink splitting K only at
-  64 rows or fewer (the previous policy);
+  64 rows or fewer (the previous policy), SiLU-and-mul apart;
 - base + LoRA after: `lora_add` (one fused kernel per projection up to 16 rows; shrink + expand
-  with K split until the tiles fill the GPU above).
+  with K split until the tiles fill the GPU above); at one row, gate/up's delta and
+  SiLU-and-mul in one kernel (`lora_gate_out`).
 
 Prints microseconds per forward and the LoRA overhead over the base products.
 """
@@ -25,9 +27,11 @@ import torch
 
 from slipstream.kernels.lora import triton_lora
 from slipstream.kernels.lora.meta import meta_views, pack_meta
+from slipstream.kernels.norm_act.activation import silu_and_mul
 from slipstream.quantization.base import linear_kernels
 
 LAYERS, SLOTS, RANK = 32, 16, 16
+DEV = "cuda"
 # projection -> (K, shard sizes)
 SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
           "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
@@ -78,31 +82,50 @@ def _graph_us(fn: Callable[[], None], iters: int = 20) -> float:
 
 
 def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, float]:
-    dev = "cuda"
+    dev = DEV
     slots = np.arange(tokens, dtype=np.int32) % max(1, min(adapters, SLOTS))
     packed = torch.from_numpy(pack_meta(slots, SLOTS)).to(dev)
     meta = meta_views(packed, tokens, SLOTS)
-    linear = linear_kernels().linear
+    ops = linear_kernels()
     scratch = triton_lora.fused_scratch(
         [(k, layers[0][name]["shards"], sum(sizes)) for name, (k, sizes) in SHAPES.items()],
         RANK, SLOTS, dev)
-
-    def after(x, y, a, b, meta, shards):
-        return triton_lora.lora_add(x, y, a, b, meta, shards, scratch)
     xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
           for name, (k, _) in SHAPES.items()}
 
-    def forward(lora) -> Callable[[], None]:
+    def gate_up(p: dict, mode: str) -> None:
+        """The MLP's first half as the engine runs it: one row without LoRA is the gate/up
+        GEMV writing SiLU-and-mul itself; with LoRA after, the delta kernel writes it."""
+        x = xs["gate_up"]
+        if mode == "base" and tokens == 1 and getattr(ops, "linear_gate_out", None):
+            if ops.linear_gate_out(x, p["w"], None) is not None:
+                return
+        y = ops.linear(x, p["w"], None)
+        if mode == "after" and tokens == 1:
+            triton_lora.lora_gate_out(x, y, p["a"], p["b"], meta, p["shards"], scratch)
+            return
+        if mode != "base":
+            lora = _previous if mode == "before" else triton_lora.lora_add
+            lora(x, y, p["a"], p["b"], meta, p["shards"],
+                 *([scratch] if mode == "after" else []))
+        silu_and_mul(y)
+
+    def forward(mode: str) -> Callable[[], None]:
         def go() -> None:
             for layer in layers:
                 for name, p in layer.items():
-                    y = linear(xs[name], p["w"], None)
-                    if lora is not None:
-                        lora(xs[name], y, p["a"], p["b"], meta, p["shards"])
+                    if name == "gate_up":
+                        gate_up(p, mode)
+                        continue
+                    y = ops.linear(xs[name], p["w"], None)
+                    if mode == "before":
+                        _previous(xs[name], y, p["a"], p["b"], meta, p["shards"])
+                    elif mode == "after":
+                        triton_lora.lora_add(xs[name], y, p["a"], p["b"], meta, p["shards"],
+                                             scratch)
         return go
 
-    return (_graph_us(forward(None)), _graph_us(forward(_previous)),
-            _graph_us(forward(after)))
+    return _graph_us(forward("base")), _graph_us(forward("before")), _graph_us(forward("after"))
 
 
 def main() -> None:
@@ -111,7 +134,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
     parser.add_argument("--adapters", type=int, default=8)
     args = parser.parse_args()
-    layers = _layers("cuda")
+    layers = _layers(DEV)
     print(f"LoRA kernels of one forward (32 layers x qkv/o/gate_up/down, rank {RANK}, "
           f"{args.adapters} adapters), CUDA graph replay, {torch.cuda.get_device_name()}")
     print(f"{'tokens':>6s} {'base us':>9s} {'+LoRA before':>13s} {'+LoRA after':>12s} "

@@ -45,3 +45,16 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b) (scratch:
     the Triton kernel's buffers, unused here)."""
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)
+
+
+def lora_gate_out(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] product y with each row's adapter delta added (y itself
+    is left as it was)."""
+    return silu_and_mul(lora_add(x, y.clone(), a, b, meta, shard_starts))
+
+
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of y = [gate | up], computed in float32."""
+    gate, up = y.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(y.dtype)

@@ -172,6 +172,93 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, part_ptr, count_ptr, sorted_ptr, t
                          r_mask, n_lo, n_hi, stride_bn, stride_ym, BLOCK_N, PRECISION)
 
 
+@triton.jit
+def _shrink_row(x_ptr, a_base, k_lo, k_per_split, K, stride_ar, BLOCK_M: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, R, PRECISION: tl.constexpr):
+    """Row 0 of x times A[:R, k_lo:k_lo + k_per_split]^T, as a [BLOCK_M, BLOCK_R] tile."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * 0 + offs_k[None, :],
+                    mask=(offs_m[:, None] == 0) & k_mask[None, :], other=0.0)
+        a = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None],
+                    mask=(offs_r[None, :] < R) & k_mask[:, None], other=0.0)
+        acc += tl.dot(x.to(a.dtype), a, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gate_out_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, part_ptr, count_ptr, token_slots_ptr,
+                     K, INTER, R, cols, k_per_split, stride_as, stride_ar, stride_bs, stride_bn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """One row of a [gate | up] projection: out = silu(gate + dgate) * (up + dup), the deltas
+    as in _fused_kernel (partials, the last split of a chunk expands)."""
+    slot = tl.load(token_slots_ptr)
+    chunk = tl.program_id(0)
+    split = tl.program_id(1)
+    n_lo = chunk * cols
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    tile = BLOCK_M * BLOCK_R
+    offs_part = offs_m[:, None] * BLOCK_R + offs_r[None, :]
+    last = split == 0
+    if slot >= 0:
+        a_base = a_ptr + slot.to(tl.int64) * stride_as
+        k_lo = split * k_per_split
+        acc_g = _shrink_row(x_ptr, a_base, k_lo, k_per_split, K, stride_ar, BLOCK_M, BLOCK_R,
+                            BLOCK_K, R, PRECISION)
+        acc_u = _shrink_row(x_ptr, a_base + R * stride_ar, k_lo, k_per_split, K, stride_ar,
+                            BLOCK_M, BLOCK_R, BLOCK_K, R, PRECISION)
+        if SPLIT > 1:
+            tl.store(part_ptr + split * tile + offs_part, acc_g)
+            tl.store(part_ptr + (SPLIT + split) * tile + offs_part, acc_u)
+            counter = count_ptr + chunk
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            last = arrived == SPLIT - 1
+            if last:
+                tl.store(counter, 0)  # ready for the next launch: no memset
+                acc_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for i in range(SPLIT):
+                    acc_g += tl.load(part_ptr + i * tile + offs_part, cache_modifier=".cg")
+                    acc_u += tl.load(part_ptr + (SPLIT + i) * tile + offs_part,
+                                     cache_modifier=".cg")
+    else:  # no adapter: the activation alone
+        acc_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if last:
+        b_base = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+        h_g = acc_g.to(b_ptr.dtype.element_ty)
+        h_u = acc_u.to(b_ptr.dtype.element_ty)
+        for n0 in range(n_lo, n_lo + cols, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < INTER
+            mask_b = r_mask[:, None] & n_mask[None, :]
+            b_g = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=mask_b,
+                          other=0.0)
+            b_u = tl.load(b_base + (INTER + offs_n[None, :]) * stride_bn + offs_r[:, None],
+                          mask=mask_b, other=0.0)
+            d_g = tl.dot(h_g, b_g, input_precision=PRECISION)
+            d_u = tl.dot(h_u, b_u, input_precision=PRECISION)
+            row = (offs_m[:, None] == 0) & n_mask[None, :]
+            y_g = tl.load(y_ptr + offs_m[:, None] * 0 + offs_n[None, :], mask=row, other=0.0)
+            y_u = tl.load(y_ptr + offs_m[:, None] * 0 + INTER + offs_n[None, :], mask=row,
+                          other=0.0)
+            # Rounded to y's dtype as the unfused path stores gate_up, then activated in float32.
+            dt = y_ptr.dtype.element_ty
+            g = (y_g.to(tl.float32) + d_g).to(dt).to(tl.float32)
+            u = (y_u.to(tl.float32) + d_u).to(dt).to(tl.float32)
+            act = g / (1.0 + tl.exp(-g)) * u
+            tl.store(out_ptr + offs_m[:, None] * 0 + offs_n[None, :], act.to(dt), mask=row)
+
+
 def _precision(weights: torch.Tensor) -> str:
     """float32 adapters multiply in full precision (TF32 would move greedy tokens off the
     reference); 16-bit ones ignore the setting."""
@@ -344,3 +431,31 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if meta.num_tokens <= FUSED_MAX_ROWS:
         return lora_shrink_expand(x, y, a, b, meta, shard_starts, scratch)
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)
+
+
+def lora_gate_out(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  meta: LoRAMeta, shard_starts: tuple[int, ...],
+                  scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """silu(gate) * up of one row's [gate | up] product y [1, 2I] with its adapter's delta
+    added, in one kernel (what the separate activation kernel would read, computed where the
+    delta is): [1, I]. A row without an adapter (slot -1) gets the activation alone."""
+    if x.shape[0] != 1 or len(shard_starts) != 2 or 2 * shard_starts[1] != b.shape[1]:
+        raise ValueError("lora_gate_out takes one row of a [gate | up] projection")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = y.contiguous()
+    k, n, rank = x.shape[1], b.shape[1], b.shape[2]
+    inter = n // 2
+    plan = fused_plan(k, shard_starts, n, rank)
+    if scratch is None:
+        scratch = fused_scratch([(k, shard_starts, n)], rank, a.shape[0], x.device)
+    parts, counters = scratch
+    k_per_split = triton.cdiv(triton.cdiv(k, plan.split), plan.block_k) * plan.block_k
+    out = torch.empty((1, inter), dtype=y.dtype, device=y.device)
+    grid = (triton.cdiv(inter, plan.cols), plan.split)
+    _gate_out_kernel[grid](
+        x, a, b, y, out, parts, counters, meta.token_slots, k, inter, rank, plan.cols,
+        k_per_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        BLOCK_M=block_m_for(1), BLOCK_N=expand_block_n(shard_starts, n), BLOCK_R=plan.block_r,
+        BLOCK_K=plan.block_k, SPLIT=plan.split, PRECISION=_precision(b), num_warps=4)
+    return out

@@ -91,6 +91,31 @@ def test_fused_shrink_expand_matches_reference(slots: list[int], k: int,
     assert not torch.allclose(got[used], y0[used])  # the delta really was added
 
 
+@pytest.mark.parametrize("slot,k", [(2, 768), (-1, 768), (1, 64)])
+def test_gate_out_matches_reference(slot: int, k: int) -> None:
+    """One row of a [gate | up] projection: delta and SiLU-and-mul in one kernel, with K split
+    (768) or not (64), and for a row without an adapter."""
+    from slipstream.kernels.lora import triton_lora
+
+    torch.manual_seed(2)
+    num_slots, inter, rank = 3, 160, 8
+    shards = (0, inter)
+    meta = _meta([slot], num_slots)
+    x = torch.randn(1, k)
+    a = torch.randn(num_slots, 2 * rank, k) * 0.1
+    b = torch.randn(num_slots, 2 * inter, rank) * 0.1
+    y = torch.randn(1, 2 * inter)
+    want = reference.lora_gate_out(x, y, a, b, meta, shards)
+    scratch = triton_lora.fused_scratch([(k, shards, 2 * inter)], rank, num_slots, "cpu")
+    for _ in range(2):
+        got = triton_lora.lora_gate_out(x, y, a, b, meta, shards, scratch)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not scratch[1].any()
+    plain = reference.silu_and_mul(y) if slot < 0 else None
+    if plain is not None:
+        torch.testing.assert_close(got, plain)
+
+
 def test_fused_plan_at_llama_8b_shapes() -> None:
     """Columns per program divide the shard starts; K splits into runs of at most 512."""
     from slipstream.kernels.lora.triton_lora import fused_plan
@@ -143,3 +168,15 @@ def test_triton_lora_bf16_on_gpu() -> None:
                                        scratch)
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         assert not scratch[1].any()
+    # One row of gate/up: delta and SiLU-and-mul in one kernel (Llama-3.1-8B's shape).
+    inter, gu_shards = 14336, (0, 14336)
+    a_gu = (torch.randn(num_slots, 2 * rank, k, device="cuda") * 0.02).bfloat16()
+    b_gu = (torch.randn(num_slots, 2 * inter, rank, device="cuda") * 0.02).bfloat16()
+    y_gu = torch.randn(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    one = _meta(slots[:1], num_slots, "cuda")
+    scratch = triton_lora.fused_scratch([(k, gu_shards, 2 * inter)], rank, num_slots, "cuda")
+    want = reference.lora_gate_out(x[:1], y_gu, a_gu, b_gu, one, gu_shards)
+    for _ in range(20):
+        got = triton_lora.lora_gate_out(x[:1], y_gu, a_gu, b_gu, one, gu_shards, scratch)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not scratch[1].any()
