@@ -12,8 +12,8 @@ graphs do):
 - base + LoRA before: memset + shrink + expand per projection, shrink splitting K only at
   64 rows or fewer (the previous policy), SiLU-and-mul apart;
 - base + LoRA after: `lora_add` (one fused kernel per projection up to 16 rows; shrink + expand
-  with K split until the tiles fill the GPU above); at one row, gate/up's delta and
-  SiLU-and-mul in one kernel (`lora_gate_out`).
+  with K split until the tiles fill the GPU above); gate/up's delta and SiLU-and-mul in the
+  LoRA kernels (`lora_act`: one kernel at one row, expand + activation in one pass above 16).
 
 Prints microseconds per forward and the LoRA overhead over the base products.
 """
@@ -95,19 +95,17 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
 
     def gate_up(p: dict, mode: str) -> None:
         """The MLP's first half as the engine runs it: one row without LoRA is the gate/up
-        GEMV writing SiLU-and-mul itself; with LoRA after, the delta kernel writes it."""
+        GEMV writing SiLU-and-mul itself; with LoRA after, the LoRA kernels write it."""
         x = xs["gate_up"]
         if mode == "base" and tokens == 1 and getattr(ops, "linear_gate_out", None):
             if ops.linear_gate_out(x, p["w"], None) is not None:
                 return
         y = ops.linear(x, p["w"], None)
-        if mode == "after" and tokens == 1:
-            triton_lora.lora_gate_out(x, y, p["a"], p["b"], meta, p["shards"], scratch)
+        if mode == "after":
+            triton_lora.lora_act(x, y, p["a"], p["b"], meta, p["shards"], scratch)
             return
-        if mode != "base":
-            lora = _previous if mode == "before" else triton_lora.lora_add
-            lora(x, y, p["a"], p["b"], meta, p["shards"],
-                 *([scratch] if mode == "after" else []))
+        if mode == "before":
+            _previous(x, y, p["a"], p["b"], meta, p["shards"])
         silu_and_mul(y)
 
     def forward(mode: str) -> Callable[[], None]:

@@ -75,17 +75,17 @@ class LoRALinear:
         self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch)
         return y
 
-    def fuses_gate_out(self, x: torch.Tensor) -> bool:
-        """Whether gate_out takes x: one row of a [gate | up] projection, Triton kernels."""
-        return (self.ops.triton and len(self.out_sizes) == 2 and x.numel() == x.shape[-1]
-                and self.state.scratch is not None)
+    def fuses_gate_out(self) -> bool:
+        """Whether gate_out can run: a [gate | up] projection on the Triton kernels."""
+        return self.ops.triton and len(self.out_sizes) == 2 and self.state.scratch is not None
 
     def gate_out(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the [gate | up] product y of one row x, the adapter's delta added
-        in the same kernel (no separate activation launch); fuses_gate_out(x) must hold."""
-        x2, y2 = x.reshape(1, -1), y.reshape(1, -1)
-        out = self.ops.lora_gate_out(x2, y2, self.a, self.b, self.state.meta_for(1),
-                                     self.shard_starts, self.state.scratch)
+        """silu(gate) * up of the [gate | up] product y of x with each row's adapter delta added,
+        the activation inside the LoRA kernels (no pass of its own over y where they can);
+        fuses_gate_out() must hold."""
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        out = self.ops.lora_act(x2, y2, self.a, self.b, self.state.meta_for(x2.shape[0]),
+                                self.shard_starts, self.state.scratch)
         return out.view(*y.shape[:-1], -1)
 
     def clear(self, slot: int) -> None:

@@ -1,7 +1,7 @@
 """Batched LoRA ops: `lora_ops(device)` -> lora_shrink, lora_expand, lora_add (shrink then
-expand, the one a layer calls) and lora_gate_out (a one-row [gate | up] projection's delta and
-SiLU-and-mul in one kernel), Triton on CUDA, the reference twins elsewhere (or everywhere with
-SLIPSTREAM_KERNELS=reference); `triton`: whether they are the Triton kernels."""
+expand, the one a layer calls) and lora_act (a [gate | up] projection's delta and SiLU-and-mul,
+the activation inside the LoRA kernels), Triton on CUDA, the reference twins elsewhere (or
+everywhere with SLIPSTREAM_KERNELS=reference); `triton`: whether they are the Triton kernels."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -17,4 +17,4 @@ def lora_ops(device: str) -> SimpleNamespace:
     else:
         from slipstream.kernels.lora import reference as mod
     return SimpleNamespace(lora_shrink=mod.lora_shrink, lora_expand=mod.lora_expand,
-                           lora_add=mod.lora_add, lora_gate_out=mod.lora_gate_out, triton=triton)
+                           lora_add=mod.lora_add, lora_act=mod.lora_act, triton=triton)

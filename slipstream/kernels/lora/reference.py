@@ -47,10 +47,11 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)
 
 
-def lora_gate_out(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                  meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None) -> torch.Tensor:
-    """silu(gate) * up of a [gate | up] product y with each row's adapter delta added (y itself
-    is left as it was)."""
+def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] product y of x with each row's adapter delta added (y
+    itself is left as it was); the twin of the Triton lora_act, lora_gate_out and
+    lora_expand_act."""
     return silu_and_mul(lora_add(x, y.clone(), a, b, meta, shard_starts))
 
 

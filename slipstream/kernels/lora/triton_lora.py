@@ -251,12 +251,72 @@ def _gate_out_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, part_ptr, count_ptr, t
             y_g = tl.load(y_ptr + offs_m[:, None] * 0 + offs_n[None, :], mask=row, other=0.0)
             y_u = tl.load(y_ptr + offs_m[:, None] * 0 + INTER + offs_n[None, :], mask=row,
                           other=0.0)
-            # Rounded to y's dtype as the unfused path stores gate_up, then activated in float32.
-            dt = y_ptr.dtype.element_ty
-            g = (y_g.to(tl.float32) + d_g).to(dt).to(tl.float32)
-            u = (y_u.to(tl.float32) + d_u).to(dt).to(tl.float32)
-            act = g / (1.0 + tl.exp(-g)) * u
-            tl.store(out_ptr + offs_m[:, None] * 0 + offs_n[None, :], act.to(dt), mask=row)
+            act = _silu_mul(y_g, y_u, d_g, d_u, y_ptr.dtype.element_ty)
+            tl.store(out_ptr + offs_m[:, None] * 0 + offs_n[None, :], act, mask=row)
+
+
+@triton.jit
+def _silu_mul(y_g, y_u, d_g, d_u, dt: tl.constexpr):
+    """silu(gate) * up with the deltas added, each sum rounded to y's dtype first (as the
+    unfused path stores the gate/up product), the activation in float32."""
+    g = (y_g.to(tl.float32) + d_g).to(dt).to(tl.float32)
+    u = (y_u.to(tl.float32) + d_u).to(dt).to(tl.float32)
+    return (g * tl.sigmoid(g) * u).to(dt)
+
+
+@triton.jit
+def _expand_act_kernel(h_ptr, b_ptr, y_ptr, out_ptr, sorted_ptr, tile_slot_ptr, tile_start_ptr,
+                       tile_len_ptr, INTER, R, stride_hm, stride_bs, stride_bn, stride_ym,
+                       stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """out[rows] = silu(gate + h_g B_g^T) * (up + h_u B_u^T) for one tile's rows: the expand
+    of a [gate | up] projection writing the down projection's input, not the product."""
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:
+        return
+    slot, rows, m_mask = _tile_rows(sorted_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                    tile, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    h_g = tl.load(h_ptr + rows[:, None] * stride_hm + offs_r[None, :], mask=h_mask, other=0.0)
+    h_u = tl.load(h_ptr + rows[:, None] * stride_hm + R + offs_r[None, :], mask=h_mask,
+                  other=0.0)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    b_mask = r_mask[:, None] & n_mask[None, :]
+    b_g = tl.load(b_base + offs_n[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
+    b_u = tl.load(b_base + (INTER + offs_n[None, :]) * stride_bn + offs_r[:, None], mask=b_mask,
+                  other=0.0)
+    d_g = tl.dot(h_g.to(b_g.dtype), b_g, input_precision=PRECISION)
+    d_u = tl.dot(h_u.to(b_u.dtype), b_u, input_precision=PRECISION)
+    mask = m_mask[:, None] & n_mask[None, :]
+    y_row = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    y_g = tl.load(y_row, mask=mask, other=0.0)
+    y_u = tl.load(y_row + INTER, mask=mask, other=0.0)
+    act = _silu_mul(y_g, y_u, d_g, d_u, y_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], act, mask=mask)
+
+
+@triton.jit
+def _act_rest_kernel(y_ptr, out_ptr, token_slots_ptr, T, INTER, stride_ym, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out = silu(gate) * up for the rows without an adapter (the tiles cover the others)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(token_slots_ptr + rows, mask=rows < T, other=0)
+    m_mask = (rows < T) & (slots < 0)
+    if tl.max(m_mask.to(tl.int32), axis=0) == 0:
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = m_mask[:, None] & (offs_n < INTER)[None, :]
+    y_row = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    y_g = tl.load(y_row, mask=mask, other=0.0)
+    y_u = tl.load(y_row + INTER, mask=mask, other=0.0)
+    zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    act = _silu_mul(y_g, y_u, zero, zero, y_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :], act, mask=mask)
 
 
 def _precision(weights: torch.Tensor) -> str:
@@ -459,3 +519,44 @@ def lora_gate_out(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Te
         BLOCK_M=block_m_for(1), BLOCK_N=expand_block_n(shard_starts, n), BLOCK_R=plan.block_r,
         BLOCK_K=plan.block_k, SPLIT=plan.split, PRECISION=_precision(b), num_warps=4)
     return out
+
+
+def lora_expand_act(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMeta,
+                    shard_starts: tuple[int, ...]) -> torch.Tensor:
+    """silu(gate) * up [T, I] of a [gate | up] product y [T, 2I] with each row's delta
+    h[:, shard j] B[slot][shard j]^T added: lora_expand and the activation in one pass over y
+    (it reads y once and writes half of it, where expand-then-activation reads it twice and
+    writes it once more). Rows without an adapter get the activation alone."""
+    t, n = y.shape
+    if len(shard_starts) != 2 or 2 * shard_starts[1] != n or y.stride(1) != 1:
+        raise ValueError("lora_expand_act takes a [gate | up] product with contiguous rows")
+    inter, rank = n // 2, b.shape[2]
+    block_n = expand_block_n(shard_starts, n)
+    out = torch.empty((t, inter), dtype=y.dtype, device=y.device)
+    _expand_act_kernel[(meta.num_tiles, triton.cdiv(inter, block_n))](
+        h, b, y, out, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len, inter,
+        rank, h.stride(0), b.stride(0), b.stride(1), y.stride(0), out.stride(0),
+        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        PRECISION=_precision(b), num_warps=4)
+    rest_m = 64
+    _act_rest_kernel[(triton.cdiv(t, rest_m), triton.cdiv(inter, block_n))](
+        y, out, meta.token_slots, t, inter, y.stride(0), out.stride(0), BLOCK_M=rest_m,
+        BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             meta: LoRAMeta, shard_starts: tuple[int, ...],
+             scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """silu(gate) * up of a [gate | up] product y of x with each row's adapter delta added,
+    the activation inside the LoRA kernels where it can: one row in one kernel
+    (lora_gate_out), more than FUSED_MAX_ROWS rows as shrink + lora_expand_act; in between,
+    the fused lora_add, then the activation kernel."""
+    t = x.shape[0]
+    if t == 1:
+        return lora_gate_out(x, y, a, b, meta, shard_starts, scratch)
+    if t > FUSED_MAX_ROWS:
+        return lora_expand_act(y, lora_shrink(x, a, meta), b, meta, shard_starts)
+    from slipstream.kernels.norm_act.activation import silu_and_mul
+
+    return silu_and_mul(lora_shrink_expand(x, y, a, b, meta, shard_starts, scratch))

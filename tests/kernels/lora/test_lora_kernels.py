@@ -91,29 +91,38 @@ def test_fused_shrink_expand_matches_reference(slots: list[int], k: int,
     assert not torch.allclose(got[used], y0[used])  # the delta really was added
 
 
-@pytest.mark.parametrize("slot,k", [(2, 768), (-1, 768), (1, 64)])
-def test_gate_out_matches_reference(slot: int, k: int) -> None:
-    """One row of a [gate | up] projection: delta and SiLU-and-mul in one kernel, with K split
-    (768) or not (64), and for a row without an adapter."""
+@pytest.mark.parametrize("slots,k", [
+    ([2], 512),                          # one row: one kernel, K split over programs
+    ([-1], 512),                         # one row without an adapter: the activation alone
+    ([1], 64),                           # one row, K unsplit
+    ([0, -1, 2, 2, 1], 64),              # a few rows: fused lora_add, then the activation
+    ([2, -1, 0] * 6 + [1, 1], 64),       # more rows: shrink, then expand + activation
+])
+def test_lora_act_matches_reference(slots: list[int], k: int) -> None:
+    """silu(gate) * up of a [gate | up] projection with the delta added inside the LoRA
+    kernels, on each of its paths."""
     from slipstream.kernels.lora import triton_lora
 
     torch.manual_seed(2)
     num_slots, inter, rank = 3, 160, 8
     shards = (0, inter)
-    meta = _meta([slot], num_slots)
-    x = torch.randn(1, k)
+    meta = _meta(slots, num_slots)
+    x = torch.randn(len(slots), k)
     a = torch.randn(num_slots, 2 * rank, k) * 0.1
     b = torch.randn(num_slots, 2 * inter, rank) * 0.1
-    y = torch.randn(1, 2 * inter)
-    want = reference.lora_gate_out(x, y, a, b, meta, shards)
+    y = torch.randn(len(slots), 2 * inter)
+    y0 = y.clone()
+    want = reference.lora_act(x, y, a, b, meta, shards)
     scratch = triton_lora.fused_scratch([(k, shards, 2 * inter)], rank, num_slots, "cpu")
     for _ in range(2):
-        got = triton_lora.lora_gate_out(x, y, a, b, meta, shards, scratch)
+        got = triton_lora.lora_act(x, y.clone(), a, b, meta, shards, scratch)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         assert not scratch[1].any()
-    plain = reference.silu_and_mul(y) if slot < 0 else None
-    if plain is not None:
-        torch.testing.assert_close(got, plain)
+    assert torch.equal(y, y0)
+    base = torch.tensor(slots) < 0  # rows without an adapter: the plain activation
+    torch.testing.assert_close(got[base], reference.silu_and_mul(y[base]))
+    if not base.all():
+        assert not torch.allclose(got[~base], reference.silu_and_mul(y[~base]))
 
 
 def test_fused_plan_at_llama_8b_shapes() -> None:
@@ -175,8 +184,8 @@ def test_triton_lora_bf16_on_gpu() -> None:
     y_gu = torch.randn(1, 2 * inter, device="cuda", dtype=torch.bfloat16)
     one = _meta(slots[:1], num_slots, "cuda")
     scratch = triton_lora.fused_scratch([(k, gu_shards, 2 * inter)], rank, num_slots, "cuda")
-    want = reference.lora_gate_out(x[:1], y_gu, a_gu, b_gu, one, gu_shards)
+    want = reference.lora_act(x[:1], y_gu, a_gu, b_gu, one, gu_shards)
     for _ in range(20):
-        got = triton_lora.lora_gate_out(x[:1], y_gu, a_gu, b_gu, one, gu_shards, scratch)
+        got = triton_lora.lora_act(x[:1], y_gu, a_gu, b_gu, one, gu_shards, scratch)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert not scratch[1].any()
