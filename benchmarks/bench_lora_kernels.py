@@ -1,6 +1,6 @@
 """The LoRA kernels of one decode forward, before and after the fused small-batch path.
 
-    python benchmarks/bench_lora_kernels.py [--tokens 1 4 16 64 256 512] [--adapters 8]
+    python benchmarks/bench_lora_kernels.py [--tokens 1 4 16 64 512] [--adapters 8]
 
 Llama-3.1-8B shapes, bf16, rank 16 on qkv, o, gate_up and down of 32 layers, 16 device slots,
 the batch's rows spread over `--adapters` slots. For each token count it captures three CUDA
@@ -129,7 +129,7 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 512])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--adapters", type=int, default=8)
     args = parser.parse_args()
     layers = _layers(DEV)

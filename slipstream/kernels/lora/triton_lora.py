@@ -157,7 +157,9 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, part_ptr, count_ptr, sorted_ptr, t
         # Every chunk of a shard writes the same partials, so any chunk's copies will do.
         tile_part = (tile * num_shards + shard).to(tl.int64) * (SPLIT * BLOCK_M * BLOCK_R)
         offs_part = tl.arange(0, BLOCK_M)[:, None] * BLOCK_R + offs_r[None, :]
-        tl.store(part_ptr + tile_part + tl.program_id(2) * (BLOCK_M * BLOCK_R) + offs_part, acc)
+        part_mask = m_mask[:, None] & r_mask[None, :]  # the tile's rows only: no bytes for the rest
+        tl.store(part_ptr + tile_part + tl.program_id(2) * (BLOCK_M * BLOCK_R) + offs_part, acc,
+                 mask=part_mask)
         counter = count_ptr + tile * tl.num_programs(1) + chunk
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -167,7 +169,7 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, part_ptr, count_ptr, sorted_ptr, t
             acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for i in range(SPLIT):
                 acc += tl.load(part_ptr + tile_part + i * (BLOCK_M * BLOCK_R) + offs_part,
-                               cache_modifier=".cg")
+                               mask=part_mask, other=0.0, cache_modifier=".cg")
             _expand_rows(acc.to(b_ptr.dtype.element_ty), b_base, y_ptr, rows, m_mask, offs_r,
                          r_mask, n_lo, n_hi, stride_bn, stride_ym, BLOCK_N, PRECISION)
 
@@ -215,8 +217,9 @@ def _gate_out_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, part_ptr, count_ptr, t
         acc_u = _shrink_row(x_ptr, a_base + R * stride_ar, k_lo, k_per_split, K, stride_ar,
                             BLOCK_M, BLOCK_R, BLOCK_K, R, PRECISION)
         if SPLIT > 1:
-            tl.store(part_ptr + split * tile + offs_part, acc_g)
-            tl.store(part_ptr + (SPLIT + split) * tile + offs_part, acc_u)
+            row0 = (offs_m[:, None] == 0) & r_mask[None, :]
+            tl.store(part_ptr + split * tile + offs_part, acc_g, mask=row0)
+            tl.store(part_ptr + (SPLIT + split) * tile + offs_part, acc_u, mask=row0)
             counter = count_ptr + chunk
             tl.debug_barrier()  # every thread's partial stored before the release below
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -227,9 +230,10 @@ def _gate_out_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, part_ptr, count_ptr, t
                 acc_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
                 for i in range(SPLIT):
-                    acc_g += tl.load(part_ptr + i * tile + offs_part, cache_modifier=".cg")
-                    acc_u += tl.load(part_ptr + (SPLIT + i) * tile + offs_part,
+                    acc_g += tl.load(part_ptr + i * tile + offs_part, mask=row0, other=0.0,
                                      cache_modifier=".cg")
+                    acc_u += tl.load(part_ptr + (SPLIT + i) * tile + offs_part, mask=row0,
+                                     other=0.0, cache_modifier=".cg")
     else:  # no adapter: the activation alone
         acc_g = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
