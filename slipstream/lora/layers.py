@@ -96,7 +96,8 @@ class LoRALinear:
         """Copy one adapter's image (adapter.py) into a slot, zeros past its rank."""
         a, b = image
         n_sub, rank = a.shape[0], a.shape[1]
-        self.clear(slot)
+        if rank < self.max_rank:  # else the copies below overwrite the whole slot
+            self.clear(slot)
         non_blocking = self.a.is_cuda and a.is_pinned()
         self.a[slot].view(n_sub, self.max_rank, -1)[:, :rank].copy_(a, non_blocking=non_blocking)
         self.b[slot][:, :rank].copy_(b, non_blocking=non_blocking)

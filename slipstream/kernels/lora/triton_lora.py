@@ -255,17 +255,17 @@ def _gate_out_kernel(x_ptr, a_ptr, b_ptr, y_ptr, out_ptr, part_ptr, count_ptr, t
             y_g = tl.load(y_ptr + offs_m[:, None] * 0 + offs_n[None, :], mask=row, other=0.0)
             y_u = tl.load(y_ptr + offs_m[:, None] * 0 + INTER + offs_n[None, :], mask=row,
                           other=0.0)
-            act = _silu_mul(y_g, y_u, d_g, d_u, y_ptr.dtype.element_ty)
+            act = _silu_mul(y_g, y_u, d_g, d_u)
             tl.store(out_ptr + offs_m[:, None] * 0 + offs_n[None, :], act, mask=row)
 
 
 @triton.jit
-def _silu_mul(y_g, y_u, d_g, d_u, dt: tl.constexpr):
+def _silu_mul(y_g, y_u, d_g, d_u):
     """silu(gate) * up with the deltas added, each sum rounded to y's dtype first (as the
-    unfused path stores the gate/up product), the activation in float32."""
-    g = (y_g.to(tl.float32) + d_g).to(dt).to(tl.float32)
-    u = (y_u.to(tl.float32) + d_u).to(dt).to(tl.float32)
-    return (g * tl.sigmoid(g) * u).to(dt)
+    unfused path stores the gate/up product), the activation in float32, in y's dtype."""
+    g = (y_g.to(tl.float32) + d_g).to(y_g.dtype).to(tl.float32)
+    u = (y_u.to(tl.float32) + d_u).to(y_u.dtype).to(tl.float32)
+    return (g * tl.sigmoid(g) * u).to(y_g.dtype)
 
 
 @triton.jit
@@ -300,7 +300,7 @@ def _expand_act_kernel(h_ptr, b_ptr, y_ptr, out_ptr, sorted_ptr, tile_slot_ptr, 
     y_row = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
     y_g = tl.load(y_row, mask=mask, other=0.0)
     y_u = tl.load(y_row + INTER, mask=mask, other=0.0)
-    act = _silu_mul(y_g, y_u, d_g, d_u, y_ptr.dtype.element_ty)
+    act = _silu_mul(y_g, y_u, d_g, d_u)
     tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :], act, mask=mask)
 
 
@@ -319,7 +319,7 @@ def _act_rest_kernel(y_ptr, out_ptr, token_slots_ptr, T, INTER, stride_ym, strid
     y_g = tl.load(y_row, mask=mask, other=0.0)
     y_u = tl.load(y_row + INTER, mask=mask, other=0.0)
     zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    act = _silu_mul(y_g, y_u, zero, zero, y_ptr.dtype.element_ty)
+    act = _silu_mul(y_g, y_u, zero, zero)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :], act, mask=mask)
 
 
