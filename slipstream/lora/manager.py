@@ -86,19 +86,22 @@ class LoRAManager:
         self.num_slot_loads += 1
 
     def _row_slots(self, seqs: Sequence[ScheduledSeq]) -> list[int]:
-        """Each seq's slot (-1: base model), its adapter's weights paged in."""
+        """Each seq's slot (-1: base model), its adapter's weights paged in (checked once per
+        slot, not per seq: this runs on the host before every LoRA step)."""
         if self.force_slot is not None:
             return [self.force_slot] * len(seqs)
-        slots = []
+        slots, owners = [], {}
         for seq in seqs:
             request = seq.request
             if request.lora_int_id:
                 if request.lora_slot < 0:
                     raise RuntimeError(f"request {request.request_id} runs without a LoRA slot")
-                self._ensure_slot(request.lora_slot, request.lora_int_id)
+                owners[request.lora_slot] = request.lora_int_id
                 slots.append(request.lora_slot)
             else:
                 slots.append(-1)
+        for slot, lora_int_id in owners.items():
+            self._ensure_slot(slot, lora_int_id)
         return slots
 
     def uses_adapters(self, seqs: Sequence[ScheduledSeq]) -> bool:
