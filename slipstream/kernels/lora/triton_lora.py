@@ -10,11 +10,16 @@ Shrink splits K across programs until the batch's tiles fill the GPU (a tile wou
 walk all of K alone) and adds the partial sums atomically into a zeroed float32 h.
 
 `lora_add` is what a layer calls. At up to FUSED_MAX_ROWS rows (small decode batches, batch-1
-above all) it launches one kernel instead of three (memset, shrink, expand): each program
-recomputes its tile's shrink for one output shard, then expands a run of that shard's columns.
-The shrink is R x K multiply-adds per row, so the recomputation costs the programs of a tile
-extra L2 reads of A (R x K x 2 bytes each, a few MB per layer in all), while it saves two
-launches and the memset, which is what a few-row step pays for: kernel latency, not bytes.
+above all) it launches one kernel instead of three (memset, shrink, expand), since a few-row
+step pays for kernel latency, not bytes. Its programs are (tile, chunk of output columns, split
+of K): each stores its partial shrink for the chunk's shard in a preallocated workspace and
+bumps the chunk's arrival counter; the last split to arrive sums the partials in split order
+(deterministic), expands the chunk and resets the counter for the next launch. Each chunk
+re-reads its shard's A slice (fused_plan bounds that to a few MB of L2 reads per tile).
+
+`lora_act` does the same for a [gate | up] projection and writes SiLU(gate)·up, the down
+projection's input: at one row in one kernel, above FUSED_MAX_ROWS rows as shrink + an expand
+that reads the product once and writes the activation.
 """
 from __future__ import annotations
 
@@ -123,6 +128,8 @@ def _fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, part_ptr, count_ptr, sorted_ptr, t
                   k_per_split, stride_xm, stride_as, stride_ar, stride_bs, stride_bn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+    """y[rows, chunk] += (x[rows] A[slot, shard]^T) B[slot, chunk]^T for one (tile, chunk,
+    K split); see the module docstring."""
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
