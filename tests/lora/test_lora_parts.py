@@ -61,3 +61,36 @@ def test_fused_qkv_adapter_equals_separate_q_k_v(tiny_llama_dir, tmp_path) -> No
         return torch.cat([(x @ a[j].T) @ b[starts[j]:starts[j + 1]].T for j in range(3)], dim=1)
 
     torch.testing.assert_close(product(one), product(sep))
+
+
+def test_lora_linear_on_the_triton_kernels_matches_the_reference() -> None:
+    """A LoRALinear's glue (layout, scratch, shards) with the Triton kernels (the interpreter
+    here; only a GPU engine picks them) gives the reference twins' product and gate/up
+    activation, at one row and at more than 16."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from slipstream.kernels.lora import reference
+    from slipstream.kernels.lora import triton_lora as tk
+    from slipstream.kernels.lora.meta import meta_views, pack_meta
+    from slipstream.lora.layers import LoRALinear, LoRAState
+
+    torch.manual_seed(3)
+    state = LoRAState(num_slots=2, max_tokens=32, device=torch.device("cpu"))
+    gate_up = LoRALinear(state, 64, [48, 48], 8, torch.float32, torch.device("cpu"))
+    gate_up.ops = SimpleNamespace(lora_add=tk.lora_add, lora_act=tk.lora_act, triton=True)
+    state.scratch = tk.fused_scratch([(64, gate_up.shard_starts, 96)], 8, 2, "cpu")
+    gate_up.a.normal_(0, 0.2)
+    gate_up.b.normal_(0, 0.2)
+    for slots in ([1], [0, -1, 1] * 7):
+        meta = meta_views(torch.from_numpy(pack_meta(np.array(slots), 2)), len(slots), 2)
+        state.set_eager(meta)
+        x, y = torch.randn(len(slots), 64), torch.randn(len(slots), 96)
+        assert gate_up.fuses_gate_out()
+        want = reference.lora_act(x, y, gate_up.a, gate_up.b, meta, gate_up.shard_starts)
+        torch.testing.assert_close(gate_up.gate_out(x, y.clone()), want, atol=1e-4, rtol=1e-4)
+        want_y = reference.lora_add(x, y.clone(), gate_up.a, gate_up.b, meta,
+                                    gate_up.shard_starts)
+        torch.testing.assert_close(gate_up.add_to(x, y.clone()), want_y, atol=1e-4, rtol=1e-4)
+    assert not state.scratch[1].any()
