@@ -12,8 +12,9 @@ graphs do):
 - base + LoRA before: memset + shrink + expand per projection, shrink splitting K only at
   64 rows or fewer (the previous policy), SiLU-and-mul apart;
 - base + LoRA after: `lora_add` (one fused kernel per projection up to 16 rows; shrink + expand
-  with K split until the tiles fill the GPU above); gate/up's delta and SiLU-and-mul in the
-  LoRA kernels (`lora_act`: one kernel at one row, expand + activation in one pass above 16).
+  with K split until the tiles fill the GPU above, into one workspace zeroed once a forward);
+  gate/up's delta and SiLU-and-mul in the LoRA kernels (`lora_act`: one kernel at one row,
+  expand + activation in one pass above 16).
 
 Prints microseconds per forward and the LoRA overhead over the base products.
 """
@@ -92,8 +93,19 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
         RANK, SLOTS, dev)
     xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
           for name, (k, _) in SHAPES.items()}
+    # The engine's shrink workspace: a column range per projection, zeroed once a forward.
+    widths = {name: len(sizes) * RANK for name, (_, sizes) in SHAPES.items()}
+    per_layer = sum(widths.values())
+    ws = torch.empty((tokens, per_layer * len(layers)), device=dev, dtype=torch.float32)
+    use_ws = tokens > triton_lora.FUSED_MAX_ROWS
+    h_of = {}
+    col = 0
+    for i in range(len(layers)):
+        for name in SHAPES:
+            h_of[(i, name)] = ws[:, col : col + widths[name]] if use_ws else None
+            col += widths[name]
 
-    def gate_up(p: dict, mode: str) -> None:
+    def gate_up(p: dict, mode: str, h) -> None:
         """The MLP's first half as the engine runs it: one row without LoRA is the gate/up
         GEMV writing SiLU-and-mul itself; with LoRA after, the LoRA kernels write it."""
         x = xs["gate_up"]
@@ -102,7 +114,7 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
                 return
         y = ops.linear(x, p["w"], None)
         if mode == "after":
-            triton_lora.lora_act(x, y, p["a"], p["b"], meta, p["shards"], scratch)
+            triton_lora.lora_act(x, y, p["a"], p["b"], meta, p["shards"], scratch, h)
             return
         if mode == "before":
             _previous(x, y, p["a"], p["b"], meta, p["shards"])
@@ -110,17 +122,19 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
 
     def forward(mode: str) -> Callable[[], None]:
         def go() -> None:
-            for layer in layers:
+            if mode == "after" and use_ws:
+                ws.zero_()
+            for i, layer in enumerate(layers):
                 for name, p in layer.items():
                     if name == "gate_up":
-                        gate_up(p, mode)
+                        gate_up(p, mode, h_of[(i, name)])
                         continue
                     y = ops.linear(xs[name], p["w"], None)
                     if mode == "before":
                         _previous(xs[name], y, p["a"], p["b"], meta, p["shards"])
                     elif mode == "after":
                         triton_lora.lora_add(xs[name], y, p["a"], p["b"], meta, p["shards"],
-                                             scratch)
+                                             scratch, h_of[(i, name)])
         return go
 
     return _graph_us(forward("base")), _graph_us(forward("before")), _graph_us(forward("after"))

@@ -33,6 +33,11 @@ class LoRAState:
         # The fused small-batch kernel's partials and arrival counters, shared by every layer
         # (allocated once, so a captured graph allocates nothing); None: the ops need none.
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Above fused_max_rows rows (and up to max_tokens), the shrinks of a forward write
+        # their own columns of one workspace, zeroed once by the forward's first projection:
+        # one memset a step instead of one a projection. None: each shrink allocates.
+        self.h_workspace: torch.Tensor | None = None
+        self.fused_max_rows = 0
 
     @property
     def active(self) -> bool:
@@ -67,13 +72,27 @@ class LoRALinear:
         self.a = torch.zeros((slots, len(out_sizes) * max_rank, in_size), dtype=dtype, device=device)
         self.b = torch.zeros((slots, sum(out_sizes), max_rank), dtype=dtype, device=device)
         self.ops = lora_ops(str(device))
+        self.h_cols: slice | None = None  # this projection's columns of state.h_workspace
+        self.zeroes_h = False  # the first projection of a forward zeroes the workspace
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x) plus each row's adapter delta; y is updated in place."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         meta = self.state.meta_for(x2.shape[0])
-        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch)
+        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch,
+                          self._h(x2.shape[0]))
         return y
+
+    def _h(self, num_tokens: int) -> torch.Tensor | None:
+        """This projection's zeroed shrink buffer in the shared workspace, or None."""
+        ws = self.state.h_workspace
+        if ws is None or self.h_cols is None:
+            return None
+        if not self.state.fused_max_rows < num_tokens <= ws.shape[0]:
+            return None  # the fused kernel needs none; a long prefill allocates its own
+        if self.zeroes_h:
+            ws[:num_tokens].zero_()
+        return ws[:num_tokens, self.h_cols]
 
     def fuses_gate_out(self) -> bool:
         """Whether gate_out can run: a [gate | up] projection on the Triton kernels."""
@@ -85,7 +104,7 @@ class LoRALinear:
         fuses_gate_out() must hold."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         out = self.ops.lora_act(x2, y2, self.a, self.b, self.state.meta_for(x2.shape[0]),
-                                self.shard_starts, self.state.scratch)
+                                self.shard_starts, self.state.scratch, self._h(x2.shape[0]))
         return out.view(*y.shape[:-1], -1)
 
     def clear(self, slot: int) -> None:
@@ -121,9 +140,24 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int
             linear.lora = lora
             layers[(i, kind)] = lora
     if device.type == "cuda":
-        from slipstream.kernels.lora.triton_lora import fused_scratch
-
-        kinds = {(shapes[kind][0], lo.shard_starts, sum(lo.out_sizes))
-                 for (_, kind), lo in layers.items()}
-        state.scratch = fused_scratch(sorted(kinds), max_rank, max_loras, device)
+        _attach_workspaces(state, layers, shapes, max_rank, max_tokens, device)
     return state, layers
+
+
+def _attach_workspaces(state: LoRAState, layers: dict, shapes: dict, max_rank: int,
+                       max_tokens: int, device: torch.device) -> None:
+    """The Triton kernels' buffers, allocated once before the KV cache is sized: the fused
+    kernel's scratch and the shrink workspace (a column range per projection, in forward order
+    so the first projection called zeroes it)."""
+    from slipstream.kernels.lora.triton_lora import FUSED_MAX_ROWS, fused_scratch
+
+    kinds = {(shapes[kind][0], lo.shard_starts, sum(lo.out_sizes))
+             for (_, kind), lo in layers.items()}
+    state.scratch = fused_scratch(sorted(kinds), max_rank, state.num_slots, device)
+    width = 0
+    for lora in layers.values():  # layer by layer, qkv first: the order of a forward
+        lora.h_cols = slice(width, width + lora.a.shape[1])
+        width += lora.a.shape[1]
+    next(iter(layers.values())).zeroes_h = True
+    state.h_workspace = torch.empty((max_tokens, width), dtype=torch.float32, device=device)
+    state.fused_max_rows = FUSED_MAX_ROWS

@@ -354,10 +354,11 @@ def shrink_split(num_tokens: int, k: int, block_m: int, r_blocks: int) -> int:
     return max(1, min(_MAX_SPLIT, k // 256, triton.cdiv(_TARGET_PROGRAMS, tiles)))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,
-                split: int | None = None) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta, split: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """h [T, n_sub * R] float32 = x A[slot]^T for rows with an adapter (others undefined).
-    split: programs over K (default shrink_split)."""
+    split: programs over K (default shrink_split). out: h's buffer, zeroed by the caller (then
+    no memset here), with contiguous rows."""
     t, k = x.shape
     r_total = a.shape[1]
     if x.stride(1) != 1:
@@ -367,8 +368,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta: LoRAMeta,
         split = shrink_split(t, k, meta.block_m, triton.cdiv(r_total, block_r))
     k_per_split = triton.cdiv(triton.cdiv(k, split), _BLOCK_K) * _BLOCK_K
     split = triton.cdiv(k, k_per_split)
-    alloc = torch.zeros if split > 1 else torch.empty
-    h = alloc((t, r_total), dtype=torch.float32, device=x.device)
+    if out is not None:
+        h = out
+    else:
+        alloc = torch.zeros if split > 1 else torch.empty
+        h = alloc((t, r_total), dtype=torch.float32, device=x.device)
     grid = (meta.num_tiles, triton.cdiv(r_total, block_r), split)
     _shrink_kernel[grid](
         x, a, h, meta.sorted_ids, meta.tile_slot, meta.tile_start, meta.tile_len,
@@ -495,13 +499,14 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta: LoRAMeta, shard_starts: tuple[int, ...],
-             scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+             h: torch.Tensor | None = None) -> torch.Tensor:
     """y += each row's adapter delta x A[slot]^T B[slot]^T, in place; returns y. One fused
     kernel for small batches (scratch: fused_scratch's buffers), shrink then expand for larger
-    ones."""
+    ones (h: a zeroed buffer for the shrink, see lora_shrink)."""
     if meta.num_tokens <= FUSED_MAX_ROWS:
         return lora_shrink_expand(x, y, a, b, meta, shard_starts, scratch)
-    return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)
+    return lora_expand(y, lora_shrink(x, a, meta, out=h), b, meta, shard_starts)
 
 
 def lora_gate_out(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -558,7 +563,8 @@ def lora_expand_act(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoR
 
 def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              meta: LoRAMeta, shard_starts: tuple[int, ...],
-             scratch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+             h: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of a [gate | up] product y of x with each row's adapter delta added,
     the activation inside the LoRA kernels where it can: one row in one kernel
     (lora_gate_out), more than FUSED_MAX_ROWS rows as shrink + lora_expand_act; in between,
@@ -567,7 +573,7 @@ def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     if t == 1:
         return lora_gate_out(x, y, a, b, meta, shard_starts, scratch)
     if t > FUSED_MAX_ROWS:
-        return lora_expand_act(y, lora_shrink(x, a, meta), b, meta, shard_starts)
+        return lora_expand_act(y, lora_shrink(x, a, meta, out=h), b, meta, shard_starts)
     from slipstream.kernels.norm_act.activation import silu_and_mul
 
     return silu_and_mul(lora_shrink_expand(x, y, a, b, meta, shard_starts, scratch))
