@@ -342,7 +342,8 @@ _BLOCK_K = 64
 # each would walk K (4096 to 14336) alone while the rest of the GPU waits.
 _TARGET_PROGRAMS = 256
 _MAX_SPLIT = 32
-# Batches of at most this many rows (one decode tile) take the fused one-kernel path.
+# Batches of at most this many rows (one decode tile) take the fused one-kernel path (0: none
+# do; every batch runs shrink + expand).
 FUSED_MAX_ROWS = 16
 _FUSED_BLOCK_K = 128
 
@@ -570,7 +571,7 @@ def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     (lora_gate_out), more than FUSED_MAX_ROWS rows as shrink + lora_expand_act; in between,
     the fused lora_add, then the activation kernel."""
     t = x.shape[0]
-    if t == 1:
+    if t == 1 <= FUSED_MAX_ROWS:
         return lora_gate_out(x, y, a, b, meta, shard_starts, scratch)
     if t > FUSED_MAX_ROWS:
         return lora_expand_act(y, lora_shrink(x, a, meta, out=h), b, meta, shard_starts)
