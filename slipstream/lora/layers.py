@@ -30,6 +30,14 @@ class LoRAState:
         self.static = torch.full((packed_size(max_tokens, num_slots),), -1, dtype=torch.int32,
                                  device=device)
         self.max_static_tokens = max_tokens
+        # The fused small-batch kernel's partials and arrival counters, shared by every layer
+        # (allocated once, so a captured graph allocates nothing); None: the ops need none.
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Above fused_max_rows rows (and up to max_tokens), the shrinks of a forward write
+        # their own columns of one workspace, zeroed once by the forward's first projection:
+        # one memset a step instead of one a projection. None: each shrink allocates.
+        self.h_workspace: torch.Tensor | None = None
+        self.fused_max_rows = 0
 
     @property
     def active(self) -> bool:
@@ -64,14 +72,40 @@ class LoRALinear:
         self.a = torch.zeros((slots, len(out_sizes) * max_rank, in_size), dtype=dtype, device=device)
         self.b = torch.zeros((slots, sum(out_sizes), max_rank), dtype=dtype, device=device)
         self.ops = lora_ops(str(device))
+        self.h_cols: slice | None = None  # this projection's columns of state.h_workspace
+        self.zeroes_h = False  # the first projection of a forward zeroes the workspace
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x) plus each row's adapter delta; y is updated in place."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         meta = self.state.meta_for(x2.shape[0])
-        h = self.ops.lora_shrink(x2, self.a, meta)
-        self.ops.lora_expand(y2, h, self.b, meta, self.shard_starts)
+        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch,
+                          self._h(x2.shape[0]))
         return y
+
+    def _h(self, num_tokens: int) -> torch.Tensor | None:
+        """This projection's zeroed shrink buffer in the shared workspace, or None."""
+        ws = self.state.h_workspace
+        if ws is None or self.h_cols is None:
+            return None
+        if not self.state.fused_max_rows < num_tokens <= ws.shape[0]:
+            return None  # the fused kernel needs none; a long prefill allocates its own
+        if self.zeroes_h:
+            ws[:num_tokens].zero_()
+        return ws[:num_tokens, self.h_cols]
+
+    def fuses_gate_out(self) -> bool:
+        """Whether gate_out can run: a [gate | up] projection on the Triton kernels."""
+        return self.ops.triton and len(self.out_sizes) == 2 and self.state.scratch is not None
+
+    def gate_out(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the [gate | up] product y of x with each row's adapter delta added,
+        the activation inside the LoRA kernels (no pass of its own over y where they can);
+        fuses_gate_out() must hold."""
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        out = self.ops.lora_act(x2, y2, self.a, self.b, self.state.meta_for(x2.shape[0]),
+                                self.shard_starts, self.state.scratch, self._h(x2.shape[0]))
+        return out.view(*y.shape[:-1], -1)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -81,7 +115,8 @@ class LoRALinear:
         """Copy one adapter's image (adapter.py) into a slot, zeros past its rank."""
         a, b = image
         n_sub, rank = a.shape[0], a.shape[1]
-        self.clear(slot)
+        if rank < self.max_rank:  # else the copies below overwrite the whole slot
+            self.clear(slot)
         non_blocking = self.a.is_cuda and a.is_pinned()
         self.a[slot].view(n_sub, self.max_rank, -1)[:, :rank].copy_(a, non_blocking=non_blocking)
         self.b[slot][:, :rank].copy_(b, non_blocking=non_blocking)
@@ -104,4 +139,25 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int
             lora = LoRALinear(state, k, outs, max_rank, dtype, device)
             linear.lora = lora
             layers[(i, kind)] = lora
+    if device.type == "cuda":
+        _attach_workspaces(state, layers, shapes, max_rank, max_tokens, device)
     return state, layers
+
+
+def _attach_workspaces(state: LoRAState, layers: dict, shapes: dict, max_rank: int,
+                       max_tokens: int, device: torch.device) -> None:
+    """The Triton kernels' buffers, allocated once before the KV cache is sized: the fused
+    kernel's scratch and the shrink workspace (a column range per projection, in forward order
+    so the first projection called zeroes it)."""
+    from slipstream.kernels.lora.triton_lora import FUSED_MAX_ROWS, fused_scratch
+
+    kinds = {(shapes[kind][0], lo.shard_starts, sum(lo.out_sizes))
+             for (_, kind), lo in layers.items()}
+    state.scratch = fused_scratch(sorted(kinds), max_rank, state.num_slots, device)
+    width = 0
+    for lora in layers.values():  # layer by layer, qkv first: the order of a forward
+        lora.h_cols = slice(width, width + lora.a.shape[1])
+        width += lora.a.shape[1]
+    next(iter(layers.values())).zeroes_h = True
+    state.h_workspace = torch.empty((max_tokens, width), dtype=torch.float32, device=device)
+    state.fused_max_rows = FUSED_MAX_ROWS

@@ -41,6 +41,7 @@ class LoRAManager:
         self._slot_owner = [0] * cfg.max_loras  # adapter id whose weights each slot holds
         self.num_slot_loads = 0
         self.force_slot: int | None = None  # warm-up: every token on this slot
+        self._staged: bytes | None = None  # the token slots whose layout the static buffer holds
         nbytes = sum(lo.a.nbytes + lo.b.nbytes for lo in self.layers.values())
         logger.info("LoRA: %d slots of rank %d, %.1f MiB on %s", cfg.max_loras,
                     cfg.max_lora_rank, nbytes / 2**20, device)
@@ -85,19 +86,22 @@ class LoRAManager:
         self.num_slot_loads += 1
 
     def _row_slots(self, seqs: Sequence[ScheduledSeq]) -> list[int]:
-        """Each seq's slot (-1: base model), its adapter's weights paged in."""
+        """Each seq's slot (-1: base model), its adapter's weights paged in (checked once per
+        slot, not per seq: this runs on the host before every LoRA step)."""
         if self.force_slot is not None:
             return [self.force_slot] * len(seqs)
-        slots = []
+        slots, owners = [], {}
         for seq in seqs:
             request = seq.request
             if request.lora_int_id:
                 if request.lora_slot < 0:
                     raise RuntimeError(f"request {request.request_id} runs without a LoRA slot")
-                self._ensure_slot(request.lora_slot, request.lora_int_id)
+                owners[request.lora_slot] = request.lora_int_id
                 slots.append(request.lora_slot)
             else:
                 slots.append(-1)
+        for slot, lora_int_id in owners.items():
+            self._ensure_slot(slot, lora_int_id)
         return slots
 
     def uses_adapters(self, seqs: Sequence[ScheduledSeq]) -> bool:
@@ -124,20 +128,28 @@ class LoRAManager:
             return False
         slots = np.full(padded, -1, dtype=np.int32)
         slots[: len(seqs)] = self._row_slots(seqs)
-        packed = pack_meta(slots, self.num_slots)
-        self.state.static[: len(packed)].copy_(self._to_device(packed))
+        key = slots.tobytes()
+        if key != self._staged:  # a steady decode batch keeps its layout: no host work, no copy
+            packed = pack_meta(slots, self.num_slots)
+            self.state.static[: len(packed)].copy_(self._to_device(packed, pinned_only=True),
+                                                   non_blocking=True)
+            self._staged = key
         self.state.mode = "static"
         return True
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _to_device(self, array: np.ndarray, pinned_only: bool = False) -> torch.Tensor:
+        """The array on the device (pinned_only: in pinned host memory, for the caller to copy
+        straight into a device buffer)."""
         t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        if self.device.type != "cuda":
+            return t
+        t = t.pin_memory()
+        return t if pinned_only else t.to(self.device, non_blocking=True)
 
     def capture(self, make_graphs: Callable[[], object]) -> object:
         """Decode graphs captured with LoRA on (static layout, every tile empty until staged)."""
         self.state.static.fill_(-1)
+        self._staged = None
         self.state.mode = "static"
         try:
             graphs = make_graphs()

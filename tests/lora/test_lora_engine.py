@@ -87,6 +87,10 @@ def test_multi_step_decode_path(setup) -> None:
     outs = llm.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False,
                         lora_request=[loras[2], None, loras[3]])
     assert _ids(outs) == [want[loras[2]][0], want[None][0], want[loras[3]][0]]
+    # Another mix of the same batch size: the staged layout is rebuilt, not reused.
+    outs = llm.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False,
+                        lora_request=[loras[3], loras[2], None])
+    assert _ids(outs) == [want[loras[3]][0], want[loras[2]][0], want[None][0]]
 
 
 def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(setup, llm, tmp_path) -> None:

@@ -1,5 +1,7 @@
-"""Batched LoRA ops: `lora_ops(device)` -> (lora_shrink, lora_expand), Triton on CUDA, the
-reference twins elsewhere (or everywhere with SLIPSTREAM_KERNELS=reference)."""
+"""Batched LoRA ops: `lora_ops(device)` -> lora_shrink, lora_expand, lora_add (shrink then
+expand, the one a layer calls) and lora_act (a [gate | up] projection's delta and SiLU-and-mul,
+the activation inside the LoRA kernels), Triton on CUDA, the reference twins elsewhere (or
+everywhere with SLIPSTREAM_KERNELS=reference); `triton`: whether they are the Triton kernels."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,8 +11,10 @@ from slipstream import envs
 
 def lora_ops(device: str) -> SimpleNamespace:
     forced = envs.KERNELS.get()
-    if forced == "triton" or (forced == "auto" and str(device).startswith("cuda")):
+    triton = forced == "triton" or (forced == "auto" and str(device).startswith("cuda"))
+    if triton:
         from slipstream.kernels.lora import triton_lora as mod
     else:
         from slipstream.kernels.lora import reference as mod
-    return SimpleNamespace(lora_shrink=mod.lora_shrink, lora_expand=mod.lora_expand)
+    return SimpleNamespace(lora_shrink=mod.lora_shrink, lora_expand=mod.lora_expand,
+                           lora_add=mod.lora_add, lora_act=mod.lora_act, triton=triton)
