@@ -16,7 +16,12 @@ import itertools
 
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.outputs import EngineCoreOutput
-from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchState
+from slipstream.sampling.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchState,
+    step_many,
+)
 from slipstream.sampling_params import SamplingParams
 
 
@@ -94,12 +99,20 @@ class BeamCoordinator:
             request = self.scheduler.get_request(out.request_id)
             if request is not None:  # None: ended by length at the search's last step
                 del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
-            best = sorted(out.new_logprobs[-1].items(), key=lambda kv: -kv[1])
-            group.reports[out.request_id] = best[: group.state.num_candidates]
+            group.reports[out.request_id] = _best(out.new_logprobs[-1], group.state.num_candidates)
             if len(group.reports) == len(group.beams) and group not in ready:
                 ready.append(group)
+        copies: list[tuple[int, int]] = []
+        candidates = []
         for group in ready:
-            self._advance(group)
+            candidates.append([group.reports[b.request_id] for b in group.beams])
+            group.reports.clear()
+        for group, chosen in zip(ready, step_many([g.state for g in ready], candidates)):
+            self._advance(group, chosen, copies)
+        if ready:
+            if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
+                self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
+            self.runner.copy_blocks(copies)  # every search's forks in one copy
         self.release_idle()
         return rest
 
@@ -114,40 +127,54 @@ class BeamCoordinator:
                 if beam.status == RequestStatus.RUNNING and beam.request_id in group.reports:
                     self.scheduler.preempt_idle(beam)
 
-    def _advance(self, group: _Group) -> None:
-        candidates = [group.reports[b.request_id] for b in group.beams]
-        group.reports.clear()
-        chosen = group.state.step(candidates)
+    def _advance(self, group: _Group, chosen: list[tuple[int, int]],
+                 copies: list[tuple[int, int]]) -> None:
+        """Move the search's requests to its chosen next beams (parent index, token); the
+        block copies forks need go to `copies`."""
         if group.state.done:
             del self._groups[group.id]
             self._drop(group.beams)
             self._finished[group.id] = group.state.result()
             return
         used = {b for b, _ in chosen}
-        self._drop([beam for i, beam in enumerate(group.beams) if i not in used])
+        # Beams not chosen become the forks' requests (their blocks re-pointed, integer work
+        # only); any left over are dropped.
+        spare = [beam for i, beam in enumerate(group.beams) if i not in used]
         new_beams: list[Request | None] = [None] * len(chosen)
-        copies: list[tuple[int, int]] = []
         first_use: set[int] = set()
         for slot, (b, token) in enumerate(chosen):  # forks first: they copy the parent's tokens
             if b in first_use:
-                new_beams[slot] = self._fork(group, group.beams[b], token, copies)
+                new_beams[slot] = self._fork(group, group.beams[b], token, spare, copies)
             first_use.add(b)
+        self._drop(spare)
         seen: set[int] = set()
         for slot, (b, token) in enumerate(chosen):
             if b not in seen:
                 seen.add(b)
                 group.beams[b].output_token_ids.append(token)
                 new_beams[slot] = group.beams[b]
-        if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
-            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
-        self.runner.copy_blocks(copies)
         group.beams = new_beams
 
-    def _fork(self, group: _Group, parent: Request, token: int,
+    def _fork(self, group: _Group, parent: Request, token: int, spare: list[Request],
               copies: list[tuple[int, int]]) -> Request:
+        """The parent's continuation by `token`: a spare running beam re-pointed at the
+        parent's blocks, else a new request."""
+        tokens = parent.output_token_ids + [token]
+        if parent.status == RequestStatus.RUNNING:
+            running = [i for i, beam in enumerate(spare) if beam.status == RequestStatus.RUNNING]
+            if running:  # a waiting spare holds no blocks to reuse
+                child = spare.pop(running[-1])
+                pairs = self.scheduler.kv.refork(parent, child)
+                child.output_token_ids = tokens
+                if pairs is None:  # no block for the copy: recompute from the prefix cache
+                    self.scheduler.preempt_idle(child)
+                else:
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    copies.extend(pairs)
+                return child
         child = Request(self._beam_id(group), parent.prompt_token_ids, parent.sampling_params,
                         priority=parent.priority, arrival_time=parent.arrival_time)
-        child.output_token_ids = parent.output_token_ids + [token]
+        child.output_token_ids = tokens
         self._group_of[child.request_id] = group.id
         if parent.status == RequestStatus.RUNNING:
             pairs = self.scheduler.kv.fork(parent, child)
@@ -160,6 +187,8 @@ class BeamCoordinator:
         return child
 
     def _drop(self, beams: list[Request]) -> None:
+        if not beams:
+            return
         ids = [b.request_id for b in beams]
         self.scheduler.abort_requests(ids)
         for rid in ids:
@@ -168,3 +197,12 @@ class BeamCoordinator:
     @staticmethod
     def _beam_id(group: _Group) -> str:
         return f"{group.id}-beam{next(group.next_index)}"
+
+
+def _best(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """A beam's k best (token, logprob). The sampler's dict holds its top-k in rank order,
+    then the sampled token only if it was not among them: sort only in that case."""
+    items = list(logprobs.items())
+    if len(items) > k:
+        items.sort(key=lambda kv: -kv[1])
+    return items[:k]

@@ -288,6 +288,13 @@ class KVCacheManager:
         self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
         return copies
 
+    def refork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """`fork` into a running request that no longer needs its own KV (a beam search's
+        beam not chosen): its blocks are freed first, so the copy can reuse its last one.
+        None: nothing free for the copy; the child then holds no blocks."""
+        self.free(child)
+        return self.fork(parent, child)
+
     # ---- internals ---------------------------------------------------------------------
     def _release_behind_window(self, request: Request, table: list[int]) -> None:
         """Release the blocks no coming query can see: the next query sits at

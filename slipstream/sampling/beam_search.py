@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from slipstream.sampling_params import MAX_LOGPROBS
 
 
@@ -82,11 +84,16 @@ class BeamSearchState:
         best. Returns the next running beams as (parent beam index, token), best first."""
         if self.done:
             raise RuntimeError("the beam search is over")
-        k, lp = self.params.beam_width, self.params.length_penalty
         flat = [(beam.score + logprob, b, token)
                 for b, beam in enumerate(self.running) for token, logprob in candidates[b]]
         flat.sort(key=lambda c: (-c[0], c[1], c[2]))
-        top = flat[: self.num_candidates]
+        return self.advance(flat[: self.num_candidates])
+
+    def advance(self, top: list[tuple[float, int, int]]) -> list[tuple[int, int]]:
+        """Advance by the step's best continuations `top`: (cumulative logprob, parent beam,
+        token), best first, num_candidates of them (`step`, or `step_many` for many searches).
+        Returns the next running beams as (parent beam index, token), best first."""
+        k, lp = self.params.beam_width, self.params.length_penalty
         gen_len = len(self.running[0].tokens) + 1
         at_limit = gen_len >= self.params.max_tokens
         hits = [at_limit or token in self.eos for _, _, token in top]
@@ -108,3 +115,38 @@ class BeamSearchState:
 
     def result(self) -> BeamSearchOutput:
         return BeamSearchOutput(list(self.finished))
+
+
+def step_many(states: list[BeamSearchState], candidates: list[list[list[tuple[int, float]]]]
+              ) -> list[list[tuple[int, int]]]:
+    """`state.step(candidates[i])` for each search, the choice of the best continuations made
+    for all of them at once: searches with as many running beams and candidates each are
+    stacked into [searches, beams * candidates] arrays and ordered by one lexsort (cumulative
+    logprob descending, then parent beam, then token: `step`'s order, in the same float64
+    arithmetic). Only the num_candidates winners of each search reach Python."""
+    results: list[list[tuple[int, int]] | None] = [None] * len(states)
+    buckets: dict[tuple[int, int, int], list[int]] = {}
+    for i, (state, cands) in enumerate(zip(states, candidates)):
+        width = len(cands[0]) if cands else 0
+        if state.done or any(len(c) != width for c in cands) or width < 1:
+            results[i] = state.step(cands)  # raises if done; ragged candidates: one by one
+            continue
+        buckets.setdefault((len(cands), width, state.num_candidates), []).append(i)
+    for (num_beams, width, num_top), members in buckets.items():
+        tokens = np.array([[t for c in candidates[i] for t, _ in c] for i in members],
+                          dtype=np.int64)
+        logprobs = np.array([[v for c in candidates[i] for _, v in c] for i in members],
+                            dtype=np.float64)
+        scores = np.array([[b.score for b in states[i].running] for i in members],
+                          dtype=np.float64)
+        totals = (scores[:, :, None] + logprobs.reshape(-1, num_beams, width)).reshape(
+            len(members), -1)
+        parents = np.broadcast_to(np.repeat(np.arange(num_beams), width), totals.shape)
+        order = np.lexsort((tokens, parents, -totals), axis=-1)[:, :num_top]
+        top_totals = np.take_along_axis(totals, order, -1).tolist()
+        top_parents = (order // width).tolist()
+        top_tokens = np.take_along_axis(tokens, order, -1).tolist()
+        for row, i in enumerate(members):
+            results[i] = states[i].advance(
+                list(zip(top_totals[row], top_parents[row], top_tokens[row])))
+    return results
