@@ -31,7 +31,7 @@ class _Group:
         self.params = params
         self.state = state
         self.beams: list[Request] = []  # aligned with state.running
-        self.reports: dict[str, list[tuple[int, float]]] = {}
+        self.reports: dict[str, list[float]] = {}  # beam id -> its packed logprob row
         self.next_index = itertools.count()
 
 
@@ -69,7 +69,9 @@ class BeamCoordinator:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
                                   ignore_eos=True, logprobs=state.num_candidates)
         group = _Group(group_id, params, state)
-        return group, Request(self._beam_id(group), prompt_ids, sampling, priority=priority)
+        request = Request(self._beam_id(group), prompt_ids, sampling, priority=priority,
+                          packed_logprobs=True)
+        return group, request
 
     def start(self, group: _Group, request: Request) -> None:
         group.beams = [request]
@@ -99,7 +101,7 @@ class BeamCoordinator:
             request = self.scheduler.get_request(out.request_id)
             if request is not None:  # None: ended by length at the search's last step
                 del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
-            group.reports[out.request_id] = _best(out.new_logprobs[-1], group.state.num_candidates)
+            group.reports[out.request_id] = out.new_logprobs[-1]  # the packed row
             if len(group.reports) == len(group.beams) and group not in ready:
                 ready.append(group)
         copies: list[tuple[int, int]] = []
@@ -173,7 +175,8 @@ class BeamCoordinator:
                     copies.extend(pairs)
                 return child
         child = Request(self._beam_id(group), parent.prompt_token_ids, parent.sampling_params,
-                        priority=parent.priority, arrival_time=parent.arrival_time)
+                        priority=parent.priority, arrival_time=parent.arrival_time,
+                        packed_logprobs=True)
         child.output_token_ids = tokens
         self._group_of[child.request_id] = group.id
         if parent.status == RequestStatus.RUNNING:
@@ -198,11 +201,3 @@ class BeamCoordinator:
     def _beam_id(group: _Group) -> str:
         return f"{group.id}-beam{next(group.next_index)}"
 
-
-def _best(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """A beam's k best (token, logprob). The sampler's dict holds its top-k in rank order,
-    then the sampled token only if it was not among them: sort only in that case."""
-    items = list(logprobs.items())
-    if len(items) > k:
-        items.sort(key=lambda kv: -kv[1])
-    return items[:k]

@@ -117,36 +117,47 @@ class BeamSearchState:
         return BeamSearchOutput(list(self.finished))
 
 
-def step_many(states: list[BeamSearchState], candidates: list[list[list[tuple[int, float]]]]
+def step_many(states: list[BeamSearchState], rows: list[list[list[float]]]
               ) -> list[list[tuple[int, int]]]:
-    """`state.step(candidates[i])` for each search, the choice of the best continuations made
-    for all of them at once: searches with as many running beams and candidates each are
-    stacked into [searches, beams * candidates] arrays and ordered by one lexsort (cumulative
-    logprob descending, then parent beam, then token: `step`'s order, in the same float64
-    arithmetic). Only the num_candidates winners of each search reach Python."""
+    """`state.step` for each search, from its beams' packed logprob rows (rows[i][b]: beam b's
+    row of sampling/logprobs.py `pack_top_logprobs`, top-k ids then top-k values, k at least
+    num_candidates). The choice of the best continuations is made for all searches at once:
+    searches with as many beams and rows as wide are stacked into [searches, beams * K]
+    arrays and ordered by one lexsort (cumulative logprob descending, then parent beam, then
+    token: `step`'s order, in the same float64 arithmetic). Only each search's num_candidates
+    winners reach Python."""
     results: list[list[tuple[int, int]] | None] = [None] * len(states)
     buckets: dict[tuple[int, int, int], list[int]] = {}
-    for i, (state, cands) in enumerate(zip(states, candidates)):
-        width = len(cands[0]) if cands else 0
-        if state.done or any(len(c) != width for c in cands) or width < 1:
-            results[i] = state.step(cands)  # raises if done; ragged candidates: one by one
+    for i, (state, beam_rows) in enumerate(zip(states, rows)):
+        width = len(beam_rows[0]) if beam_rows else 0
+        if state.done or width < 4 or any(len(r) != width for r in beam_rows):
+            results[i] = state.step([_row_candidates(r, state.num_candidates) for r in beam_rows])
             continue
-        buckets.setdefault((len(cands), width, state.num_candidates), []).append(i)
+        buckets.setdefault((len(beam_rows), width, state.num_candidates), []).append(i)
     for (num_beams, width, num_top), members in buckets.items():
-        tokens = np.array([[t for c in candidates[i] for t, _ in c] for i in members],
-                          dtype=np.int64)
-        logprobs = np.array([[v for c in candidates[i] for _, v in c] for i in members],
-                            dtype=np.float64)
-        scores = np.array([[b.score for b in states[i].running] for i in members],
-                          dtype=np.float64)
-        totals = (scores[:, :, None] + logprobs.reshape(-1, num_beams, width)).reshape(
-            len(members), -1)
-        parents = np.broadcast_to(np.repeat(np.arange(num_beams), width), totals.shape)
+        packed = np.array([rows[i] for i in members], dtype=np.float64)  # [G, beams, width]
+        k_packed = (width - 2) // 2
+        k = min(num_top, k_packed)
+        tokens = packed[:, :, 2 : 2 + k].astype(np.int64).reshape(len(members), -1)
+        logprobs = packed[:, :, 2 + k_packed : 2 + k_packed + k]
+        scores = np.array([[b.score for b in states[i].running] for i in members], np.float64)
+        totals = (scores[:, :, None] + logprobs).reshape(len(members), -1)
+        parents = np.broadcast_to(np.repeat(np.arange(num_beams), k), totals.shape)
         order = np.lexsort((tokens, parents, -totals), axis=-1)[:, :num_top]
         top_totals = np.take_along_axis(totals, order, -1).tolist()
-        top_parents = (order // width).tolist()
+        top_parents = (order // k).tolist()
         top_tokens = np.take_along_axis(tokens, order, -1).tolist()
         for row, i in enumerate(members):
             results[i] = states[i].advance(
                 list(zip(top_totals[row], top_parents[row], top_tokens[row])))
     return results
+
+
+def _row_candidates(row: list[float], k: int) -> list[tuple[int, float]]:
+    """A packed logprob row's top-k (token, logprob), best first. The top-k come first in
+    rank order; the sampled token, kept after them when it is not among them, is never
+    needed: a greedy token outside the top-k ties with all of them, and ties keep the
+    top-k's order."""
+    k_packed = (len(row) - 2) // 2
+    k = min(k, k_packed)
+    return [(int(t), v) for t, v in zip(row[2 : 2 + k], row[2 + k_packed : 2 + k_packed + k])]

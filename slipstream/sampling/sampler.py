@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[dict[int, float] | None]  # top-N plus the sampled token; None when not asked
+    # Top-N plus the sampled token; None when not asked; a request with packed_logprobs gets
+    # its row of pack_top_logprobs instead (beam search).
+    logprobs: list[dict[int, float] | list[float] | None]
 
 
 @dataclass
@@ -173,9 +175,19 @@ class Sampler:
         flat = torch.cat([tokens.double(), packed.flatten()]).tolist()
         token_ids = [int(t) for t in flat[:num_rows]]
         rows = [flat[num_rows + j * width : num_rows + (j + 1) * width] for j in range(len(lp_rows))]
-        logprobs: list[dict[int, float] | None] = [None] * num_rows
-        for i, d in zip(lp_rows, unpack_top_logprobs(rows, ks)):
-            logprobs[i] = d
+        logprobs: list[dict[int, float] | list[float] | None] = [None] * num_rows
+        dict_rows = []
+        for j, i in enumerate(lp_rows):
+            if requests[i].packed_logprobs:  # beam search reads the packed row itself
+                logprobs[i] = rows[j]
+            else:
+                dict_rows.append(j)
+        if len(dict_rows) == len(rows):
+            dicts = unpack_top_logprobs(rows, ks)
+        else:
+            dicts = unpack_top_logprobs([rows[j] for j in dict_rows], [ks[j] for j in dict_rows])
+        for j, d in zip(dict_rows, dicts):
+            logprobs[lp_rows[j]] = d
         return SamplerOutput(token_ids, logprobs)
 
 
