@@ -242,7 +242,8 @@ class EngineCore:
         if self.config.runner == "pooling":
             attach_pooled(outputs, runner_out)
         if self.beams.active:
-            outputs = self.beams.on_outputs(outputs)
+            with self.timer.phase("beam"):
+                outputs = self.beams.on_outputs(outputs)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:
