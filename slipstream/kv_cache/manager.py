@@ -12,6 +12,7 @@ from slipstream.engine.request import Request
 from slipstream.kv_cache.block_pool import BlockPool
 from slipstream.kv_cache.hashing import BlockHash, hash_block_tokens
 from slipstream.kv_cache.host_tier import HostTier, Transfer
+from slipstream.kv_cache.tier_cost import TierCost
 
 # What a released block's table entry reads: a valid index, never read by attention (each
 # layer's kernels start at its window).
@@ -56,8 +57,19 @@ class KVCacheManager:
         self._host_hits: dict[str, list[tuple[BlockHash, int]]] = {}
         self.host_hits = 0  # tokens found in the host tier
         self.blocks_offloaded = 0
+        self.host_blocks_recomputed = 0  # host hits left to recompute: cheaper than a copy
+        # Copy or recompute (tier_cost.py); None: always copy what the host tier holds.
+        self.tier_cost: TierCost | None = None
         if self.host is not None:
             self.pool.on_evict = self._offload
+
+    def set_tier_cost(self, cost: TierCost | None, max_seq_len: int) -> None:
+        """Let the cost model choose between copying host blocks and recomputing them; when
+        no copy could ever pay on this engine, evicted blocks are not offloaded at all."""
+        self.tier_cost = cost
+        if self.host is not None:
+            never = cost is not None and not cost.ever_pays(max_seq_len)
+            self.pool.on_evict = None if never else self._offload
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -111,6 +123,11 @@ class KVCacheManager:
                 break
             hit.append(block_id)
         host_hits = self._host_lookup(hashes[len(hit):max_blocks])
+        cost = self.tier_cost
+        if host_hits and cost is not None and not cost.restore_pays(
+                len(host_hits), len(hit) * self.block_size):
+            self.host_blocks_recomputed += len(host_hits)
+            host_hits = []
         self._host_hits[request.request_id] = host_hits
         num_hit_tokens = (len(hit) + len(host_hits)) * self.block_size
         self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)

@@ -62,7 +62,8 @@ def test_host_tier_outputs_equal_a_large_cache(tiny_llama_dir):
     block = 8192  # tiny Llama, float32, 16-token blocks
     tiered = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=512,
                  max_num_seqs=32, max_num_tokens=512, kv_cache_memory=40 * block,
-                 kv_cache_host_memory=512 * block, preemption_mode="swap")
+                 kv_cache_host_memory=512 * block, preemption_mode="swap",
+                 kv_offload_mode="always")
     first = tiered.generate(prompts, params, use_tqdm=False)
     again = tiered.generate(prompts, params, use_tqdm=False)  # prefixes come from the host
     want = [o.outputs[0].token_ids for o in big]
