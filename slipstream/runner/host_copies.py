@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from slipstream.kv_cache.host_tier import Transfer
+from slipstream.runner.input_batch import to_device
 
 # Staging buffers are cut into batches of at most this many bytes.
 _STAGING_BYTES = 64 << 20
@@ -67,7 +69,7 @@ class HostKVCopies:
             self._restore(ins[i : i + self.max_batch])
 
     def _offload(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([d for d, _ in pairs], device=self.device)
+        src = _indices([d for d, _ in pairs], self.device)
         staging = torch.empty((len(pairs), *self.host.shape[1:]), dtype=self.host.dtype,
                               device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
@@ -95,10 +97,15 @@ class HostKVCopies:
         for start, first, count in _runs([h for h, _ in pairs]):
             staging[start : start + count].copy_(self.host[first : first + count],
                                                  non_blocking=non_blocking)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        dst = _indices([d for _, d in pairs], self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, dst, staging[:, layer, 0])
             v.index_copy_(0, dst, staging[:, layer, 1])
+
+
+def _indices(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on the device without a host sync (pinned, non-blocking on CUDA)."""
+    return to_device(np.asarray(ids, dtype=np.int64), device)
 
 
 def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:

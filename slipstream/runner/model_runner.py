@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +31,7 @@ from slipstream.runner.input_batch import (
     inputs_from_host_batch,
     prepare_inputs,
     put_fed_tokens,
+    to_device,
 )
 from slipstream.runner.launched import LaunchedTokens
 from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
@@ -259,8 +261,8 @@ class ModelRunner:
         before the next forward (a forked beam's partly filled block: KVCacheManager.fork)."""
         if not pairs or not self.kv_caches:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        ids = to_device(np.asarray(pairs, dtype=np.int64), self.device)  # no host sync
+        src, dst = ids[:, 0], ids[:, 1]
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

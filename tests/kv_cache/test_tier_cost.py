@@ -52,13 +52,16 @@ def test_runs_of_consecutive_host_blocks():
     assert _runs([]) == []
 
 
-def test_batched_copies_equal_one_copy_at_a_time():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_batched_copies_equal_one_copy_at_a_time(device):
     """Random transfer lists, conflicts included (an offload of a block a restore just wrote,
     a host block reused after a restore read it): the batched copies leave device and host
-    memory exactly as copying each transfer in order does."""
+    memory exactly as copying each transfer in order does (on CUDA: pinned host memory,
+    offloads on the side stream)."""
     rng = random.Random(0)
     layers, dev_blocks, host_blocks, shape = 3, 12, 10, (4, 2, 8)
-    kv = [(torch.randn(dev_blocks, *shape), torch.randn(dev_blocks, *shape)) for _ in range(layers)]
+    kv = [(torch.randn(dev_blocks, *shape, device=device),
+           torch.randn(dev_blocks, *shape, device=device)) for _ in range(layers)]
     copies = HostKVCopies(kv, host_blocks)
     copies.max_batch = 3  # several staging batches per flush
     copies.host.normal_()
@@ -73,11 +76,13 @@ def test_batched_copies_equal_one_copy_at_a_time():
         for kind, src, dst in transfers:
             for layer, (k, v) in enumerate(ref_dev):
                 if kind == "out":
-                    ref_host[dst, layer, 0] = k[src]
-                    ref_host[dst, layer, 1] = v[src]
+                    ref_host[dst, layer, 0] = k[src].cpu()
+                    ref_host[dst, layer, 1] = v[src].cpu()
                 else:
-                    k[dst] = ref_host[src, layer, 0]
-                    v[dst] = ref_host[src, layer, 1]
+                    k[dst] = ref_host[src, layer, 0].to(device)
+                    v[dst] = ref_host[src, layer, 1].to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert torch.equal(copies.host, ref_host)
         for (k, v), (rk, rv) in zip(kv, ref_dev):
             assert torch.equal(k, rk) and torch.equal(v, rv)
