@@ -163,9 +163,11 @@ class BeamCoordinator:
         parent's blocks, else a new request."""
         tokens = parent.output_token_ids + [token]
         if parent.status == RequestStatus.RUNNING:
-            running = [i for i, beam in enumerate(spare) if beam.status == RequestStatus.RUNNING]
-            if running:  # a waiting spare holds no blocks to reuse
-                child = spare.pop(running[-1])
+            # A waiting spare holds no blocks to reuse: take the last running one.
+            index = next((i for i in range(len(spare) - 1, -1, -1)
+                          if spare[i].status == RequestStatus.RUNNING), None)
+            if index is not None:
+                child = spare.pop(index)
                 pairs = self.scheduler.kv.refork(parent, child)
                 child.output_token_ids = tokens
                 if pairs is None:  # no block for the copy: recompute from the prefix cache
