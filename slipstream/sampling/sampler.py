@@ -40,7 +40,6 @@ class _Params:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     max_k: int
-    all_greedy: bool
     any_greedy: bool
 
     @staticmethod
@@ -63,7 +62,6 @@ class _Params:
             top_p=dev[2] if any(p < 1.0 for p in ps) else None,
             min_p=dev[3] if any(mps) else None,
             max_k=max(ks),
-            all_greedy=all(greedy),
             any_greedy=any(greedy),
         )
 
@@ -122,9 +120,9 @@ class Sampler:
         return self._controls(logits, requests)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = _Params.build(requests, logits.device)
-        if params.all_greedy:
+        if all(r.sampling_params.greedy for r in requests):  # no parameters to copy over
             return _argmax(logits)
+        params = _Params.build(requests, logits.device)
         x = logits / params.temperature.view(-1, 1)
         x = apply_top_k_top_p(x, params.top_k, params.top_p, params.max_k)
         if params.min_p is not None:
