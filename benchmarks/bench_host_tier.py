@@ -50,6 +50,7 @@ def run(args, model: str, host_bytes: int | None, mode: str = "auto") -> dict:
         "host_tier_mib": (host_bytes or 0) >> 20, "mode": mode if host_bytes else "-",
         "wall_s": wall, "tok_s": tokens / wall,
         "host_blocks_recomputed": llm.engine.scheduler.kv.host_blocks_recomputed,
+        "tier_cost": _cost_line(llm),
         "prefix_hit_rate": stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1),
         "host_hit_tokens": stats["host_cache_hits"], "offloaded_blocks": stats["host_blocks_offloaded"],
         "ttft_mean_ms": 1e3 * statistics.mean(ttfts),
@@ -65,6 +66,18 @@ def run(args, model: str, host_bytes: int | None, mode: str = "auto") -> dict:
     except Exception:  # noqa: BLE001 - CPU runs
         pass
     return result
+
+
+def _cost_line(llm: LLM) -> str | None:
+    """The cost model's measured rates and its choice at the longest sequence."""
+    cost = llm.engine.scheduler.kv.tier_cost
+    if cost is None:
+        return None
+    max_len = llm.engine.scheduler.max_seq_len
+    return (f"copies {cost.copy_bytes_per_s / 1e9:.1f} GB/s ({cost.block_bytes >> 10} KiB a "
+            f"block), matmuls {cost.flops_per_s / 1e12:.3g} TFLOP/s: a block costs "
+            f"{cost.copy_seconds(1) * 1e6:.1f} us to copy, {cost.recompute_seconds(1, 0) * 1e6:.1f}"
+            f"-{cost.recompute_seconds(1, max_len - cost.block_size) * 1e6:.1f} us to recompute")
 
 
 def main() -> None:
@@ -100,6 +113,8 @@ def main() -> None:
               f"{r['host_hit_tokens']:>10} {r['host_blocks_recomputed']:>7} "
               f"{r['ttft_mean_ms']:8.1f} {r['ttft_p90_ms']:8.1f} {r['tok_s']:9.0f} "
               f"{r['wall_s']:7.1f} {r['preemptions']:>8}")
+    if rows[1]["tier_cost"]:
+        print("auto:", rows[1]["tier_cost"])
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(rows, f, indent=1)
