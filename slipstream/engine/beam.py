@@ -163,11 +163,8 @@ class BeamCoordinator:
         parent's blocks, else a new request."""
         tokens = parent.output_token_ids + [token]
         if parent.status == RequestStatus.RUNNING:
-            # A waiting spare holds no blocks to reuse: take the last running one.
-            index = next((i for i in range(len(spare) - 1, -1, -1)
-                          if spare[i].status == RequestStatus.RUNNING), None)
-            if index is not None:
-                child = spare.pop(index)
+            child = _take_running(spare)  # a waiting spare holds no blocks to reuse
+            if child is not None:
                 pairs = self.scheduler.kv.refork(parent, child)
                 child.output_token_ids = tokens
                 if pairs is None:  # no block for the copy: recompute from the prefix cache
@@ -203,3 +200,10 @@ class BeamCoordinator:
     def _beam_id(group: _Group) -> str:
         return f"{group.id}-beam{next(group.next_index)}"
 
+
+def _take_running(spare: list[Request]) -> Request | None:
+    """Remove and return the last running request of `spare`, if any."""
+    for i in range(len(spare) - 1, -1, -1):
+        if spare[i].status == RequestStatus.RUNNING:
+            return spare.pop(i)
+    return None

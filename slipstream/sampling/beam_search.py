@@ -62,10 +62,23 @@ class BeamSearchOutput:
     sequences: list[BeamSequence]
 
 
-@dataclass
 class _Beam:
-    tokens: list[int]  # generated so far
-    score: float  # cumulative log-probability
+    """A running hypothesis: its last token and a link to the beam it extends, so a step
+    costs O(1) per beam; the token list is built only for a finished hypothesis."""
+
+    __slots__ = ("parent", "token", "score", "length")
+
+    def __init__(self, parent: _Beam | None, token: int, score: float):
+        self.parent, self.token, self.score = parent, token, score
+        self.length = 0 if parent is None else parent.length + 1
+
+    @property
+    def tokens(self) -> list[int]:  # generated so far
+        out, beam = [], self
+        while beam.parent is not None:
+            out.append(beam.token)
+            beam = beam.parent
+        return out[::-1]
 
 
 class BeamSearchState:
@@ -75,7 +88,7 @@ class BeamSearchState:
         self.params = params
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.num_candidates = params.num_candidates(len(self.eos))
-        self.running: list[_Beam] = [_Beam([], 0.0)]
+        self.running: list[_Beam] = [_Beam(None, -1, 0.0)]
         self.finished: list[BeamSequence] = []
         self.done = False
 
@@ -94,7 +107,7 @@ class BeamSearchState:
         token), best first, num_candidates of them (`step`, or `step_many` for many searches).
         Returns the next running beams as (parent beam index, token), best first."""
         k, lp = self.params.beam_width, self.params.length_penalty
-        gen_len = len(self.running[0].tokens) + 1
+        gen_len = self.running[0].length + 1
         at_limit = gen_len >= self.params.max_tokens
         hits = [at_limit or token in self.eos for _, _, token in top]
         if len(self.finished) < k:
@@ -103,8 +116,7 @@ class BeamSearchState:
                     self._add_finished(self.running[b].tokens + [token], score, gen_len ** lp,
                                        "stop" if token in self.eos else "length")
         chosen = [(b, token, score) for (score, b, token), hit in zip(top, hits) if not hit][:k]
-        self.running = [_Beam(self.running[b].tokens + [token], score)
-                        for b, token, score in chosen]
+        self.running = [_Beam(self.running[b], token, score) for b, token, score in chosen]
         self.done = len(self.finished) >= k or all(hits)
         return [(b, token) for b, token, _ in chosen]
 
