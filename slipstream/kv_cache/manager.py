@@ -308,9 +308,42 @@ class KVCacheManager:
     def refork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
         """`fork` into a running request that no longer needs its own KV (a beam search's
         beam not chosen): its blocks are freed first, so the copy can reuse its last one.
-        None: nothing free for the copy; the child then holds no blocks."""
-        self.free(child)
-        return self.fork(parent, child)
+        None: nothing free for the copy; the child then holds no blocks.
+
+        Sibling beams share their leading blocks (the prompt's, and those generated before
+        they parted): those keep the child's reference, and only the blocks after them change
+        hands, so a step costs the blocks where the beams differ, not their whole tables."""
+        pid, cid = parent.request_id, child.request_id
+        ptable, ctable = self._tables.get(pid, []), self._tables.get(cid)
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if not ctable or self._num_released.get(pid) or self._num_released.get(cid):
+            self.free(child)
+            return self.fork(parent, child)
+        keep = 0
+        while keep < min(num_full, len(ctable)) and ctable[keep] == ptable[keep]:
+            keep += 1
+        first_unwritten = max(child.num_computed_tokens // self.block_size, keep)
+        for block_id in ctable[first_unwritten:]:  # as free(): withdraw unwritten hashes
+            if self.pool.ref_cnt[block_id] == 1:
+                self.pool.uncache_block(block_id)
+        self.pool.free(reversed(ctable[keep:]))
+        del ctable[keep:]
+        for table in (self._pending_stats, self._host_hits):
+            table.pop(cid, None)
+        if partial and self.pool.num_free_blocks < 1:
+            self.free(child)
+            return None
+        shared = ptable[keep:num_full]
+        self.pool.touch(shared)
+        ctable.extend(shared)
+        copies = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            copies.append((ptable[num_full], dst))
+            ctable.append(dst)
+        self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
+        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
+        return copies
 
     # ---- internals ---------------------------------------------------------------------
     def _release_behind_window(self, request: Request, table: list[int]) -> None:
