@@ -8,6 +8,7 @@ The engine's step timer (engine/step_timer.py) splits each step into schedule, p
 forward / graph, sample, update and beam (the search's choice, forks and block copies); its
 device syncs perturb the run, so read the split, and bench_beam_search.py for throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,28 +41,34 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     args = ap.parse_args()
     num_seqs = args.num_requests * args.beam_width
-    llm = LLM(args.model or str(default_model_path()), max_num_seqs=num_seqs,
-              max_num_tokens=max(8192, num_seqs), decode_steps=1)
+    llm = LLM(
+        args.model or str(default_model_path()),
+        max_num_seqs=num_seqs,
+        max_num_tokens=max(8192, num_seqs),
+        decode_steps=1,
+    )
     vocab = llm.engine_config.model.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(num_seqs)]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_len,
-                            ignore_eos=True)
+    beam = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_len, ignore_eos=True)
     rows = [
         ("greedy", *timed(llm, lambda: llm.generate(prompts, greedy, use_tqdm=False))),
-        (f"beam x{args.beam_width}",
-         *timed(llm, lambda: llm.beam_search(prompts[: args.num_requests], beam))),
+        (
+            f"beam x{args.beam_width}",
+            *timed(llm, lambda: llm.beam_search(prompts[: args.num_requests], beam)),
+        ),
     ]
     phases = ["schedule", "prepare", "forward", "graph", "sample", "update", "beam"]
-    print(f"{num_seqs} sequences, {args.input_len} in / {args.output_len} out, "
-          f"ms per output step (all sequences)")
+    print(
+        f"{num_seqs} sequences, {args.input_len} in / {args.output_len} out, "
+        f"ms per output step (all sequences)"
+    )
     print(f"{'mode':<8} {'wall ms':>8}" + "".join(f" {p:>8}" for p in phases))
     for name, wall, totals in rows:
         per = 1e3 / args.output_len
-        print(f"{name:<8} {wall * per:8.2f}"
-              + "".join(f" {totals.get(p, 0.0) * per:8.2f}" for p in phases))
+        print(f"{name:<8} {wall * per:8.2f}" + "".join(f" {totals.get(p, 0.0) * per:8.2f}" for p in phases))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ prefill FLOPs of its tokens over `flops_per_s`: the linear layers' `2 * params` 
 attention's `4 * layers * heads * head_dim` a token per position it attends to. Later blocks
 attend to more positions, so the longer the prefix before a run, the more a copy pays.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,15 +41,13 @@ class TierCost:
         """Copy back a prefix hit of num_blocks host blocks from position `start`, rather than
         recompute it? All or nothing is right: each later block costs more to recompute and
         the same to copy, so if any block of the run pays, the last ones do."""
-        return num_blocks > 0 and self.copy_seconds(num_blocks) < self.recompute_seconds(
-            num_blocks, start)
+        return num_blocks > 0 and self.copy_seconds(num_blocks) < self.recompute_seconds(num_blocks, start)
 
     def swap_pays(self, num_tokens: int) -> bool:
         """Swap a preempted request of num_tokens computed tokens out and back in, rather than
         recompute them on resume?"""
         num_blocks = num_tokens // self.block_size
-        return num_blocks > 0 and 2 * self.copy_seconds(num_blocks) < self.recompute_seconds(
-            num_blocks, 0)
+        return num_blocks > 0 and 2 * self.copy_seconds(num_blocks) < self.recompute_seconds(num_blocks, 0)
 
     def ever_pays(self, max_seq_len: int) -> bool:
         """Could a copy ever pay on this engine: the block that is dearest to recompute, the

@@ -14,6 +14,7 @@ CUDA). A step's copies go in batches whatever their number:
 `measure_copy_rate` and `measure_matmul_rate` time this device for the tier's cost model
 (kv_cache/tier_cost.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,9 @@ class HostKVCopies:
         self.kv_caches = kv_caches
         self.block_shape = tuple(k0.shape[1:])
         pin = self.device.type == "cuda"
-        self.host = torch.zeros((num_blocks, len(kv_caches), 2, *self.block_shape),
-                                dtype=k0.dtype, pin_memory=pin)
+        self.host = torch.zeros(
+            (num_blocks, len(kv_caches), 2, *self.block_shape), dtype=k0.dtype, pin_memory=pin
+        )
         self.block_bytes = self.host[0].numel() * self.host.element_size()
         self.max_batch = max(1, _STAGING_BYTES // self.block_bytes)
         self._side = torch.cuda.Stream(self.device) if pin else None
@@ -70,8 +72,7 @@ class HostKVCopies:
 
     def _offload(self, pairs: list[tuple[int, int]]) -> None:
         src = _indices([d for d, _ in pairs], self.device)
-        staging = torch.empty((len(pairs), *self.host.shape[1:]), dtype=self.host.dtype,
-                              device=self.device)
+        staging = torch.empty((len(pairs), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             staging[:, layer, 0] = k.index_select(0, src)
             staging[:, layer, 1] = v.index_select(0, src)
@@ -82,8 +83,7 @@ class HostKVCopies:
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
             for start, first, count in _runs([h for _, h in pairs]):
-                self.host[first : first + count].copy_(staging[start : start + count],
-                                                       non_blocking=True)
+                self.host[first : first + count].copy_(staging[start : start + count], non_blocking=True)
             staging.record_stream(self._side)
             self._offloads_done = torch.cuda.Event()
             self._offloads_done.record(self._side)
@@ -92,11 +92,9 @@ class HostKVCopies:
         non_blocking = self._side is not None
         if self._offloads_done is not None:  # a restore may read a block still being written
             torch.cuda.current_stream(self.device).wait_event(self._offloads_done)
-        staging = torch.empty((len(pairs), *self.host.shape[1:]), dtype=self.host.dtype,
-                              device=self.device)
+        staging = torch.empty((len(pairs), *self.host.shape[1:]), dtype=self.host.dtype, device=self.device)
         for start, first, count in _runs([h for h, _ in pairs]):
-            staging[start : start + count].copy_(self.host[first : first + count],
-                                                 non_blocking=non_blocking)
+            staging[start : start + count].copy_(self.host[first : first + count], non_blocking=non_blocking)
         dst = _indices([d for _, d in pairs], self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, dst, staging[:, layer, 0])
@@ -122,6 +120,7 @@ def _runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
 
 def _elapsed(device: torch.device, fn, repeat: int = 3) -> float:
     """Best of `repeat` timings of fn() (every stream drained), in seconds, after a warm-up."""
+
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -142,8 +141,10 @@ def measure_copy_rate(copies: HostKVCopies) -> float:
     of host blocks or all of them."""
     n = min(copies.max_batch, copies.host.shape[0], copies.kv_caches[0][0].shape[0])
     pairs = [(i, i) for i in range(n)]
-    seconds = max(_elapsed(copies.device, lambda: copies._restore(pairs)),
-                  _elapsed(copies.device, lambda: copies._offload(pairs)))
+    seconds = max(
+        _elapsed(copies.device, lambda: copies._restore(pairs)),
+        _elapsed(copies.device, lambda: copies._offload(pairs)),
+    )
     for k, v in copies.kv_caches:  # start-up: the blocks hold nothing yet
         k[:n].zero_()
         v[:n].zero_()

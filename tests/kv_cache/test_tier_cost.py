@@ -1,4 +1,5 @@
 """The host tier's cost model (copy or recompute) and its batched copies (CPU)."""
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,14 @@ from slipstream.runner.host_copies import HostKVCopies, _runs
 
 
 def _cost(block_bytes: int, copy_rate: float, flops_rate: float, linear: float) -> TierCost:
-    return TierCost(block_size=16, block_bytes=block_bytes, copy_bytes_per_s=copy_rate,
-                    flops_per_s=flops_rate, linear_flops_per_token=linear,
-                    attention_flops_per_position=4.0 * 8 * 8 * 32)
+    return TierCost(
+        block_size=16,
+        block_bytes=block_bytes,
+        copy_bytes_per_s=copy_rate,
+        flops_per_s=flops_rate,
+        linear_flops_per_token=linear,
+        attention_flops_per_position=4.0 * 8 * 8 * 32,
+    )
 
 
 def test_tiny_model_recomputes_and_a_large_one_copies():
@@ -24,9 +30,14 @@ def test_tiny_model_recomputes_and_a_large_one_copies():
     assert not tiny.restore_pays(4, 0) and not tiny.swap_pays(4096)
     assert not tiny.ever_pays(1024)
     # An 8 B Llama (2 MiB a block, 16 GFLOP a token): copies win from the first block on.
-    big = TierCost(block_size=16, block_bytes=2 << 20, copy_bytes_per_s=20e9,
-                   flops_per_s=400e12, linear_flops_per_token=2 * 7e9,
-                   attention_flops_per_position=4.0 * 32 * 32 * 128)
+    big = TierCost(
+        block_size=16,
+        block_bytes=2 << 20,
+        copy_bytes_per_s=20e9,
+        flops_per_s=400e12,
+        linear_flops_per_token=2 * 7e9,
+        attention_flops_per_position=4.0 * 32 * 32 * 128,
+    )
     assert big.restore_pays(1, 0) and big.swap_pays(16) and big.ever_pays(1024)
     assert not big.restore_pays(0, 0) and not big.swap_pays(15)  # no whole block, nothing to copy
 
@@ -38,8 +49,11 @@ def test_deep_positions_tip_the_choice_to_copying():
     cost = _cost(64 << 10, 20e9, 100e12, 2 * 5.5e6)
     assert cost.restore_pays(1, 2000) and not cost.restore_pays(1, 0)
     crossover = next(p for p in range(0, 4096, 16) if cost.restore_pays(1, p))
-    assert cost.recompute_seconds(1, crossover) > cost.copy_seconds(1) >= cost.recompute_seconds(
-        1, crossover - 16)
+    assert (
+        cost.recompute_seconds(1, crossover)
+        > cost.copy_seconds(1)
+        >= cost.recompute_seconds(1, crossover - 16)
+    )
     assert cost.ever_pays(crossover + 16) and not cost.ever_pays(crossover)
     assert cost.restore_pays(3, crossover) and not cost.restore_pays(3, 0)
     assert not cost.swap_pays(crossover) and cost.swap_pays(16384)
@@ -60,18 +74,22 @@ def test_batched_copies_equal_one_copy_at_a_time(device):
     offloads on the side stream)."""
     rng = random.Random(0)
     layers, dev_blocks, host_blocks, shape = 3, 12, 10, (4, 2, 8)
-    kv = [(torch.randn(dev_blocks, *shape, device=device),
-           torch.randn(dev_blocks, *shape, device=device)) for _ in range(layers)]
+    kv = [
+        (torch.randn(dev_blocks, *shape, device=device), torch.randn(dev_blocks, *shape, device=device))
+        for _ in range(layers)
+    ]
     copies = HostKVCopies(kv, host_blocks)
     copies.max_batch = 3  # several staging batches per flush
     copies.host.normal_()
     ref_dev = [(k.clone(), v.clone()) for k, v in kv]
     ref_host = copies.host.clone()
     for _ in range(20):
-        transfers = [("out", rng.randrange(dev_blocks), rng.randrange(host_blocks))
-                     if rng.random() < 0.5 else
-                     ("in", rng.randrange(host_blocks), rng.randrange(dev_blocks))
-                     for _ in range(rng.randrange(1, 9))]
+        transfers = [
+            ("out", rng.randrange(dev_blocks), rng.randrange(host_blocks))
+            if rng.random() < 0.5
+            else ("in", rng.randrange(host_blocks), rng.randrange(dev_blocks))
+            for _ in range(rng.randrange(1, 9))
+        ]
         copies.apply(transfers)
         for kind, src, dst in transfers:
             for layer, (k, v) in enumerate(ref_dev):
