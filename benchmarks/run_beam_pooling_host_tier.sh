@@ -19,9 +19,9 @@ fi
 if [[ $part == tier || $part == all ]]; then
   "$PY" benchmarks/bench_host_tier.py --conversations 200 --turns 8 --user-len 80 \
     --output-len 32 --gpu-kv-mib 128 --host-kv-mib 2048
-  # An 8B Llama with random weights: 24 conversations x 4 turns of 512 new tokens do not fit
+  # An 8B Llama with random weights: 16 conversations x 4 turns of 512 new tokens do not fit
   # a 2 GiB device cache (16k tokens); a 12 GiB host tier holds them all.
-  "$PY" benchmarks/bench_host_tier.py --shape llama-3.1-8b --conversations 24 --turns 4 \
+  "$PY" benchmarks/bench_host_tier.py --shape llama-3.1-8b --conversations 16 --turns 4 \
     --user-len 512 --output-len 16 --gpu-kv-mib 2048 --host-kv-mib 12288 --max-num-seqs 32 \
     --max-model-len 4096
 fi
