@@ -7,6 +7,8 @@ num_requests * beam_width greedy sequences, then num_requests searches of beam_w
 The engine's step timer (engine/step_timer.py) splits each step into schedule, prepare,
 forward / graph, sample, update and beam (the search's choice, forks and block copies); its
 device syncs perturb the run, so read the split, and bench_beam_search.py for throughput.
+First, host only: the choice of the next beams for num_requests searches, one search at a
+time (`BeamSearchState.step`) against all at once (`step_many`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 from slipstream import LLM, SamplingParams
 from slipstream.assets import default_model_path
-from slipstream.sampling.beam_search import BeamSearchParams
+from slipstream.sampling.beam_search import BeamSearchParams, BeamSearchState, step_many
 
 
 def timed(llm: LLM, run) -> tuple[float, dict[str, float]]:
@@ -32,6 +34,41 @@ def timed(llm: LLM, run) -> tuple[float, dict[str, float]]:
     return wall, dict(timer.totals)
 
 
+def choice_ms(num_searches: int, width: int, vocab: int, steps: int = 20) -> tuple[float, float]:
+    """Milliseconds a step for the next-beam choice of num_searches searches: one by one, and
+    vectorized, from random packed logprob rows (as the sampler hands them over)."""
+    rng = random.Random(0)
+    params = BeamSearchParams(beam_width=width, max_tokens=steps + 2, ignore_eos=True)
+    k = params.num_candidates(0)
+
+    def rows():
+        out = []
+        for _ in range(num_searches):
+            beams = []
+            for _ in range(width):
+                vals = sorted((-rng.random() * 5 for _ in range(k)), reverse=True)
+                beams.append([0.0, vals[0], *map(float, rng.sample(range(vocab), k)), *vals])
+            out.append(beams)
+        return out
+
+    def run(vectorized: bool) -> float:
+        states = [BeamSearchState(params) for _ in range(num_searches)]
+        step_many(states, [r[:1] for r in rows()])  # one beam each -> width beams each
+        total = 0.0
+        for _ in range(steps):
+            batch = rows()
+            start = time.perf_counter()
+            if vectorized:
+                step_many(states, batch)
+            else:
+                for state, beams in zip(states, batch):
+                    state.step([list(zip(map(int, r[2 : 2 + k]), r[2 + k :])) for r in beams])
+            total += time.perf_counter() - start
+        return 1e3 * total / steps
+
+    return run(False), run(True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
@@ -40,6 +77,11 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     args = ap.parse_args()
+    one, many = choice_ms(args.num_requests, args.beam_width, 32000)
+    print(
+        f"choice of the next beams, {args.num_requests} searches of {args.beam_width}: "
+        f"{one:.2f} ms a step one by one, {many:.2f} ms with step_many"
+    )
     num_seqs = args.num_requests * args.beam_width
     llm = LLM(
         args.model or str(default_model_path()),

@@ -109,6 +109,11 @@ class BeamSearchState:
         k, lp = self.params.beam_width, self.params.length_penalty
         gen_len = self.running[0].length + 1
         at_limit = gen_len >= self.params.max_tokens
+        if top and not at_limit and self.eos.isdisjoint([token for _, _, token in top]):
+            # Most steps: nothing finishes, the best k run on.
+            running = self.running
+            self.running = [_Beam(running[b], token, score) for score, b, token in top[:k]]
+            return [(b, token) for _, b, token in top[:k]]
         hits = [at_limit or token in self.eos for _, _, token in top]
         if len(self.finished) < k:
             for (score, b, token), hit in zip(top[:k], hits[:k]):
