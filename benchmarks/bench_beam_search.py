@@ -1,10 +1,13 @@
 """Beam search throughput against greedy decoding of the same requests, in one process.
 
     python benchmarks/bench_beam_search.py [--model DIR] [--num-requests 256] [--input-len 128]
-        [--output-len 128] [--beam-width 4]
+        [--output-len 128] [--beam-width 4] [--max-num-seqs N]
 Random prompts, EOS ignored so every request runs output_len tokens. Greedy: one sequence per
-request; beam search: beam_width beams per request (engine/beam.py). Prints wall time, output
-tokens per second (best sequence per request) and beam tokens per second (every beam's tokens).
+request, for num_requests requests and again for num_requests * beam_width requests (as many
+sequences as the beams); beam search: beam_width beams per request (engine/beam.py). The engine
+holds every beam at once (max_num_seqs defaults to num_requests * beam_width). Prints wall
+time, output tokens per second (best sequence per request) and beam tokens per second (every
+beam's tokens), and beam tokens per second over greedy's at the same number of sequences.
 """
 from __future__ import annotations
 
@@ -25,23 +28,27 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: num_requests * beam_width (every beam at once)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
-    llm = LLM(args.model or str(default_model_path()), max_num_seqs=args.max_num_seqs,
+    num_seqs = args.num_requests * args.beam_width
+    llm = LLM(args.model or str(default_model_path()), max_num_seqs=args.max_num_seqs or num_seqs,
               max_num_tokens=8192)
     vocab = llm.engine_config.model.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)]
-               for _ in range(args.num_requests)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(num_seqs)]
     llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)  # warm
+    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
-    start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len,
-                                         ignore_eos=True), use_tqdm=False)
-    greedy_s = time.perf_counter() - start
+    for count in (args.num_requests, num_seqs):
+        start = time.perf_counter()
+        llm.generate(prompts[:count], greedy, use_tqdm=False)
+        secs = time.perf_counter() - start
+        tokens = count * args.output_len
+        rows.append((f"greedy {count}", secs, tokens / secs, tokens / secs))
+    prompts = prompts[: args.num_requests]
     tokens = args.num_requests * args.output_len
-    rows.append(("greedy", greedy_s, tokens / greedy_s, tokens / greedy_s))
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.output_len,
                               ignore_eos=True)
     start = time.perf_counter()
@@ -51,10 +58,11 @@ def main() -> None:
     rows.append((f"beam x{args.beam_width}", beam_s, tokens / beam_s,
                  tokens * args.beam_width / beam_s))
     print(f"{args.num_requests} requests, {args.input_len} in / {args.output_len} out")
-    print(f"{'mode':<10} {'wall s':>8} {'out tok/s':>11} {'beam tok/s':>11}")
+    print(f"{'mode':<12} {'wall s':>8} {'out tok/s':>11} {'beam tok/s':>11}")
     for name, secs, tps, beam_tps in rows:
-        print(f"{name:<10} {secs:8.2f} {tps:11.0f} {beam_tps:11.0f}")
-    print(f"beam search takes {beam_s / greedy_s:.2f}x the greedy wall time")
+        print(f"{name:<12} {secs:8.2f} {tps:11.0f} {beam_tps:11.0f}")
+    print(f"beam search: {rows[2][3] / rows[1][2]:.0%} of greedy's tok/s at {num_seqs} sequences, "
+          f"{rows[2][1] / rows[0][1]:.2f}x the wall time of greedy at {args.num_requests}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([dict(zip(("mode", "wall_s", "out_tok_s", "beam_tok_s"), r)) for r in rows],

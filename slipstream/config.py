@@ -137,6 +137,9 @@ class CacheConfig:
     # blocks evicted from the device; num_host_blocks is filled in by the engine.
     kv_cache_host_memory: int | None = None
     num_host_blocks: int = 0
+    # "auto": host blocks are copied back (and requests swapped) only where the measured cost
+    # model finds a copy cheaper than recomputing (kv_cache/tier_cost.py); "always": always.
+    kv_offload_mode: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from slipstream.quantization.utils import resolve_quantization
 from slipstream.scheduler.scheduler import PREEMPTION_MODES
 from slipstream.speculative.config import SpeculativeConfig
 
+KV_OFFLOAD_MODES = ("auto", "always")
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -41,6 +43,9 @@ class EngineArgs:
     # device, copied back on a prefix hit (--kv-offload-gb). None: no host tier.
     kv_cache_host_memory: int | None = None
     preemption_mode: str = "auto"  # auto / swap / recompute (swap needs the host tier)
+    # auto: copy host blocks back only where that is cheaper than recomputing them (measured
+    # at start-up); always: whenever the host tier holds them.
+    kv_offload_mode: str = "auto"
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     load_format: str = "auto"
@@ -117,6 +122,7 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 kv_cache_dtype=self.kv_cache_dtype,
                 kv_cache_host_memory=self.kv_cache_host_memory,
+                kv_offload_mode=self.kv_offload_mode,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -172,6 +178,9 @@ class EngineArgs:
         g.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES,
                        help="when KV blocks run out: recompute the victim, or swap it to the "
                             "host tier (auto: swap long requests when there is a host tier)")
+        g.add_argument("--kv-offload-mode", default="auto", choices=KV_OFFLOAD_MODES,
+                       help="auto: use the host tier only where a copy is cheaper than "
+                            "recomputing (measured at start-up); always: whenever it hits")
         g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
@@ -324,6 +333,9 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
     if args.preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got "
                          f"{args.preemption_mode!r}")
+    if args.kv_offload_mode not in KV_OFFLOAD_MODES:
+        raise ValueError(f"kv_offload_mode must be one of {KV_OFFLOAD_MODES}, got "
+                         f"{args.kv_offload_mode!r}")
     host = args.kv_cache_host_memory
     if host is not None and (isinstance(host, bool) or not isinstance(host, int) or host < 1):
         raise ValueError(f"kv_cache_host_memory must be a positive number of bytes, got {host!r}")

@@ -20,7 +20,13 @@ import itertools
 
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.outputs import EngineCoreOutput
-from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchState
+from slipstream.sampling.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchState,
+    common_path,
+    step_many,
+)
 from slipstream.sampling_params import SamplingParams
 
 
@@ -30,7 +36,7 @@ class _Group:
         self.params = params
         self.state = state
         self.beams: list[Request] = []  # aligned with state.running
-        self.reports: dict[str, list[tuple[int, float]]] = {}
+        self.reports: dict[str, list[float]] = {}  # beam id -> its packed logprob row
         self.next_index = itertools.count()
         self.settled: list[int] = []  # tokens every live hypothesis begins with
 
@@ -70,7 +76,9 @@ class BeamCoordinator:
         sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1,
                                   ignore_eos=True, logprobs=state.num_candidates)
         group = _Group(group_id, params, state)
-        return group, Request(self._beam_id(group), prompt_ids, sampling, priority=priority)
+        request = Request(self._beam_id(group), prompt_ids, sampling, priority=priority,
+                          packed_logprobs=True)
+        return group, request
 
     def start(self, group: _Group, request: Request) -> None:
         group.beams = [request]
@@ -107,12 +115,20 @@ class BeamCoordinator:
             request = self.scheduler.get_request(out.request_id)
             if request is not None:  # None: ended by length at the search's last step
                 del request.output_token_ids[-len(out.new_token_ids):]  # wait for the siblings
-            best = sorted(out.new_logprobs[-1].items(), key=lambda kv: -kv[1])
-            group.reports[out.request_id] = best[: group.state.num_candidates]
+            group.reports[out.request_id] = out.new_logprobs[-1]  # the packed row
             if len(group.reports) == len(group.beams) and group not in ready:
                 ready.append(group)
+        copies: list[tuple[int, int]] = []
+        candidates = []
         for group in ready:
-            self._advance(group)
+            candidates.append([group.reports[b.request_id] for b in group.beams])
+            group.reports.clear()
+        for group, chosen in zip(ready, step_many([g.state for g in ready], candidates)):
+            self._advance(group, chosen, copies)
+        if ready:
+            if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
+                self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
+            self.runner.copy_blocks(copies)  # every search's forks in one copy
         self.release_idle()
         return rest
 
@@ -127,10 +143,10 @@ class BeamCoordinator:
                 if beam.status == RequestStatus.RUNNING and beam.request_id in group.reports:
                     self.scheduler.preempt_idle(beam)
 
-    def _advance(self, group: _Group) -> None:
-        candidates = [group.reports[b.request_id] for b in group.beams]
-        group.reports.clear()
-        chosen = group.state.step(candidates)
+    def _advance(self, group: _Group, chosen: list[tuple[int, int]],
+                 copies: list[tuple[int, int]]) -> None:
+        """Move the search's requests to its chosen next beams (parent index, token); the
+        block copies forks need go to `copies`."""
         if group.state.done:
             del self._groups[group.id]
             self._progress.pop(group.id, None)
@@ -139,41 +155,60 @@ class BeamCoordinator:
             return
         self._settle(group)
         used = {b for b, _ in chosen}
-        self._drop([beam for i, beam in enumerate(group.beams) if i not in used])
+        # Beams not chosen become the forks' requests (their blocks re-pointed, integer work
+        # only); any left over are dropped.
+        spare = [beam for i, beam in enumerate(group.beams) if i not in used]
         new_beams: list[Request | None] = [None] * len(chosen)
-        copies: list[tuple[int, int]] = []
         first_use: set[int] = set()
         for slot, (b, token) in enumerate(chosen):  # forks first: they copy the parent's tokens
             if b in first_use:
-                new_beams[slot] = self._fork(group, group.beams[b], token, copies)
+                new_beams[slot] = self._fork(group, group.beams[b], token, spare, copies)
             first_use.add(b)
+        self._drop(spare)
         seen: set[int] = set()
         for slot, (b, token) in enumerate(chosen):
             if b not in seen:
                 seen.add(b)
                 group.beams[b].output_token_ids.append(token)
                 new_beams[slot] = group.beams[b]
-        if self.scheduler.kv.host is not None:  # an evicted block's offload before its reuse
-            self.runner.apply_kv_transfers(self.scheduler.kv.take_transfers())
-        self.runner.copy_blocks(copies)
         group.beams = new_beams
 
     def _settle(self, group: _Group) -> None:
         state = group.state
-        hypotheses = [b.tokens for b in state.running] + [s.output_token_ids for s in state.finished]
-        first, n = hypotheses[0], len(group.settled)
-        shortest = min(len(h) for h in hypotheses)
-        while n < shortest and all(h[n] == first[n] for h in hypotheses):
-            n += 1
-        if n > len(group.settled):
-            self._progress.setdefault(group.id, []).extend(first[len(group.settled) : n])
-            group.settled = first[:n]
+        start = len(group.settled)
+        # The running beams' common tokens are the path to their nearest common ancestor
+        # (distinct beams differ in some token), so a step walks only the unsettled tails.
+        common = common_path(state.running, start)
+        for seq in state.finished:
+            tail = seq.output_token_ids[start:]
+            n = 0
+            while n < min(len(tail), len(common)) and tail[n] == common[n]:
+                n += 1
+            common = common[:n]
+        if common:
+            self._progress.setdefault(group.id, []).extend(common)
+            group.settled = group.settled + common
 
-    def _fork(self, group: _Group, parent: Request, token: int,
+    def _fork(self, group: _Group, parent: Request, token: int, spare: list[Request],
               copies: list[tuple[int, int]]) -> Request:
+        """The parent's continuation by `token`: a spare running beam re-pointed at the
+        parent's blocks, else a new request."""
+        tokens = parent.output_token_ids + [token]
+        if parent.status == RequestStatus.RUNNING:
+            child = _take_running(spare)  # a waiting spare holds no blocks to reuse
+            if child is not None:
+                pairs = self.scheduler.kv.refork(parent, child)
+                child.output_token_ids = tokens
+                if pairs is None:  # no block for the copy: recompute from the prefix cache
+                    self.scheduler.preempt_idle(child)
+                else:
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    copies.extend(pairs)
+                return child
         child = Request(self._beam_id(group), parent.prompt_token_ids, parent.sampling_params,
-                        priority=parent.priority, arrival_time=parent.arrival_time)
-        child.output_token_ids = parent.output_token_ids + [token]
+                        priority=parent.priority, arrival_time=parent.arrival_time,
+                        packed_logprobs=True)
+        child.output_token_ids = tokens
         self._group_of[child.request_id] = group.id
         if parent.status == RequestStatus.RUNNING:
             pairs = self.scheduler.kv.fork(parent, child)
@@ -186,6 +221,8 @@ class BeamCoordinator:
         return child
 
     def _drop(self, beams: list[Request]) -> None:
+        if not beams:
+            return
         ids = [b.request_id for b in beams]
         self.scheduler.abort_requests(ids)
         for rid in ids:
@@ -194,3 +231,11 @@ class BeamCoordinator:
     @staticmethod
     def _beam_id(group: _Group) -> str:
         return f"{group.id}-beam{next(group.next_index)}"
+
+
+def _take_running(spare: list[Request]) -> Request | None:
+    """Remove and return the last running request of `spare`, if any."""
+    for i in range(len(spare) - 1, -1, -1):
+        if spare[i].status == RequestStatus.RUNNING:
+            return spare.pop(i)
+    return None

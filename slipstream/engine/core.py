@@ -54,6 +54,12 @@ class EngineCore:
             self.spec.max_seq_len = self.scheduler.max_seq_len
             if draft is not None:
                 draft.kv = self.scheduler.kv
+        if self._tier_cost is not None:
+            self.scheduler.kv.set_tier_cost(self._tier_cost, self.scheduler.max_seq_len)
+            logger.info("host KV tier: copies at %.1f GB/s, matmuls at %.1f TFLOP/s: %s",
+                        self._tier_cost.copy_bytes_per_s / 1e9, self._tier_cost.flops_per_s / 1e12,
+                        "copies pay from some length on" if self._tier_cost.ever_pays(
+                            self.scheduler.max_seq_len) else "recomputing is always cheaper")
         self._requests: dict[str, Request] = {}
         # Structured-output requests whose grammar is still compiling (off the step loop).
         self.grammar_wait = GrammarWaitRoom(config.tokenizer_path, config.model.vocab_size)
@@ -89,6 +95,9 @@ class EngineCore:
             if hasattr(draft, "initialize_kv_cache"):
                 draft.initialize_kv_cache(num_blocks)
             num_host_blocks = self.runner.initialize_host_cache()
+            self._tier_cost = None
+            if num_host_blocks and config.cache.kv_offload_mode == "auto":
+                self._tier_cost = self.runner.host_tier_cost()
         with self.startup.phase("warm_up"):
             self.runner.warmup()
         with self.startup.phase("capture_graphs"):
@@ -242,7 +251,8 @@ class EngineCore:
         if self.config.runner == "pooling":
             attach_pooled(outputs, runner_out)
         if self.beams.active:
-            outputs = self.beams.on_outputs(outputs)
+            with self.timer.phase("beam"):
+                outputs = self.beams.on_outputs(outputs)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
         for out in outputs:

@@ -46,6 +46,9 @@ class Request:
     # A pooling request (pooling/): {"dimensions", "normalize"}, and for a text pair
     # "token_type_start" (pooling/pairs.py); its one step returns a vector.
     pooling_params: dict[str, Any] | None = None
+    # Beam search (engine/beam.py): the sampler hands this request's top logprobs over as the
+    # packed float row of sampling/logprobs.py (no dict), for the search's vectorized step.
+    packed_logprobs: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

@@ -12,6 +12,7 @@ from slipstream.engine.request import Request
 from slipstream.kv_cache.block_pool import BlockPool
 from slipstream.kv_cache.hashing import BlockHash, hash_block_tokens
 from slipstream.kv_cache.host_tier import HostTier, Transfer
+from slipstream.kv_cache.tier_cost import TierCost
 
 # What a released block's table entry reads: a valid index, never read by attention (each
 # layer's kernels start at its window).
@@ -56,8 +57,19 @@ class KVCacheManager:
         self._host_hits: dict[str, list[tuple[BlockHash, int]]] = {}
         self.host_hits = 0  # tokens found in the host tier
         self.blocks_offloaded = 0
+        self.host_blocks_recomputed = 0  # host hits left to recompute: cheaper than a copy
+        # Copy or recompute (tier_cost.py); None: always copy what the host tier holds.
+        self.tier_cost: TierCost | None = None
         if self.host is not None:
             self.pool.on_evict = self._offload
+
+    def set_tier_cost(self, cost: TierCost | None, max_seq_len: int) -> None:
+        """Let the cost model choose between copying host blocks and recomputing them; when
+        no copy could ever pay on this engine, evicted blocks are not offloaded at all."""
+        self.tier_cost = cost
+        if self.host is not None:
+            never = cost is not None and not cost.ever_pays(max_seq_len)
+            self.pool.on_evict = None if never else self._offload
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -111,6 +123,11 @@ class KVCacheManager:
                 break
             hit.append(block_id)
         host_hits = self._host_lookup(hashes[len(hit):max_blocks])
+        cost = self.tier_cost
+        if host_hits and cost is not None and not cost.restore_pays(
+                len(host_hits), len(hit) * self.block_size):
+            self.host_blocks_recomputed += len(host_hits)
+            host_hits = []
         self._host_hits[request.request_id] = host_hits
         num_hit_tokens = (len(hit) + len(host_hits)) * self.block_size
         self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)
@@ -284,6 +301,46 @@ class KVCacheManager:
         self._tables[cid] = [NULL_BLOCK] * released + shared + [dst for _, dst in copies]
         if released:
             self._num_released[cid] = released
+        self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
+        self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
+        return copies
+
+    def refork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """`fork` into a running request that no longer needs its own KV (a beam search's
+        beam not chosen): its blocks are freed first, so the copy can reuse its last one.
+        None: nothing free for the copy; the child then holds no blocks.
+
+        Sibling beams share their leading blocks (the prompt's, and those generated before
+        they parted): those keep the child's reference, and only the blocks after them change
+        hands, so a step costs the blocks where the beams differ, not their whole tables."""
+        pid, cid = parent.request_id, child.request_id
+        ptable, ctable = self._tables.get(pid, []), self._tables.get(cid)
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if not ctable or self._num_released.get(pid) or self._num_released.get(cid):
+            self.free(child)
+            return self.fork(parent, child)
+        keep = 0
+        while keep < min(num_full, len(ctable)) and ctable[keep] == ptable[keep]:
+            keep += 1
+        first_unwritten = max(child.num_computed_tokens // self.block_size, keep)
+        for block_id in ctable[first_unwritten:]:  # as free(): withdraw unwritten hashes
+            if self.pool.ref_cnt[block_id] == 1:
+                self.pool.uncache_block(block_id)
+        self.pool.free(reversed(ctable[keep:]))
+        del ctable[keep:]
+        for table in (self._pending_stats, self._host_hits):
+            table.pop(cid, None)
+        if partial and self.pool.num_free_blocks < 1:
+            self.free(child)
+            return None
+        shared = ptable[keep:num_full]
+        self.pool.touch(shared)
+        ctable.extend(shared)
+        copies = []
+        if partial:
+            (dst,) = self.pool.allocate(1)
+            copies.append((ptable[num_full], dst))
+            ctable.append(dst)
         self._num_hashed[cid] = min(self._num_hashed.get(pid, 0), num_full)
         self._hashes[cid] = list(self._hashes.get(pid, [])[:num_full])
         return copies

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,11 +16,14 @@ from slipstream.config import EngineConfig
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
 from slipstream.kernels.attention.l2_spans import budget_bytes
+from slipstream.kv_cache.tier_cost import TierCost
 from slipstream.models.loader import load_model
+from slipstream.models.sizes import linear_parameters
 from slipstream.parallel.sharding import kv_heads_per_rank
 from slipstream.parallel.state import rank_info
 from slipstream.quantization.kv_cache import check_kv_cache_device, prepare_kv_scales, resolve_kv_cache_dtype
 from slipstream.runner.cuda_graphs import DecodeGraphs
+from slipstream.runner.host_copies import HostKVCopies, measure_copy_rate, measure_matmul_rate
 from slipstream.runner.input_batch import (
     HostBatch,
     ModelInputs,
@@ -27,6 +31,7 @@ from slipstream.runner.input_batch import (
     inputs_from_host_batch,
     prepare_inputs,
     put_fed_tokens,
+    to_device,
 )
 from slipstream.runner.launched import LaunchedTokens
 from slipstream.runner.prefill_graphs import PrefillGraphs, prefill_sizes
@@ -55,7 +60,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None
         self.kv_caches: list[KVCache] = []
-        self.host_kv_caches: list[KVCache] = []  # the host tier's blocks (initialize_host_cache)
+        self.host_copies: HostKVCopies | None = None  # the host tier (initialize_host_cache)
         self.num_blocks = 0
         self._sampler = None
         self._graphs = None
@@ -226,27 +231,29 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_host_memory={budget} holds no block of "
                              f"{self.kv_cache_bytes_per_block()} bytes")
-        shape, pin = self._kv_shape(num_blocks), self.device.type == "cuda"
-        self.host_kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_cache_dtype, pin_memory=pin),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, pin_memory=pin))
-            for _ in range(self.config.model.num_hidden_layers)]
+        self.host_copies = HostKVCopies(self.kv_caches, int(num_blocks))
         return int(num_blocks)
 
     def apply_kv_transfers(self, transfers: list[tuple[str, int, int]]) -> None:
-        """The host tier's block copies, in order, queued on the stream before the next
-        forward: ("out", device block, host block) or ("in", host block, device block)."""
-        if not transfers:
-            return
-        non_blocking = self.device.type == "cuda"
-        for (k, v), (hk, hv) in zip(self.kv_caches, self.host_kv_caches, strict=True):
-            for kind, src, dst in transfers:
-                if kind == "out":
-                    hk[dst].copy_(k[src], non_blocking=non_blocking)
-                    hv[dst].copy_(v[src], non_blocking=non_blocking)
-                else:
-                    k[dst].copy_(hk[src], non_blocking=non_blocking)
-                    v[dst].copy_(hv[src], non_blocking=non_blocking)
+        """The host tier's block copies, in effect in order, queued before the next forward:
+        ("out", device block, host block) or ("in", host block, device block), batched
+        (runner/host_copies.py)."""
+        if transfers:
+            self.host_copies.apply(transfers)
+
+    def host_tier_cost(self) -> TierCost:
+        """The host tier's cost model, from this device's measured copy and matmul rates and
+        the model's work per token (kv_cache/tier_cost.py)."""
+        m = self.config.model
+        layers = len(self.kv_caches)
+        copy_rate = measure_copy_rate(self.host_copies)
+        flops_rate = measure_matmul_rate(self.device, self.kv_caches[0][0].dtype, m.hidden_size)
+        linear = linear_parameters(m.hf_config) * layers / m.num_hidden_layers
+        return TierCost(
+            block_size=self.block_size, block_bytes=self.kv_cache_bytes_per_block(),
+            copy_bytes_per_s=copy_rate, flops_per_s=flops_rate,
+            linear_flops_per_token=2.0 * linear,
+            attention_flops_per_position=4.0 * layers * m.num_attention_heads * m.head_dim)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -254,8 +261,8 @@ class ModelRunner:
         before the next forward (a forked beam's partly filled block: KVCacheManager.fork)."""
         if not pairs or not self.kv_caches:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        ids = to_device(np.asarray(pairs, dtype=np.int64), self.device)  # no host sync
+        src, dst = ids[:, 0], ids[:, 1]
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

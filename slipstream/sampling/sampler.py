@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
-    logprobs: list[dict[int, float] | None]  # top-N plus the sampled token; None when not asked
+    # Top-N plus the sampled token; None when not asked; a request with packed_logprobs gets
+    # its row of pack_top_logprobs instead (beam search).
+    logprobs: list[dict[int, float] | list[float] | None]
 
 
 @dataclass
@@ -38,7 +40,6 @@ class _Params:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     max_k: int
-    all_greedy: bool
     any_greedy: bool
 
     @staticmethod
@@ -61,7 +62,6 @@ class _Params:
             top_p=dev[2] if any(p < 1.0 for p in ps) else None,
             min_p=dev[3] if any(mps) else None,
             max_k=max(ks),
-            all_greedy=all(greedy),
             any_greedy=any(greedy),
         )
 
@@ -120,9 +120,9 @@ class Sampler:
         return self._controls(logits, requests)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = _Params.build(requests, logits.device)
-        if params.all_greedy:
+        if all(r.sampling_params.greedy for r in requests):  # no parameters to copy over
             return _argmax(logits)
+        params = _Params.build(requests, logits.device)
         x = logits / params.temperature.view(-1, 1)
         x = apply_top_k_top_p(x, params.top_k, params.top_p, params.max_k)
         if params.min_p is not None:
@@ -173,9 +173,19 @@ class Sampler:
         flat = torch.cat([tokens.double(), packed.flatten()]).tolist()
         token_ids = [int(t) for t in flat[:num_rows]]
         rows = [flat[num_rows + j * width : num_rows + (j + 1) * width] for j in range(len(lp_rows))]
-        logprobs: list[dict[int, float] | None] = [None] * num_rows
-        for i, d in zip(lp_rows, unpack_top_logprobs(rows, ks)):
-            logprobs[i] = d
+        logprobs: list[dict[int, float] | list[float] | None] = [None] * num_rows
+        dict_rows = []
+        for j, i in enumerate(lp_rows):
+            if requests[i].packed_logprobs:  # beam search reads the packed row itself
+                logprobs[i] = rows[j]
+            else:
+                dict_rows.append(j)
+        if len(dict_rows) == len(rows):
+            dicts = unpack_top_logprobs(rows, ks)
+        else:
+            dicts = unpack_top_logprobs([rows[j] for j in dict_rows], [ks[j] for j in dict_rows])
+        for j, d in zip(dict_rows, dicts):
+            logprobs[lp_rows[j]] = d
         return SamplerOutput(token_ids, logprobs)
 
 

@@ -309,7 +309,11 @@ class Scheduler:
         mode = self.config.preemption_mode
         if self.kv.host is None or mode == "recompute":
             return False
-        return mode == "swap" or request.num_computed_tokens >= SWAP_MIN_TOKENS
+        if mode == "swap":
+            return True
+        if self.kv.tier_cost is not None:  # measured: copies out and back vs recomputing
+            return self.kv.tier_cost.swap_pays(request.num_computed_tokens)
+        return request.num_computed_tokens >= SWAP_MIN_TOKENS
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit in (priority, arrival) order; the first that does not fit stops admission.

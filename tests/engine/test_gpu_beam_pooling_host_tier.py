@@ -66,7 +66,8 @@ def test_host_tier_outputs_equal_a_large_cache(tiny_llama_dir):
     block = 8192  # tiny Llama, float32, 16-token blocks
     tiered = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=512,
                  max_num_seqs=32, max_num_tokens=512, kv_cache_memory=40 * block,
-                 kv_cache_host_memory=512 * block, preemption_mode="swap")
+                 kv_cache_host_memory=512 * block, preemption_mode="swap",
+                 kv_offload_mode="always")
     first = tiered.generate(prompts, params, use_tqdm=False)
     again = tiered.generate(prompts, params, use_tqdm=False)  # prefixes come from the host
     want = [o.outputs[0].token_ids for o in big]
@@ -74,3 +75,29 @@ def test_host_tier_outputs_equal_a_large_cache(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in again] == want
     stats = tiered.get_stats()
     assert stats["host_cache_hits"] > 0 and stats["host_blocks_offloaded"] > 0
+
+
+def test_host_tier_auto_mode_equals_no_tier(tiny_llama_dir):
+    """kv_offload_mode="auto": the measured cost model decides (for this tiny model, likely
+    to recompute); whatever it decides, the tokens equal those of a cache large enough for
+    everything, and its decision is the one its numbers give."""
+    rng = random.Random(1)
+    system = [rng.randrange(3, 500) for _ in range(64)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(40)] for _ in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids
+            for o in _cuda_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)]
+    block = 8192
+    auto = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_model_len=512,
+               max_num_seqs=32, max_num_tokens=512, kv_cache_memory=40 * block,
+               kv_cache_host_memory=512 * block)
+    for _ in range(2):
+        got = auto.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+    kv = auto.engine.scheduler.kv
+    cost = kv.tier_cost
+    assert cost is not None and cost.copy_bytes_per_s > 1e9 and cost.flops_per_s > 1e12
+    offloads = cost.ever_pays(auto.engine.scheduler.max_seq_len)
+    assert (kv.pool.on_evict is not None) == offloads
+    if not offloads:
+        assert auto.get_stats()["host_blocks_offloaded"] == 0

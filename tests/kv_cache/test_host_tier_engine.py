@@ -43,7 +43,7 @@ def reference(tiny_llama_dir):
 def test_tiered_outputs_equal_a_large_cache(tiny_llama_dir, reference, mode):
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128,
               kv_cache_memory=9 * BLOCK_BYTES, kv_cache_host_memory=64 * BLOCK_BYTES,
-              preemption_mode=mode)
+              preemption_mode=mode, kv_offload_mode="always")
     assert llm.engine_config.cache.num_host_blocks == 64
     assert _run(llm) == reference
     stats = llm.get_stats()

@@ -247,3 +247,78 @@ def test_host_offload_skips_released_entries():
     outs = [t for t in kv.take_transfers() if t[0] == "out"]
     assert sorted(src for _, src, _ in outs) == sorted(held)
     assert kv.blocks_offloaded == 2
+
+
+def test_refork_moves_a_beam_onto_its_sibling():
+    """A beam not chosen becomes a fork of a chosen one: its own blocks are freed, the
+    parent's full blocks shared, its partial block copied (into the block just freed when it
+    is the only free one); with no block free for the copy it holds nothing (None)."""
+    kv = KVCacheManager(4, BS)
+    parent, spare = _req("p", list(range(6))), _req("s", list(range(7)))
+    _admit(kv, parent)  # 2 blocks: one full, one partial
+    parent.num_computed_tokens = 6
+    _admit(kv, spare)  # shares the full block, its own partial one
+    spare.num_computed_tokens = 7
+    assert kv.num_free_blocks == 1
+    spare_partial = kv.get_block_ids("s")[1]
+    copies = kv.refork(parent, spare)
+    spare.num_computed_tokens = 6
+    assert kv.get_block_ids("s")[0] == kv.get_block_ids("p")[0]
+    assert copies == [(kv.get_block_ids("p")[1], kv.get_block_ids("s")[1])]
+    assert kv.pool.ref_cnt[kv.get_block_ids("p")[0]] == 2
+    assert kv.num_free_blocks == 1 and spare_partial not in kv.get_block_ids("p")
+    # Every block taken, and the spare's only block is shared: no block for the copy.
+    other = _req("o", list(range(4)))
+    _admit(kv, other)
+    other.num_computed_tokens = 4
+    assert kv.num_free_blocks == 0
+    sharer = _req("x", list(range(4)))
+    assert kv.fork(other, sharer) == []  # a whole block: shared, nothing to copy
+    sharer.num_computed_tokens = 4
+    assert kv.refork(parent, sharer) is None
+    assert kv.get_block_ids("x") == []
+    for req in (parent, spare, other):
+        kv.free(req)
+    assert kv.num_free_blocks == 4 and not any(kv.pool.ref_cnt)
+
+
+def test_random_forks_and_reforks_keep_reference_counts():
+    """Beam-search-like churn: beams grow, fork, and unchosen ones are re-pointed at siblings.
+    Every block's reference count stays the number of tables holding it, and all blocks come
+    back at the end."""
+    import random
+
+    rng = random.Random(0)
+    kv = KVCacheManager(40, BS)
+    root = _req("r0", list(range(6)))
+    _admit(kv, root)
+    root.num_computed_tokens = 6
+    beams, next_id = [root], 1
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.4 and len(beams) < 6:  # fork a new beam
+            child = _req(f"r{next_id}", [])
+            next_id += 1
+            parent = rng.choice(beams)
+            if kv.fork(parent, child) is not None:
+                child.num_computed_tokens = parent.num_computed_tokens
+                beams.append(child)
+        elif op < 0.7 and len(beams) > 1:  # re-point one beam at another
+            child, parent = rng.sample(beams, 2)
+            if kv.refork(parent, child) is None:
+                beams.remove(child)
+            else:
+                child.num_computed_tokens = parent.num_computed_tokens
+        else:  # a beam computes one more token
+            beam = rng.choice(beams)
+            if kv.allocate_slots(beam, 1):
+                beam.num_computed_tokens += 1
+        held = {}
+        for beam in beams:
+            for block_id in kv.get_block_ids(beam.request_id):
+                held[block_id] = held.get(block_id, 0) + 1
+        assert all(kv.pool.ref_cnt[b] == n for b, n in held.items())
+        assert sum(kv.pool.ref_cnt) == sum(held.values())
+    for beam in beams:
+        kv.free(beam)
+    assert kv.num_free_blocks == 40 and not any(kv.pool.ref_cnt)
