@@ -289,8 +289,6 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     threads = cpu_thread_count(args, device)  # before the baseline: both run on the same count
     baseline = run_baseline(args, model_dir, requests, dtype, device) if model_dir else None
     needed_len = max(r.input_len + r.output_len for r in requests)
-    if args.max_num_seqs is None:
-        args.max_num_seqs = min(256, len(requests))
     kwargs = engine_kwargs(args, model_dir, dtype, args.max_model_len or needed_len)
     reset_peak_memory(device)
     llm = build_llm(kwargs)
