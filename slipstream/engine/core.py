@@ -115,6 +115,7 @@ class EngineCore:
         self._validate(request)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.engine_arrival_time = time.monotonic()
         if request.sampling_params.structured_outputs is not None:
             self.scheduler.check_fits(request)
             self.grammar_wait.add(request)  # joins the scheduler once its grammar is ready
