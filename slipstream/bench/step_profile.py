@@ -137,7 +137,9 @@ class ModelShape:
     act_bytes: int  # bytes of one activation element
 
     @staticmethod
-    def from_config(cfg: dict[str, Any], dtype: str, quantization: str | None, kv_dtype: str) -> ModelShape:
+    def from_config(
+        cfg: dict[str, Any], dtype: str, quantization: str | None, kv_elem_bytes: int
+    ) -> ModelShape:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
@@ -145,7 +147,6 @@ class ModelShape:
         per_param = {"fp8": 1.0, "int8_wo": 1.0, "w8a8_sq": 1.0, "int4_awq": 0.53}.get(
             quantization or "", float(elem)
         )
-        kv_elem = dtype_bytes(kv_dtype) if kv_dtype in ("fp8", "int8") else elem
         return ModelShape(
             linear_params=linear_parameters(cfg),
             head_params=cfg["vocab_size"] * cfg["hidden_size"],
@@ -155,7 +156,7 @@ class ModelShape:
             head_dim=head_dim,
             hidden=cfg["hidden_size"],
             intermediate=cfg["intermediate_size"],
-            kv_bytes_per_token=2 * cfg["num_hidden_layers"] * kv_heads * head_dim * kv_elem,
+            kv_bytes_per_token=2 * cfg["num_hidden_layers"] * kv_heads * head_dim * kv_elem_bytes,
             act_bytes=elem,
         )
 
@@ -529,7 +530,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm, model_dir = build_engine(args)
     core, config = llm.engine, llm.engine.config
     cfg = load_config(model_dir)
-    model = ModelShape.from_config(cfg, config.dtype, config.quant.method, config.cache.kv_cache_dtype)
+    kv_dtype = core.runner.kv_cache_dtype
+    model = ModelShape.from_config(cfg, config.dtype, config.quant.method, kv_dtype.itemsize)
     device = torch.device(config.device)
     peaks = measure_peaks(device, fp8=config.quant.method in ("fp8", "w8a8_sq"))
     sched = config.scheduler
@@ -541,7 +543,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": args.model,
         "quantization": config.quant.method,
-        "kv_cache_dtype": config.cache.kv_cache_dtype,
+        "dtype": config.dtype,
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "device": config.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "max_num_seqs": sched.max_num_seqs,
@@ -560,7 +563,7 @@ def table(result: dict[str, Any]) -> str:
     """One block per workload: each part's ms per step, its share, its floor and the gap."""
     pk = result["peaks_measured"]
     lines = [
-        f"step profile: {result['model']} ({result['quantization'] or 'bf16'}, KV "
+        f"step profile: {result['model']} ({result['quantization'] or result['dtype']}, KV "
         f"{result['kv_cache_dtype']}) on {result['device_name']}, limits "
         f"{result['max_num_seqs']} seqs / {result['max_num_tokens']} tokens; measured peaks "
         f"GEMM {pk['gemm_tflops']:.3g} TFLOP/s, bf16 {pk['bf16_tflops']:.3g}, copy "

@@ -138,3 +138,29 @@ def test_engine_runs_with_its_chosen_limits(tiny_llama_dir):
     assert (sched.max_num_seqs, sched.max_num_tokens) == (128, 2048)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.gpu
+def test_limits_chosen_on_this_gpu(tiny_llama_dir):
+    """On a real GPU: the class's limits for this device (a tiny model leaves all memory), then
+    fitted to the KV cache the engine got; a user's value still wins."""
+    import torch
+
+    from slipstream import LLM, SamplingParams
+
+    device = auto_limits.device_info("cuda")
+    assert device.total_memory == torch.cuda.get_device_properties(0).total_memory
+    llm = LLM(str(tiny_llama_dir), kv_cache_memory=64 << 20)
+    sched, cache = llm.engine_config.scheduler, llm.engine_config.cache
+    footprint = auto_limits.model_footprint(llm.engine_config)
+    want = fit_to_kv_cache(choose_step_limits(device, footprint), cache.num_blocks * cache.block_size)
+    assert (sched.max_num_seqs, sched.max_num_tokens) == (want.max_num_seqs, want.max_num_tokens)
+    print(
+        f"{device.name}: chosen {sched.max_num_seqs} / {sched.max_num_tokens} for a "
+        f"{cache.num_blocks * cache.block_size}-token cache; "
+        f"{choose_step_limits(device, footprint)} before it"
+    )
+    out = llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 3 for o in out)
+    mine = LLM(str(tiny_llama_dir), kv_cache_memory=64 << 20, max_num_seqs=8)
+    assert mine.engine_config.scheduler.max_num_seqs == 8
