@@ -287,6 +287,7 @@ class WorkRecorder:
 
     def __init__(self, scheduler) -> None:
         self.steps: list[StepWork] = []
+        self._scheduler = scheduler
         self._schedule = scheduler.schedule
         scheduler.schedule = self._record
 
@@ -294,6 +295,9 @@ class WorkRecorder:
         out = self._schedule()
         self.steps.append(step_work(out))
         return out
+
+    def detach(self) -> None:
+        del self._scheduler.schedule  # the class's method again
 
 
 def set_modes(core, normal: dict[str, Any], attribution: bool) -> None:
@@ -303,7 +307,9 @@ def set_modes(core, normal: dict[str, Any], attribution: bool) -> None:
     core.config = core.config.replace(scheduler=dataclasses.replace(sched, **changes))
 
 
-def add_requests(core, n: int, input_len: int, output_len: int, vocab: int, seed: int, tag: str) -> None:
+def add_requests(
+    core, n: int, input_len: int, output_len: int, vocab: int, seed: list[int], tag: str
+) -> None:
     from slipstream.engine.request import Request
     from slipstream.sampling_params import SamplingParams
 
@@ -367,14 +373,46 @@ def profile_workload(
     total = expected_steps(n, input_len, output_len, sched.max_num_tokens, sched.max_num_seqs)
     starts = window_starts(min(total, args.max_steps), args.windows, args.window_steps)
     cuda = core.config.device.startswith("cuda")
-    # Attribution pass: one step at a time.
+
+    batches = iter(range(3))
+
+    def new_batch(tag: str) -> None:  # fresh prompts each time: no prefix-cache hits
+        seed = [args.seed, list(WORKLOADS).index(name), next(batches)]
+        add_requests(core, n, input_len, output_len, vocab, seed, tag)
+
+    # Warm-up: the first steps' shapes compile and tune here, not inside a profiled window.
     set_modes(core, normal, attribution=True)
+    new_batch(f"{name}-w")
+    run_pass(core, [], 0, args.warmup_steps, cuda, sync=True)
+    new_batch(f"{name}-a")
+    attributed = attribution_pass(core, starts, args, model, peaks, cuda)
+    set_modes(core, normal, attribution=False)
+    new_batch(f"{name}-n")
+    idle = normal_idle_share(core, starts, args, cuda)
+    return {
+        "workload": name,
+        "input_len": input_len,
+        "output_len": output_len,
+        "num_requests": n,
+        "window_starts": starts,
+        **attributed,
+        "normal_mode_idle_share": idle,
+    }
+
+
+def attribution_pass(
+    core, starts: list[int], args, model: ModelShape, peaks: Peaks, cuda: bool
+) -> dict[str, Any]:
+    """One step at a time: each profiled step's parts and floors, averaged per step."""
     recorder = WorkRecorder(core.scheduler)
-    add_requests(core, n, input_len, output_len, vocab, args.seed, f"{name}-a")
-    parts = {p: 0.0 for p in PARTS}
-    floor_sum = {p: 0.0 for p in PARTS}
-    counted = 0
-    for events, first in run_pass(core, list(starts), args.window_steps, args.max_steps, cuda, sync=True):
+    parts = dict.fromkeys(PARTS, 0.0)
+    floor_sum = dict.fromkeys(PARTS, 0.0)
+    counted = kernels = 0
+    try:
+        traces = run_pass(core, list(starts), args.window_steps, args.max_steps, cuda, sync=True)
+    finally:
+        recorder.detach()
+    for events, first in traces:
         spans = device_spans(events, cuda)
         for i, window in enumerate(annotations(events, "profile_step_")):
             work = recorder.steps[first + i] if first + i < len(recorder.steps) else StepWork()
@@ -385,33 +423,29 @@ def profile_workload(
                 parts[p] += v
             for p, v in floor.items():
                 floor_sum[p] += v
+            kernels += sum(window[0] <= sp.start < window[1] for sp in spans)
             counted += 1
-    core.scheduler.schedule = recorder._schedule
-    # Normal pass: the engine's overlap modes; only the idle share of the wall time.
-    set_modes(core, normal, attribution=False)
-    add_requests(core, n, input_len, output_len, vocab, args.seed, f"{name}-n")
-    idle, wall = 0.0, 0.0
+    return {
+        "profiled_steps": counted,
+        # A step with no kernels seen would mean the profiler missed graph replays.
+        "kernels_per_step": kernels / counted if counted else None,
+        "ms_per_step": _ms({p: parts[p] / counted if counted else None for p in PARTS}),
+        "floor_ms_per_step": _ms({p: floor_sum[p] / counted if counted else None for p in PARTS}),
+    }
+
+
+def normal_idle_share(core, starts: list[int], args, cuda: bool) -> float | None:
+    """The engine's own modes: the share of the profiled windows' wall time the GPU idled."""
+    idle = wall = 0.0
     for events, _ in run_pass(core, list(starts), args.window_steps, args.max_steps, cuda, sync=False):
         ranges = annotations(events, "profile_step_")
         if not ranges:
             continue
         lo, hi = ranges[0][0], ranges[-1][1]
         spans = [s for s in device_spans(events, cuda) if lo <= s.start < hi]
-        wall += (hi - lo) * 1e-6
-        idle += max((hi - lo) - busy_time(spans), 0.0) * 1e-6
-    per_step = {p: parts[p] / counted if counted else None for p in PARTS}
-    per_floor = {p: floor_sum[p] / counted if counted else None for p in PARTS}
-    return {
-        "workload": name,
-        "input_len": input_len,
-        "output_len": output_len,
-        "num_requests": n,
-        "profiled_steps": counted,
-        "window_starts": starts,
-        "ms_per_step": _ms(per_step),
-        "floor_ms_per_step": _ms(per_floor),
-        "normal_mode_idle_share": idle / wall if wall else None,
-    }
+        wall += hi - lo
+        idle += max((hi - lo) - busy_time(spans), 0.0)
+    return idle / wall if wall else None
 
 
 def scaled(lengths: tuple[int, int], scale: float) -> tuple[int, int]:
@@ -485,6 +519,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=4, help="profiled windows per workload")
     p.add_argument("--window-steps", type=int, default=4, help="steps per window")
     p.add_argument("--max-steps", type=int, default=400, help="steps per pass at most")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=16,
+        help="unprofiled steps of each workload first (compiles, tuners)",
+    )
     p.add_argument(
         "--length-scale",
         type=float,
@@ -575,7 +615,8 @@ def table(result: dict[str, Any]) -> str:
         idle = w["normal_mode_idle_share"]
         lines.append(
             f"\n{w['workload']} {w['input_len']}/{w['output_len']} x "
-            f"{w['num_requests']}: {w['profiled_steps']} steps profiled, "
+            f"{w['num_requests']}: {w['profiled_steps']} steps profiled "
+            f"({w['kernels_per_step'] or 0:.0f} kernels a step), "
             f"{total:.2f} ms a step (one at a time); idle GPU in normal mode "
             f"{'-' if idle is None else f'{100 * idle:.1f}%'}"
         )
