@@ -1,5 +1,6 @@
-"""benchmarks/profile_steps.py (slipstream/bench/step_profile.py): kernel kinds, the floors'
-arithmetic, attribution of a step's kernels, and a whole run on a tiny CPU model."""
+"""benchmarks/profile_steps.py (slipstream/bench/step_profile.py): kernel kinds and a step's
+share of them (kernel_spans.py), the floors' arithmetic (step_floors.py), and a whole run on a
+tiny CPU model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 
 import pytest
 
+from slipstream.bench import kernel_spans as ks
+from slipstream.bench import step_floors as sf
 from slipstream.bench import step_profile as sp
 
 
@@ -25,10 +28,10 @@ from slipstream.bench import step_profile as sp
     ],
 )
 def test_kernel_kinds(name, kind):
-    assert sp.classify(name) == kind
+    assert ks.classify(name) == kind
 
 
-MODEL = sp.ModelShape(
+MODEL = sf.ModelShape(
     linear_params=1000,
     head_params=100,
     weight_bytes_per_param=2.0,
@@ -40,12 +43,12 @@ MODEL = sp.ModelShape(
     kv_bytes_per_token=256,
     act_bytes=2,
 )
-PEAKS = sp.Peaks(gemm_flops=1e6, bf16_flops=1e6, copy_bytes=1e5)
+PEAKS = sf.Peaks(gemm_flops=1e6, bf16_flops=1e6, copy_bytes=1e5)
 
 
 def test_floors_count_the_work_of_a_mixed_step():
-    work = sp.StepWork(prefill=[(10, 0)], decode_ctx=[50, 30], sampled=3)
-    f = sp.floors(work, MODEL, PEAKS)
+    work = sf.StepWork(prefill=[(10, 0)], decode_ctx=[50, 30], sampled=3)
+    f = sf.floors(work, MODEL, PEAKS)
     # GEMMs: 2 * 12 tokens * 1000 + 2 * 3 rows * 100 FLOPs = 24,600 -> 24.6 ms, longer than
     # the 2,200 weight bytes' 22 ms; 10 of the 12 tokens are prefill.
     assert f["prefill_gemm"] == pytest.approx(0.0246 * 10 / 12)
@@ -54,26 +57,26 @@ def test_floors_count_the_work_of_a_mixed_step():
     assert f["decode_attention"] == pytest.approx(80 * 256 / 1e5)
     assert f["prefill_attention"] == pytest.approx(4 * 2 * 4 * 8 * 10 * 5.5 / 1e6)
     assert f["small"] == pytest.approx(12 * 2 * 2 * (4 * 32 + 3 * 64) / 1e5)
-    assert sp.floors(sp.StepWork(), MODEL, PEAKS)["decode_gemm"] == 0.0
+    assert sf.floors(sf.StepWork(), MODEL, PEAKS)["decode_gemm"] == 0.0
 
 
 def test_a_steps_kernels_are_split_by_kind_and_side():
-    work = sp.StepWork(prefill=[(10, 0)], decode_ctx=[50, 30], sampled=3)
+    work = sf.StepWork(prefill=[(10, 0)], decode_ctx=[50, 30], sampled=3)
     spans = [
-        sp.Span("gemm", 100, 160, "gemm"),
-        sp.Span("attn", 160, 180, "attention"),
-        sp.Span("norm", 170, 190, "small"),  # overlaps the attention: busy once
-        sp.Span("next step", 400, 410, "gemm"),
+        ks.Span("gemm", 100, 160, "gemm"),
+        ks.Span("attn", 160, 180, "attention"),
+        ks.Span("norm", 170, 190, "small"),  # overlaps the attention: busy once
+        ks.Span("next step", 400, 410, "gemm"),
     ]
-    parts = sp.attribute((90, 300), spans, work, sp.floors(work, MODEL, PEAKS))
+    parts = ks.attribute((90, 300), spans, work, sf.floors(work, MODEL, PEAKS))
     assert parts["prefill_gemm"] + parts["decode_gemm"] == pytest.approx(60e-6)
     assert parts["prefill_gemm"] == pytest.approx(50e-6)
-    f = sp.floors(work, MODEL, PEAKS)
+    f = sf.floors(work, MODEL, PEAKS)
     share = f["prefill_attention"] / (f["prefill_attention"] + f["decode_attention"])
     assert parts["prefill_attention"] == pytest.approx(20e-6 * share)
     assert parts["small"] == pytest.approx(20e-6)
     assert parts["host_gap"] == pytest.approx((210 - 90) * 1e-6)  # 210 us of 300 - 90 idle
-    assert sp.busy_time(spans[:3]) == 90
+    assert ks.busy_time(spans[:3]) == 90
 
 
 def test_windows_spread_over_the_run():
