@@ -138,8 +138,10 @@ def fit_resolved_limits(config: EngineConfig, asked, num_blocks: int) -> EngineC
     SchedulerConfig before resolution) to what `num_blocks` blocks can hold."""
     if asked.max_num_seqs is not None and asked.max_num_tokens is not None:
         return config
-    if config.device.startswith("cpu"):
-        return config  # the CPU's fixed limits; its 1 GiB cache holds them
+    if config.device.startswith("cpu") or config.runner == "pooling":
+        # The CPU's fixed limits (its 1 GiB cache holds them); a pooling engine's cache is
+        # sized from the limits (one step of whole prompts), not the other way round.
+        return config
     sched = config.scheduler
     fitted = fit_to_kv_cache(
         StepLimits(sched.max_num_seqs, sched.max_num_tokens), num_blocks * config.cache.block_size

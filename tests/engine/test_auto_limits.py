@@ -119,6 +119,9 @@ def test_chosen_limits_fit_the_kv_cache_the_engine_got(tiny_llama_dir, monkeypat
     assert (resolved.scheduler.max_num_seqs, resolved.scheduler.max_num_tokens) == (512, 8192)
     fitted = fit_resolved_limits(resolved, config.scheduler, num_blocks=2000).scheduler
     assert (fitted.max_num_seqs, fitted.max_num_tokens) == (112, 8192)  # 32,000 tokens
+    # A pooling engine sizes its cache from the limits: nothing to fit.
+    pooling = resolved.replace(runner="pooling")
+    assert fit_resolved_limits(pooling, config.scheduler, num_blocks=2000) is pooling
 
 
 def test_footprint_of_a_real_config(tiny_llama_dir):
