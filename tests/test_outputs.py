@@ -1,5 +1,5 @@
-"""Per-request timestamps on the way to the first token (outputs.RequestMetrics): carried from
-the engine to the caller and adding up to TTFT (the scheduler's stamps: tests/scheduler)."""
+"""RequestMetrics (outputs.py): the engine's timestamps on the way to the first token, carried
+to the caller, and TTFT in parts that add up to it (the scheduler's stamps: tests/scheduler)."""
 
 from __future__ import annotations
 
@@ -42,22 +42,3 @@ def test_offline_outputs_carry_the_breakdown(tiny_llama_dir):
         assert m.prefill_chunk_times[-1] <= m.engine_first_token_time <= m.first_token_time
         ttft = m.queue_time + m.prefill_time + m.output_delay
         assert ttft == pytest.approx(m.time_to_first_token)
-
-
-def test_startup_objects_are_frozen_out_of_garbage_collection():
-    """The engine process and the server freeze what start-up left alive, so no full
-    collection walks it while requests wait (a pause of 100+ ms on TTFT and ITL)."""
-    import gc
-
-    from slipstream.engine.startup import freeze_startup_objects
-
-    alive = [[i] for i in range(1000)]
-    try:
-        frozen = freeze_startup_objects()
-        assert frozen >= 1000 and gc.get_freeze_count() == frozen
-        tracked = {id(o) for o in gc.get_objects()}
-        assert id(alive) not in tracked and id(alive[0]) not in tracked
-        young = [[0]]
-        assert id(young) in {id(o) for o in gc.get_objects()}  # later objects: collected
-    finally:
-        gc.unfreeze()
