@@ -104,14 +104,16 @@ def expected_steps(n: int, input_len: int, output_len: int, max_tokens: int, max
 
 
 def run_pass(core, starts: list[int], length: int, max_steps: int, cuda: bool, sync: bool):
-    """Step the engine to the end (or max_steps), profiling the windows; returns per window
-    (its trace events, the index of its first step). sync: wait for the GPU after each
-    profiled step, so that its kernels lie inside its host range."""
+    """Step the engine through the windows starting at `starts` (or for max_steps when there
+    are none), profiling them, then drop what is left; returns per window (its trace events,
+    the index of its first step). sync: wait for the GPU after each profiled step, so that its
+    kernels lie inside its host range."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     traces, step = [], 0
-    while core.has_unfinished_requests() and step < max_steps:
+    profiling = bool(starts)
+    while core.has_unfinished_requests() and step < max_steps and (starts or not profiling):
         if starts and step == starts[0]:
             starts.pop(0)
             with torch.profiler.profile(activities=activities) as prof:
@@ -127,7 +129,7 @@ def run_pass(core, starts: list[int], length: int, max_steps: int, cuda: bool, s
             continue
         core.step()
         step += 1
-    if core.has_unfinished_requests():  # max_steps reached: the rest is not needed
+    if core.has_unfinished_requests():  # past the last window: the rest is not needed
         core.abort_requests(list(core.scheduler.requests))
         while core.has_unfinished_requests():
             core.step()
