@@ -91,11 +91,16 @@ def add_requests(
 
 
 def window_starts(total_steps: int, windows: int, length: int) -> list[int]:
-    """Starts of `windows` windows of `length` steps spread evenly over a run."""
+    """Starts of up to `windows` windows of `length` steps spread evenly over a run, none
+    overlapping the one before."""
     last = max(total_steps - length, 0)
     if windows <= 1:
         return [0]
-    return sorted({round(i * last / (windows - 1)) for i in range(windows)})
+    starts: list[int] = []
+    for start in (round(i * last / (windows - 1)) for i in range(windows)):
+        if not starts or start >= starts[-1] + length:
+            starts.append(start)
+    return starts
 
 
 def expected_steps(n: int, input_len: int, output_len: int, max_tokens: int, max_seqs: int) -> int:

@@ -11,6 +11,7 @@ from slipstream.bench import step_profile as sp
 def test_windows_spread_over_the_run():
     assert sp.window_starts(100, 4, 5) == [0, 32, 63, 95]
     assert sp.window_starts(3, 4, 5) == [0]
+    assert sp.window_starts(10, 4, 4) == [0, 4]  # 0, 2, 4, 6 would overlap
 
 
 def test_profile_run_on_a_tiny_cpu_model(tiny_llama_dir, tmp_path, capsys):
