@@ -144,8 +144,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128  # max batch size
-    max_num_tokens: int = 2048  # token budget per step
+    # Max batch size and token budget per step; None (auto) until the engine chooses them at
+    # start-up (engine/auto_limits.py).
+    max_num_seqs: int | None = 128
+    max_num_tokens: int | None = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     # Decode steps run back to back on the GPU without a host round trip (pure-decode batches

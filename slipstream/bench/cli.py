@@ -20,7 +20,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
             action.help = ("checkpoint directory or a known shape name (llama-3.1-8b, "
                            "llama-3.1-70b, qwen3-0.6b, smollm2-135m: implies --load-format "
                            "dummy)")
-    parser.set_defaults(max_num_seqs=None)  # None: latency -> --batch-size, throughput -> 256
+    parser.set_defaults(max_num_seqs=None)  # None: latency -> --batch-size, else the engine's
     parser.add_argument("--max-batch-size", dest="max_num_seqs", type=int,
                         default=argparse.SUPPRESS, help="alias of --max-num-seqs")
     parser.add_argument("--output-json", default=None, help="write the full result here")

@@ -144,6 +144,9 @@ def throughput_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         rows += _stat_rows(name.upper(), r.get(f"{name}_ms"))
+    for name, stats in (r.get("ttft_parts_ms") or {}).items():
+        if stats.get("count"):
+            rows += _stat_rows(f"TTFT part: {name.replace('_', ' ')}", stats)
     rows += [("peak GPU memory (GiB)", r.get("peak_gpu_memory_gib")),
              ("KV blocks (total / peak used / util)",
               f"{format_value(kv.get('num_blocks'))} / {format_value(kv.get('peak_used_blocks'))} / "

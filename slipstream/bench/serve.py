@@ -2,7 +2,9 @@
 
 Requests arrive as a Poisson process (--request-rate, gamma-distributed gaps with --burstiness)
 or as fast as --max-concurrency allows; every request streams, so TTFT, TPOT, ITL and end-to-end
-latency are measured as a client sees them. Prints a table and writes JSON (--output-json).
+latency are measured as a client sees them; against a slipstream server, TTFT is also split
+into its parts from the server's /metrics (bench/server_timings.py). Prints a table and writes
+JSON (--output-json).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 import httpx
 
 from slipstream import envs
-from slipstream.bench import report
+from slipstream.bench import report, server_timings
 
 _WORDS = ("time year people way day man thing woman life child world school state family "
           "student group country problem hand part place case week company system program "
@@ -179,7 +181,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 
 
 async def _run(args: argparse.Namespace,
-               prompts: list[Any]) -> tuple[list[RequestResult], float, str]:
+               prompts: list[Any]) -> tuple[list[RequestResult], float, str, dict | None]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000,
                           max_keepalive_connections=args.max_concurrency or 1000)
@@ -200,6 +202,7 @@ async def _run(args: argparse.Namespace,
             res.sent_s = sent
             return res
 
+        timings_before = await server_timings.scrape(client)
         tasks = []
         start = time.perf_counter()
         for prompt, gap in zip(prompts, arrival_gaps(len(prompts), args.request_rate,
@@ -208,7 +211,9 @@ async def _run(args: argparse.Namespace,
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(prompt)))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start, model
+        duration = time.perf_counter() - start
+        parts = server_timings.breakdown(timings_before, await server_timings.scrape(client))
+        return results, duration, model, parts
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
@@ -267,7 +272,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_token_ids and args.endpoint == "chat":
         raise ValueError("--prompt-token-ids works with --endpoint completions only")
     prompts = make_prompts(args)
-    results, duration, model = asyncio.run(_run(args, prompts))
+    results, duration, model, ttft_parts = asyncio.run(_run(args, prompts))
     result = {
         "mode": "serve", "workload": args.label or f"serve-{args.endpoint}",
         "model": {"shape": model, "name": model}, "base_url": args.base_url,
@@ -276,6 +281,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "input_len": args.input_len, "output_len": args.output_len,
         **summarize_results(results, duration, slos),
+        # The server's view of TTFT in parts (a slipstream server's /metrics; else None).
+        "ttft_parts": ttft_parts,
     }
     result["meta"] = report.run_meta()
     return result
@@ -298,6 +305,7 @@ def serve_rows(r: dict[str, Any]) -> list[tuple[str, Any]]:
         s = r[key]
         rows.append((f"{name} mean / median / p99 (ms)",
                      " / ".join(report.format_value(s.get(k)) for k in ("mean", "median", "p99"))))
+    rows += server_timings.breakdown_rows(r.get("ttft_parts"))
     if r["goodput"]["req_s"] is not None:
         rows.append((f"goodput (req/s) {r['goodput']['slo_ms']}", r["goodput"]["req_s"]))
     return rows

@@ -149,6 +149,7 @@ def latency_stats(outputs: list[Any]) -> dict[str, dict[str, Any]]:
     """TTFT, TPOT, ITL and E2E over requests. Offline metrics hold no per-token timestamps, so
     ITL is each request's mean inter-token gap (its TPOT); its mean equals TPOT's."""
     ttft, tpot, e2e = [], [], []
+    parts: dict[str, list[float | None]] = {name: [] for name in TTFT_PARTS}
     for out in outputs:
         m = getattr(out, "metrics", None)
         if m is None:
@@ -157,10 +158,17 @@ def latency_stats(outputs: list[Any]) -> dict[str, dict[str, Any]]:
         tpot.append(m.time_per_output_token)
         if m.finished_time is not None:
             e2e.append(m.finished_time - m.arrival_time)
+        for name, values in parts.items():
+            values.append(getattr(m, name, None))
     itl = report.summarize(tpot)
     itl["source"] = "per-request mean inter-token gap"
     return {"ttft_ms": report.summarize(ttft), "tpot_ms": report.summarize(tpot),
-            "itl_ms": itl, "e2e_ms": report.summarize(e2e)}
+            "itl_ms": itl, "e2e_ms": report.summarize(e2e),
+            # TTFT = queue + prefill + output delay, per request (outputs.RequestMetrics).
+            "ttft_parts_ms": {name: report.summarize(values) for name, values in parts.items()}}
+
+
+TTFT_PARTS = ("queue_time", "prefill_time", "output_delay")
 
 
 class StepProbe:
@@ -289,8 +297,6 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     threads = cpu_thread_count(args, device)  # before the baseline: both run on the same count
     baseline = run_baseline(args, model_dir, requests, dtype, device) if model_dir else None
     needed_len = max(r.input_len + r.output_len for r in requests)
-    if args.max_num_seqs is None:
-        args.max_num_seqs = min(256, len(requests))
     kwargs = engine_kwargs(args, model_dir, dtype, args.max_model_len or needed_len)
     reset_peak_memory(device)
     llm = build_llm(kwargs)

@@ -156,7 +156,7 @@ def _copy_source_files(config, tmp: Path) -> None:
 
 def _manifest(core, config, args, runtime: dict[str, Any], build_args: list[str]
               ) -> dict[str, Any]:
-    runner, sched = core.runner, config.scheduler
+    runner, sched = core.runner, core.config.scheduler  # the limits in force (auto: chosen)
     num_blocks = core.config.cache.num_blocks
     graphs = getattr(runner, "_graphs", None)
     prefill = getattr(runner, "_prefill_graphs", None)

@@ -34,8 +34,10 @@ class EngineArgs:
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda if available
     max_model_len: int | None = None
-    max_num_seqs: int = 128
-    max_num_tokens: int = 2048
+    # None ("auto"): chosen at engine start from the GPU, the model and the KV cache
+    # (engine/auto_limits.py; 128 and 2,048 on a CPU).
+    max_num_seqs: int | None = None
+    max_num_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
@@ -164,8 +166,12 @@ class EngineArgs:
         g.add_argument("--device", default="auto", help="cpu, cuda or auto")
         g.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default: the model's)")
-        g.add_argument("--max-num-seqs", type=int, default=128, help="max batch size")
-        g.add_argument("--max-num-tokens", type=int, default=2048, help="token budget per step")
+        g.add_argument("--max-num-seqs", type=int, default=None,
+                       help="max batch size (default: chosen from the GPU, the model and the "
+                            "KV cache; 128 on a CPU)")
+        g.add_argument("--max-num-tokens", type=int, default=None,
+                       help="token budget per step (default: chosen from the GPU and the "
+                            "model; 2048 on a CPU)")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn off prefix-cache reuse")
@@ -320,7 +326,9 @@ def _check_limits(args: EngineArgs, max_len: int) -> None:
     for name in ("max_num_seqs", "max_num_tokens", "block_size", "tensor_parallel_size",
                  "pipeline_parallel_size", "decode_steps"):
         value = getattr(args, name)
-        if not isinstance(value, int) or value < 1:
+        if value is None and name in ("max_num_seqs", "max_num_tokens"):
+            continue  # auto
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(args.max_prefill_graph_tokens, int) or args.max_prefill_graph_tokens < 0:
         raise ValueError("max_prefill_graph_tokens must be a non-negative integer, got "

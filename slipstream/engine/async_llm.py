@@ -37,7 +37,7 @@ from slipstream.engine.core_proc import (
 from slipstream.engine.engine_proc import EngineProcess, remove_stale_ipc_dirs
 from slipstream.engine.frontend import InputProcessor, OutputProcessor
 from slipstream.lora.request import LoRARequest
-from slipstream.outputs import EngineCoreOutput, RequestOutput
+from slipstream.outputs import EngineCoreOutput, RequestMetrics, RequestOutput
 from slipstream.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchUpdate
 from slipstream.sampling_params import SamplingParams
 
@@ -74,7 +74,7 @@ class StatLogger(Protocol):
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_tokens(self, num_tokens: int, itl_s: float | None) -> None: ...
     def on_request_finished(self, reasons: list[str], e2e_s: float | None,
-                            queue_s: float | None) -> None: ...
+                            metrics: RequestMetrics | None) -> None: ...
 
 
 class _RequestStream:
@@ -435,7 +435,7 @@ class AsyncLLM:
             return
         e2e = now - ro.metrics.arrival_time
         self.stat_logger.on_request_finished(
-            [c.finish_reason or "abort" for c in ro.outputs], e2e, ro.metrics.queue_time)
+            [c.finish_reason or "abort" for c in ro.outputs], e2e, ro.metrics)
 
     # ------------------------------------------------------------------ public API
 

@@ -10,7 +10,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from slipstream.config import EngineConfig
+from slipstream.config import EngineConfig, SchedulerConfig
+from slipstream.engine.auto_limits import fit_resolved_limits, resolve_step_limits
 from slipstream.engine.beam import BeamCoordinator
 from slipstream.engine.frontend import validate_prompt_tokens
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
@@ -35,11 +36,14 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
-        self.config = config
         start = time.perf_counter()
         _check_sliding_window_combinations(config)
+        asked = config.scheduler  # None where the user left a step limit to the engine
+        config = resolve_step_limits(config)
+        self.config = config
         self.runner = _make_runner(config)
-        num_blocks, num_host_blocks = self._start_up(config)
+        num_blocks, num_host_blocks = self._start_up(config, asked)
+        config = self.config  # with the limits fitted to the KV cache
         draft = getattr(self.spec, "proposer", None) if self.spec else None
         self.timer = StepTimer(config.device)
         self.runner.timer = self.timer
@@ -75,9 +79,11 @@ class EngineCore:
                     weight_bytes / 2**30, kv_bytes / 2**30, num_blocks, cache.block_size)
         self.startup.log()
 
-    def _start_up(self, config: EngineConfig) -> tuple[int, int]:
+    def _start_up(self, config: EngineConfig, asked: SchedulerConfig) -> tuple[int, int]:
         """Load, size the KV cache, warm up and capture, each phase timed (`startup_phases`),
-        with kernel choices and compiled kernels reused from a build or the cache directory."""
+        with kernel choices and compiled kernels reused from a build or the cache directory.
+        Step limits the user left unset (None in `asked`) are fitted to the KV cache before
+        the warm-up and the graphs use them."""
         self.startup = StartupPhases(sync=device_sync(config.device))
         kernels = KernelCaches(config)
         with self.startup.phase("read_weights"):
@@ -91,6 +97,8 @@ class EngineCore:
             self.runner.keep_hidden = True
         with self.startup.phase("profile_memory"):
             num_blocks = self.runner.determine_num_blocks()
+            self.config = fit_resolved_limits(config, asked, num_blocks)
+            self.runner.config = self.config
             self.runner.initialize_kv_cache(num_blocks)
             if hasattr(draft, "initialize_kv_cache"):
                 draft.initialize_kv_cache(num_blocks)
@@ -116,6 +124,7 @@ class EngineCore:
         self._validate(request)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.engine_arrival_time = time.monotonic()
         if request.sampling_params.structured_outputs is not None:
             self.scheduler.check_fits(request)
             self.grammar_wait.add(request)  # joins the scheduler once its grammar is ready

@@ -264,9 +264,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     try:
         # Inside the try: a failure to import the engine (torch, Triton) reaches the front end.
         from slipstream.engine.core import EngineCore
+        from slipstream.engine.startup import freeze_startup_objects
 
         _leave_a_core_for_the_front_end(config)
         core = EngineCore(config)
+        logger.info("%d start-up objects frozen out of garbage collection",
+                    freeze_startup_objects())
         outbox.send(pack({"t": "ready", "stats": core.get_stats()}))
         EngineLoop(core, inbox, outbox).run()
         return 0

@@ -280,8 +280,8 @@ class OutputProcessor:
     def _apply(self, state: _ParentState, choice: _Choice, out: EngineCoreOutput, now: float) -> bool:
         """Returns True when a stop string ended this choice (the engine must abort it)."""
         metrics = state.metrics
-        if out.timestamps.get("first_scheduled_time") and metrics.first_scheduled_time is None:
-            metrics.first_scheduled_time = out.timestamps["first_scheduled_time"]
+        if out.timestamps:
+            metrics.absorb(out.timestamps)
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None and choice.index == 0:
             state.prompt_logprobs.extend(out.prompt_logprobs)
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)

@@ -70,9 +70,11 @@ class Request:
     # Structured output: the request's RequestGrammar (structured/grammar.py), set by the
     # engine once its grammar is compiled; the sampler masks with it, the scheduler advances it.
     grammar: Any = None
-    # Timestamps (time.monotonic) for metrics.
+    # Timestamps (time.monotonic) for metrics (outputs.RequestMetrics).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    engine_arrival_time: float | None = None
+    prefill_chunk_times: list[float] = field(default_factory=list)  # before the first token
     # LoRA (slipstream/lora/): the adapter's id (0: the base model) and directory, and the
     # device slot the scheduler gave it while running (-1: none).
     lora_int_id: int = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -21,6 +22,18 @@ _NESTED: dict[str, float] = {"quantize": 0.0, "tune": 0.0}
 BUILD_DIR: contextvars.ContextVar[Path | None] = contextvars.ContextVar("slipstream_build_dir",
                                                                          default=None)
 PHASES = ("read_weights", "quantize", "tune", "profile_memory", "warm_up", "capture_graphs")
+
+
+def freeze_startup_objects() -> int:
+    """Put every object alive after start-up (modules, the model, compiled kernels: hundreds
+    of thousands) out of the garbage collector's reach, and return how many. A full collection
+    walks every tracked object: over these it takes 650 ms in a tiny CPU engine process, a
+    stall on the TTFT and ITL of every request in flight. Serving rarely triggers one (the
+    step loop's objects are freed by reference counting), so this is insurance against the
+    rare one. Only for processes slipstream owns (the engine process, the server)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slipstream.config import EngineConfig
+from slipstream.engine.auto_limits import resolve_step_limits
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
 from slipstream.kernels.attention.l2_spans import budget_bytes
@@ -55,7 +56,7 @@ _Feed = tuple[torch.Tensor, list[int]] | None
 
 class ModelRunner:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        self.config = resolve_step_limits(config)  # a runner built without an EngineCore
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.model: nn.Module | None = None

@@ -10,6 +10,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from slipstream.config import CacheConfig, SchedulerConfig
 from slipstream.engine.request import PENDING_TOKEN, Request, RequestStatus
@@ -208,8 +209,11 @@ class Scheduler:
             out.finished_request_ids, self._finished_ids = self._finished_ids, []
         now = time.monotonic()
         for seq in out.seqs:
-            if seq.request.first_scheduled_time is None:
-                seq.request.first_scheduled_time = now
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            if request.first_token_time is None and seq.start_pos < request.num_prompt_tokens:
+                request.prefill_chunk_times.append(now)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -526,10 +530,14 @@ def _computed_after(seq: ScheduledSeq, runner_output: RunnerOutput) -> int:
     return end
 
 
-def _timestamps(request: Request) -> dict[str, float]:
-    stamps = {"arrival_time": request.arrival_time}
+def _timestamps(request: Request) -> dict[str, Any]:
+    stamps: dict[str, Any] = {"arrival_time": request.arrival_time}
     if request.first_scheduled_time is not None:
         stamps["first_scheduled_time"] = request.first_scheduled_time
     if request.first_token_time is not None:
         stamps["first_token_time"] = request.first_token_time
+    if request.engine_arrival_time is not None:
+        stamps["engine_arrival_time"] = request.engine_arrival_time
+    if request.prefill_chunk_times:
+        stamps["prefill_chunk_times"] = list(request.prefill_chunk_times)
     return stamps

@@ -13,11 +13,18 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from slipstream.outputs import RequestMetrics
+
 PREFIX = "slipstream"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# The parts of a first token's wait (RequestMetrics): fine steps where W6's TTFT lives.
+_STAGE_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025,
+                  0.03, 0.035, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0)
+_CHUNK_BUCKETS = (1, 2, 3, 4, 6, 8, 16, 32)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -114,6 +121,22 @@ class ServerMetrics:
                              _E2E_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first scheduled.", _E2E_BUCKETS)
+        # The first token's wait in parts (outputs.RequestMetrics): TTFT = queue + prefill +
+        # output delay; the scheduler wait is the part of the queue time inside the engine.
+        self.stages = {
+            "queue_time": histogram("request_first_schedule_seconds", "Arrival to first "
+                                    "scheduled (fine buckets).", _STAGE_BUCKETS),
+            "scheduler_wait": histogram("request_scheduler_wait_seconds", "Arrival in the "
+                                        "engine to first scheduled.", _STAGE_BUCKETS),
+            "prefill_time": histogram("request_prefill_time_seconds", "First scheduled to "
+                                      "first token read in the engine.", _STAGE_BUCKETS),
+            "output_delay": histogram("request_output_delay_seconds", "First token read in "
+                                      "the engine to first token in the front end.",
+                                      _STAGE_BUCKETS),
+            "num_prefill_chunks": histogram("request_prefill_chunks", "Steps the prompt was "
+                                            "computed in before the first token.",
+                                            _CHUNK_BUCKETS),
+        }
 
     # StatLogger --------------------------------------------------------------------------
 
@@ -130,13 +153,21 @@ class ServerMetrics:
                 self.itl.observe(max(itl_s, 0.0))
 
     def on_request_finished(self, reasons: list[str], e2e_s: float | None,
-                            queue_s: float | None) -> None:
+                            metrics: RequestMetrics | None) -> None:
         for reason in reasons:
             self.request_success.labels(finished_reason=reason, **self._labels).inc()
         if e2e_s is not None:
             self.e2e.observe(max(e2e_s, 0.0))
-        if queue_s is not None:
-            self.queue_time.observe(max(queue_s, 0.0))
+        if metrics is None:
+            return
+        if metrics.queue_time is not None:
+            self.queue_time.observe(max(metrics.queue_time, 0.0))
+        if metrics.first_token_time is None:
+            return  # no first token (aborted before one): its parts would mislead
+        for name, hist in self.stages.items():
+            value = getattr(metrics, name)
+            if value is not None:
+                hist.observe(max(value, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

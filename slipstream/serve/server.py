@@ -18,6 +18,7 @@ import uvicorn
 
 from slipstream.config import EngineConfig
 from slipstream.engine.async_llm import AsyncLLM, Supervision
+from slipstream.engine.startup import freeze_startup_objects
 from slipstream.serve.app import build_app
 from slipstream.serve.hardening import HttpLimits, hardened_h11
 from slipstream.serve.metrics import ServerMetrics
@@ -67,6 +68,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> int:
                          request_timeout_s=args.request_timeout)
     uv_config.app = build_app(engine, tokenizer, model_name, limits, args.api_key, metrics,
                               http_limits, tool_call_parser=args.tool_call_parser, loras=loras)
+    freeze_startup_objects()  # no full collection over the start-up objects mid-stream
     server = _Server(uv_config)
     watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
     try:

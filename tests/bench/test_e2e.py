@@ -30,10 +30,16 @@ def test_throughput_on_the_real_engine(tiny_model_dir, tmp_path, capsys):
     assert r["engine"]["max_batch_size"] == 4 and r["engine"]["load_format"] == "dummy"
     assert r["ttft_ms"]["count"] == 6 and r["ttft_ms"]["median"] > 0
     assert r["e2e_ms"]["p99"] >= r["ttft_ms"]["p99"]
+    # TTFT in parts, per request: their means add up to TTFT's.
+    parts = r["ttft_parts_ms"]
+    assert all(parts[k]["count"] == 6 for k in ("queue_time", "prefill_time", "output_delay"))
+    assert sum(parts[k]["mean"] for k in parts) == pytest.approx(r["ttft_ms"]["mean"])
+    assert parts["queue_time"]["p99"] > 0  # 6 requests, 4 seats: two wait for a seat
     assert r["steps"]["num_steps"] >= 2 and 1 <= r["steps"]["peak_running"] <= 4
     assert r["kv_cache"]["num_blocks"] and r["kv_cache"]["peak_used_blocks"] >= 4
     assert r["baseline"]["useful_output_tokens"] == 30 and r["ratio_vs_baseline"] > 0
-    assert "ratio vs baseline" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "ratio vs baseline" in table and "TTFT part: prefill time" in table
 
 
 def test_latency_on_the_real_engine(tiny_model_dir, tmp_path):

@@ -27,6 +27,12 @@ def test_bench_serve_end_to_end(server, tmp_path, capsys, mode):
     assert result["goodput"]["req_s"] == pytest.approx(result["request_throughput"])
     table = capsys.readouterr().out
     assert "TTFT mean / median / p99 (ms)" in table and "goodput" in table
+    # The server's view of each TTFT part, over exactly the 10 timed requests.
+    parts = result["ttft_parts"]
+    for key in ("queue_ms", "scheduler_wait_ms", "prefill_ms", "output_delay_ms", "prefill_chunks"):
+        assert parts[key]["count"] == 10 and 0 <= parts[key]["median"] <= parts[key]["p99"], key
+    assert parts["prefill_chunks"]["p99"] == 1  # a 6-word prompt: one chunk each
+    assert "TTFT part: prefill (scheduled to token) median / p99 (ms)" in table
 
 
 def test_bench_serve_goodput_counts_only_requests_within_slo(server, tmp_path):

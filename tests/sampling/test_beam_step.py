@@ -84,3 +84,17 @@ def test_step_many_matches_step_per_search():
             (f.output_token_ids, f.cum_logprob, f.score, f.finish_reason) for f in ours.result().sequences
         ] == ref.finished
     assert sum(s.done for s in states) > 0 and sum(len(s.finished) for s in states) > 10
+
+
+def test_common_path_is_the_shared_prefix_of_every_beam():
+    from slipstream.sampling.beam_search import _Beam, common_path
+
+    root = _Beam(None, -1, 0.0)
+    a = _Beam(root, 7, -0.1)
+    ab, ac = _Beam(a, 8, -0.2), _Beam(a, 9, -0.3)
+    abd, ace = _Beam(ab, 1, -0.4), _Beam(ac, 2, -0.5)
+    assert common_path([abd, ace], 0) == [7]
+    assert common_path([abd, ace], 1) == []
+    assert common_path([abd, _Beam(ab, 3, -0.6)], 0) == [7, 8]
+    assert common_path([abd], 1) == [8, 1]
+    assert common_path([], 0) == []

@@ -365,6 +365,27 @@ def test_outputs_carry_logprobs_timestamps_and_cached_tokens():
     assert req.first_scheduled_time is not None and req.first_token_time is not None
 
 
+def test_scheduler_stamps_each_prompt_chunk_until_the_first_token():
+    sched = make_scheduler(max_num_tokens=4)
+    sched.add_request(make_request("r", range(10), max_tokens=3))
+    outs = [step(sched)[1] for _ in range(4)]  # chunks of 4, 4, 2 tokens, then a decode
+    assert [len(o) for o in outs] == [0, 0, 1, 1]
+    stamps = outs[2][0].timestamps
+    chunks = stamps["prefill_chunk_times"]
+    assert len(chunks) == 3 and chunks == sorted(chunks)
+    assert chunks[0] == stamps["first_scheduled_time"] <= chunks[-1] <= stamps["first_token_time"]
+    assert outs[3][0].timestamps == {}  # sent once, with the first token
+    assert len(sched.get_request("r").prefill_chunk_times) == 3  # the decode added none
+
+
+def test_a_short_prompt_is_one_chunk():
+    sched = make_scheduler()
+    sched.add_request(make_request("r", range(5), max_tokens=2))
+    out = sched.schedule()
+    (o,) = sched.update_from_output(out, RunnerOutput(sampled_token_ids={"r": [7]}))
+    assert len(o.timestamps["prefill_chunk_times"]) == 1
+
+
 def test_prompt_logprobs_not_repeated_after_preemption():
     sched = make_scheduler(num_blocks=4, block_size=4, max_num_tokens=6, prefix=False)
     sim = PagedSim(4, 4)
