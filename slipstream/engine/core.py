@@ -213,10 +213,7 @@ class EngineCore:
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
             elif self._async_ok(sched_out):
-                self._inflight = (sched_out, self.runner.launch_sampled(sched_out, feed))
-                self.scheduler.mark_launched(sched_out)
-                once()
-                return self._read_inflight(inflight)
+                return self._launch_async(sched_out, feed, inflight, once)
         if tokens is not None:
             self._queued = self._queue_next_decode(sched_out, tokens)
             once()
@@ -254,6 +251,27 @@ class EngineCore:
         self._forget_queued_if_done()
         return outputs
 
+    def _launch_async(self, sched_out: SchedulerOutput, feed, inflight, once: _Once
+                      ) -> list[EngineCoreOutput]:
+        """Launch `sched_out` and leave its tokens unread (`_inflight`); read and apply the
+        step in flight before it.
+
+        A step with constrained rows samples only once the step before it is applied: their
+        grammars must stand after their latest token. Its forward is launched first, so the
+        host reads that token, advances the grammars and fills the bitmask while the forward
+        runs, and the mask is applied on the device right before the sample."""
+        if not any(s.needs_sample and s.request.grammar is not None for s in sched_out.seqs):
+            self._inflight = (sched_out, self.runner.launch_sampled(sched_out, feed))
+            self.scheduler.mark_launched(sched_out)
+            once()
+            return self._read_inflight(inflight)
+        launched = self.runner.launch_logits(sched_out, feed)
+        self.scheduler.mark_launched(sched_out)
+        outputs = self._read_inflight(inflight)
+        self._inflight = (sched_out, self.runner.sample_launched(launched))
+        once()
+        return outputs
+
     def _read_inflight(self, inflight) -> list[EngineCoreOutput]:
         """Wait for an async step's tokens (if any) and apply them."""
         if inflight is None:
@@ -263,7 +281,8 @@ class EngineCore:
 
     def _async_ok(self, sched_out: SchedulerOutput) -> bool:
         """Whether this step may be left unread (async_scheduling): nothing in it needs its
-        tokens on the host before the next step (logprobs, penalties, prompt logprobs)."""
+        tokens on the host before the next step (logprobs, penalties, prompt logprobs). A
+        grammar needs them only before the next sample (see _launch_async)."""
         if not self.config.scheduler.async_scheduling or self._speculating(sched_out):
             return False
         for seq in sched_out.seqs:
