@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 
@@ -18,6 +19,9 @@ from slipstream.lora.slots import LoRASlots
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slipstream.speculative.tree import prune
+from slipstream.structured.grammar import accept_batch
+
+logger = logging.getLogger(__name__)
 
 # A request refused a LoRA slot this many schedules in a row stops later LoRA requests from
 # joining pinned adapters, so pinned slots drain and it gets one (no starvation).
@@ -405,6 +409,7 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks)."""
         outputs = []
+        grammar_tokens: list[tuple[Request, int]] = []  # advanced together after the loop
         for seq in scheduler_output.seqs:
             request = seq.request
             rid = request.request_id
@@ -419,7 +424,8 @@ class Scheduler:
                 continue  # preempted since it was scheduled
             # A request preempted after an async step was launched keeps that step's token
             # (its next one either way, and a seeded sample stays reproducible).
-            new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
+            new_ids = (self._append_tokens(request, runner_output, grammar_tokens)
+                       if seq.needs_sample else [])
             if seq.num_spec_tokens and not request.is_finished:
                 self.kv.trim(request, request.num_tokens)  # roll back the rejected drafts' slots
             prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
@@ -445,10 +451,33 @@ class Scheduler:
                 else:
                     self._num_waiting -= 1  # its heap entry is skipped once finished
                 self._finish(request, request.status)
+        return outputs + self._advance_grammars(grammar_tokens)
+
+    def _advance_grammars(self, grammar_tokens: list[tuple[Request, int]]) -> list[EngineCoreOutput]:
+        """Advance the step's constrained requests over their one new token each, in one call.
+        A token a grammar rejects (its mask and its matcher disagreed: the output could not
+        parse any more) ends the request there."""
+        if not grammar_tokens:
+            return []
+        accepted = accept_batch([r.grammar for r, _ in grammar_tokens], [t for _, t in grammar_tokens])
+        outputs = []
+        for (request, token), ok in zip(grammar_tokens, accepted, strict=True):
+            if ok or request.is_finished:
+                continue
+            logger.warning("grammar rejected token %d; ending request %s", token, request.request_id)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._num_waiting -= 1  # preempted: its heap entry is skipped once finished
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                            finish_reason=request.status.finish_reason))
         return outputs
 
-    def _append_tokens(self, request: Request, runner_output: RunnerOutput) -> list[int]:
-        """Append sampled tokens until one stops the request; returns those appended."""
+    def _append_tokens(self, request: Request, runner_output: RunnerOutput,
+                       grammar_tokens: list[tuple[Request, int]] | None = None) -> list[int]:
+        """Append sampled tokens until one stops the request; returns those appended. A
+        constrained request's single token goes to `grammar_tokens` (see _advance_grammars)."""
         sampled = runner_output.sampled_token_ids.get(request.request_id)
         if not sampled:
             return []
@@ -462,7 +491,12 @@ class Scheduler:
             request.num_pending = 0
         count, status = scan_stop(request, sampled, self._max_seq_len)
         if request.grammar is not None:  # structured output: advance it; its end is a stop
-            count, status = request.grammar.accept(sampled[:count], status)
+            if count == 1 and grammar_tokens is not None:
+                grammar_tokens.append((request, sampled[0]))
+                if request.grammar.ends_on(sampled[0]):
+                    status = RequestStatus.FINISHED_STOPPED
+            else:
+                count, status = request.grammar.accept(sampled[:count], status)
         appended = sampled[:count]
         request.output_token_ids.extend(appended)
         if status is not None:

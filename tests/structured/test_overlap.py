@@ -73,3 +73,51 @@ def test_overlapped_outputs_follow_their_constraints(outputs):
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.text), schema)
     assert got[True][-1].outputs[0].text in ("yes", "no", "maybe")
+
+
+def test_scheduler_advances_grammars_together():
+    """One batched accept per step: a grammar's end stops its request even with ignore_eos; a
+    token the grammar rejects ends only its request; the others go on."""
+    from slipstream.assets import DEFAULT_MODEL_DIR
+    from slipstream.config import CacheConfig, SchedulerConfig
+    from slipstream.engine.request import Request
+    from slipstream.scheduler.output import RunnerOutput
+    from slipstream.scheduler.scheduler import Scheduler
+    from slipstream.structured.grammar import RequestGrammar
+    from slipstream.structured.manager import StructuredOutputManager
+    from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
+
+    tokenizer = maybe_load_tokenizer(str(DEFAULT_MODEL_DIR))
+    compiled = StructuredOutputManager(str(DEFAULT_MODEL_DIR), 4096).compile(SO(choice=["ab"])).result()
+    eos = tuple(tokenizer.eos_token_ids)
+    ab = tokenizer.encode("ab", add_special_tokens=False)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_tokens=64, max_model_len=64),
+        CacheConfig(block_size=4, num_blocks=32),
+    )
+    requests = {}
+    for rid in ("ends", "bad", "free"):
+        params = SamplingParams(
+            max_tokens=10, ignore_eos=True, structured_outputs=SO(choice=["ab"]) if rid != "free" else None
+        )
+        req = Request(rid, [5, 6, 7], params, eos_token_ids=eos)
+        if rid != "free":
+            req.grammar = RequestGrammar(compiled, eos)
+        sched.add_request(req)
+        requests[rid] = req
+    bad = next(t for t in range(100, 4096) if not tokenizer.decode([t]).startswith("a"))
+    script = {"ends": [*ab, eos[0]], "bad": [bad], "free": [9] * (len(ab) + 1)}
+    reasons = {}
+    for i in range(len(ab) + 1):
+        out = sched.schedule()
+        ro = RunnerOutput()
+        for seq in out.seqs:
+            ro.sampled_token_ids[seq.request_id] = [script[seq.request_id][i]]
+        for o in sched.update_from_output(out, ro):
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+    assert reasons == {"ends": "stop", "bad": "stop"}
+    assert requests["ends"].output_token_ids == [*ab, eos[0]]
+    assert requests["bad"].output_token_ids == [bad]  # emitted, then the request ended
+    assert requests["free"].status.name == "RUNNING"
+    assert len(requests["free"].output_token_ids) == len(ab) + 1
