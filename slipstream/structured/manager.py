@@ -8,6 +8,7 @@ The vocabulary comes from the engine's tokenizer, loaded on the first constraine
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -66,6 +67,13 @@ class StructuredOutputManager:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def compile_threads() -> int:
+    """xgrammar's threads for one compile (it computes the grammar's token masks in parallel):
+    a new schema waits less, while most cores stay with the step loop."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores // 4))
+
+
 def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
     import xgrammar as xgr
 
@@ -78,4 +86,4 @@ def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None
     )
-    return xgr.GrammarCompiler(info, max_threads=1)
+    return xgr.GrammarCompiler(info, max_threads=compile_threads())
