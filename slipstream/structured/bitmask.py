@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from slipstream.runner.cpu_threads import physical_cores
+
 if TYPE_CHECKING:
     from slipstream.engine.request import Request
 
@@ -64,7 +66,8 @@ class BitmaskFiller:
         if self._batch is None:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher()
+            # xgrammar's "auto" is half of every CPU of the host, which a container may not own.
+            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, physical_cores() // 2)))
         return self._batch
 
     def _host_rows(self, num_rows: int, words: int, device: torch.device) -> torch.Tensor:

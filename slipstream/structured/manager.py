@@ -8,13 +8,13 @@ The vocabulary comes from the engine's tokenizer, loaded on the first constraine
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from slipstream.runner.cpu_threads import physical_cores
 from slipstream.structured.params import StructuredOutputsParams, build_grammar
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,7 @@ class StructuredOutputManager:
 def compile_threads() -> int:
     """xgrammar's threads for one compile (it computes the grammar's token masks in parallel):
     a new schema waits less, while most cores stay with the step loop."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cores // 4))
+    return max(1, min(4, physical_cores() // 4))
 
 
 def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
