@@ -405,11 +405,16 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+        grammars_advanced: bool = False,
     ) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks)."""
+        """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks).
+
+        The constrained requests' grammars advance over their new tokens in one call after the
+        loop; grammars_advanced: the caller does that itself (`grammar_tokens`, then
+        `end_rejected`), e.g. in a thread while this runs."""
         outputs = []
-        grammar_tokens: list[tuple[Request, int]] = []  # advanced together after the loop
+        grammar_tokens = [] if grammars_advanced else self.grammar_tokens(scheduler_output, runner_output)
         for seq in scheduler_output.seqs:
             request = seq.request
             rid = request.request_id
@@ -424,8 +429,7 @@ class Scheduler:
                 continue  # preempted since it was scheduled
             # A request preempted after an async step was launched keeps that step's token
             # (its next one either way, and a seeded sample stays reproducible).
-            new_ids = (self._append_tokens(request, runner_output, grammar_tokens)
-                       if seq.needs_sample else [])
+            new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
             if seq.num_spec_tokens and not request.is_finished:
                 self.kv.trim(request, request.num_tokens)  # roll back the rejected drafts' slots
             prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
@@ -451,15 +455,29 @@ class Scheduler:
                 else:
                     self._num_waiting -= 1  # its heap entry is skipped once finished
                 self._finish(request, request.status)
-        return outputs + self._advance_grammars(grammar_tokens)
+        if grammar_tokens:
+            outputs += self.end_rejected(grammar_tokens, advance_grammars(grammar_tokens))
+        return outputs
 
-    def _advance_grammars(self, grammar_tokens: list[tuple[Request, int]]) -> list[EngineCoreOutput]:
-        """Advance the step's constrained requests over their one new token each, in one call.
-        A token a grammar rejects (its mask and its matcher disagreed: the output could not
-        parse any more) ends the request there."""
-        if not grammar_tokens:
-            return []
-        accepted = accept_batch([r.grammar for r, _ in grammar_tokens], [t for _, t in grammar_tokens])
+    def grammar_tokens(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+                       ) -> list[tuple[Request, int]]:
+        """(request, token) for each constrained request with one sampled token that
+        update_from_output appends (one still in the scheduler: a single token always is)."""
+        pairs = []
+        for seq in scheduler_output.seqs:
+            request = seq.request
+            if request.grammar is None or not seq.needs_sample \
+                    or self.requests.get(request.request_id) is not request:
+                continue
+            sampled = runner_output.sampled_token_ids.get(request.request_id)
+            if sampled and len(sampled) == 1:
+                pairs.append((request, sampled[0]))
+        return pairs
+
+    def end_rejected(self, grammar_tokens: list[tuple[Request, int]], accepted: list[bool]
+                     ) -> list[EngineCoreOutput]:
+        """End each request whose grammar rejected its token (its mask and its matcher
+        disagreed: the output could not parse any more); their outputs."""
         outputs = []
         for (request, token), ok in zip(grammar_tokens, accepted, strict=True):
             if ok or request.is_finished:
@@ -474,10 +492,8 @@ class Scheduler:
                                             finish_reason=request.status.finish_reason))
         return outputs
 
-    def _append_tokens(self, request: Request, runner_output: RunnerOutput,
-                       grammar_tokens: list[tuple[Request, int]] | None = None) -> list[int]:
-        """Append sampled tokens until one stops the request; returns those appended. A
-        constrained request's single token goes to `grammar_tokens` (see _advance_grammars)."""
+    def _append_tokens(self, request: Request, runner_output: RunnerOutput) -> list[int]:
+        """Append sampled tokens until one stops the request; returns those appended."""
         sampled = runner_output.sampled_token_ids.get(request.request_id)
         if not sampled:
             return []
@@ -490,9 +506,8 @@ class Scheduler:
             del request.output_token_ids[-request.num_pending:]
             request.num_pending = 0
         count, status = scan_stop(request, sampled, self._max_seq_len)
-        if request.grammar is not None:  # structured output: advance it; its end is a stop
-            if count == 1 and grammar_tokens is not None:
-                grammar_tokens.append((request, sampled[0]))
+        if request.grammar is not None:  # structured output: its end is a stop
+            if len(sampled) == 1:  # advanced with the step's others (see grammar_tokens)
                 if request.grammar.ends_on(sampled[0]):
                     status = RequestStatus.FINISHED_STOPPED
             else:
@@ -516,6 +531,12 @@ class Scheduler:
         self._plp_emitted[rid] = max(emitted, received + len(entries))
         fresh = entries[max(0, emitted - received):]
         return fresh or None
+
+
+def advance_grammars(grammar_tokens: list[tuple[Request, int]]) -> list[bool]:
+    """Advance each request's grammar over its token, all in one xgrammar call; whether each
+    accepted it. Touches the matchers only (a thread may run it beside update_from_output)."""
+    return accept_batch([r.grammar for r, _ in grammar_tokens], [t for _, t in grammar_tokens])
 
 
 def scan_stop(request: Request, tokens: list[int], max_seq_len: int
