@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from slipstream.config import EngineConfig, SchedulerConfig
 from slipstream.engine.auto_limits import fit_resolved_limits, resolve_step_limits
@@ -27,7 +28,7 @@ from slipstream.sampling.beam_search import BeamSearchParams
 from slipstream.sampling.logit_controls import needs_known_tokens
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
-from slipstream.scheduler.scheduler import Scheduler
+from slipstream.scheduler.scheduler import Scheduler, advance_grammars
 from slipstream.speculative.decoder import build_decoder
 from slipstream.structured.waiting import GrammarWaitRoom
 
@@ -72,6 +73,7 @@ class EngineCore:
         self._queued: tuple[SchedulerOutput, int, object] | None = None
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
         self._inflight: tuple[SchedulerOutput, object] | None = None
+        self._grammar_pool: ThreadPoolExecutor | None = None  # advances grammars (_read_inflight)
         weight_bytes = self.runner.weight_bytes()
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
@@ -231,10 +233,7 @@ class EngineCore:
             if num_steps > 1:
                 tokens = self.runner.launch_decode_steps(sched_out, num_steps, feed)
             elif self._async_ok(sched_out):
-                self._inflight = (sched_out, self.runner.launch_sampled(sched_out, feed))
-                self.scheduler.mark_launched(sched_out)
-                once()
-                return self._read_inflight(inflight)
+                return self._launch_async(sched_out, feed, inflight, once)
         if tokens is not None:
             self._queued = self._queue_next_decode(sched_out, tokens)
             once()
@@ -246,15 +245,15 @@ class EngineCore:
         once()  # a path that had no GPU wait to overlap it with
         return outputs + self._apply(sched_out, runner_out, num_steps)
 
-    def _apply(self, sched_out: SchedulerOutput, runner_out, num_steps: int
-               ) -> list[EngineCoreOutput]:
+    def _apply(self, sched_out: SchedulerOutput, runner_out, num_steps: int,
+               grammars_advanced: bool = False) -> list[EngineCoreOutput]:
         """update_from_output and the engine's own bookkeeping of a step read back."""
         spec_counts = {}
         if self.spec is not None:
             spec_counts = self.spec.record(sched_out, runner_out)
             self.spec.step_applied(sched_out, num_steps)
         with self.timer.phase("update"):
-            outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            outputs = self.scheduler.update_from_output(sched_out, runner_out, grammars_advanced)
         for out in outputs:
             out.num_draft_tokens, out.num_accepted_tokens = spec_counts.get(out.request_id, (0, 0))
         if self.config.runner == "pooling":
@@ -273,16 +272,55 @@ class EngineCore:
         self._forget_queued_if_done()
         return outputs
 
-    def _read_inflight(self, inflight) -> list[EngineCoreOutput]:
-        """Wait for an async step's tokens (if any) and apply them."""
+    def _launch_async(self, sched_out: SchedulerOutput, feed, inflight, once: _Once
+                      ) -> list[EngineCoreOutput]:
+        """Launch `sched_out` and leave its tokens unread (`_inflight`); read and apply the
+        step in flight before it.
+
+        A step with constrained rows samples only once the step before it is applied: their
+        grammars must stand after their latest token. Its forward is launched first, so the
+        host reads that token, advances the grammars (in a thread, beside the rest of the
+        update) and fills the bitmask while the forward runs, and the mask is applied on the
+        device right before the sample."""
+        if not any(s.needs_sample and s.request.grammar is not None for s in sched_out.seqs):
+            self._inflight = (sched_out, self.runner.launch_sampled(sched_out, feed))
+            self.scheduler.mark_launched(sched_out)
+            once()
+            return self._read_inflight(inflight)
+        launched = self.runner.launch_logits(sched_out, feed)
+        self.scheduler.mark_launched(sched_out)
+        outputs = self._read_inflight(inflight, grammars_aside=True)
+        self._inflight = (sched_out, self.runner.sample_launched(launched))
+        once()
+        return outputs
+
+    def _read_inflight(self, inflight, grammars_aside: bool = False) -> list[EngineCoreOutput]:
+        """Wait for an async step's tokens (if any) and apply them. grammars_aside: advance
+        the constrained requests' grammars in a thread meanwhile (xgrammar releases the GIL),
+        off the host's critical path."""
         if inflight is None:
             return []
         sched_out, tokens = inflight
-        return self._apply(sched_out, self.runner.collect_sampled(sched_out, tokens), 1)
+        runner_out = self.runner.collect_sampled(sched_out, tokens)
+        pairs = self.scheduler.grammar_tokens(sched_out, runner_out) if grammars_aside else []
+        if not pairs:
+            return self._apply(sched_out, runner_out, 1)
+        job = self._grammar_thread().submit(advance_grammars, pairs)
+        outputs = self._apply(sched_out, runner_out, 1, grammars_advanced=True)
+        ended = self.scheduler.end_rejected(pairs, job.result())
+        for out in ended:
+            self._requests.pop(out.request_id, None)
+        return outputs + ended
+
+    def _grammar_thread(self) -> ThreadPoolExecutor:
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-accept")
+        return self._grammar_pool
 
     def _async_ok(self, sched_out: SchedulerOutput) -> bool:
         """Whether this step may be left unread (async_scheduling): nothing in it needs its
-        tokens on the host before the next step (logprobs, penalties, prompt logprobs)."""
+        tokens on the host before the next step (logprobs, penalties, prompt logprobs). A
+        grammar needs them only before the next sample (see _launch_async)."""
         if not self.config.scheduler.async_scheduling or self._speculating(sched_out):
             return False
         for seq in sched_out.seqs:
@@ -406,6 +444,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release what outlives the object: a distributed engine's worker processes."""
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False)
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

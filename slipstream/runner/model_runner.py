@@ -52,6 +52,8 @@ _PROMPT_LOGPROB_ROWS = 512  # rows of [rows, vocab] float32 logits materialised 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # Input tokens still on the device: (token ids [R], per seq the row to take or -1).
 _Feed = tuple[torch.Tensor, list[int]] | None
+# A launched forward: the sampled seqs' logits on the device (None: none samples), their requests.
+LaunchedLogits = tuple[torch.Tensor | None, list[Request]]
 
 
 class ModelRunner:
@@ -467,7 +469,20 @@ class ModelRunner:
         """execute_model's GPU work with the sampled token ids left on the device, one per
         needs_sample seq in order (async_scheduling: no request of the step wants logprobs or
         prompt logprobs). collect_sampled reads them."""
+        return self.sample_launched(self.launch_logits(sched, feed))
+
+    @torch.inference_mode()
+    def launch_logits(self, sched: SchedulerOutput, feed: _Feed = None) -> LaunchedLogits:
+        """launch_sampled's forward alone: the logits of the needs_sample seqs (None when none
+        samples) and their requests, on the device. The caller may update host state the
+        sampler reads (grammars) before sample_launched samples them, while the forward runs."""
         logits, requests, _ = self._step_logits(sched, feed)
+        return logits, requests
+
+    @torch.inference_mode()
+    def sample_launched(self, launched: LaunchedLogits) -> LaunchedTokens:
+        """Sample launch_logits' logits on the device, as launch_sampled does."""
+        logits, requests = launched
         if logits is None:
             return LaunchedTokens(torch.empty(0, dtype=torch.int64, device=self.device))
         return LaunchedTokens(self._get_sampler().sample_on_device(logits, requests))

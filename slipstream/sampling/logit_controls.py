@@ -26,10 +26,9 @@ def has_logit_controls(request: Request) -> bool:
 
 def needs_known_tokens(params: SamplingParams) -> bool:
     """Whether the controls read the request's output tokens on the host before each sample
-    (so its steps cannot be left unread: async_scheduling, multi-step decode)."""
-    return bool(
-        params.structured_outputs is not None or params.bad_words_token_ids or params.logits_processors
-    )
+    (so its steps cannot be left unread: async_scheduling). A grammar reads only its matcher,
+    which the engine advances before it samples (EngineCore._launch_async)."""
+    return bool(params.bad_words_token_ids or params.logits_processors)
 
 
 class LogitControls:
@@ -45,7 +44,8 @@ class LogitControls:
             _apply_allowed(logits, requests, rows)
             _apply_bad_words(logits, requests, rows)
             _apply_processors(logits, requests, rows)
-        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        # A request the step before finished (its grammar ended) samples a token nobody reads.
+        grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.is_finished]
         if grammar_rows:
             mask = self._bitmask.fill(requests, grammar_rows, logits.shape[1], logits.device)
             apply_bitmask(logits, mask, grammar_rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import heapq
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,9 @@ from slipstream.lora.slots import LoRASlots
 from slipstream.outputs import EngineCoreOutput
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
 from slipstream.speculative.tree import prune
+from slipstream.structured.grammar import accept_batch
+
+logger = logging.getLogger(__name__)
 
 # A request refused a LoRA slot this many schedules in a row stops later LoRA requests from
 # joining pinned adapters, so pinned slots drain and it gets one (no starvation).
@@ -409,10 +413,16 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput,
+        grammars_advanced: bool = False,
     ) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks)."""
+        """Advance computed tokens, append sampled ones, finish what stopped (freeing blocks).
+
+        The constrained requests' grammars advance over their new tokens in one call after the
+        loop; grammars_advanced: the caller does that itself (`grammar_tokens`, then
+        `end_rejected`), e.g. in a thread while this runs."""
         outputs = []
+        grammar_tokens = [] if grammars_advanced else self.grammar_tokens(scheduler_output, runner_output)
         for seq in scheduler_output.seqs:
             request = seq.request
             rid = request.request_id
@@ -453,6 +463,41 @@ class Scheduler:
                 else:
                     self._num_waiting -= 1  # its heap entry is skipped once finished
                 self._finish(request, request.status)
+        if grammar_tokens:
+            outputs += self.end_rejected(grammar_tokens, advance_grammars(grammar_tokens))
+        return outputs
+
+    def grammar_tokens(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+                       ) -> list[tuple[Request, int]]:
+        """(request, token) for each constrained request with one sampled token that
+        update_from_output appends (one still in the scheduler: a single token always is)."""
+        pairs = []
+        for seq in scheduler_output.seqs:
+            request = seq.request
+            if request.grammar is None or not seq.needs_sample \
+                    or self.requests.get(request.request_id) is not request:
+                continue
+            sampled = runner_output.sampled_token_ids.get(request.request_id)
+            if sampled and len(sampled) == 1:
+                pairs.append((request, sampled[0]))
+        return pairs
+
+    def end_rejected(self, grammar_tokens: list[tuple[Request, int]], accepted: list[bool]
+                     ) -> list[EngineCoreOutput]:
+        """End each request whose grammar rejected its token (its mask and its matcher
+        disagreed: the output could not parse any more); their outputs."""
+        outputs = []
+        for (request, token), ok in zip(grammar_tokens, accepted, strict=True):
+            if ok or request.is_finished:
+                continue
+            logger.warning("grammar rejected token %d; ending request %s", token, request.request_id)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self._num_waiting -= 1  # preempted: its heap entry is skipped once finished
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            outputs.append(EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                                            finish_reason=request.status.finish_reason))
         return outputs
 
     def _append_tokens(self, request: Request, runner_output: RunnerOutput) -> list[int]:
@@ -469,8 +514,12 @@ class Scheduler:
             del request.output_token_ids[-request.num_pending:]
             request.num_pending = 0
         count, status = scan_stop(request, sampled, self._max_seq_len)
-        if request.grammar is not None:  # structured output: advance it; its end is a stop
-            count, status = request.grammar.accept(sampled[:count], status)
+        if request.grammar is not None:  # structured output: its end is a stop
+            if len(sampled) == 1:  # advanced with the step's others (see grammar_tokens)
+                if request.grammar.ends_on(sampled[0]):
+                    status = RequestStatus.FINISHED_STOPPED
+            else:
+                count, status = request.grammar.accept(sampled[:count], status)
         appended = sampled[:count]
         request.output_token_ids.extend(appended)
         if status is not None:
@@ -490,6 +539,12 @@ class Scheduler:
         self._plp_emitted[rid] = max(emitted, received + len(entries))
         fresh = entries[max(0, emitted - received):]
         return fresh or None
+
+
+def advance_grammars(grammar_tokens: list[tuple[Request, int]]) -> list[bool]:
+    """Advance each request's grammar over its token, all in one xgrammar call; whether each
+    accepted it. Touches the matchers only (a thread may run it beside update_from_output)."""
+    return accept_batch([r.grammar for r, _ in grammar_tokens], [t for _, t in grammar_tokens])
 
 
 def scan_stop(request: Request, tokens: list[int], max_seq_len: int

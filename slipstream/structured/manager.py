@@ -14,6 +14,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from slipstream.runner.cpu_threads import physical_cores
 from slipstream.structured.params import StructuredOutputsParams, build_grammar
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ class StructuredOutputManager:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def compile_threads() -> int:
+    """xgrammar's threads for one compile (it computes the grammar's token masks in parallel):
+    a new schema waits less, while most cores stay with the step loop."""
+    return max(1, min(4, physical_cores() // 4))
+
+
 def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
     import xgrammar as xgr
 
@@ -78,4 +85,4 @@ def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None
     )
-    return xgr.GrammarCompiler(info, max_threads=1)
+    return xgr.GrammarCompiler(info, max_threads=compile_threads())
