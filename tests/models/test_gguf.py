@@ -200,6 +200,9 @@ def test_llama3_rope_from_the_rope_freqs_tensor(tmp_path):
     assert (inv_freq == default).sum() == 1 and (inv_freq * 8 == default).sum() >= 3
     prompts = [[5, 17, 300, 42], list(range(3, 40))]
     assert slipstream_greedy(path, prompts) == greedy_ids(hf, prompts, MAX_NEW)
+    from slipstream.bench.hf_baseline import build_hf_model
+
+    assert build_hf_model(path, "float32", "cpu").config.num_hidden_layers == 2  # bench baseline
 
 
 def test_rope_freqs_with_another_scaling_is_an_error(tmp_path):
