@@ -48,6 +48,10 @@ def build_hf_model(model_dir: str | Path, dtype: str, device: str):
     if is_gguf_file(model_dir):  # its metadata as the config.json it stands for
         fields = gguf_hf_config(model_dir)
         fields.pop("gguf")
+        if (fields.get("rope_scaling") or {}).get("rope_type") == "freq_factors":
+            # llama.cpp's per-frequency RoPE divisors have no transformers spelling; the
+            # baseline's random weights time the same with the default RoPE.
+            fields.pop("rope_scaling")
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
         config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)

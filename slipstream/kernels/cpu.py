@@ -17,6 +17,10 @@ apply, runs the oracle itself.
 
 Math in float32 as in the oracle (fp8 / int8 caches dequantized the same way); results equal the
 oracle's to float32 rounding (tests/kernels/attention/test_cpu_paged.py).
+
+RMSNorm and SiLU-and-mul of float32 tensors skip the oracle's casts and temporaries (a batch-1
+step runs ~60 norms, each a handful of tiny ops where dispatch is the cost); same operations in
+the same order, so bit-identical (tests/kernels/test_cpu_ops.py).
 """
 from __future__ import annotations
 
@@ -164,7 +168,40 @@ def paged_attention(
     return out
 
 
+def _all_float32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """reference.rms_norm."""
+    if not _all_float32(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    inv_rms = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x * inv_rms).mul_(weight)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.fused_add_rms_norm."""
+    if not _all_float32(x, residual, weight):
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul."""
+    if not _all_float32(x):
+        return reference.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 def cpu_ops() -> SimpleNamespace:
-    """The CPU table: the reference twins, paged_attention replaced by the batched one."""
+    """The CPU table: the reference twins, with the batched paged_attention and the float32
+    norm and activation paths above."""
     ops = {name: getattr(reference, name) for name in OP_NAMES}
-    return SimpleNamespace(**{**ops, "paged_attention": paged_attention}, name="cpu")
+    fast = {"paged_attention": paged_attention, "rms_norm": rms_norm,
+            "fused_add_rms_norm": fused_add_rms_norm, "silu_and_mul": silu_and_mul}
+    return SimpleNamespace(**{**ops, **fast}, name="cpu")

@@ -12,13 +12,15 @@ import torch
 from torch import nn
 
 from slipstream.attention.backend import AttentionMetadata
+from slipstream.attention.cpu_backend import CpuAttentionBackend
 from slipstream.attention.reference import ReferenceAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 
 def get_attention_backend(device: str, ops: SimpleNamespace):
-    """The Triton backend on CUDA when it exists, else the reference one over `ops`."""
+    """The Triton backend on CUDA when it exists; on a CPU with the CPU kernel table, the CPU
+    backend (attention/cpu_backend.py); else the reference one over `ops`."""
     if str(device).startswith("cuda"):
         try:
             from slipstream.attention.triton_backend import TritonAttentionBackend  # Triton: optional
@@ -26,6 +28,8 @@ def get_attention_backend(device: str, ops: SimpleNamespace):
             logger.info("no Triton attention backend; using the reference backend on %s", device)
         else:
             return TritonAttentionBackend(ops)
+    if getattr(ops, "name", None) == "cpu":
+        return CpuAttentionBackend(ops)
     return ReferenceAttentionBackend(ops)
 
 

@@ -54,6 +54,19 @@ class VocabEmbedding(nn.Module):
         param.data.copy_(loaded)
 
 
+# Decode rows up to which a CPU float32 head multiplies by its transposed copy (measured faster
+# at 1 row, slower from 4: performance-log.md).
+CPU_TRANSPOSED_HEAD_MAX_ROWS = 2
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place write count (an inference-mode tensor has none: it cannot be written)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
 class LMHead(nn.Module):
     """hidden -> float32 logits. With `tied`, reuses the embedding's weight (no copy). With
     tp_size > 1 each rank multiplies its vocabulary slice and the slices are gathered, so every
@@ -75,6 +88,10 @@ class LMHead(nn.Module):
         self.quantized_linear = None  # set by quantize()
         self.weight_zero = None  # the int4 head's zero points
         self.large_m_rows = 0  # quantized head: vocabulary rows per call above 16 tokens (0: all)
+        # CPU float32 decode: the weight transposed ([hidden, vocab]), made on first use, and the
+        # (version, address) of the weight it was made from.
+        self._cpu_weight_t: torch.Tensor | None = None
+        self._cpu_weight_t_of: tuple[int, int] | None = None
 
     def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """This rank's rows of the whole [vocab, hidden] checkpoint head."""
@@ -90,10 +107,25 @@ class LMHead(nn.Module):
         elif hidden.is_cuda:  # decode batches: a Triton GEMV where it measured faster than cuBLAS
             logits = linear_kernels().linear(hidden, self.weight)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = self._cpu_logits(hidden)
         if self.tp_size > 1:
             logits = parallel_state.tp_all_gather_last_dim(logits)[..., :self.full_vocab_size]
         return logits.float() if float32 else logits
+
+    def _cpu_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """F.linear, or for a decode of a few float32 rows hidden @ W^T from a [hidden, vocab]
+        copy of the weight: CPU BLAS reads the tall [vocab, hidden] head about half as fast in a
+        GEMV as the same bytes laid out by input channel (performance-log.md), and the head is
+        a fifth of the default model's bytes. The copy costs the head's size in memory once."""
+        w = self.weight
+        if hidden.shape[0] > CPU_TRANSPOSED_HEAD_MAX_ROWS or w.dtype != torch.float32 \
+                or hidden.dtype != torch.float32:
+            return F.linear(hidden, w)
+        made_from = (_version(w), w.data_ptr())
+        if self._cpu_weight_t is None or self._cpu_weight_t_of != made_from:
+            self._cpu_weight_t = w.detach().t().contiguous()
+            self._cpu_weight_t_of = made_from
+        return hidden @ self._cpu_weight_t
 
     def _quantized_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = self.weight.shape[0]

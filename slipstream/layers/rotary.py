@@ -1,5 +1,7 @@
 """Rotary position embedding tables: cos/sin per position; default, linear, llama3, yarn,
-longrope and dynamic (NTK) scaling, as transformers computes them.
+longrope and dynamic (NTK) scaling, as transformers computes them, and "freq_factors": each
+inverse frequency divided by its own factor, as llama.cpp applies a GGUF file's rope_freqs
+tensor (Llama 3.x's long-context RoPE; models/gguf.py).
 
 The table layout is what the kernels read: [max_positions, rotary_dim] float32, cos in the
 first half of the last dim and sin in the second (NeoX / HF rotate_half convention). yarn and
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic",
+                        "freq_factors")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -28,8 +31,9 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
 
 
 def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """[rotary_dim // 2] float32 inverse frequencies after default, linear or llama3 scaling
-    (the position-independent kinds; build_cos_sin_cache covers the others)."""
+    """[rotary_dim // 2] float32 inverse frequencies after default, linear, llama3 or
+    freq_factors scaling (the position-independent kinds; build_cos_sin_cache covers the
+    others)."""
     inv_freq = 1.0 / (theta ** _exponents(rotary_dim))
     kind = rope_type(scaling)
     if kind == "default":
@@ -38,8 +42,18 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] |
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_scale(inv_freq, scaling)
+    if kind == "freq_factors":
+        return inv_freq / _freq_factors(scaling, inv_freq.numel())
     raise ValueError(f"unsupported rope scaling type {kind!r}; supported: "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _freq_factors(s: dict[str, Any], num_freqs: int) -> torch.Tensor:
+    factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+    if factors.shape != (num_freqs,) or not bool((factors > 0).all()):
+        raise ValueError(f"freq_factors rope scaling needs {num_freqs} positive factors (one "
+                         f"per rotary frequency), got {tuple(factors.shape)}")
+    return factors
 
 
 def _exponents(rotary_dim: int) -> torch.Tensor:

@@ -29,8 +29,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 _PERMUTED_ARCHS = ("llama",)
 # A parameter of this name takes its module's GGUF blocks as stored (quantization/gguf_int4.py).
 RAW_SUFFIX = ".gguf_blocks"
-# Llama 3.x long-context RoPE factors: transformers' GGUF loader ignores them too.
-_IGNORED_TENSORS = ("rope_freqs.weight",)
+# Llama 3.x long-context RoPE: llama.cpp's converter stores, per rotary frequency, the divisor of
+# its inverse frequency (1 for short wavelengths, the scaling factor for long ones, a ramp
+# between). It becomes the config's rope scaling (layers/rotary.py "freq_factors"), not a weight.
+# transformers' GGUF loader ignores it.
+ROPE_FREQS = "rope_freqs.weight"
+_IGNORED_TENSORS = (ROPE_FREQS,)
 
 
 def is_gguf_file(path: str | Path | None) -> bool:
@@ -152,7 +156,7 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "hidden_act": "silu",
     }
-    scaling = _rope_scaling(meta, arch, path)
+    scaling = _rope_scaling(meta, arch, path, _rope_freq_factors(reader))
     if scaling:
         cfg["rope_scaling"] = scaling
     cfg.update(special_token_ids(meta))
@@ -169,8 +173,20 @@ def _vocab_size(reader) -> int:
     return len(field.data)
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, path: str | Path) -> dict[str, Any] | None:
+def _rope_freq_factors(reader) -> list[float] | None:
+    """The rope_freqs tensor's values (one divisor per rotary frequency), or None."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    return None if tensor is None else [float(f) for f in to_torch(tensor).flatten().tolist()]
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, path: str | Path,
+                  freq_factors: list[float] | None = None) -> dict[str, Any] | None:
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if freq_factors is not None:
+        if kind != "none":
+            raise ValueError(f"{path}: a {ROPE_FREQS} tensor together with RoPE scaling "
+                             f"{kind!r} is not supported")
+        return {"rope_type": "freq_factors", "freq_factors": freq_factors}
     if kind == "none":
         return None
     if kind == "linear":
@@ -234,8 +250,7 @@ def iterate_gguf_weights(path: str | Path, hf_names: Iterable[str]) -> Iterator[
     meta = metadata(reader)
     arch = architecture(meta, path)
     for t in sorted(reader.tensors, key=_layer_order):
-        if t.name in _IGNORED_TENSORS:
-            logger.warning("%s: ignoring %s (long-context RoPE factors)", path, t.name)
+        if t.name in _IGNORED_TENSORS:  # in the config (gguf_hf_config), not a parameter
             continue
         if t.name not in names:
             raise ValueError(f"unexpected tensor {t.name!r} in {path}: no matching parameter")

@@ -1,5 +1,9 @@
 """Post-training quantization of a checkpoint directory, and writing the quantized checkpoint.
 
+A GGUF model (a .gguf file, or a directory holding one) is first written out as a float HF
+checkpoint in a temporary directory beside the output (models/gguf_convert.py), which is then
+quantized as any other; the output holds its tokenizer files and chat template.
+
 quantize_checkpoint loads the float model, calibrates when the method needs it, quantizes every
 linear layer, and writes safetensors with HF names (fused q/k/v and gate/up split back) plus a
 config.json whose `quantization_config` tells the loader which method reads it. With a KV-cache
@@ -12,6 +16,7 @@ import importlib
 import json
 import logging
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +28,7 @@ from tqdm.auto import tqdm
 
 from slipstream.dtypes import resolve_dtype
 from slipstream.layers.linear import LinearBase
+from slipstream.models.gguf import is_gguf_file, resolve_model_path
 from slipstream.models.norm_fold import kept_norms
 from slipstream.models.quantize_as_loaded import before_each_layer
 from slipstream.quantization.awq import LayerByLayerAwq
@@ -61,7 +67,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         options: dict | None = None, kv_cache_dtype: str | None = None,
                         quantize_lm_head: bool | str = False,
                         max_shard_bytes: int = MAX_SHARD_BYTES, stream_layers: bool = True) -> Path:
-    """Quantize `model_dir` with `method` into `output_dir`; returns output_dir.
+    """Quantize `model_dir` (a checkpoint directory, a .gguf file or a directory holding one)
+    with `method` into `output_dir`; returns output_dir.
 
     options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
@@ -73,6 +80,12 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     has to fit; False loads the whole float model first (int4_awq: the same tensors; w8a8_sq:
     the same statistics up to float rounding; tested).
     """
+    if is_gguf_file(resolve_model_path(model_dir)):
+        return _quantize_gguf(resolve_model_path(model_dir), method, output_dir, calib_data=calib_data,
+                              num_calib_samples=num_calib_samples, max_calib_len=max_calib_len,
+                              device=device, options=options, kv_cache_dtype=kv_cache_dtype,
+                              quantize_lm_head=quantize_lm_head, max_shard_bytes=max_shard_bytes,
+                              stream_layers=stream_layers)
     # Lazy: the engine loads when a checkpoint is quantized, not for `slipstream --help`.
     from slipstream.llm import LLM
 
@@ -128,6 +141,21 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
                         kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
                         quantize_lm_head=quantize_lm_head, max_shard_bytes=max_shard_bytes)
     return Path(output_dir)
+
+
+def _quantize_gguf(gguf_path: str, method: str, output_dir: str | Path, **kwargs) -> Path:
+    """quantize_checkpoint of a GGUF file: its float HF checkpoint, written to a temporary
+    directory next to the output, quantized, then removed."""
+    from slipstream.models.gguf_convert import write_hf_checkpoint
+
+    if method not in METHODS:  # before minutes of conversion
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    out = Path(output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-gguf-", dir=out.parent) as tmp:
+        logger.info("writing %s as a float checkpoint in %s", gguf_path, tmp)
+        src = write_hf_checkpoint(gguf_path, tmp, kwargs["max_shard_bytes"])
+        return quantize_checkpoint(src, method, out, **kwargs)
 
 
 def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],

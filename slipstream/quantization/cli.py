@@ -1,4 +1,5 @@
-"""`slipstream quantize`: post-training quantization of a checkpoint directory into a new one.
+"""`slipstream quantize`: post-training quantization of a checkpoint (a directory or a GGUF file)
+into a new checkpoint directory.
 
 The lead wires `add_quantize_parser(subparsers)` into slipstream/cli.py; the output directory
 loads with `LLM(model=OUTPUT)` (its config.json carries the quantization_config and, with
@@ -21,8 +22,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                          "int8) into a new one",
         description="Post-training quantization. Calibrates on --calib-data (built-in texts when "
                     "omitted) for the methods that need it, writes a checkpoint to --output.")
-    p.add_argument("--model", default=None, help="source checkpoint directory "
-                   "(default: the embedded model)")
+    p.add_argument("--model", default=None, help="source checkpoint: a Hugging Face directory, "
+                   "a .gguf file or a directory holding one (default: the embedded model)")
     p.add_argument("--method", required=True, choices=METHODS,
                    help="weight quantization; 'none' keeps the weights (KV-cache scales only)")
     p.add_argument("--output", required=True, help="directory to write")

@@ -4,8 +4,6 @@ template / EOS from the metadata, and clear errors for files the engine cannot l
 """
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
@@ -178,29 +176,50 @@ def test_missing_and_wrong_files(tmp_path):
         engine_config(tmp_path / "broken.gguf")
 
 
-def test_rope_freqs_tensor_is_skipped_with_a_warning(tmp_path, caplog):
-    """Llama 3.x files carry long-context RoPE factors; transformers ignores them as well."""
-    import gguf
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-    src = write_tiny_gguf(tmp_path / "src", "F32")
-    reader = gguf.GGUFReader(str(src))
-    path = tmp_path / "with-rope-freqs.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            writer.add_key_value(key, field.contents(), field.types[0],
-                                 field.types[-1] if len(field.types) > 1 else None)
-    for t in reader.tensors:
-        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    writer.add_tensor("rope_freqs.weight", torch.ones(8).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with caplog.at_level(logging.WARNING):
-        names = [n for n, _ in iterate_gguf_weights(path, _llama_hf_names(2))]
-    assert len(names) == len(reader.tensors)
-    assert "rope_freqs.weight" in caplog.text
+
+def test_llama3_rope_from_the_rope_freqs_tensor(tmp_path):
+    """A Llama 3.x file carries its long-context RoPE as llama.cpp's rope_freqs tensor: applied,
+    the GGUF runs as the HF checkpoint it was written from. (transformers' GGUF loader ignores
+    the tensor, so the reference is the source checkpoint.) With head_dim 16 and an original
+    context of 64, every frequency class is present: kept, ramped and divided by the factor."""
+    from slipstream.layers.rotary import inverse_frequencies
+
+    path = write_tiny_gguf(tmp_path, "F32", rope_scaling=LLAMA3_ROPE)
+    model_cfg = engine_config(path).model
+    assert model_cfg.rope_scaling["rope_type"] == "freq_factors"
+    names = [n for n, _ in iterate_gguf_weights(path, _llama_hf_names(2))]
+    assert len(names) == len(set(names)) and not any("rope" in n for n in names)
+    hf = load_hf_model(tmp_path / "hf" / "tiny-LlamaForCausalLM")
+    inv_freq = inverse_frequencies(model_cfg.head_dim, model_cfg.rope_theta,
+                                   model_cfg.rope_scaling)
+    torch.testing.assert_close(inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+    default = inverse_frequencies(model_cfg.head_dim, model_cfg.rope_theta, None)
+    assert (inv_freq == default).sum() == 1 and (inv_freq * 8 == default).sum() >= 3
+    prompts = [[5, 17, 300, 42], list(range(3, 40))]
+    assert slipstream_greedy(path, prompts) == greedy_ids(hf, prompts, MAX_NEW)
+    from slipstream.bench.hf_baseline import build_hf_model
+
+    assert build_hf_model(path, "float32", "cpu").config.num_hidden_layers == 2  # bench baseline
+
+
+def test_rope_freqs_with_another_scaling_is_an_error(tmp_path):
+    from slipstream.models.gguf import _rope_scaling
+
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    with pytest.raises(ValueError, match="rope_freqs.weight tensor together with RoPE scaling"):
+        _rope_scaling(meta, "llama", "m.gguf", [1.0, 2.0])
+    with pytest.raises(ValueError, match="needs 4 positive factors"):
+        inverse_frequencies_of(8, [1.0, 2.0])
+
+
+def inverse_frequencies_of(rotary_dim: int, factors: list[float]):
+    from slipstream.layers.rotary import inverse_frequencies
+
+    return inverse_frequencies(rotary_dim, 10000.0, {"rope_type": "freq_factors",
+                                                     "freq_factors": factors})
 
 
 def _llama_hf_names(layers: int) -> list[str]:

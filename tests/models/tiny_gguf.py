@@ -5,6 +5,7 @@ to the type asked, and the tiny byte-level BPE tokenizer with a chat template in
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ def write_tiny_gguf(tmp_path: Path, qtype: str = "F32", arch: str = "LlamaForCau
                     name: str | None = None, eot: bool = False, **overrides: Any) -> Path:
     """A tiny random model as `<tmp_path>/<name>.gguf`: 2-D weights in `qtype` (F32, F16, BF16,
     Q8_0, Q4_0, Q4_1, ...), norms in F32. overrides: tests.helpers config fields
-    (tie_word_embeddings=True: no output.weight). eot: also name <|end|> end-of-turn."""
+    (tie_word_embeddings=True: no output.weight; rope_scaling of rope_type llama3: the
+    rope_freqs tensor llama.cpp's converter writes for it). eot: also name <|end|> end-of-turn."""
     import gguf
 
     tok = tiny_tokenizer_parts(tmp_path)
@@ -50,6 +52,9 @@ def write_tiny_gguf(tmp_path: Path, qtype: str = "F32", arch: str = "LlamaForCau
     _write_config(writer, cfg)
     _write_tokenizer(writer, tok, eot)
     _write_tensors(writer, ckpt, cfg, ARCHS[arch], gguf.GGMLQuantizationType[qtype])
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_factors(cfg, rope))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -101,6 +106,27 @@ def _write_tensors(w, ckpt: Path, cfg: dict[str, Any], arch: str, qtype) -> None
             w.add_tensor(name, data)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def llama_cpp_rope_factors(cfg: dict[str, Any], rope: dict[str, Any]):
+    """convert_hf_to_gguf.py's rope_freqs for Llama 3 RoPE scaling: per rotary frequency, the
+    divisor of its inverse frequency (float32)."""
+    import numpy as np
+
+    dim, theta = cfg["head_dim"], float(cfg.get("rope_theta") or rope["rope_theta"])
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _llama_cpp_order(w: torch.Tensor, name: str, cfg: dict[str, Any], arch: str) -> torch.Tensor:

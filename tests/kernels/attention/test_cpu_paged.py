@@ -98,6 +98,7 @@ def test_cpu_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """auto on the CPU: the batched attention; SLIPSTREAM_KERNELS=reference: the plain oracle."""
     monkeypatch.setenv("SLIPSTREAM_KERNELS", "auto")
     assert get_ops("cpu").paged_attention is cpu.paged_attention
-    assert get_ops("cpu").rms_norm is reference.rms_norm
+    assert get_ops("cpu").rms_norm is cpu.rms_norm
+    assert get_ops("cpu").apply_rotary is reference.apply_rotary
     monkeypatch.setenv("SLIPSTREAM_KERNELS", "reference")
     assert get_ops("cpu").paged_attention is reference.paged_attention
