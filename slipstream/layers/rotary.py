@@ -49,7 +49,7 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] |
 
 
 def _freq_factors(s: dict[str, Any], num_freqs: int) -> torch.Tensor:
-    factors = torch.tensor(s["freq_factors"], dtype=torch.float32)
+    factors = torch.tensor(s["freq_factors"], dtype=torch.float32, device="cpu")
     if factors.shape != (num_freqs,) or not bool((factors > 0).all()):
         raise ValueError(f"freq_factors rope scaling needs {num_freqs} positive factors (one "
                          f"per rotary frequency), got {tuple(factors.shape)}")

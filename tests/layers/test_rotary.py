@@ -88,6 +88,7 @@ def test_unknown_type_is_a_value_error():
         {"rope_type": "longrope", "short_factor": [1.0] * (DIM // 2),
          "long_factor": [2.0] * (DIM // 2), "original_max_position_embeddings": ORIG},
         {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "freq_factors", "freq_factors": [1.0 + i for i in range(DIM // 2)]},
     ],
     ids=lambda s: (s or {}).get("rope_type", "default"),
 )
