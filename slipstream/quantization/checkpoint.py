@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 
 from slipstream.dtypes import resolve_dtype
 from slipstream.layers.linear import LinearBase
+from slipstream.models.gguf import gguf_hf_config, is_gguf_file
 from slipstream.models.norm_fold import kept_norms
 from slipstream.models.quantize_as_loaded import before_each_layer
 from slipstream.quantization.awq import LayerByLayerAwq
-from slipstream.models.gguf import gguf_hf_config, is_gguf_file
 from slipstream.quantization.base import METHOD_NAMES, UnquantizedLinearMethod
 from slipstream.quantization.calibration import (
     calibration_prompts,
