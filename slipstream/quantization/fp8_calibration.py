@@ -3,15 +3,17 @@
 FP8 E4M3 keeps 3 mantissa bits whatever the scale, so finer scales buy little; what differs is
 how much each projection's rounding (weight per channel, input per token) disturbs the model.
 `slipstream quantize --method fp8 --keep-float N` runs the calibration prompts through the float
-model one decoder layer at a time and, for each projection alone, fake-quantizes its weight and
-input (the fp8 method's own arithmetic) and measures the change of the layer's output residual
-stream, relative to that stream, per token. The N projections that disturb it most stay float;
+model one decoder layer at a time and scores each projection's FP8 rounding (weight per
+channel, input per token: the fp8 method's own arithmetic, as a torch fake-quant) by how much it
+changes its layer's output stream (measure_sensitivity). The N projections that change it most
+stay float;
 their Hugging Face module names go into the checkpoint's `ignored_layers`, which the fp8 loader
 honours (fp8_layouts.not_converted_modules).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -49,23 +51,22 @@ def _bias(linear: nn.Module) -> torch.Tensor | None:
 
 
 def layer_forward(layer: nn.Module, h: torch.Tensor, cos_sin: torch.Tensor,
-                  quantized: str | None = None) -> torch.Tensor:
-    """One float Llama decoder layer on the residual stream h [B, T, H], with the projection
-    named `quantized` (one of PROJECTIONS) in FP8 W8A8 fake-quant; the stream after it."""
+                  quantized: Collection[str] = ()) -> torch.Tensor:
+    """One float Llama decoder layer on the residual stream h [B, T, H], with the projections
+    named in `quantized` (of PROJECTIONS) in FP8 W8A8 fake-quant; the stream after it."""
     attn, mlp = layer.self_attn, layer.mlp
     x = layer.input_layernorm(h)
-    if quantized == PROJECTIONS[0]:
-        x, w_qkv = fake_quant_tokens(x), fake_quant_weight(attn.qkv_proj.weight.float())
-    else:
-        w_qkv = attn.qkv_proj.weight.float()
+    w_qkv = attn.qkv_proj.weight.float()
+    if PROJECTIONS[0] in quantized:
+        x, w_qkv = fake_quant_tokens(x), fake_quant_weight(w_qkv)
     ctx = attention_ctx(attn, x, w_qkv, cos_sin)
-    h = h + _linear(ctx, attn.o_proj, quantized == PROJECTIONS[1])
+    h = h + _linear(ctx, attn.o_proj, PROJECTIONS[1] in quantized)
     x = layer.post_attention_layernorm(h)
-    if quantized == PROJECTIONS[2]:
-        act = gated_act(mlp, fake_quant_tokens(x), fake_quant_weight(mlp.gate_up_proj.weight.float()))
-    else:
-        act = gated_act(mlp, x, mlp.gate_up_proj.weight.float())
-    return h + _linear(act, mlp.down_proj, quantized == PROJECTIONS[3])
+    w_gate_up = mlp.gate_up_proj.weight.float()
+    if PROJECTIONS[2] in quantized:
+        x, w_gate_up = fake_quant_tokens(x), fake_quant_weight(w_gate_up)
+    act = gated_act(mlp, x, w_gate_up)
+    return h + _linear(act, mlp.down_proj, PROJECTIONS[3] in quantized)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -76,45 +77,24 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (err / ref).mean().item()
 
 
-class LayerByLayerFp8Sensitivity:
-    """Per decoder layer, in order: each projection's FP8 error on the calibration prompts' float
-    residual stream (kept between layers). `scores` maps a projection's module path
-    (model.layers.i.mlp.down_proj) to its relative_error."""
-
-    def __init__(self, prompts: list[list[int]]):
-        self.prompts = prompts
-        self.next_layer = 0
-        self.scores: dict[str, float] = {}
-        self._h: list[torch.Tensor] | None = None  # per prompt [1, T, hidden] float32
-
-    @torch.no_grad()
-    def __call__(self, model: nn.Module, index: int, layer: nn.Module) -> None:
-        if index != self.next_layer:
-            raise RuntimeError(f"fp8 calibration: decoder layer {index} arrived before layer "
-                               f"{self.next_layer}")
-        cos_sin = model.model.rotary_emb.cos_sin_cache.float()
-        if self._h is None:
-            embed = model.model.embed_tokens
-            self._h = [embed(torch.tensor([p], device=embed.weight.device)).float()
-                       for p in self.prompts]
-        errors = dict.fromkeys(PROJECTIONS, 0.0)
-        for i, h in enumerate(self._h):
-            want = layer_forward(layer, h, cos_sin)
-            for name in PROJECTIONS:
-                errors[name] += relative_error(layer_forward(layer, h, cos_sin, name), want)
-            self._h[i] = want
-        for name, err in errors.items():
-            self.scores[f"model.layers.{index}.{name}"] = err / len(self._h)
-        self.next_layer += 1
-
-
 @torch.no_grad()
 def measure_sensitivity(model: nn.Module, prompts: list[list[int]]) -> dict[str, float]:
-    """LayerByLayerFp8Sensitivity over a loaded float Llama-family model."""
-    hook = LayerByLayerFp8Sensitivity(prompts)
+    """{projection module path (model.layers.i.mlp.down_proj): its FP8 sensitivity} for a loaded
+    float Llama-family model on the calibration prompts: the relative_error of its decoder
+    layer's output when that projection alone runs in FP8, on the float residual stream.
+    One pass over the layers (five layer forwards each): cheap enough for a CPU."""
+    cos_sin = model.model.rotary_emb.cos_sin_cache.float()
+    embed = model.model.embed_tokens
+    scores: dict[str, float] = {}
+    streams = [embed(torch.tensor([p], device=embed.weight.device)).float() for p in prompts]
     for i, layer in enumerate(model.model.layers):
-        hook(model, i, layer)
-    return hook.scores
+        for j, h in enumerate(streams):
+            streams[j] = want = layer_forward(layer, h, cos_sin)
+            for name in PROJECTIONS:
+                err = relative_error(layer_forward(layer, h, cos_sin, (name,)), want)
+                key = f"model.layers.{i}.{name}"
+                scores[key] = scores.get(key, 0.0) + err / len(prompts)
+    return scores
 
 
 def most_sensitive(scores: dict[str, float], count: int) -> list[str]:
