@@ -34,7 +34,7 @@ from slipstream.quantization.calibration import (
     load_calib_texts,
 )
 from slipstream.quantization.fp8 import MIN_CAPABILITY
-from slipstream.quantization.fp8_calibration import checkpoint_module_names, fold_norms
+from slipstream.quantization.fp8_calibration import checkpoint_module_names
 from slipstream.quantization.int4_awq import DEFAULT_GROUP
 from slipstream.quantization.kv_cache import (
     KV_CACHE_DTYPES,
@@ -126,7 +126,6 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         if (options or {}).get("keep_float"):  # fp8: the projections that lose most stay float
             texts = texts or load_calib_texts(calib_data, num_calib_samples)
             kept_float = module.float_layers(llm, texts, max_calib_len, options["keep_float"])
-            fold_norms(model, set(kept_float))
         _quantize_linears(model, module, dict(options or {}), skip=set(kept_float))
     kv_tensors: dict[str, torch.Tensor] = {}
     if kv_cache_dtype is not None:

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.models.norm_fold import fold_norm
 from slipstream.quantization import utils as qu
 from slipstream.quantization.awq import attention_ctx, gated_act
 
@@ -105,18 +104,6 @@ def _check_llama_layers(model: nn.Module) -> None:
                    for p in PROJECTIONS):
             raise ValueError("fp8 --keep-float measures Llama-family decoder layers (q/k/v, o, "
                              f"gate/up, down); {type(model).__name__} has others")
-
-
-@torch.no_grad()
-def fold_norms(model: nn.Module, keep: Collection[str]) -> None:
-    """Fold each RMSNorm into the projection it feeds unless that projection stays float: the
-    same FP8 numbers as LLM(quantization="fp8") computes, which folds them at load (the FP8
-    input is then x / rms(x), and gamma is rounded with the weight). The written checkpoint
-    holds the folded weights and norms of 1: the same float function."""
-    modules = dict(model.named_modules())
-    for proj, norm in model.norm_fold_pairs().items():
-        if proj not in keep:
-            fold_norm(modules[proj], modules[norm])
 
 
 def most_sensitive(scores: dict[str, float], count: int) -> list[str]:
