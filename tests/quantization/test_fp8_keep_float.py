@@ -147,3 +147,23 @@ def test_keep_float_checkpoint_on_gpu_matches_cpu(kept_two, prompts) -> None:
     cpu = _prompt_logprobs(_llm(out), prompts)
     gpu = _prompt_logprobs(_llm(out, device="cuda", dtype="bfloat16"), prompts)
     assert (gpu - cpu).abs().mean().item() < 0.05
+
+
+def test_quantize_reads_a_gguf_file(tmp_path) -> None:
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    prompts = [[5, 17, 300, 42], list(range(3, 40))]  # inside the tiny tokenizer's 420 ids
+    gguf = write_tiny_gguf(tmp_path, "F32", tie_word_embeddings=True)
+    out = tmp_path / "from-gguf"
+    assert _run_cli(["quantize", "--model", str(gguf), "--method", "fp8", "--output", str(out),
+                     "--keep-float", str(4 * LAYERS), "--num-calib-samples", "2",
+                     "--max-calib-len", "16"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "gguf" not in config and config["tie_word_embeddings"]
+    assert (out / "tokenizer.json").is_file()
+    # Every projection kept: the written checkpoint is the GGUF's float model, token for token.
+    hf = load_hf_model(tmp_path / "hf" / "tiny-LlamaForCausalLM")
+    got = _llm(out).generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == greedy_ids(hf, prompts, 8)
