@@ -90,6 +90,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
     if method == "none" and kv_cache_dtype is None:
         raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
+    if (options or {}).get("keep_float") and method != "fp8":
+        raise ValueError("keep_float (projections kept in 16 bits) is an fp8 option")
     if quantize_lm_head and method == "none":
         raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
     head_format(quantize_lm_head, method)  # an unknown or unsupported format fails here, not at load
