@@ -1,23 +1,26 @@
-"""Held-out perplexity of the default model under each quantization method, through slipstream.
+"""Accuracy of each quantization method on a real model: perplexity and greedy agreement.
 
-    python scripts/eval_quant_ppl.py [--max-windows 48] [--output-json PATH]
-    python scripts/eval_quant_ppl.py --methods none,kv_fp8,kv_int8,kv_fp8_calib,kv_int8_calib
+    python scripts/eval_quant_ppl.py                       # the default model (SmolLM2 GGUF)
+    python scripts/eval_quant_ppl.py --model DIR_OR_GGUF --methods none,fp8,fp8_keep
+    python scripts/eval_quant_ppl.py --output-json PATH --fp8-keep-float 24
 
-Scores the same non-overlapping 512-token windows of the held-out stdlib files (the training
-pipeline's list and windowing) with LLM(..., quantization=METHOD) and prompt_logprobs=0, and
-checks issue 6's accuracy targets against the unquantized (bf16 checkpoint, fp32 compute) row.
-With the int4_awq row on the built-in calibration set it first checks that set against the
-held-out files (same exclusion list as training; verbatim lines shared, in the JSON).
-kv_* rows quantize only the KV cache (fp8 / int8, scales from start-up defaults or from `slipstream
-quantize --method none --kv-cache-dtype`); --kv-cache-dtype applies one KV dtype to every row.
+Two columns per method, through slipstream's CPU reference path in float32:
+- perplexity over named text sets read from files every CPython install holds (TEXT_SETS:
+  Python source from the standard library; English prose: Python's LICENSE.txt and the language
+  reference's text in pydoc_data), in non-overlapping windows of --seq-len tokens;
+- greedy agreement with the unquantized model: 64 prompts (32-token slices of the same texts)
+  continued greedily for 64 tokens; the share of tokens before the first difference, and of
+  prompts whose 64 tokens are all the same.
+Rows that need a checkpoint run `slipstream quantize` first (GGUF sources included); a row that
+fails is reported with its error and the others go on.
 """
-
 from __future__ import annotations
 
 import argparse
 import gc
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,238 +29,248 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from default_model import corpus, evaluate  # noqa: E402
-
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "slipstream" / "assets" / "default_model"
-DEFAULT_JSON = REPO / "benchmarks" / "results" / "2026-11-30-cpu" / "quant_accuracy.json"
-# Issue 6: relative perplexity increase allowed per method (int4 must also beat RTN with AWQ).
-TARGETS = {"int8_wo": 1.0, "fp8": 2.0, "int4_awq": 10.0, "w8a8_sq": 5.0}
-# name -> (quantization passed to LLM, checkpoint kind[, kv_cache_dtype passed to LLM
-# ("auto": --kv-cache-dtype)[, quantize_lm_head]])
-ROWS = {
-    "none": (None, "float"),
-    "int8_wo": ("int8_wo", "float"),
-    "fp8": ("fp8", "float"),
-    "int4_rtn": ("int4_awq", "float"),
-    "int4_awq": (None, "awq"),  # the quantized checkpoint's config selects the method
-    "int4_awq_stdlib": (None, "awq_stdlib"),  # AWQ calibrated on stdlib training files
-    "w8a8_rtn": ("w8a8_sq", "float"),  # load time: plain per-channel W8A8, no smoothing
-    "w8a8_sq": (None, "sq"),  # `slipstream quantize --method w8a8_sq`, stdlib training calib
-    "kv_fp8": (None, "float", "fp8"),  # no scales in the checkpoint: 1.0
-    "kv_int8": (None, "float", "int8"),  # no scales: calibrated at engine start
-    "kv_fp8_calib": (None, "kv_fp8"),  # `quantize --method none --kv-cache-dtype fp8`
-    "kv_int8_calib": (None, "kv_int8"),  # the same, int8 (stdlib training calib)
-    "fp8_head": ("fp8", "float", "auto", True),  # quantize_lm_head: the head in FP8 too
-    "int8_head": ("int8_wo", "float", "auto", True),
-    "int4_rtn_head": ("int4_awq", "float", "auto", True),  # with an INT8 head
-    "int4_rtn_head4": ("int4_awq", "float", "auto", "int4"),  # with an INT4 head
-    "int4_awq_head4": (None, "awq", "auto", "int4"),
+DEFAULT_JSON = REPO / "benchmarks" / "results" / "2026-12-06-cpu" / "quant_accuracy_smollm2.json"
+STDLIB = Path(os.__file__).parent
+# Named text sets: (description, files relative to the stdlib, pydoc topics).
+TEXT_SETS = {
+    "python": ("Python source: CPython standard library modules",
+               ("textwrap.py", "bisect.py", "shlex.py", "json/decoder.py", "fractions.py",
+                "heapq.py"), ()),
+    "prose": ("English prose: Python's LICENSE.txt and language-reference topics "
+              "(pydoc_data.topics)",
+              ("LICENSE.txt",), ("execmodel", "exceptions", "import", "naming")),
 }
-CALIB_FILES, CALIB_CHARS = 128, 8000
+# Issue 51's targets: relative perplexity increase allowed per row.
+TARGETS = {"int8_wo": 1.0, "fp8": 1.0, "fp8_keep": 1.0, "w8a8_sq": 2.0, "int4_awq": 5.0}
+# name -> LLM(quantization=...), checkpoint kind ("source": the model as given), kv_cache_dtype
+ROWS = {
+    "none": (None, "source", "auto"),
+    "int8_wo": ("int8_wo", "source", "auto"),
+    "fp8": ("fp8", "source", "auto"),  # at load: every projection in FP8
+    "fp8_keep": (None, "fp8_keep", "auto"),  # `quantize --method fp8 --keep-float N`
+    "w8a8_rtn": ("w8a8_sq", "source", "auto"),  # at load: plain per-channel W8A8, no smoothing
+    "w8a8_sq": (None, "sq", "auto"),  # `quantize --method w8a8_sq` (calibrated)
+    "int4_rtn": (None, "int4_rtn", "auto"),  # `quantize --method int4_awq --no-awq`
+    "int4_awq": (None, "int4_awq", "auto"),  # `quantize --method int4_awq`
+    "kv_fp8": (None, "source", "fp8"),
+    "kv_int8": (None, "source", "int8"),
+}
+DEFAULT_ROWS = ("none", "int8_wo", "fp8", "fp8_keep", "w8a8_rtn", "w8a8_sq", "int4_rtn",
+                "int4_awq", "kv_fp8", "kv_int8")
+# checkpoint kind -> `slipstream quantize` arguments (after the calibration ones)
+QUANTIZE_ARGS = {
+    "fp8_keep": lambda a: ["--method", "fp8", "--keep-float", str(a.fp8_keep_float)],
+    "sq": lambda a: ["--method", "w8a8_sq", "--alpha", str(a.alpha)],
+    "int4_rtn": lambda a: ["--method", "int4_awq", "--no-awq", "--group-size", str(a.group_size)],
+    "int4_awq": lambda a: ["--method", "int4_awq", "--group-size", str(a.group_size)],
+}
+
+
+def default_model() -> str:
+    from slipstream.assets.smollm2 import default_model as find
+
+    return str(find())
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="float checkpoint directory")
-    p.add_argument("--methods", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
-    p.add_argument("--max-windows", type=int, default=48,
-                   help="windows scored, spread evenly over all held-out windows (0: all)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--awq-checkpoint", help="an existing int4_awq checkpoint (skip quantize)")
-    p.add_argument("--calib-data", help="int4_awq / w8a8_sq rows: passed to `slipstream "
-                   "quantize` (default: int4_awq its built-in set, w8a8_sq stdlib training "
-                   "files); int4_awq_stdlib always uses training files")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or GGUF file (default: the default model)")
+    p.add_argument("--methods", default=",".join(DEFAULT_ROWS), help=f"subset of {','.join(ROWS)}")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per perplexity window")
+    p.add_argument("--windows-per-set", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=64, help="greedy-agreement prompts")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--fp8-keep-float", type=int, default=24,
+                   help="fp8_keep row: projections kept in 16 bits (`quantize --keep-float`)")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: SmoothQuant migration")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV-cache dtype for every row without its own (auto, fp8, int8)")
-    p.add_argument("--no-hf-check", dest="hf_check", action="store_false",
-                   help="skip the transformers fp32 reference on the same windows")
+    p.add_argument("--group-size", type=int, default=64, help="int4 rows")
+    p.add_argument("--calib-samples", type=int, default=32,
+                   help="calibration texts for the quantize runs (the built-in set)")
+    p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--output-json", default=str(DEFAULT_JSON))
     return p
 
 
-def select_windows(tok, seq_len: int, max_windows: int) -> tuple[list[list[int]], list[str]]:
-    """Token-id windows (seq_len + 1 ids each at most), evenly subsampled, and the file list."""
-    files, missing = corpus.load_heldout()
-    if missing:
-        print(f"held-out files missing on this Python: {missing}")
-    grid = evaluate.heldout_windows(tok, files, seq_len)
-    rows = [[t for t in row.tolist() if t != evaluate.IGNORE] for row in grid]
-    if max_windows and max_windows < len(rows):
-        # Evenly spaced so every part of the held-out set is represented, deterministically.
-        rows = [rows[i * len(rows) // max_windows] for i in range(max_windows)]
-    return rows, [f.rel_path for f in files]
+# --- texts ----------------------------------------------------------------------------------------
+
+def text_set(name: str) -> list[str]:
+    """The texts of a named set, in a fixed order."""
+    _, files, topics = TEXT_SETS[name]
+    texts = [(STDLIB / f).read_text(encoding="utf-8") for f in files]
+    if topics:
+        from pydoc_data.topics import topics as pydoc_topics
+
+        texts += [pydoc_topics[t] for t in topics]
+    return texts
 
 
-def engine_nll(model: str, quantization: str | None, windows: list[list[int]],
-               kv_cache_dtype: str = "auto", quantize_lm_head: bool | str = False) -> tuple[float, int]:
-    """Summed negative log-likelihood of every window's tokens after the first, via slipstream."""
+def windows(ids_per_text: list[list[int]], seq_len: int, count: int) -> list[list[int]]:
+    """Up to `count` non-overlapping windows of seq_len + 1 ids, taken round-robin over the texts
+    so that every text is represented."""
+    per_text = [[ids[i:i + seq_len + 1] for i in range(0, len(ids) - seq_len, seq_len)]
+                for ids in ids_per_text]
+    out: list[list[int]] = []
+    for rank in range(max(map(len, per_text), default=0)):
+        out += [w[rank] for w in per_text if rank < len(w)]
+    return out[:count]
+
+
+def agreement_prompts(ids_per_text: list[list[int]], count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` ids, evenly spaced over all the texts' tokens."""
+    ids = [t for text in ids_per_text for t in text]
+    step = max(1, (len(ids) - length) // count)
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+def greedy_agreement(reference: list[list[int]], got: list[list[int]]) -> dict:
+    """prefix: share of reference tokens produced before the first difference (position by
+    position after a difference compares different contexts, so it is not counted);
+    identical: share of sequences equal throughout."""
+    if len(reference) != len(got) or not reference:
+        raise ValueError("greedy_agreement needs the same, non-zero number of sequences")
+    matched = total = same = 0
+    for want, have in zip(reference, got, strict=True):
+        n = 0
+        while n < len(want) and n < len(have) and want[n] == have[n]:
+            n += 1
+        matched += n
+        total += len(want)
+        same += n == len(want) == len(have)
+    return {"prefix": matched / total, "identical": same / len(reference)}
+
+
+# --- one row --------------------------------------------------------------------------------------
+
+def evaluate(model: str, quantization: str | None, kv_cache_dtype: str,
+             ppl_windows: dict[str, list[list[int]]], prompts: list[list[int]],
+             new_tokens: int) -> tuple[dict[str, float], list[list[int]]]:
+    """Perplexity per text set and the greedy continuations of `prompts`, through slipstream."""
     from slipstream import LLM, SamplingParams
 
     llm = LLM(model=model, device="cpu", dtype="float32", quantization=quantization,
-              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype,
-              quantize_lm_head=quantize_lm_head)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
-    nll, count = 0.0, 0
-    for window, out in zip(windows, outs, strict=True):
-        entries = out.prompt_logprobs
-        if entries is None or len(entries) != len(window):
-            raise RuntimeError(f"expected {len(window)} prompt logprob entries, got "
-                               f"{None if entries is None else len(entries)}")
-        for token, entry in zip(window[1:], entries[1:], strict=True):
-            nll -= entry[token]
-            count += 1
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    ppl = {}
+    score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    for name, wins in ppl_windows.items():
+        outs = llm.generate([{"prompt_token_ids": w} for w in wins], score, use_tqdm=False)
+        nll = count = 0
+        for w, out in zip(wins, outs, strict=True):
+            for token, entry in zip(w[1:], out.prompt_logprobs[1:], strict=True):
+                nll -= entry[token]
+                count += 1
+        ppl[name] = (nll, count)
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     del llm
     gc.collect()
-    return nll, count
+    nll_all = sum(n for n, _ in ppl.values())
+    count_all = sum(c for _, c in ppl.values())
+    result = {name: math.exp(n / c) for name, (n, c) in ppl.items()}
+    result["all"] = math.exp(nll_all / count_all)
+    return result, [list(o.outputs[0].token_ids) for o in outs]
 
 
-@torch.no_grad()
-def hf_nll(model_dir: str, windows: list[list[int]]) -> tuple[float, int]:
-    """The same sum with transformers in fp32: a check that the engine path is exact."""
-    model, _ = evaluate.load_checkpoint(model_dir, torch.device("cpu"))
-    nll, count = 0.0, 0
-    for w in windows:
-        ids = torch.tensor([w])
-        logits = model(input_ids=ids[:, :-1], use_cache=False).logits.float()
-        nll += torch.nn.functional.cross_entropy(logits[0], ids[0, 1:], reduction="sum").item()
-        count += len(w) - 1
-    return nll, count
+def run_row(name: str, ckpts: dict[str, str | Exception], data: dict, reference: list | None,
+            new_tokens: int) -> dict:
+    quantization, kind, kv = ROWS[name]
+    t0 = time.perf_counter()
+    row: dict = {"method": name, "quantization": quantization, "kv_cache_dtype": kv}
+    try:
+        path = ckpts[kind]
+        if isinstance(path, Exception):
+            raise path
+        ppl, tokens = evaluate(path, quantization, kv, data["windows"], data["prompts"],
+                               new_tokens)
+    except Exception as exc:  # report the failure as a row, keep measuring the others
+        row.update(error=f"{type(exc).__name__}: {str(exc)[-600:]}")
+    else:
+        row.update(ppl=ppl["all"], ppl_by_set=ppl, tokens=tokens)
+        if reference is not None:
+            row["agreement"] = greedy_agreement(reference, tokens)
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
 
 
-def quantize_awq(model: str, out_dir: str, calib_data: str | None,
-                 method: str = "int4_awq", extra: tuple[str, ...] = ()) -> dict:
-    """`slipstream quantize --method METHOD` as a user runs it; its wall time and log tail."""
-    cmd = [sys.executable, "-m", "slipstream", "quantize", "--model", model,
-           "--method", method, "--output", out_dir, *extra]
-    if calib_data:
-        cmd += ["--calib-data", calib_data]
+def quantize(model: str, kind: str, out_dir: str, args) -> dict:
+    """`slipstream quantize` as a user runs it; its wall time and log tail."""
+    cmd = [sys.executable, "-m", "slipstream", "quantize", "--model", model, "--output", out_dir,
+           "--num-calib-samples", str(args.calib_samples), "--max-calib-len",
+           str(args.calib_len), *QUANTIZE_ARGS[kind](args)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    info = {"command": " ".join(cmd[1:]), "returncode": proc.returncode,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "log_tail": (proc.stdout + proc.stderr)[-2000:]}
+    info = {"command": " ".join(["slipstream", *cmd[3:]]), "returncode": proc.returncode,
+            "seconds": round(time.perf_counter() - t0, 1)}
     if proc.returncode != 0:
-        raise RuntimeError(f"quantize failed ({proc.returncode}):\n{info['log_tail']}")
+        raise RuntimeError(f"quantize failed ({proc.returncode}): "
+                           f"{(proc.stdout + proc.stderr)[-1500:]}")
     return info
 
 
-def write_stdlib_calib(path: Path) -> Path:
-    """CALIB_FILES training files (never held-out ones), evenly spread, as calibration jsonl."""
-    train = corpus.load_corpus().train
-    step = max(1, len(train) // CALIB_FILES)
-    with path.open("w") as f:
-        for source in train[::step][:CALIB_FILES]:
-            f.write(json.dumps({"text": source.text[:CALIB_CHARS]}) + "\n")
-    return path
-
-
-def calib_overlap(calib_texts: list[str], heldout_texts: list[str], min_chars: int = 40) -> dict:
-    """Contamination check of a calibration set against the held-out files: its distinct lines of
-    at least min_chars (stripped) that also occur verbatim in a held-out file."""
-    held = {line.strip() for text in heldout_texts for line in text.splitlines()}
-    lines = {line.strip() for text in calib_texts for line in text.splitlines()
-             if len(line.strip()) >= min_chars}
-    shared = sorted(lines & held)
-    return {"calib_texts": len(calib_texts), "calib_lines": len(lines),
-            "shared_lines": len(shared), "shared_examples": shared[:5]}
-
-
-def builtin_calib_check(num_samples: int = 128) -> dict:
-    """The built-in set `slipstream quantize` calibrates on: it skips the held-out files (one
-    list, slipstream.assets.DEFAULT_MODEL_HELDOUT_FILES) and must share no real code with them."""
-    from slipstream.quantization.calibration import load_calib_texts
-
-    files, _ = corpus.load_heldout()
-    return calib_overlap(load_calib_texts(None, num_samples), [f.text for f in files])
-
-
-def run_row(name: str, model: str, ckpts: dict[str, str], windows: list[list[int]],
-            kv_cache_dtype: str = "auto") -> dict:
-    quantization, ckpt, *rest = ROWS[name]
-    kv_cache_dtype = rest[0] if rest and rest[0] != "auto" else kv_cache_dtype
-    lm_head = len(rest) > 1 and rest[1]
-    path = ckpts.get(ckpt, model)
-    t0 = time.perf_counter()
-    try:
-        nll, count = engine_nll(path, quantization, windows, kv_cache_dtype, lm_head)
-    except Exception as exc:  # report the failure as a row, keep measuring the others
-        return {"method": name, "error": f"{type(exc).__name__}: {exc}",
-                "seconds": round(time.perf_counter() - t0, 1)}
-    return {"method": name, "quantization": quantization, "checkpoint": path,
-            "kv_cache_dtype": kv_cache_dtype, "quantize_lm_head": lm_head, "loss": nll / count,
-            "ppl": math.exp(nll / count), "tokens": count,
-            "seconds": round(time.perf_counter() - t0, 1)}
+def prepare_checkpoints(args, model: str, names: list[str], tmp: Path, result: dict
+                        ) -> dict[str, str | Exception]:
+    ckpts: dict[str, str | Exception] = {"source": model}
+    for kind in dict.fromkeys(ROWS[n][1] for n in names):
+        if kind == "source":
+            continue
+        try:
+            result.setdefault("quantize", {})[kind] = quantize(model, kind, str(tmp / kind), args)
+            ckpts[kind] = str(tmp / kind)
+            if kind == "fp8_keep":
+                config = json.loads((tmp / kind / "config.json").read_text())
+                result["fp8_ignored_layers"] = config["quantization_config"].get(
+                    "ignored_layers", [])
+        except Exception as exc:
+            ckpts[kind] = exc
+        print(f"quantize {kind}: {'failed' if isinstance(ckpts[kind], Exception) else 'done'}",
+              flush=True)
+    return ckpts
 
 
 def judge(rows: dict[str, dict]) -> None:
-    """Add delta % vs the unquantized row and the issue's verdict to each row, in place."""
+    """delta % vs the unquantized row and the target verdict, in place."""
     base = rows.get("none", {}).get("ppl")
     for name, row in rows.items():
         if base is None or "ppl" not in row:
             continue
         row["delta_pct"] = 100.0 * (row["ppl"] / base - 1.0)
-        key = "int4_awq" if name.startswith("int4") else name
-        key = "w8a8_sq" if name.startswith("w8a8") else key
-        key = {"fp8_head": "fp8", "int8_head": "int8_wo"}.get(key, key)
-        if key in TARGETS:
-            row["target"] = f"<= +{TARGETS[key]:g}%"
-            row["meets_target"] = row["delta_pct"] <= TARGETS[key]
-    rtn = rows.get("int4_rtn", {}).get("ppl")
-    for name in ("int4_awq", "int4_awq_stdlib"):
-        awq = rows.get(name, {}).get("ppl")
-        if rtn is not None and awq is not None and "target" in rows[name]:
-            rows[name]["target"] += " and < rtn"
-            rows[name]["beats_rtn"] = awq < rtn
-            rows[name]["meets_target"] = rows[name]["meets_target"] and awq < rtn
+        if name in TARGETS:
+            row["target"] = f"<= +{TARGETS[name]:g}%"
+            row["meets_target"] = row["delta_pct"] <= TARGETS[name]
+    rtn, awq = (rows.get(n, {}).get("ppl") for n in ("int4_rtn", "int4_awq"))
+    if rtn is not None and awq is not None:
+        rows["int4_awq"]["beats_rtn"] = awq < rtn
 
 
-def print_table(rows: dict[str, dict]) -> None:
-    print(f"\n{'method':<16} {'ppl':>9} {'delta %':>9}  {'target':<24} {'ok':<5} {'s':>6}")
+def print_table(rows: dict[str, dict], sets: list[str]) -> None:
+    head = "".join(f"{s:>9}" for s in sets)
+    print(f"\n{'method':<10} {'ppl':>9} {'delta %':>8}{head} {'agree':>7} {'same':>6} {'s':>6}")
     for name, row in rows.items():
         if "error" in row:
-            print(f"{name:<16} FAILED: {row['error'][:200]}")
+            print(f"{name:<10} FAILED: {row['error'][:200]}")
             continue
         delta = f"{row['delta_pct']:+.2f}" if "delta_pct" in row else "-"
-        ok = {True: "yes", False: "NO"}.get(row.get("meets_target"), "-")
-        target = row.get("target", "baseline" if name == "none" else "-")
-        print(f"{name:<16} {row['ppl']:>9.4f} {delta:>9}  {target:<24} "
-              f"{ok:<5} {row['seconds']:>6.1f}")
+        by_set = "".join(f"{row['ppl_by_set'][s]:>9.3f}" for s in sets)
+        agree = row.get("agreement", {})
+        print(f"{name:<10} {row['ppl']:>9.3f} {delta:>8}{by_set} "
+              f"{agree.get('prefix', 1.0):>7.3f} {agree.get('identical', 1.0):>6.3f} "
+              f"{row['seconds']:>6.1f}")
 
 
-def prepare_checkpoints(args, names: list[str], tmp: Path, result: dict) -> dict[str, str]:
-    """Run `slipstream quantize` for the AWQ rows asked for; {checkpoint kind: directory}."""
-    ckpts = {}
-    if "int4_awq" in names:
-        ckpts["awq"] = args.awq_checkpoint or str(tmp / "awq")
-        if args.awq_checkpoint is None:
-            result["quantize"] = quantize_awq(args.model, ckpts["awq"], args.calib_data)
-            print(f"quantized int4_awq in {result['quantize']['seconds']} s")
-    if "int4_awq_stdlib" in names:
-        ckpts["awq_stdlib"] = str(tmp / "awq_stdlib")
-        calib = write_stdlib_calib(tmp / "calib_stdlib.jsonl")
-        result["quantize_stdlib"] = quantize_awq(args.model, ckpts["awq_stdlib"], str(calib))
-        print(f"quantized int4_awq (stdlib calibration) in "
-              f"{result['quantize_stdlib']['seconds']} s")
-    if "w8a8_sq" in names:
-        # Training files only: the default calibration set may include held-out modules.
-        calib = args.calib_data or str(write_stdlib_calib(tmp / "calib_stdlib.jsonl"))
-        ckpts["sq"] = str(tmp / "sq")
-        result["quantize_sq"] = quantize_awq(args.model, ckpts["sq"], calib, "w8a8_sq",
-                                             ("--alpha", str(args.alpha)))
-        print(f"quantized w8a8_sq in {result['quantize_sq']['seconds']} s")
-    for kv in ("fp8", "int8"):
-        if f"kv_{kv}_calib" in names:
-            calib = args.calib_data or str(write_stdlib_calib(tmp / "calib_stdlib.jsonl"))
-            ckpts[f"kv_{kv}"] = str(tmp / f"kv_{kv}")
-            result[f"quantize_kv_{kv}"] = quantize_awq(
-                args.model, ckpts[f"kv_{kv}"], calib, "none", ("--kv-cache-dtype", kv))
-            print(f"calibrated {kv} KV scales in {result[f'quantize_kv_{kv}']['seconds']} s")
-    return ckpts
+def load_data(model: str, args) -> dict:
+    from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
+
+    tok = maybe_load_tokenizer(model)
+    if tok is None:
+        raise SystemExit(f"{model} has no tokenizer: the text sets need one")
+    ids = {name: [tok.encode(t) for t in text_set(name)] for name in TEXT_SETS}
+    wins = {name: windows(ids[name], args.seq_len, args.windows_per_set) for name in TEXT_SETS}
+    per_set = args.prompts // len(TEXT_SETS)
+    prompts = [p for i, name in enumerate(TEXT_SETS) for p in agreement_prompts(
+        ids[name], per_set + (args.prompts % len(TEXT_SETS) if i == 0 else 0), args.prompt_len)]
+    return {"windows": wins, "prompts": prompts}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -266,29 +279,37 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(names) - set(ROWS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {list(ROWS)}")
-    _, tok = evaluate.load_checkpoint(args.model, torch.device("cpu"))
-    windows, files = select_windows(tok, args.seq_len, args.max_windows)
-    print(f"{len(windows)} windows, {sum(len(w) - 1 for w in windows):,} scored tokens, "
-          f"{len(files)} held-out files")
-    result: dict = {"model": args.model, "seq_len": args.seq_len, "windows": len(windows),
-                    "kv_cache_dtype": args.kv_cache_dtype,
-                    "max_windows": args.max_windows, "heldout_files": files,
-                    "torch": torch.__version__, "device": "cpu", "dtype": "float32"}
-    if "int4_awq" in names and not args.calib_data and not args.awq_checkpoint:
-        result["builtin_calib_overlap"] = builtin_calib_check()
-        print(f"built-in calibration vs held-out files: {result['builtin_calib_overlap']}")
-    with tempfile.TemporaryDirectory(prefix="slipstream-awq-") as tmp:
-        ckpts = prepare_checkpoints(args, names, Path(tmp), result)
-        rows = {}
+    if "none" in names:  # the reference of the agreement column runs first
+        names.remove("none")
+        names.insert(0, "none")
+    model = args.model or default_model()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    data = load_data(model, args)
+    result: dict = {
+        "model": str(model), "device": "cpu", "dtype": "float32", "torch": torch.__version__,
+        "text_sets": {n: {"description": d, "files": list(f), "pydoc_topics": list(t),
+                          "windows": len(data["windows"][n]),
+                          "tokens": sum(len(w) - 1 for w in data["windows"][n])}
+                      for n, (d, f, t) in TEXT_SETS.items()},
+        "agreement": {"prompts": len(data["prompts"]), "prompt_len": args.prompt_len,
+                      "new_tokens": args.new_tokens},
+        "options": {k: getattr(args, k) for k in ("seq_len", "fp8_keep_float", "alpha",
+                                                  "group_size", "calib_samples", "calib_len")},
+    }
+    print(json.dumps(result["text_sets"]), flush=True)
+    rows: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="slipstream-eval-") as tmp:
+        ckpts = prepare_checkpoints(args, model, names, Path(tmp), result)
+        reference = None
         for name in names:
-            rows[name] = run_row(name, args.model, ckpts, windows, args.kv_cache_dtype)
+            rows[name] = run_row(name, ckpts, data, reference, args.new_tokens)
+            if name == "none" and "tokens" in rows[name]:
+                reference = rows[name]["tokens"]
             print(f"{name}: {rows[name].get('ppl', rows[name].get('error'))}", flush=True)
-    if args.hf_check:
-        nll, count = hf_nll(args.model, windows)
-        result["hf_reference_ppl"] = math.exp(nll / count)
-        print(f"transformers fp32 reference: ppl {result['hf_reference_ppl']:.4f}")
+    for row in rows.values():
+        row.pop("tokens", None)
     judge(rows)
-    print_table(rows)
+    print_table(rows, list(TEXT_SETS))
     result["rows"] = list(rows.values())
     out = Path(args.output_json)
     out.parent.mkdir(parents=True, exist_ok=True)

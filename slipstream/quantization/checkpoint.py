@@ -32,13 +32,14 @@ from slipstream.models.gguf import is_gguf_file, resolve_model_path
 from slipstream.models.norm_fold import kept_norms
 from slipstream.models.quantize_as_loaded import before_each_layer
 from slipstream.quantization.awq import LayerByLayerAwq
-from slipstream.quantization.base import METHOD_NAMES
+from slipstream.quantization.base import METHOD_NAMES, UnquantizedLinearMethod
 from slipstream.quantization.calibration import (
     calibration_prompts,
     collect_linear_stats,
     load_calib_texts,
 )
 from slipstream.quantization.fp8 import MIN_CAPABILITY
+from slipstream.quantization.fp8_calibration import checkpoint_module_names
 from slipstream.quantization.int4_awq import DEFAULT_GROUP
 from slipstream.quantization.kv_cache import (
     KV_CACHE_DTYPES,
@@ -70,7 +71,9 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     """Quantize `model_dir` (a checkpoint directory, a .gguf file or a directory holding one)
     with `method` into `output_dir`; returns output_dir.
 
-    options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha). kv_cache_dtype "fp8" /
+    options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha; fp8: keep_float, the
+    number of projections measured on the calibration set to keep in 16 bits,
+    fp8_calibration.py). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
     computes) and make that the checkpoint's default KV dtype. quantize_lm_head: config.json
     asks the engine to quantize the LM head at load (True: the method's own format, or a format
@@ -97,6 +100,8 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     kv_cache_dtype = None if kv_cache_dtype == "auto" else kv_cache_dtype
     if method == "none" and kv_cache_dtype is None:
         raise ValueError("method 'none' quantizes only the KV cache: pass kv_cache_dtype")
+    if (options or {}).get("keep_float") and method != "fp8":
+        raise ValueError("keep_float (projections kept in 16 bits) is an fp8 option")
     if quantize_lm_head and method == "none":
         raise ValueError("quantize_lm_head needs a weight quantization method, not 'none'")
     head_format(quantize_lm_head, method)  # an unknown or unsupported format fails here, not at load
@@ -122,6 +127,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
         else:
             llm = LLM(**engine_args)
     model: nn.Module = llm.engine.runner.model
+    kept_float: list[str] = []
     if module is not None and not at_load and not streamed:
         if getattr(module, "NEEDS_CALIBRATION", False):
             texts = load_calib_texts(calib_data, num_calib_samples)
@@ -129,7 +135,10 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
             collect = getattr(module, "collect_calibration", collect_linear_stats)
             stats = collect(llm, texts, max_calib_len)
             module.prepare_for_quantization(model, stats, **dict(options or {}))
-        _quantize_linears(model, module, dict(options or {}))
+        if (options or {}).get("keep_float"):  # fp8: the projections that lose most stay float
+            texts = texts or load_calib_texts(calib_data, num_calib_samples)
+            kept_float = module.float_layers(llm, texts, max_calib_len, options["keep_float"])
+        _quantize_linears(model, module, dict(options or {}), skip=set(kept_float))
     kv_tensors: dict[str, torch.Tensor] = {}
     if kv_cache_dtype is not None:
         texts = texts or load_calib_texts(calib_data, num_calib_samples)
@@ -137,7 +146,11 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     if method == "none":
         save_kv_scales_only(model_dir, output_dir, kv_tensors, kv_cache_dtype)
     else:
-        save_checkpoint(model, model_dir, output_dir, module.checkpoint_config(**(options or {})),
+        quant_config = module.checkpoint_config(**(options or {}))
+        if kept_float:
+            packed = getattr(model, "packed_modules_mapping", {})
+            quant_config["ignored_layers"] = checkpoint_module_names(kept_float, packed)
+        save_checkpoint(model, model_dir, output_dir, quant_config,
                         kv_tensors=kv_tensors, kv_cache_dtype=kv_cache_dtype,
                         quantize_lm_head=quantize_lm_head, max_shard_bytes=max_shard_bytes)
     return Path(output_dir)
@@ -167,7 +180,7 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
     one float layer and the calibration activations, never the float model."""
     from slipstream.llm import LLM  # lazy, as in quantize_checkpoint
 
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    vocab = source_config(model_dir)["vocab_size"]
     prompts = calibration_prompts(maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
                                   vocab)
     if method == "int4_awq":
@@ -209,10 +222,12 @@ def quantizes_at_load(method: str, module, options: dict | None, device: str) ->
     return True
 
 
-def _quantize_linears(model: nn.Module, module, options: dict) -> None:
+def _quantize_linears(model: nn.Module, module, options: dict, skip: set[str] = frozenset()
+                      ) -> None:
+    """Every linear layer but those named in `skip` (module paths: they stay float)."""
     with torch.no_grad():
-        for layer in model.modules():
-            if isinstance(layer, LinearBase):
+        for name, layer in model.named_modules():
+            if isinstance(layer, LinearBase) and name not in skip:
                 layer.quant_method = module.make_method(**options)
                 layer.quant_method.process_after_loading(layer)
 
@@ -239,10 +254,11 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for name, layer in model.named_modules():
-        export = getattr(getattr(layer, "quant_method", None), "checkpoint_tensors", None)
-        if not isinstance(layer, LinearBase) or export is None:
+        if not isinstance(layer, LinearBase):
             continue
-        tensors = dict(export(layer))
+        tensors = _linear_tensors(layer)
+        if tensors is None:
+            continue
         if layer.bias is not None:
             tensors["bias"] = (layer.bias.data, 0, 1)
         parent, _, leaf = name.rpartition(".")
@@ -265,6 +281,18 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _linear_tensors(layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]] | None:
+    """A linear layer's tensors in checkpoint layout (leaf -> tensor, output dim, pack factor);
+    fused shards are split by the caller."""
+    export = getattr(getattr(layer, "quant_method", None), "checkpoint_tensors", None)
+    return dict(export(layer)) if export is not None else None
+
+
+def source_config(model_dir: str | Path) -> dict:
+    """The source checkpoint's config.json."""
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
 def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Path,
                     quant_config: dict, *, kv_tensors: dict[str, torch.Tensor] | None = None,
                     kv_cache_dtype: str | None = None, quantize_lm_head: bool | str = False,
@@ -278,7 +306,7 @@ def save_checkpoint(model: nn.Module, src_dir: str | Path, output_dir: str | Pat
     """
     src, dst = Path(src_dir), Path(output_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
+    config = source_config(src)
     save_dtype = _SAVE_DTYPES.get(config.get("torch_dtype") or config.get("dtype"), torch.float32)
     float_names = _float_names(model)
 
@@ -380,7 +408,12 @@ def _write_config(dst: Path, config: dict, kv_cache_dtype: str | None) -> None:
 
 
 def _float_names(model: nn.Module) -> set[str]:
-    """Parameters not owned by a linear layer's quant method."""
+    """Parameters not owned by a linear layer's quant method, and unquantized linear layers'
+    weights under their checkpoint names (fused shards split)."""
     owned = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, LinearBase)
              for p, _ in m.named_parameters() if p != "bias"}
-    return {n for n, _ in model.named_parameters() if n not in owned}
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    kept = [n for n, m in model.named_modules() if isinstance(m, LinearBase)
+            and isinstance(getattr(m, "quant_method", None), UnquantizedLinearMethod)]
+    kept_weights = {f"{name}.weight" for name in checkpoint_module_names(kept, packed)}
+    return {n for n, _ in model.named_parameters() if n not in owned} | kept_weights

@@ -37,6 +37,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-awq", dest="awq", action="store_false",
                    help="int4_awq: plain round-to-nearest, no activation-aware scale search")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")
+    p.add_argument("--keep-float", type=int, default=0, metavar="N",
+                   help="fp8: keep in 16 bits the N projections whose FP8 rounding changes the "
+                        "model most on the calibration set (written as `ignored_layers`)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *QUANT_KV_NAMES),
                    help="fp8 / int8: calibrate per-layer K/V scales on the calibration set and "
                         "make this the checkpoint's KV-cache dtype (auto: no KV quantization)")
@@ -71,6 +74,8 @@ def _options(ns: argparse.Namespace) -> dict:
         return {"group_size": ns.group_size, "awq": ns.awq}
     if ns.method == "w8a8_sq":
         return {"alpha": ns.alpha}
+    if ns.method == "fp8" and ns.keep_float:
+        return {"keep_float": ns.keep_float}
     return {}
 
 
@@ -79,6 +84,8 @@ def run_quantize(ns: argparse.Namespace) -> int:
     if ns.method == "none" and kv is None:
         raise SystemExit("slipstream quantize: --method none quantizes only the KV cache; "
                          "pass --kv-cache-dtype fp8 or int8")
+    if ns.keep_float < 0 or (ns.keep_float and ns.method != "fp8"):
+        raise SystemExit("--keep-float takes a count >= 0, with --method fp8")
     if ns.num_calib_samples < 1:
         raise SystemExit("--num-calib-samples must be at least 1")
     model = ns.model

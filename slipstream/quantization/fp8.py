@@ -242,10 +242,25 @@ def make_fp8(hf_config: dict):
     return method_for
 
 
-def make_method() -> Fp8LinearMethod:
+def make_method(keep_float: int = 0) -> Fp8LinearMethod:
     """A method that quantizes a loaded float weight (used by `slipstream quantize`)."""
     return Fp8LinearMethod(prequantized=False)
 
 
-def checkpoint_config() -> dict:
+def float_layers(llm, texts: list[str], max_len: int, keep_float: int) -> list[str]:
+    """`slipstream quantize --keep-float N`: the module paths of the N projections whose FP8
+    rounding disturbs the float model most on the calibration texts (fp8_calibration.py)."""
+    from slipstream.quantization.calibration import calibration_prompts
+    from slipstream.quantization.fp8_calibration import measure_sensitivity, most_sensitive
+
+    cfg = llm.engine_config
+    prompts = calibration_prompts(llm.tokenizer, texts, max_len, cfg.model.vocab_size)
+    scores = measure_sensitivity(llm.engine.runner.model, prompts)
+    chosen = most_sensitive(scores, keep_float)
+    logger.info("fp8: keeping %d of %d projections in 16 bits: %s", len(chosen), len(scores),
+                ", ".join(chosen))
+    return chosen
+
+
+def checkpoint_config(keep_float: int = 0) -> dict:
     return dict(CHECKPOINT_CONFIG)
