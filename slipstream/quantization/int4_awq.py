@@ -147,6 +147,8 @@ class Int4LinearMethod(QuantMethod):
             return  # already in the canonical layout
         perm = None
         if self.layout is None:
+            if not hasattr(layer, GROUP_ATTR):  # a float layer handed to this method afterwards
+                setattr(layer, GROUP_ATTR, self.group_size or layer.weight.shape[1])
             q, scales, zeros = qu.quantize_int4_groupwise(layer.weight.data, group_of(layer))
             scales = scales.half()
             del layer._parameters["weight"]

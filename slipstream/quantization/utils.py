@@ -129,7 +129,7 @@ def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torc
                          f"{int4_groups(k, group_size)} scales a row, got {groups}")
     g = pad_to_groups(q.float(), group_size).reshape(n, groups, group_size)
     w = (g - zeros.float()[..., None]) * scales.float()[..., None]
-    return w.reshape(n, groups * group_size)[:, :k].to(dtype)
+    return w.reshape(n, groups * group_size)[:, :k].to(dtype).contiguous()
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
