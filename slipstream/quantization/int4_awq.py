@@ -78,6 +78,8 @@ class Int4LinearMethod(QuantMethod):
         n, k = sum(output_sizes), input_size
         g = self.group_size or k  # None: per-channel scales, one group spans the whole row
         check_int4_shape(self.layout, k, g, output_sizes)
+        if self.layout is not None:
+            check_group_split(layer, k, g)
         setattr(layer, GROUP_ATTR, g)
         if self.act_order:
             check_act_order_split(layer)
@@ -259,6 +261,17 @@ class Int4LinearMethod(QuantMethod):
 def group_of(layer: nn.Module) -> int:
     """The layer's group size (create_weights records it); K itself for per-channel scales."""
     return getattr(layer, GROUP_ATTR)
+
+
+def check_group_split(layer: nn.Module, k: int, g: int) -> None:
+    """A row-parallel layer of a pre-quantized checkpoint gives each rank K / tp input columns
+    with the checkpoint's groups: they must start at a group boundary. (A float checkpoint
+    quantized at load groups each rank's slice from its own start instead.)"""
+    if getattr(layer, "tp_split", None) == "input" and getattr(layer, "tp_size", 1) > 1 and k % g:
+        raise ValueError(f"int4_awq: a row-parallel layer's input size per rank ({k}, "
+                         f"tensor_parallel_size={layer.tp_size}) is not a multiple of the "
+                         f"checkpoint's group size {g}; use a tensor_parallel_size that splits "
+                         f"K into whole groups")
 
 
 def _kernels_take(layer: nn.Module, x: torch.Tensor) -> bool:
