@@ -9,6 +9,7 @@ is then measured round-to-nearest at load (`LLM(..., quantization="int4_awq")`) 
 (the default model's held-out list, never in the calibration set) and English prose (the GNU
 GPL v3 text), scored in non-overlapping windows with prompt_logprobs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,21 @@ def gguf_to_hf(gguf: Path, out: Path) -> Path:
     config.pop("gguf", None)
     config["torch_dtype"] = "float32"
     reader = open_gguf(gguf)
-    names = [f"model.layers.{i}.{m}.weight" for i in range(config["num_hidden_layers"]) for m in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
-              "post_attention_layernorm")]
+    names = [
+        f"model.layers.{i}.{m}.weight"
+        for i in range(config["num_hidden_layers"])
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
+    ]
     names += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert gguf_name_map(reader, names)
     tensors = {name: t.float().contiguous() for name, t in iterate_gguf_weights(gguf, names)}
@@ -56,19 +68,28 @@ def gguf_to_hf(gguf: Path, out: Path) -> Path:
 def eval_windows(tokenizer, tokens: int, window: int) -> list[list[int]]:
     """Non-overlapping windows: half held-out Python, half English prose."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    code = "\n\n".join((stdlib / p).read_text(encoding="utf-8")
-                       for p in sorted(DEFAULT_MODEL_HELDOUT) if (stdlib / p).is_file())
+    code = "\n\n".join(
+        (stdlib / p).read_text(encoding="utf-8")
+        for p in sorted(DEFAULT_MODEL_HELDOUT)
+        if (stdlib / p).is_file()
+    )
     prose = PROSE.read_text(encoding="utf-8") if PROSE.is_file() else ""
     out = []
     for text in (code, prose):
         ids = tokenizer.encode(text)[: tokens // 2]
-        out += [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+        out += [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
     return out
 
 
 def perplexity(path: Path, windows: list[list[int]], quantization: str | None) -> float:
-    llm = LLM(str(path), quantization=quantization, dtype="float32", device="cpu",
-              max_model_len=max(map(len, windows)) + 8, kv_cache_memory=64 << 20)
+    llm = LLM(
+        str(path),
+        quantization=quantization,
+        dtype="float32",
+        device="cpu",
+        max_model_len=max(map(len, windows)) + 8,
+        kv_cache_memory=64 << 20,
+    )
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     nll, count = 0.0, 0
@@ -103,10 +124,15 @@ def main() -> None:
 
     def record(name: str, ppl: float, t0: float) -> None:
         base = rows.get("none", {}).get("perplexity", ppl)
-        rows[name] = {"perplexity": round(ppl, 4), "delta_pct": round(100 * (ppl / base - 1), 2),
-                      "seconds": round(time.perf_counter() - t0, 1)}
-        print(f"{name:>14}  ppl {ppl:8.3f}  {rows[name]['delta_pct']:+6.2f}%  "
-              f"({rows[name]['seconds']} s)", flush=True)
+        rows[name] = {
+            "perplexity": round(ppl, 4),
+            "delta_pct": round(100 * (ppl / base - 1), 2),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        print(
+            f"{name:>14}  ppl {ppl:8.3f}  {rows[name]['delta_pct']:+6.2f}%  ({rows[name]['seconds']} s)",
+            flush=True,
+        )
 
     t0 = time.perf_counter()
     record("none", perplexity(float_dir, windows, None), t0)
@@ -121,8 +147,14 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         out = args.work / f"awq_g{group}"
-        quantize_checkpoint(float_dir, "int4_awq", out, options={"group_size": group},
-                            num_calib_samples=args.calib_samples, max_calib_len=args.calib_len)
+        quantize_checkpoint(
+            float_dir,
+            "int4_awq",
+            out,
+            options={"group_size": group},
+            num_calib_samples=args.calib_samples,
+            max_calib_len=args.calib_len,
+        )
         record(f"awq g{group}", perplexity(out, windows, None), t0)
     result = {"model": str(gguf), "tokens": n_tokens, "windows": len(windows), "rows": rows}
     print(json.dumps(result, indent=1))

@@ -30,8 +30,10 @@ Loss = Callable[[torch.Tensor], float]  # fake-quantized weight -> output error
 def fake_quant(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """w [N, K] as the int4_awq layer computes with it: quantize_int4_groupwise, then
     dequantized with the float16 scales the checkpoint stores (float ops only: fast). A short
-    last group is quantized as if zero-padded (utils.pad_to_groups)."""
+    last group is quantized as if zero-padded (utils.pad_to_groups); group_size None or <= 0:
+    per channel."""
     n, k = w.shape
+    group_size = row_group(group_size, k)
     g = qu.pad_to_groups(w.float(), group_size).reshape(n, -1, group_size)
     lo = g.amin(dim=2, keepdim=True).clamp(max=0.0)
     hi = g.amax(dim=2, keepdim=True).clamp(min=0.0)
@@ -39,6 +41,11 @@ def fake_quant(w: torch.Tensor, group_size: int) -> torch.Tensor:
     zero = torch.round(-lo / scale).clamp_(0, 15)
     q = torch.round(g / scale + zero).clamp_(0, 15)
     return ((q - zero) * scale.half().float()).reshape(n, -1)[:, :k]
+
+
+def row_group(group_size: int | None, k: int) -> int:
+    """The group size for a row of K: None or <= 0 is per channel, one group of K."""
+    return group_size if group_size and group_size > 0 else k
 
 
 def pack_blocks(prompts: list[list[int]], seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -136,6 +143,7 @@ def mse_to(want: torch.Tensor) -> Callable[[torch.Tensor], float]:
 def weight_absmean(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per input channel: mean over output rows of |w| relative to its group's max |w|."""
     n, k = w.shape
+    group_size = row_group(group_size, k)
     g = qu.pad_to_groups(w.abs(), group_size).reshape(n, -1, group_size)
     g = g / g.amax(dim=2, keepdim=True).clamp_min(1e-8)
     return g.reshape(n, -1)[:, :k].mean(dim=0)
@@ -251,6 +259,7 @@ def search_clip(w: torch.Tensor, sigma: torch.Tensor, group_size: int, grid: int
     without clipping. Rows go in chunks of at most max_elems candidate weights. A short last
     group is searched zero-padded (the pad's zero inputs add no error).
     """
+    group_size = row_group(group_size, w.shape[1])
     w, pad = qu.pad_to_groups(w, group_size), -sigma.shape[0] % group_size
     sigma = F.pad(sigma, (0, pad, 0, pad))
     a, b = clip_candidates(grid, max_shrink)
@@ -309,6 +318,7 @@ def clip_rows(linear: nn.Module, start: int, stop: int, sigma: torch.Tensor,
               group_size: int) -> None:
     """Clamp rows start:stop of linear's weight to their searched per-group range, in place."""
     w = linear.weight.data[start:stop]
+    group_size = row_group(group_size, w.shape[1])
     lo, hi = search_clip(w, sigma, group_size)
     shaped = qu.pad_to_groups(w, group_size).reshape(w.shape[0], -1, group_size)
     clipped = torch.maximum(torch.minimum(shaped, hi.to(w)), lo.to(w))
@@ -386,7 +396,7 @@ class LayerByLayerAwq:
         self._norm_dtype = _NORM_DTYPES.get(str(getattr(model.config, "torch_dtype", "")))
         embed = model.model.embed_tokens
         self._h = embed(blocks.to(embed.weight.device)).float()
-        logger.info("AWQ: %d x %d calibration tokens, group size %d", *blocks.shape,
+        logger.info("AWQ: %d x %d calibration tokens, group size %s", *blocks.shape,
                     self.group_size)
         if self.progress:
             self._bar = tqdm(total=len(model.model.layers), desc="AWQ search", unit="layer")

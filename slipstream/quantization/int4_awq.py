@@ -323,14 +323,17 @@ def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def checkpoint_config(group_size: int = DEFAULT_GROUP, awq: bool = True) -> dict:
-    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+def checkpoint_config(group_size: int | None = DEFAULT_GROUP, awq: bool = True) -> dict:
+    """group_size None or <= 0: per channel, written as GPTQ's -1."""
+    group = group_size if group_size and group_size > 0 else -1
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
             "version": "gemm"}
 
 
-def make_method(group_size: int = DEFAULT_GROUP, awq: bool = True) -> Int4LinearMethod:
-    """A method that quantizes a loaded float weight (used by `slipstream quantize`)."""
-    return Int4LinearMethod(group_size)
+def make_method(group_size: int | None = DEFAULT_GROUP, awq: bool = True) -> Int4LinearMethod:
+    """A method that quantizes a loaded float weight (used by `slipstream quantize`); group_size
+    None or <= 0: per channel."""
+    return Int4LinearMethod(group_size if group_size and group_size > 0 else None)
 
 
 @register_quant_method("int4_awq")

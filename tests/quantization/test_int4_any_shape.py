@@ -3,6 +3,7 @@ at group sizes 32, 64, 128 and per channel, with output sizes that are not multi
 output equal to Hugging Face transformers on the dequantized twin; `slipstream quantize
 --group-size` checkpoints and AWQ / GPTQ / compressed-tensors checkpoints with short groups load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,14 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 def odd_model(tiny_checkpoint) -> Path:
     """hidden 160 (2.5 groups of 64, 1.25 of 128), intermediate 288, k / v of 2 x 50 = 100 rows
     (not a multiple of 8), o_proj input 200."""
-    return tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288,
-                           head_dim=50, seed=3)
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288, head_dim=50, seed=3)
 
 
 @pytest.fixture(scope="module")
 def awq_model(tiny_checkpoint) -> Path:
     """The same short groups with every output size a multiple of 8 (the AutoAWQ layout packs
     eight output channels an int32)."""
-    return tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288,
-                           head_dim=40, seed=4)
+    return tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288, head_dim=40, seed=4)
 
 
 def _twin(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -48,8 +47,7 @@ def _twin(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
     for f in src.iterdir():
         if f.name != "model.safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
-    save_file({**load_file(str(src / "model.safetensors")), **tensors},
-              str(dst / "model.safetensors"))
+    save_file({**load_file(str(src / "model.safetensors")), **tensors}, str(dst / "model.safetensors"))
     return dst
 
 
@@ -72,8 +70,7 @@ def _slipstream_greedy(path: Path, quantization: str | None = None) -> tuple[lis
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 0], ids=["g32", "g64", "g128", "per-channel"])
-def test_int4_any_group_equals_the_dequantized_twin(odd_model, tmp_path, monkeypatch,
-                                                    group) -> None:
+def test_int4_any_group_equals_the_dequantized_twin(odd_model, tmp_path, monkeypatch, group) -> None:
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", group or -1)  # -1: per channel
     with norm_fold.kept_norms():  # the twin holds the unfolded weights
         got, llm = _slipstream_greedy(odd_model, "int4_awq")
@@ -94,7 +91,8 @@ def _run_cli(argv: list[str]) -> int:
 
 
 def _awq_twin(ckpt: Path, dst: Path, group: int) -> Path:
-    """The float twin of an AutoAWQ checkpoint: each projection's integers dequantized."""
+    """The float twin of an AutoAWQ checkpoint: each projection's integers dequantized (group 0:
+    per channel)."""
     out = {}
     tensors = load_file(str(ckpt / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(".qweight")]:
@@ -102,9 +100,8 @@ def _awq_twin(ckpt: Path, dst: Path, group: int) -> Path:
         q = qu.unpack_int32_cols(tensors[name], qu.AWQ_ORDER).t()
         zeros = qu.unpack_int32_cols(tensors[f"{base}.qzeros"], qu.AWQ_ORDER).t()
         scales = tensors[f"{base}.scales"].t()
-        out[f"{base}.weight"] = qu.dequantize_int4_groupwise(q, scales, zeros, group_size=group)
-    floats = {n: t for n, t in tensors.items()
-              if not n.endswith((".qweight", ".qzeros", ".scales"))}
+        out[f"{base}.weight"] = qu.dequantize_int4_groupwise(q, scales, zeros, group_size=group or q.shape[1])
+    floats = {n: t for n, t in tensors.items() if not n.endswith((".qweight", ".qzeros", ".scales"))}
     dst.mkdir()
     for f in ckpt.iterdir():
         if f.suffix != ".safetensors":
@@ -121,9 +118,26 @@ def test_quantize_group_size_64_writes_and_reloads(awq_model, tmp_path) -> None:
     checkpoint's config, short last groups of 32 in the files (hidden 160), and the reloaded
     model's greedy output equal to transformers on the checkpoint's dequantized integers."""
     out = tmp_path / "g64"
-    assert _run_cli(["quantize", "--model", str(awq_model), "--method", "int4_awq", "--output",
-                     str(out), "--group-size", "64", "--num-calib-samples", "4",
-                     "--max-calib-len", "64"]) == 0
+    assert (
+        _run_cli(
+            [
+                "quantize",
+                "--model",
+                str(awq_model),
+                "--method",
+                "int4_awq",
+                "--output",
+                str(out),
+                "--group-size",
+                "64",
+                "--num-calib-samples",
+                "4",
+                "--max-calib-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["group_size"] == 64
     scales = load_file(str(out / "model.safetensors"))["model.layers.0.mlp.gate_proj.scales"]
@@ -160,21 +174,29 @@ def _write_prequantized(src: Path, dst: Path, layout: str, group: int) -> Path:
             tensors[f"{base}.weight_scale"] = scales.half()
             tensors[f"{base}.weight_zero_point"] = zeros.to(torch.int8) - 8
             tensors[f"{base}.weight_shape"] = torch.tensor(list(t.shape))
-    qc = {"awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                  "version": "gemm"},
-          "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-                   "sym": False},
-          "compressed": _ct_config(group)}[layout]
+    qc = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False},
+        "compressed": _ct_config(group),
+    }[layout]
     return _prequantized_dir(src, dst, tensors, qc)
 
 
 def _ct_config(group: int) -> dict:
-    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-               "group_size": group, "dynamic": False}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None}},
-            "ignore": ["lm_head"]}
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": False,
+        "strategy": "group",
+        "group_size": group,
+        "dynamic": False,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+    }
 
 
 def _prequantized_dir(src: Path, dst: Path, tensors: dict, qc: dict) -> Path:
@@ -189,15 +211,44 @@ def _prequantized_dir(src: Path, dst: Path, tensors: dict, qc: dict) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("layout,group", [("awq", 64), ("gptq", 128), ("compressed", 32),
-                                          ("gptq", 32), ("compressed", 64)])
+@pytest.mark.parametrize(
+    "layout,group", [("awq", 64), ("gptq", 128), ("compressed", 32), ("gptq", 32), ("compressed", 64)]
+)
 def test_prequantized_short_groups_load(awq_model, tmp_path, monkeypatch, layout, group) -> None:
     """A checkpoint's groups of 32 / 64 / 128 with short last groups (hidden 160, intermediate
     288) load, and generate what round-to-nearest at load with that group size generates."""
     path = _write_prequantized(awq_model, tmp_path / layout, layout, group)
-    got, llm = _slipstream_greedy(path, detect_quant_method(json.loads(
-        (path / "config.json").read_text())))
+    got, llm = _slipstream_greedy(path, detect_quant_method(json.loads((path / "config.json").read_text())))
     assert llm.engine.runner.model.model.layers[1].mlp.down_proj.int4_group_size == group
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", group)
     with norm_fold.kept_norms():
         assert got == _slipstream_greedy(awq_model, "int4_awq")[0]
+
+
+def test_quantize_per_channel_writes_and_reloads(awq_model, tmp_path) -> None:
+    """--group-size -1: one scale and zero per output row, written as GPTQ's -1."""
+    out = tmp_path / "per-channel"
+    assert (
+        _run_cli(
+            [
+                "quantize",
+                "--model",
+                str(awq_model),
+                "--method",
+                "int4_awq",
+                "--output",
+                str(out),
+                "--group-size",
+                "-1",
+                "--no-awq",
+            ]
+        )
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["group_size"] == -1
+    got, llm = _slipstream_greedy(out, detect_quant_method(config))
+    down = llm.engine.runner.model.model.layers[0].mlp.down_proj
+    assert down.int4_group_size == 288 and down.scales.shape == (160, 1)
+    twin = load_hf_model(_awq_twin(out, tmp_path / "twin", 0))
+    assert got == greedy_ids(twin, PROMPTS, MAX_NEW)

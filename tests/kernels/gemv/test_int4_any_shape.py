@@ -2,6 +2,7 @@
 divide (a short last group), N not a multiple of 8: each kernel against the reference twin, in
 Triton's interpreter on the CPU (tiny shapes), and on the GPU (`-m gpu`) at SmolLM2-135M's shapes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,7 @@ N = 37  # not a multiple of 8 (nor of the tiles)
 
 
 def _want(x: torch.Tensor, packed, group: int, bias: torch.Tensor | None = None):
-    return gemv_int4.w4_linear_reference(x.double(), *packed, group,
-                                         None if bias is None else bias.double())
+    return gemv_int4.w4_linear_reference(x.double(), *packed, group, None if bias is None else bias.double())
 
 
 def test_short_last_group_is_the_zero_padded_group() -> None:
@@ -47,8 +47,7 @@ def test_w4_gemv_fma_and_tensor_core_rows(k: int, group: int, m: int) -> None:
     the tensor-core kernel; float32 x, bias."""
     packed = quantized(N, k, group, seed=k + group)
     x, b = torch.randn(m, k), torch.randn(N)
-    cfg = W4Config(block_n=16, block_k=128, split_k=2, num_warps=2, prefetch=True,
-                   dot=m > 1)
+    cfg = W4Config(block_n=16, block_k=128, split_k=2, num_warps=2, prefetch=True, dot=m > 1)
     got = gemv_int4.w4_gemv(x, *packed, group, b, cfg)
     assert rel(got, _want(x, packed, group, b)) < 1e-5
 
@@ -60,15 +59,15 @@ def test_w4_gemv_bf16_paths(k: int, group: int) -> None:
     kernel, within bf16 output rounding of the reference."""
     packed = quantized(N, k, group, seed=3)
     x = torch.randn(2, k).bfloat16()
-    chained = W4Config(block_n=16, block_k=128, split_k=1, num_warps=2, prefetch=True,
-                       bit_convert=2)
-    whole = W4Config(block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True,
-                     bit_convert=2, whole_k=True)
-    two = W4Config(block_n=16, block_k=128, split_k=2, num_warps=2, prefetch=True,
-                   bit_convert=2, two_rows=True)
+    chained = W4Config(block_n=16, block_k=128, split_k=1, num_warps=2, prefetch=True, bit_convert=2)
+    whole = W4Config(
+        block_n=8, block_k=128, split_k=1, num_warps=4, prefetch=True, bit_convert=2, whole_k=True
+    )
+    two = W4Config(
+        block_n=16, block_k=128, split_k=2, num_warps=2, prefetch=True, bit_convert=2, two_rows=True
+    )
     for cfg in (chained, whole):
-        assert rel(gemv_int4.w4_gemv(x[:1], *packed, group, None, cfg),
-                   _want(x[:1], packed, group)) < 8e-3
+        assert rel(gemv_int4.w4_gemv(x[:1], *packed, group, None, cfg), _want(x[:1], packed, group)) < 8e-3
     assert rel(gemv_int4.w4_gemv(x, *packed, group, None, two), _want(x, packed, group)) < 8e-3
 
 
@@ -77,8 +76,7 @@ def test_w4_gate_out_with_a_short_group() -> None:
     n, k, group = 2 * 21, 96, 64
     packed = quantized(n, k, group, seed=9)
     x = torch.randn(1, k).bfloat16()
-    cfg = W4Config(block_n=8, block_k=128, split_k=1, num_warps=2, prefetch=True,
-                   bit_convert=2)
+    cfg = W4Config(block_n=8, block_k=128, split_k=1, num_warps=2, prefetch=True, bit_convert=2)
     got = gemv_int4.w4_gemv_gate_out(x, *packed, group, None, cfg)
     product = _want(x, packed, group)
     want = torch.nn.functional.silu(product[:, :21]) * product[:, 21:]
@@ -93,8 +91,7 @@ def test_w4_gemm_and_dequantize(k: int, group: int) -> None:
     got = gemm_int4.w4_gemm(x, *packed, group, None, gemm_int4.W4GemmConfig(16, 32, 128, 4, 1))
     assert rel(got, _want(x, packed, group)) < 1e-5
     deq = gemm_int4.w4_dequantize(*packed, group, torch.float32, kernel=True)
-    want = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(packed[0]), *packed[1:],
-                                        group_size=group)
+    want = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(packed[0]), *packed[1:], group_size=group)
     torch.testing.assert_close(deq, want, atol=0, rtol=0)
 
 
