@@ -55,7 +55,15 @@ def can_fold(linear: nn.Module, norm: nn.Module) -> bool:
     method = getattr(linear, "quant_method", None)
     return (w is not None and not w.is_meta and w.is_floating_point() and w.element_size() >= 2
             and w.dim() == 2 and w.shape[1] == norm.weight.shape[0]
-            and getattr(method, "folds_norm", False) and not getattr(norm, "folded", False))
+            and getattr(method, "folds_norm", False) and not getattr(norm, "folded", False)
+            and not _fold_costs_accuracy(method, w, norm.weight))
+
+
+def _fold_costs_accuracy(method, weight: torch.Tensor, gamma: torch.Tensor) -> bool:
+    """A method's veto (QuantMethod.fold_costs_accuracy, where it has one): int4's groups along
+    K, for one, round a folded weight worse where gamma spreads widely within a group."""
+    veto = getattr(method, "fold_costs_accuracy", None)
+    return bool(veto is not None and veto(weight, gamma))
 
 
 @torch.no_grad()

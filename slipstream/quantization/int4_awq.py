@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
 GROUP_ATTR = "int4_group_size"  # the layer's group size (K itself: per channel)
+# A norm folds into an int4 weight unless that raises the weight's rounding error by more than
+# this factor (fold_costs_accuracy): the fold saves the norm's launch in a one-row decode.
+FOLD_TOLERANCE = 1.05
 ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
 _CT_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 NEEDS_CALIBRATION = True
@@ -72,6 +75,20 @@ class Int4LinearMethod(QuantMethod):
         the 16-bit weight first (models/norm_fold.py). AWQ (`slipstream quantize`, a layer hook
         that keeps every norm) and pre-quantized checkpoints keep their norms."""
         return self.layout is None
+
+    @torch.no_grad()
+    def fold_costs_accuracy(self, weight: torch.Tensor, gamma: torch.Tensor) -> bool:
+        """Whether folding the norm's gamma into this weight before round-to-nearest would round
+        it worse: a group along K holds columns that gamma scales differently, so a few large
+        gammas widen the whole group's range. Measured as the output error for normalised
+        inputs of unit variance: ||(W - Q(W)) diag(gamma)|| unfolded against
+        ||W diag(gamma) - Q(W diag(gamma))|| folded (SmolLM2-135M at group 64: folding every
+        norm cost +69% perplexity against +25% with the norms kept)."""
+        w, gamma = weight.float(), gamma.float()[None, :]
+        g = self.group_size or w.shape[1]
+        kept = ((_rtn(w, g) - w) * gamma).pow(2).sum()
+        folded = w * gamma
+        return bool((_rtn(folded, g) - folded).pow(2).sum() > FOLD_TOLERANCE * kept)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -256,6 +273,12 @@ class Int4LinearMethod(QuantMethod):
                                           qu.AWQ_ORDER), 1, 8),
             "scales": (layer.scales.data.t().contiguous().half(), 1, 1),
         }
+
+
+def _rtn(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w rounded to nearest in groups and dequantized (float16 scales, as stored)."""
+    q, scales, zeros = qu.quantize_int4_groupwise(w, group_size)
+    return qu.dequantize_int4_groupwise(q, scales.half(), zeros, torch.float32, group_size)
 
 
 def group_of(layer: nn.Module) -> int:

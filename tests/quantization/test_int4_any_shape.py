@@ -252,3 +252,22 @@ def test_quantize_per_channel_writes_and_reloads(awq_model, tmp_path) -> None:
     assert down.int4_group_size == 288 and down.scales.shape == (160, 1)
     twin = load_hf_model(_awq_twin(out, tmp_path / "twin", 0))
     assert got == greedy_ids(twin, PROMPTS, MAX_NEW)
+
+
+def test_norm_folds_into_int4_only_where_it_rounds_no_worse() -> None:
+    """A gamma that spreads widely within the groups (a few large channels, as SmolLM2's norms
+    have) makes the folded weight round worse: the fold is vetoed. A flat gamma folds."""
+    method = int4_awq.Int4LinearMethod(64)
+    w = torch.randn(96, 160, generator=torch.Generator().manual_seed(0))
+    flat = torch.full((160,), 0.7)
+    spiky = torch.ones(160)
+    spiky[::37] = 40.0
+    assert not method.fold_costs_accuracy(w, flat)
+    assert method.fold_costs_accuracy(w, spiky)
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(spiky.clone(), requires_grad=False)
+    linear = torch.nn.Linear(160, 96, bias=False)
+    linear.quant_method = method
+    assert not norm_fold.can_fold(linear, norm)
+    norm.weight.data = flat.clone()
+    assert norm_fold.can_fold(linear, norm)
