@@ -10,7 +10,8 @@ tile); the fold removes that cost.
 
 Which layers fold is the quant method's choice (QuantMethod.folds_norm): those that round the
 weights at load anyway (int8_wo, fp8, int4_awq's round-to-nearest; the folded weight's 16-bit
-rounding is far below their quantization step). Unquantized layers keep the checkpoint's weights
+rounding is far below their quantization step). A method may veto a fold that would round the
+weight worse (fold_costs_accuracy: int4's groups along K). Unquantized layers keep the checkpoint's weights
 bit for bit, so greedy tokens match transformers'. Pre-quantized checkpoints, and calibrations
 that read or rescale the norms (AWQ's layer hook, SmoothQuant), keep their norms; so do
 checkpoints written by `slipstream quantize` (kept_norms).
