@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument("--no-awq", action="store_true", help="round-to-nearest rows only")
+    ap.add_argument("--calib-device", default="cpu", help="where the AWQ search runs (cuda: minutes)")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -154,6 +155,7 @@ def main() -> None:
             options={"group_size": group},
             num_calib_samples=args.calib_samples,
             max_calib_len=args.calib_len,
+            device=args.calib_device,
         )
         record(f"awq g{group}", perplexity(out, windows, None), t0)
     result = {"model": str(gguf), "tokens": n_tokens, "windows": len(windows), "rows": rows}
