@@ -83,8 +83,8 @@ class Int4LinearMethod(QuantMethod):
         it worse: a group along K holds columns that gamma scales differently, so a few large
         gammas widen the whole group's range. Measured as the output error for normalised
         inputs of unit variance: ||(W - Q(W)) diag(gamma)|| unfolded against
-        ||W diag(gamma) - Q(W diag(gamma))|| folded (SmolLM2-135M at group 64: folding every
-        norm cost +69% perplexity against +25% with the norms kept)."""
+        ||W diag(gamma) - Q(W diag(gamma))|| folded (docs/quantization.md: what it costs on a
+        real model's norms)."""
         gamma = gamma.float()[None, :]
         g = self.group_size or weight.shape[1]
         kept = folded = 0.0
