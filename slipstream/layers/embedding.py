@@ -184,5 +184,6 @@ def _int4_dequantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: tor
                              zeros: torch.Tensor, group: int, bias: None) -> torch.Tensor:
     """The int4 head without Triton: its rows dequantized (in the chunks the head passes), then
     F.linear in float32, in x's dtype."""
-    w = utils.dequantize_int4_groupwise(utils.unpack_int4_rows(qweight), scales, zeros)
+    w = utils.dequantize_int4_groupwise(utils.unpack_int4_rows(qweight), scales, zeros,
+                                        group_size=group)
     return F.linear(x.float(), w).to(x.dtype)

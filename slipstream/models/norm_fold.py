@@ -10,7 +10,8 @@ tile); the fold removes that cost.
 
 Which layers fold is the quant method's choice (QuantMethod.folds_norm): those that round the
 weights at load anyway (int8_wo, fp8, int4_awq's round-to-nearest; the folded weight's 16-bit
-rounding is far below their quantization step). Unquantized layers keep the checkpoint's weights
+rounding is far below their quantization step). A method may veto a fold that would round the
+weight worse (fold_costs_accuracy: int4's groups along K). Unquantized layers keep the checkpoint's weights
 bit for bit, so greedy tokens match transformers'. Pre-quantized checkpoints, and calibrations
 that read or rescale the norms (AWQ's layer hook, SmoothQuant), keep their norms; so do
 checkpoints written by `slipstream quantize` (kept_norms).
@@ -55,7 +56,15 @@ def can_fold(linear: nn.Module, norm: nn.Module) -> bool:
     method = getattr(linear, "quant_method", None)
     return (w is not None and not w.is_meta and w.is_floating_point() and w.element_size() >= 2
             and w.dim() == 2 and w.shape[1] == norm.weight.shape[0]
-            and getattr(method, "folds_norm", False) and not getattr(norm, "folded", False))
+            and getattr(method, "folds_norm", False) and not getattr(norm, "folded", False)
+            and not _fold_costs_accuracy(method, w, norm.weight))
+
+
+def _fold_costs_accuracy(method, weight: torch.Tensor, gamma: torch.Tensor) -> bool:
+    """A method's veto (QuantMethod.fold_costs_accuracy, where it has one): int4's groups along
+    K, for one, round a folded weight worse where gamma spreads widely within a group."""
+    veto = getattr(method, "fold_costs_accuracy", None)
+    return bool(veto is not None and veto(weight, gamma))
 
 
 @torch.no_grad()

@@ -29,17 +29,23 @@ Loss = Callable[[torch.Tensor], float]  # fake-quantized weight -> output error
 
 def fake_quant(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """w [N, K] as the int4_awq layer computes with it: quantize_int4_groupwise, then
-    dequantized with the float16 scales the checkpoint stores (float ops only: fast)."""
+    dequantized with the float16 scales the checkpoint stores (float ops only: fast). A short
+    last group is quantized as if zero-padded (utils.pad_to_groups); group_size None or <= 0:
+    per channel."""
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"INT4 groupwise: input size {k} is not a multiple of group {group_size}")
-    g = w.float().reshape(n, k // group_size, group_size)
+    group_size = row_group(group_size, k)
+    g = qu.pad_to_groups(w.float(), group_size).reshape(n, -1, group_size)
     lo = g.amin(dim=2, keepdim=True).clamp(max=0.0)
     hi = g.amax(dim=2, keepdim=True).clamp(min=0.0)
     scale = ((hi - lo) / 15.0).clamp_min(1e-8)
     zero = torch.round(-lo / scale).clamp_(0, 15)
     q = torch.round(g / scale + zero).clamp_(0, 15)
-    return ((q - zero) * scale.half().float()).reshape(n, k)
+    return ((q - zero) * scale.half().float()).reshape(n, -1)[:, :k]
+
+
+def row_group(group_size: int | None, k: int) -> int:
+    """The group size for a row of K: None or <= 0 is per channel, one group of K."""
+    return group_size if group_size and group_size > 0 else k
 
 
 def pack_blocks(prompts: list[list[int]], seq_len: int, max_tokens: int) -> torch.Tensor:
@@ -137,9 +143,10 @@ def mse_to(want: torch.Tensor) -> Callable[[torch.Tensor], float]:
 def weight_absmean(w: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per input channel: mean over output rows of |w| relative to its group's max |w|."""
     n, k = w.shape
-    g = w.abs().reshape(n, k // group_size, group_size)
+    group_size = row_group(group_size, k)
+    g = qu.pad_to_groups(w.abs(), group_size).reshape(n, -1, group_size)
     g = g / g.amax(dim=2, keepdim=True).clamp_min(1e-8)
-    return g.reshape(n, k).mean(dim=0)
+    return g.reshape(n, -1)[:, :k].mean(dim=0)
 
 
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor,
@@ -249,8 +256,12 @@ def search_clip(w: torch.Tensor, sigma: torch.Tensor, group_size: int, grid: int
     row's output error for inputs of Gram matrix sigma [K, K]: each group's best range on its
     own partial products first (AutoAWQ's criterion), then one pass over the groups with the
     other groups' errors in the loss (the cross terms of sigma). A row never ends up worse than
-    without clipping. Rows go in chunks of at most max_elems candidate weights.
+    without clipping. Rows go in chunks of at most max_elems candidate weights. A short last
+    group is searched zero-padded (the pad's zero inputs add no error).
     """
+    group_size = row_group(group_size, w.shape[1])
+    w, pad = qu.pad_to_groups(w, group_size), -sigma.shape[0] % group_size
+    sigma = F.pad(sigma, (0, pad, 0, pad))
     a, b = clip_candidates(grid, max_shrink)
     rows = max(1, max_elems // (a.numel() * w.shape[1]))
     ranges = [_clip_chunk(w[r:r + rows].float(), sigma.float(), group_size, a.to(w.device),
@@ -307,9 +318,11 @@ def clip_rows(linear: nn.Module, start: int, stop: int, sigma: torch.Tensor,
               group_size: int) -> None:
     """Clamp rows start:stop of linear's weight to their searched per-group range, in place."""
     w = linear.weight.data[start:stop]
+    group_size = row_group(group_size, w.shape[1])
     lo, hi = search_clip(w, sigma, group_size)
-    shaped = w.reshape(w.shape[0], -1, group_size)
-    shaped.copy_(torch.maximum(torch.minimum(shaped, hi.to(w)), lo.to(w)))
+    shaped = qu.pad_to_groups(w, group_size).reshape(w.shape[0], -1, group_size)
+    clipped = torch.maximum(torch.minimum(shaped, hi.to(w)), lo.to(w))
+    w.copy_(clipped.reshape(w.shape[0], -1)[:, :w.shape[1]])
 
 
 def clip_layer(layer: nn.Module, grams: dict[str, torch.Tensor],
@@ -383,7 +396,7 @@ class LayerByLayerAwq:
         self._norm_dtype = _NORM_DTYPES.get(str(getattr(model.config, "torch_dtype", "")))
         embed = model.model.embed_tokens
         self._h = embed(blocks.to(embed.weight.device)).float()
-        logger.info("AWQ: %d x %d calibration tokens, group size %d", *blocks.shape,
+        logger.info("AWQ: %d x %d calibration tokens, group size %s", *blocks.shape,
                     self.group_size)
         if self.progress:
             self._bar = tqdm(total=len(model.model.layers), desc="AWQ search", unit="layer")

@@ -31,7 +31,10 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help=".jsonl ({'text': ...} per line), .json (list of strings) or text file")
     p.add_argument("--num-calib-samples", type=int, default=128)
     p.add_argument("--max-calib-len", type=int, default=512, help="tokens per sample at most")
-    p.add_argument("--group-size", type=int, default=128, help="int4_awq: input channels per scale")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="int4_awq: input channels per scale (32, 64, 128, ...; -1: one scale per "
+                        "output channel); a short last group where it does not divide a layer's "
+                        "input size")
     p.add_argument("--awq", dest="awq", action="store_true", default=True,
                    help="int4_awq: activation-aware scale search (default)")
     p.add_argument("--no-awq", dest="awq", action="store_false",

@@ -16,7 +16,7 @@ from torch import nn
 
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import QuantMethod
-from slipstream.quantization.int4_awq import Int4LinearMethod
+from slipstream.quantization.int4_awq import GROUP_ATTR, Int4LinearMethod
 
 BLOCK = 32  # values per GGUF block, the int4 group size
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # fp16 d (Q4_1: and fp16 m), then 16 bytes of nibbles
@@ -73,6 +73,7 @@ class GGUFInt4Method(Int4LinearMethod):
             raise ValueError(f"GGUF {self.kind}: input size {input_size} is not a multiple of "
                              f"{BLOCK}")
         self.dtype = params_dtype
+        setattr(layer, GROUP_ATTR, BLOCK)
         n, width = sum(output_sizes), input_size // BLOCK * BLOCK_BYTES[self.kind]
         layer.register_parameter(BLOCKS_PARAM, qu.new_param(
             torch.empty(n, width, dtype=torch.uint8), output_dim=0,

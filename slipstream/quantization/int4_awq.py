@@ -1,10 +1,14 @@
-"""int4_awq: INT4 weight-only, groupwise along K (group 128) with zero points, bf16 activations.
+"""int4_awq: INT4 weight-only, groupwise along K (group 128 by default; any group size, and
+per channel) with zero points, bf16 activations.
 
 Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` first runs AWQ's
 activation-aware scale and clipping search, awq.py), or pre-quantized
 AutoAWQ (GEMM), GPTQ and compressed-tensors W4A16 (pack-quantized, llm-compressor) checkpoints.
 All become one layout: qweight uint8 [N, K/2] (two values per byte along K), scales float16
-[N, K/G], zeros uint8 [N, K/G]; w = (q - zero) * scale.
+[N, ceil(K/G)], zeros uint8 [N, ceil(K/G)]; w = (q - zero) * scale. Where G does not divide K the
+last group is short: it is quantized as if zero-padded to G (utils.pad_to_groups), and the pad
+is never stored, so no step reads or multiplies it. The layer keeps its group size
+(GROUP_ATTR): the shapes alone cannot tell it when the last group is short.
 
 GPTQ act-order (desc_act; compressed-tensors actorder "group") checkpoints assign input columns
 to groups out of order (g_idx). Their columns are permuted at load so that each group is
@@ -38,6 +42,11 @@ from slipstream.quantization.int4_layouts import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
+GROUP_ATTR = "int4_group_size"  # the layer's group size (K itself: per channel)
+# A norm folds into an int4 weight unless that raises the weight's rounding error by more than
+# this factor (fold_costs_accuracy): the fold saves the norm's launch in a one-row decode.
+FOLD_TOLERANCE = 1.05
+FOLD_CHECK_ROWS = 2048
 ACT_ORDER_PERM = "act_order_perm"  # buffer: int64 [K], input column j of qweight is x[..., perm[j]]
 _CT_PARAMS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 NEEDS_CALIBRATION = True
@@ -68,18 +77,36 @@ class Int4LinearMethod(QuantMethod):
         that keeps every norm) and pre-quantized checkpoints keep their norms."""
         return self.layout is None
 
+    @torch.no_grad()
+    def fold_costs_accuracy(self, weight: torch.Tensor, gamma: torch.Tensor) -> bool:
+        """Whether folding the norm's gamma into this weight before round-to-nearest would round
+        it worse: a group along K holds columns that gamma scales differently, so a few large
+        gammas widen the whole group's range. Measured as the output error for normalised
+        inputs of unit variance: ||(W - Q(W)) diag(gamma)|| unfolded against
+        ||W diag(gamma) - Q(W diag(gamma))|| folded (docs/quantization.md: what it costs on a
+        real model's norms)."""
+        gamma = gamma.float()[None, :]
+        g = self.group_size or weight.shape[1]
+        kept = folded = 0.0
+        for rows in weight.split(FOLD_CHECK_ROWS):  # bounded temporaries on a large layer
+            w = rows.float()
+            kept += ((_rtn(w, g) - w) * gamma).pow(2).sum().item()
+            w = w * gamma
+            folded += (_rtn(w, g) - w).pow(2).sum().item()
+        return folded > FOLD_TOLERANCE * kept
+
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
-        if self.group_size is None:  # per-channel scales: one group spans the whole row
-            self.group_size = input_size
-        n, k, g = sum(output_sizes), input_size, self.group_size
-        if k % g or any(s % 8 for s in output_sizes):
-            raise ValueError(f"int4_awq: input size {k} must be a multiple of the group size {g} "
-                             f"and output sizes {output_sizes} multiples of 8")
+        n, k = sum(output_sizes), input_size
+        g = self.group_size or k  # None: per-channel scales, one group spans the whole row
+        check_int4_shape(self.layout, k, g, output_sizes)
+        if self.layout is not None:
+            check_group_split(layer, k, g)
+        setattr(layer, GROUP_ATTR, g)
         if self.act_order:
             check_act_order_split(layer)
         if self.layout == "compressed":
-            self._create_compressed(layer, k, output_sizes)
+            self._create_compressed(layer, k, g, output_sizes)
             return
         if self.layout is None:
             layer.register_parameter("weight", qu.new_param(
@@ -88,52 +115,55 @@ class Int4LinearMethod(QuantMethod):
         load8 = qu.packed_shard_loader(output_sizes, 1, 8)
         load1 = qu.packed_shard_loader(output_sizes, 1, 1)
         qshape = (k, n // 8) if self.layout == "awq" else (k // 8, n)
+        groups = qu.int4_groups(k, g)
         params = {
             "qweight": (torch.empty(qshape, dtype=torch.int32), load8 if self.layout == "awq"
                         else load1),
-            "qzeros": (torch.empty(k // g, n // 8, dtype=torch.int32), load8),
-            "scales": (torch.empty(k // g, n, dtype=torch.float16), load1),
+            "qzeros": (torch.empty(groups, n // 8, dtype=torch.int32), load8),
+            "scales": (torch.empty(groups, n, dtype=torch.float16), load1),
         }
         dummies = {}
         if self.layout == "gptq":  # one row per fused shard: they must agree (act_order_perm)
             params["g_idx"] = (torch.empty(len(output_sizes), k, dtype=torch.int32), g_idx_loader)
-            dummies["g_idx"] = self._dummy_g_idx(len(output_sizes), k)
+            dummies["g_idx"] = self._dummy_g_idx(len(output_sizes), k, g)
         for name, (data, loader) in params.items():
             layer.register_parameter(name, qu.new_param(data, weight_loader=loader,
                                                         dummy_value=dummies.get(name)))
 
-    def _create_compressed(self, layer: nn.Module, k: int, output_sizes: list[int]) -> None:
-        """weight_packed int32 [N, K/8] and weight_scale [N, K/G] (rows per fused shard), each
-        shard's weight_shape, weight_zero_point (asymmetric), weight_g_idx (actorder group)."""
-        if k % 8:
-            raise ValueError(f"int4_awq: pack-quantized input size {k} must be a multiple of 8")
-        n, shards = sum(output_sizes), len(output_sizes)
+    def _create_compressed(self, layer: nn.Module, k: int, g: int,
+                           output_sizes: list[int]) -> None:
+        """weight_packed int32 [N, K/8] and weight_scale [N, ceil(K/G)] (rows per fused shard),
+        each shard's weight_shape, weight_zero_point (asymmetric), weight_g_idx (actorder
+        group)."""
+        n, shards, groups = sum(output_sizes), len(output_sizes), qu.int4_groups(k, g)
         rows = qu.packed_shard_loader(output_sizes, 0)
         params = {
             "weight_packed": (torch.empty(n, k // 8, dtype=torch.int32), rows),
             # float32 holds bf16 and fp16 checkpoint scales exactly until the fp16 conversion
-            "weight_scale": (torch.empty(n, k // self.group_size, dtype=torch.float32), rows),
+            "weight_scale": (torch.empty(n, groups, dtype=torch.float32), rows),
             "weight_shape": (torch.empty(shards, 2, dtype=torch.int64),
                              weight_shape_loader(output_sizes, k)),
         }
         dummies = {"weight_shape": torch.tensor([[size, k] for size in output_sizes])}
         if not self.symmetric:  # unpacked to the canonical zeros (0..15) as it loads
-            params["weight_zero_point"] = (torch.empty(n, k // self.group_size, dtype=torch.uint8),
+            params["weight_zero_point"] = (torch.empty(n, groups, dtype=torch.uint8),
                                            zero_point_loader(output_sizes))
-            dummies["weight_zero_point"] = torch.full((n, k // self.group_size), CT_ZERO)
+            dummies["weight_zero_point"] = torch.full((n, groups), CT_ZERO)
         if self.act_order:
             params["weight_g_idx"] = (torch.empty(shards, k, dtype=torch.int32), g_idx_loader)
-            dummies["weight_g_idx"] = self._dummy_g_idx(shards, k)
+            dummies["weight_g_idx"] = self._dummy_g_idx(shards, k, g)
         for name, (data, loader) in params.items():
             layer.register_parameter(name, qu.new_param(data, weight_loader=loader,
                                                         dummy_value=dummies.get(name)))
 
-    def _dummy_g_idx(self, shards: int, k: int) -> torch.Tensor:
-        """load_format="dummy": contiguous groups, or for act-order checkpoints the columns in
-        reverse (a valid order that is not the identity, so the gather runs as it would)."""
-        cols = torch.arange(k)
-        order = cols.flip(0) if self.act_order else cols
-        return (order // self.group_size).to(torch.int32).expand(shards, k)
+    def _dummy_g_idx(self, shards: int, k: int, g: int) -> torch.Tensor:
+        """load_format="dummy": contiguous groups, or for act-order checkpoints the group of each
+        column reversed (a valid order that is not the identity, so the gather runs as it
+        would)."""
+        group = torch.arange(k) // g
+        if self.act_order:
+            group = group.flip(0)
+        return group.to(torch.int32).expand(shards, k)
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module) -> None:
@@ -141,7 +171,9 @@ class Int4LinearMethod(QuantMethod):
             return  # already in the canonical layout
         perm = None
         if self.layout is None:
-            q, scales, zeros = qu.quantize_int4_groupwise(layer.weight.data, self.group_size)
+            if not hasattr(layer, GROUP_ATTR):  # a float layer handed to this method afterwards
+                setattr(layer, GROUP_ATTR, self.group_size or layer.weight.shape[1])
+            q, scales, zeros = qu.quantize_int4_groupwise(layer.weight.data, group_of(layer))
             scales = scales.half()
             del layer._parameters["weight"]
         else:
@@ -167,7 +199,7 @@ class Int4LinearMethod(QuantMethod):
             q = qu.unpack_int32_cols(qweight.t().contiguous())  # packed along K
             # v1 stores zero - 1 in 4 bits: a zero of 0 wraps to 15 and back (mod 16).
             zeros = (qu.unpack_int32_cols(qzeros).t() + self.gptq_zero_offset) & 0xF
-            perm = act_order_perm(layer.g_idx.data.cpu(), self.group_size, tuple(q.shape))
+            perm = act_order_perm(layer.g_idx.data.cpu(), group_of(layer), tuple(q.shape))
             if perm is not None:
                 q = q[:, perm]
             del layer._parameters["g_idx"]
@@ -185,7 +217,8 @@ class Int4LinearMethod(QuantMethod):
             zeros = layer.weight_zero_point.data.cpu()
         perm = None
         if self.act_order:
-            perm = act_order_perm(layer.weight_g_idx.data.cpu(), self.group_size, tuple(q.shape))
+            perm = act_order_perm(layer.weight_g_idx.data.cpu(), group_of(layer),
+                                  tuple(q.shape))
             if perm is not None:
                 q = q[:, perm]
         for name in _CT_PARAMS:
@@ -199,36 +232,35 @@ class Int4LinearMethod(QuantMethod):
         perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
         if perm is not None:
             x = x.index_select(-1, perm)
-        group = x.shape[-1] // layer.scales.shape[1]  # also right for one group per row
-        return fn(x, layer.qweight, layer.scales, layer.zeros, group, bias)
+        return fn(x, layer.qweight, layer.scales, layer.zeros, group_of(layer), bias)
 
     def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
                        rms_eps: float = 0.0) -> torch.Tensor | None:
         """One decode row on CUDA: the W4 GEMV writes silu_and_mul of the [gate | up] product
         (kernels.gemv.int4.w4_linear_small_gate_out), one launch less per layer; else None.
         rms_eps: of x / rms(x), where the measured config is the one-row kernel."""
-        if not (x.is_cuda and x.numel() == x.shape[-1]):
+        if not (x.is_cuda and x.numel() == x.shape[-1]) or not _kernels_take(layer, x):
             return None
         from slipstream.kernels.gemv.int4 import w4_linear_small_gate_out  # Triton: CUDA only
 
         perm = layer._buffers.get(ACT_ORDER_PERM)
         if perm is not None:
             x = x.index_select(-1, perm)
-        group = x.shape[-1] // layer.scales.shape[1]
-        return w4_linear_small_gate_out(x, layer.qweight, layer.scales, layer.zeros, group, bias,
-                                        rms_eps)
+        return w4_linear_small_gate_out(x, layer.qweight, layer.scales, layer.zeros,
+                                        group_of(layer), bias, rms_eps)
 
     def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
                   bias: torch.Tensor | None) -> torch.Tensor | None:
         """apply(x / rms(x)) in one W4 GEMV launch for one decode row on CUDA, where the
         measured config is the one-row kernel (kernels.gemv.int4.w4_linear_small_rms); else
         None."""
-        if not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers:
+        if (not x.is_cuda or x.numel() != x.shape[-1] or ACT_ORDER_PERM in layer._buffers
+                or not _kernels_take(layer, x)):
             return None
         from slipstream.kernels.gemv.int4 import w4_linear_small_rms  # Triton: CUDA only
 
-        group = x.shape[-1] // layer.scales.shape[1]
-        return w4_linear_small_rms(x, layer.qweight, layer.scales, layer.zeros, group, bias, eps)
+        return w4_linear_small_rms(x, layer.qweight, layer.scales, layer.zeros, group_of(layer),
+                                   bias, eps)
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
@@ -236,6 +268,9 @@ class Int4LinearMethod(QuantMethod):
             raise ValueError("int4_awq: a layer loaded from a GPTQ act-order (desc_act) checkpoint "
                              "cannot be saved in the AutoAWQ layout, whose groups are contiguous "
                              "along K; quantize the float checkpoint instead")
+        if layer.qweight.shape[0] % 8:
+            raise ValueError(f"int4_awq: the AutoAWQ layout packs eight output channels an int32; "
+                             f"a layer of {layer.qweight.shape[0]} cannot be saved in it")
         q = qu.unpack_int4_rows(layer.qweight.data.cpu())
         return {
             "qweight": (qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER), 1, 8),
@@ -243,6 +278,49 @@ class Int4LinearMethod(QuantMethod):
                                           qu.AWQ_ORDER), 1, 8),
             "scales": (layer.scales.data.t().contiguous().half(), 1, 1),
         }
+
+
+def _rtn(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w rounded to nearest in groups and dequantized (float16 scales, as stored)."""
+    q, scales, zeros = qu.quantize_int4_groupwise(w, group_size)
+    return qu.dequantize_int4_groupwise(q, scales.half(), zeros, torch.float32, group_size)
+
+
+def group_of(layer: nn.Module) -> int:
+    """The layer's group size (create_weights records it); K itself for per-channel scales."""
+    return getattr(layer, GROUP_ATTR)
+
+
+def check_group_split(layer: nn.Module, k: int, g: int) -> None:
+    """A row-parallel layer of a pre-quantized checkpoint gives each rank K / tp input columns
+    with the checkpoint's groups: they must start at a group boundary. (A float checkpoint
+    quantized at load groups each rank's slice from its own start instead.)"""
+    if getattr(layer, "tp_split", None) == "input" and getattr(layer, "tp_size", 1) > 1 and k % g:
+        raise ValueError(f"int4_awq: a row-parallel layer's input size per rank ({k}, "
+                         f"tensor_parallel_size={layer.tp_size}) is not a multiple of the "
+                         f"checkpoint's group size {g}; use a tensor_parallel_size that splits "
+                         f"K into whole groups")
+
+
+def _kernels_take(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the fused one-row kernels take the layer's K and group (multiples of 16)."""
+    k, g = x.shape[-1], group_of(layer)
+    return k % 16 == 0 and g % 16 == 0
+
+
+def check_int4_shape(layout: str | None, k: int, g: int, output_sizes: list[int]) -> None:
+    """The shapes a layout holds: any group size (a short last group where it does not divide
+    K), an even K (two values a byte; the packed formats: whole int32 words), and any N except
+    where a checkpoint packs eight output channels a word (AutoAWQ qweight, AWQ / GPTQ qzeros)."""
+    if g <= 0:
+        raise ValueError(f"int4_awq: the group size must be positive, got {g}")
+    k_multiple = {None: 2, "awq": 1, "gptq": 8, "compressed": 8}.get(layout, 1)
+    if k % k_multiple:
+        raise ValueError(f"int4_awq: input size {k} must be a multiple of {k_multiple} "
+                         f"({layout or 'two 4-bit values a byte'})")
+    if layout in ("awq", "gptq") and any(s % 8 for s in output_sizes):
+        raise ValueError(f"int4_awq: {layout} checkpoints pack eight output channels an int32: "
+                         f"output sizes {output_sizes} must be multiples of 8")
 
 
 _INT4_LINEAR: list = []
@@ -264,7 +342,7 @@ def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The layer's [N, K] weight in `dtype`, input columns in the checkpoint's order (reference
     path: materialised per call)."""
     q = qu.unpack_int4_rows(layer.qweight)
-    w = qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype)
+    w = qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype, group_of(layer))
     perm = layer._buffers.get(ACT_ORDER_PERM)
     if perm is None:
         return w
@@ -273,14 +351,17 @@ def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def checkpoint_config(group_size: int = DEFAULT_GROUP, awq: bool = True) -> dict:
-    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+def checkpoint_config(group_size: int | None = DEFAULT_GROUP, awq: bool = True) -> dict:
+    """group_size None or <= 0: per channel, written as GPTQ's -1."""
+    group = group_size if group_size and group_size > 0 else -1
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
             "version": "gemm"}
 
 
-def make_method(group_size: int = DEFAULT_GROUP, awq: bool = True) -> Int4LinearMethod:
-    """A method that quantizes a loaded float weight (used by `slipstream quantize`)."""
-    return Int4LinearMethod(group_size)
+def make_method(group_size: int | None = DEFAULT_GROUP, awq: bool = True) -> Int4LinearMethod:
+    """A method that quantizes a loaded float weight (used by `slipstream quantize`); group_size
+    None or <= 0: per channel."""
+    return Int4LinearMethod(group_size if group_size and group_size > 0 else None)
 
 
 @register_quant_method("int4_awq")

@@ -27,15 +27,17 @@ def act_order_perm(g_idx: torch.Tensor, group_size: int,
     if not torch.equal(g_idx, g_idx[:1].expand_as(g_idx)):
         raise ValueError(f"int4_awq: the fused shards of a [{n}, {k}] GPTQ layer have different "
                          "g_idx; only one input column order per layer is supported")
-    g_idx, groups = g_idx[0].long(), k // group_size
+    g_idx, groups = g_idx[0].long(), qu.int4_groups(k, group_size)
     if torch.equal(g_idx, torch.arange(k) // group_size):
         return None
+    want = torch.full((groups,), group_size)
+    want[-1] = k - (groups - 1) * group_size  # a short last group where G does not divide K
     in_range = bool(((g_idx >= 0) & (g_idx < groups)).all())
-    if not in_range or not bool((torch.bincount(g_idx, minlength=groups) == group_size).all()):
+    if not in_range or not torch.equal(torch.bincount(g_idx, minlength=groups), want):
         raise ValueError(f"int4_awq: GPTQ g_idx of a [{n}, {k}] layer must give each of its "
-                         f"{groups} groups exactly {group_size} input columns (found groups "
-                         f"{int(g_idx.min())}..{int(g_idx.max())} with "
-                         f"{group_size_range(g_idx, groups)} columns)")
+                         f"{groups} groups exactly {group_size} input columns (the last one "
+                         f"{int(want[-1])}; found groups {int(g_idx.min())}..{int(g_idx.max())} "
+                         f"with {group_size_range(g_idx, groups)} columns)")
     return torch.argsort(g_idx, stable=True)
 
 

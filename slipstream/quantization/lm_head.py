@@ -47,11 +47,9 @@ def cli_choice(value: str) -> str:
 
 
 def int4_group(hidden: int) -> int:
-    """The int4 head's group: 128, or the whole row where the hidden size is not a multiple
-    (the kernels take any multiple of 16 that divides K)."""
-    if hidden % INT4_GROUP == 0:
-        return INT4_GROUP
+    """The int4 head's group: 128, the last group short where the hidden size is not a multiple
+    (576: four groups of 128 and one of 64). The kernels take K in multiples of 16."""
     if hidden % 16:
         raise ValueError(f"an int4 LM head needs a hidden size that is a multiple of 16, "
                          f"not {hidden}")
-    return hidden
+    return INT4_GROUP

@@ -10,6 +10,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization import compressed_tensors, modelopt
@@ -72,37 +73,63 @@ def quantize_per_token(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tens
 
 # --- INT4 groupwise (asymmetric, zero point), canonical layout: values 0..15 ---------------------
 
+def int4_groups(k: int, group_size: int) -> int:
+    """Groups along K: the last one is short when the group size does not divide K."""
+    return -(-k // group_size)
+
+
+def pad_to_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w [..., K] with zero columns appended up to a multiple of the group size (a view of w
+    when none are needed). A group's range always holds 0, so the zeros change no scale or zero
+    point, and they quantize to the zero point: exactly 0 after dequantization."""
+    pad = -w.shape[-1] % group_size
+    return F.pad(w, (0, pad)) if pad else w
+
+
 def quantize_int4_groupwise(w: torch.Tensor, group_size: int,
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q uint8 [N, K] in 0..15, scales float32 [N, K/G], zeros uint8 [N, K/G]); RTN.
+    """(q uint8 [N, K] in 0..15, scales float32 [N, ceil(K/G)], zeros uint8 [N, ceil(K/G)]); RTN.
 
-    w ~= (q - zero) * scale within each group of `group_size` input channels.
+    w ~= (q - zero) * scale within each group of `group_size` input channels; where G does not
+    divide K the last group is short (quantized as if zero-padded to G, see pad_to_groups).
     """
     n, k = w.shape
-    if k % group_size:
-        raise ValueError(f"INT4 groupwise: input size {k} is not a multiple of group {group_size}")
+    if group_size <= 0:
+        raise ValueError(f"INT4 groupwise: the group size must be positive, got {group_size}")
+    groups = int4_groups(k, group_size)
     q = w.new_empty((n, k), dtype=torch.uint8)
-    scale = w.new_empty((n, k // group_size), dtype=torch.float32)
-    zero = w.new_empty((n, k // group_size), dtype=torch.uint8)
-    for rows in _row_chunks(n, k):
-        g = w[rows].float().reshape(-1, k // group_size, group_size)
+    scale = w.new_empty((n, groups), dtype=torch.float32)
+    zero = w.new_empty((n, groups), dtype=torch.uint8)
+    for rows in _row_chunks(n, groups * group_size):
+        g = pad_to_groups(w[rows].float(), group_size).reshape(-1, groups, group_size)
         lo = g.amin(dim=2).clamp(max=0.0)
         hi = g.amax(dim=2).clamp(min=0.0)  # the range always holds 0, so zeros stay exact
         s = ((hi - lo) / 15.0).clamp_min(1e-8)
         z = torch.round(-lo / s).clamp_(0, 15)
-        q[rows] = torch.round(g / s[..., None] + z[..., None]).clamp_(0, 15).reshape(-1, k)
+        qg = torch.round(g / s[..., None] + z[..., None]).clamp_(0, 15)
+        q[rows] = qg.reshape(-1, groups * group_size)[:, :k]
         scale[rows], zero[rows] = s, z
     return q, scale, zero
 
 
 def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of quantize_int4_groupwise: q [N, K], scales/zeros [N, K/G] -> [N, K]."""
+                              dtype: torch.dtype = torch.float32,
+                              group_size: int | None = None) -> torch.Tensor:
+    """Inverse of quantize_int4_groupwise: q [N, K], scales/zeros [N, ceil(K/G)] -> [N, K].
+    group_size may be left out only where the groups divide K evenly."""
     n, k = q.shape
     groups = scales.shape[1]
-    g = q.float().reshape(n, groups, k // groups)
+    if group_size is None:
+        if k % groups:
+            raise ValueError(f"INT4 groupwise: {groups} groups do not divide K {k}; pass the "
+                             "group size")
+        group_size = k // groups
+    if int4_groups(k, group_size) != groups:
+        raise ValueError(f"INT4 groupwise: K {k} in groups of {group_size} needs "
+                         f"{int4_groups(k, group_size)} scales a row, got {groups}")
+    g = pad_to_groups(q.float(), group_size).reshape(n, groups, group_size)
     w = (g - zeros.float()[..., None]) * scales.float()[..., None]
-    return w.reshape(n, k).to(dtype)
+    return w.reshape(n, groups * group_size)[:, :k].to(dtype).contiguous()
 
 
 def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:

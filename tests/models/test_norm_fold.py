@@ -103,14 +103,22 @@ def test_load_time_quantization_quantizes_the_folded_weight(checkpoint, monkeypa
     W * gamma, within the format's rounding."""
     plain = _load(checkpoint, False, monkeypatch, load_format=load_format)
     quant = _load(checkpoint, True, monkeypatch, load_format=load_format, quantization=method)
+    vetoes = 0
     for i in range(2):
         p, q = plain.model.layers[i], quant.model.layers[i]
-        assert q.input_layernorm.folded and q.post_attention_layernorm.folded
         for proj, norm in [("self_attn.qkv_proj", "input_layernorm"),
                            ("mlp.gate_up_proj", "post_attention_layernorm")]:
-            want = p.get_submodule(proj).weight * p.get_submodule(norm).weight
+            weight, gamma = p.get_submodule(proj).weight, p.get_submodule(norm).weight
+            # int4 keeps a norm whose fold would round the weight worse (these random norms
+            # spread by 0.2: some do); the other formats always fold.
+            veto = method == "int4_awq" and int4_awq.Int4LinearMethod().fold_costs_accuracy(
+                weight, gamma)
+            vetoes += veto
+            assert q.get_submodule(norm).folded == (not veto), (method, proj)
+            want = weight if veto else weight * gamma
             got = _dequantized(q.get_submodule(proj), method)
             assert ((got - want).norm() / want.norm()).item() < tol, (method, proj)
+    assert vetoes == 0 or (method, load_format) == ("int4_awq", "auto")  # dummy norms are ~1
 
 
 def test_calibrations_that_rescale_the_norms_keep_them(checkpoint, monkeypatch):
@@ -142,6 +150,8 @@ def test_gpu_quantized_folded_rows_normalise_in_the_gemv(checkpoint, monkeypatch
 
     if method == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")
+    # Every norm folded: int4's accuracy veto (fold_costs_accuracy) off, the kernels are the point.
+    monkeypatch.setattr(int4_awq, "FOLD_TOLERANCE", float("inf"))
     module_name, rms_name, gate_out_name = _IN_GEMV_NORM[method]
     kernels = importlib.import_module(f"slipstream.kernels.{module_name}")
     rms, gate_out = getattr(kernels, rms_name), getattr(kernels, gate_out_name)

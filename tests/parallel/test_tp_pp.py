@@ -114,6 +114,20 @@ def test_quantized_greedy_equals_one_rank(pool, tiny_checkpoint, method) -> None
 SCORE = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
 
 
+def test_int4_short_groups_split(pool, tiny_checkpoint) -> None:
+    """int4 at load with groups that do not divide the row-parallel inputs (hidden 160, o_proj
+    and down inputs of 80 and 144 a rank at group 128): each rank quantizes its own slice, a
+    short last group per rank, so its rounding differs from one rank's. Split right, it is as
+    close to the float model as the one-rank int4 model (a wrong slice is many times further)."""
+    path = tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=40)
+    exact = _prompt_logprobs(_generate(path, SCORE))
+    one_rank = _distance(_prompt_logprobs(_generate(path, SCORE, quantization="int4_awq")), exact)
+    split = _distance(_prompt_logprobs(_generate(path, SCORE, quantization="int4_awq",
+                                                 tensor_parallel_size=2)), exact)
+    assert split < 1.5 * one_rank, f"{split:.3f} vs one rank's {one_rank:.3f}"
+
+
 @pytest.mark.parametrize("method", ["fp8", "w8a8_sq"])
 def test_activation_quantized_logprobs_near_one_rank(pool, tiny_checkpoint, method) -> None:
     """fp8 and w8a8_sq also quantize activations per token; a row-parallel layer scales each

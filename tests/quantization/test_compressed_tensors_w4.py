@@ -274,9 +274,9 @@ def test_fused_asymmetric_zero_points_packed_and_unpacked() -> None:
 
 
 def test_bad_shapes_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="multiple of the group size 48"):
-        ColumnParallelLinear(128, 64, bias=False, params_dtype=torch.float32,
-                             quant_method=_factory({"group_size": 48})("x"))
+    with pytest.raises(ValueError, match="input size 100 must be a multiple of 8"):
+        ColumnParallelLinear(100, 64, bias=False, params_dtype=torch.float32,
+                             quant_method=_factory({"group_size": 32})("x"))
     layer = ColumnParallelLinear(128, 64, bias=False, params_dtype=torch.float32,
                                  quant_method=_factory()("x"))
     with pytest.raises(ValueError, match=r"weight_shape \[64, 256\] does not match the layer's "

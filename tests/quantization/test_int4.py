@@ -130,7 +130,7 @@ def test_gptq_without_groups_loads_per_channel(tiny, tmp_path, monkeypatch) -> N
     path = _write_layout(tiny, tmp_path / "gptq_per_channel", "gptq", group=-1)
     llm = LLM(str(path), kv_cache_memory=16 << 20)
     down = llm.engine.runner.model.model.layers[0].mlp.down_proj
-    assert down.quant_method.group_size == 256 and down.scales.shape[1] == 1
+    assert down.int4_group_size == 256 and down.scales.shape[1] == 1
     assert not down.quant_method.act_order  # one group: nothing to reorder
     got = _greedy(path, None, prompts)
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", -1)

@@ -6,7 +6,6 @@ these tiles against dequantizing the whole weight to x's dtype and calling cuBLA
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from slipstream.kernels.gemv.int4_common import (
     GemmTileConfig,
     dequant_tile,
     grouped_tile,
+    kernel_chunk,
     large_m_bucket,
     measure_best,
     packed_words,
@@ -41,7 +41,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stri
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
     w_ptrs = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 8)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):  # K is a multiple of GROUP, hence of BLOCK_K: no masks
+    for k in range(0, K, BLOCK_K):  # BLOCK_K divides K and GROUP (kernel_chunk): no masks
         x = tl.load(x_ptrs + k)
         q = tl.load(w_ptrs + tl.multiple_of(k // 8, BLOCK_K // 8))
         g = k // GROUP
@@ -77,13 +77,14 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     """The [N, K] weight (q - zero) * scale in dtype: one Triton pass (reads the packed bytes,
     writes dtype; kernel None: on CUDA), else utils.dequantize_int4_groupwise."""
     if not (qweight.is_cuda if kernel is None else kernel):
-        return qu.dequantize_int4_groupwise(qu.unpack_int4_rows(qweight), scales, zeros, dtype)
+        return qu.dequantize_int4_groupwise(qu.unpack_int4_rows(qweight), scales, zeros, dtype,
+                                            group_size)
     k = qweight.shape[1] * 2
     words = packed_words(qweight, scales, zeros, group_size, k)
     scales, zeros = row_major(scales), row_major(zeros)
     n = words.shape[0]
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
-    block_k = math.gcd(128, group_size)
+    block_k = kernel_chunk(128, group_size, k)
     _w4_dequant_kernel[(triton.cdiv(n, 64), k // block_k)](
         words, scales, zeros, out, n, words.stride(0), scales.stride(0), zeros.stride(0),
         out.stride(0), GROUP=group_size, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
@@ -116,7 +117,8 @@ def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             config: W4GemmConfig | None = None) -> torch.Tensor:
     """x [..., K] @ dequant(qweight)^T (+ bias), any number of rows; output in x's dtype.
 
-    Constraints: group_size a multiple of 16 dividing K (K itself: one group per row); any M, N.
+    Constraints: K and group_size multiples of 16 (a short last group where the group size
+    does not divide K; K itself: one group per row); any M, N.
     """
     k = x.shape[-1]
     n = qweight.shape[0]
@@ -128,7 +130,7 @@ def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     cfg = config or default_gemm_config(m)
-    block_k = math.gcd(cfg.block_k, group_size)  # one group per K step
+    block_k = kernel_chunk(cfg.block_k, group_size, k)  # one group per K step, none past K
     scales, zeros = row_major(scales), row_major(zeros)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _w4_gemm_kernel[grid](

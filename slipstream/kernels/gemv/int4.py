@@ -9,7 +9,6 @@ of kernels/gemv/dense.py; int4_linear is the entry point for int4_awq's apply.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,8 @@ from slipstream.kernels.gemv.dense import (
     tile_rows,
 )
 from slipstream.kernels.gemv.int4_common import (
+    kernel_chunk,
+    kernel_shape_ok,
     measure_best,
     packed_words,
     row_major,
@@ -846,8 +847,9 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
             config: GemvConfig | None = None, rms_eps: float = 0.0) -> torch.Tensor:
     """x [..., K] @ dequant(qweight)^T (+ bias) for at most MAX_M rows of x; output in x's dtype.
 
-    Constraints: group_size a multiple of 16 dividing K (K itself: one group per row); any N.
-    The K chunk is gcd(config.block_k, group_size); block_k is also the split-K granularity.
+    Constraints: K and group_size multiples of 16 (a short last group where the group size
+    does not divide K; K itself: one group per row); any N. The K chunk is
+    gcd(config.block_k, group_size, K); block_k is also the split-K granularity.
     rms_eps > 0 (one row, a one-row config: gemv.rms_ok): the product is taken with
     x / rms(x), as gemv's.
     """
@@ -865,7 +867,7 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if rms_eps and not rms_ok(m, n, k, cfg, x.device):
         raise ValueError(f"rms_eps needs one row and a one-row config (with a K split, an x "
                          f"that fits: gemv.split_rms_fits); got M={m}, {cfg}")
-    chunk = math.gcd(cfg.block_k, group_size)  # within one group; a power of two >= 16
+    chunk = kernel_chunk(cfg.block_k, group_size, k)  # within one group; a multiple of 16
     split, per_split = choose_split_k(cfg, n, k, x.device)
     n_tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
@@ -1044,7 +1046,7 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(f"w4_gemv_gate_out needs one row, an even N and a one-row config "
                          f"(rms_eps: gemv.rms_ok); got M={x2.shape[0]}, N={n}, {config}")
     out = torch.empty((1, n // 2), dtype=x.dtype, device=x.device)
-    chunk = math.gcd(config.block_k, group_size)
+    chunk = kernel_chunk(config.block_k, group_size, k)
     split, per_split, n_tiles, ws, cnt = gate_out_launch(config, n, k, x.device)
     scales, zeros = row_major(scales), row_major(zeros)
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
@@ -1136,10 +1138,11 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 zeros: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_awq's apply: on CUDA, M <= 16 -> w4_linear_small, larger M -> w4_linear_large (the
-    measured faster of w4_gemm and dequantize + cuBLAS); elsewhere the reference twin."""
+    measured faster of w4_gemm and dequantize + cuBLAS); elsewhere, and for a K or group size
+    that is not a multiple of 16 (no real model's), the reference twin."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if not x.is_cuda or m == 0:
+    if not x.is_cuda or m == 0 or not kernel_shape_ok(k, group_size):
         return w4_linear_reference(x, qweight, scales, zeros, group_size, bias)
     if m <= MAX_M:
         return w4_linear_small(x, qweight, scales, zeros, group_size, bias)

@@ -3,13 +3,17 @@ nibble unpacking, the layout checks, the plain-torch reference twin (w4_linear_r
 the measured choice among candidates.
 
 Packed words: qweight uint8 [N, K/2] (even k in the low nibble) read as int32 [N, K/8]; nibble i
-(bits 4i..4i+3) of word j is k = 8j + i. Nibbles become floats by the exponent trick: 4 bits
-placed in the mantissa under the exponent of 1.0 read as 1 + q/16, exact in fp32, fp16 and bf16
-(int->float conversion instructions run at a quarter of the FMA rate: too slow to keep up).
+(bits 4i..4i+3) of word j is k = 8j + i. Scales and zeros [N, ceil(K/G)]: where G does not divide
+K the last group is short. The kernels step along K in chunks of gcd(tile, G, K) (kernel_chunk),
+so every chunk lies in one group and none runs past K: no mask and no padding. Nibbles become
+floats by the exponent trick: 4 bits placed in the mantissa under the exponent of 1.0 read as
+1 + q/16, exact in fp32, fp16 and bf16 (int->float conversion instructions run at a quarter of
+the FMA rate: too slow to keep up).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -140,16 +144,28 @@ def packed_words(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] * 2 != k:
         raise ValueError(f"int4 kernels: qweight must be uint8 [N, K/2] = [{n}, {k // 2}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
-    if group_size % 16 or k % group_size:
-        raise ValueError(f"int4 kernels: the group size ({group_size}) must be a multiple of 16 "
-                         f"that divides K ({k})")
-    want = (n, k // group_size)
+    if not kernel_shape_ok(k, group_size):
+        raise ValueError(f"int4 kernels: the group size ({group_size}) and K ({k}) must be "
+                         f"multiples of 16")
+    want = (n, qu.int4_groups(k, group_size))
     if tuple(scales.shape) != want or tuple(zeros.shape) != want or zeros.dtype != torch.uint8:
         raise ValueError(f"int4 kernels: scales and uint8 zeros must be {want}, got "
                          f"{tuple(scales.shape)} / {zeros.dtype} {tuple(zeros.shape)}")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
         qweight = qweight.contiguous()
     return qweight.view(torch.int32)
+
+
+def kernel_shape_ok(k: int, group_size: int) -> bool:
+    """Whether the Triton kernels take K and the group size: chunks of at least 16 k (a word
+    pair per row for the products, one tensor-core K step), each in one group."""
+    return k % 16 == 0 and group_size % 16 == 0 and k > 0
+
+
+def kernel_chunk(block_k: int, group_size: int, k: int) -> int:
+    """The K step of a kernel with tile block_k: within one group (a short last group
+    included) and never past K."""
+    return math.gcd(block_k, group_size, k)
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:
@@ -159,11 +175,13 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
 def w4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                         zeros: torch.Tensor, group_size: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain-torch twin: dequantize (utils), then F.linear in float32; output in x's dtype."""
-    if scales.shape[1] * group_size != x.shape[-1]:
-        raise ValueError(f"w4 reference: {scales.shape[1]} groups of {group_size} != K "
+    """The plain-torch twin: dequantize (utils), then F.linear in float32; output in x's dtype.
+    Any K and group size (a short last group where G does not divide K)."""
+    if qu.int4_groups(x.shape[-1], group_size) != scales.shape[1]:
+        raise ValueError(f"w4 reference: {scales.shape[1]} groups of {group_size} do not cover K "
                          f"{x.shape[-1]}")
-    w = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(qweight), scales, zeros, torch.float32)
+    w = qu.dequantize_int4_groupwise(qu.unpack_int4_rows(qweight), scales, zeros, torch.float32,
+                                     group_size)
     out = F.linear(x.float(), w, None if bias is None else bias.float())
     return out.to(x.dtype)
 
