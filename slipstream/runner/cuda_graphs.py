@@ -6,6 +6,8 @@ step overwrites; a batch is padded up to the nearest captured size (padding rows
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -86,7 +88,7 @@ class DecodeGraphs:
             del warm
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool), no_gc():
                 # Every graph writes its logits into one shared buffer: a graph's own output
                 # would stay allocated per batch size (17 GB over sizes up to 1024 for a
                 # 128k vocabulary), memory the KV budget never counted. The copy is also the
@@ -239,3 +241,17 @@ def argmax_and_advance_reference(logits, out, input_ids, positions, seq_lens, sl
     rows = torch.arange(n, device=logits.device)
     block = block_tables[rows, pos // block_size].to(torch.int64)
     slot_mapping[:n].copy_(block * block_size + pos % block_size)
+
+
+@contextlib.contextmanager
+def no_gc():
+    """No garbage collection while a graph is captured: collecting an earlier engine's objects
+    there could free its pinned buffers, and the host allocator's event calls are not allowed
+    during a capture (they invalidate it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

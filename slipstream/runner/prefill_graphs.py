@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from slipstream.attention.backend import AttentionMetadata
+from slipstream.runner.cuda_graphs import no_gc
 from slipstream.runner.input_batch import HostBatch, put_fed_tokens
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class PrefillGraphs:
             del warm
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool), no_gc():
                 self.logits.copy_(self._forward(t))  # also the float32 conversion
             if self.pool is None:
                 self.pool = graph.pool()

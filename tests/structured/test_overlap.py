@@ -39,7 +39,10 @@ def _run(path, overlap: bool, device: str = "cpu"):
 
     runner.launch_logits = counted
     prompts, params = _workload()
-    return llm.generate(prompts, params, use_tqdm=False), sum(split)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), sum(split)
+    finally:
+        llm.engine.shutdown()
 
 
 def _workload():
