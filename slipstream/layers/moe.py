@@ -12,8 +12,8 @@ the routed sum, and `forward` all-reduces the shares across the tensor-parallel 
 - expert parallel (`local_experts`): each rank holds whole experts, a token's slot whose
   expert lives elsewhere maps to -1 and adds nothing here.
 
-Weight-only quantization of the experts at load: fp8 (e4m3) or int8, one float32 scale per
-output row of each expert.
+Weight-only quantization of the experts at load, fp8 (e4m3) or int8, or pre-quantized FP8 from
+the checkpoint (layers/moe_fp8_checkpoint.py): one float32 scale per output row of each expert.
 """
 from __future__ import annotations
 
