@@ -207,8 +207,12 @@ class MpWorkerPool(WorkerPool):
         atexit.register(self.close)
 
     def _dead_workers(self) -> dict[int, str]:
-        return {rank: f"worker rank {rank} (pid {proc.pid}) exited with code {proc.poll()}"
-                for rank, proc in enumerate(self.procs) if proc.poll() is not None}
+        dead = [(rank, proc.poll()) for rank, proc in enumerate(self.procs)
+                if proc.poll() is not None]
+        # A rank killed by a signal first: its peers then exit on their own failed collective.
+        dead.sort(key=lambda rank_code: rank_code[1] >= 0)
+        return {rank: f"worker rank {rank} (pid {self.procs[rank].pid}) exited with code {code}"
+                for rank, code in dead}
 
     def _stop_workers(self) -> None:
         procs = getattr(self, "procs", [])
