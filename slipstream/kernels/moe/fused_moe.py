@@ -159,36 +159,48 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr, N, K,
 
 
 @triton.jit
-def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr, N, K,
-                          stride_am, stride_we, stride_wn, stride_om, stride_se,
-                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[t, n] = sum_j weight[t, j] * down_e(act[t * k + j]) on one column tile: the k
-    experts of a token summed in registers (no atomics, no second pass)."""
+def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, part_ptr, N, K,
+                          stride_am, stride_we, stride_wn, stride_pm, stride_se,
+                          HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[pair, n] = weight[pair] * down_e(act[pair]) (float32) on one column tile: one
+    program per (pair, tile), so a token's experts stream their weights side by side."""
+    pair = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    part_ptrs = part_ptr + pair.to(tl.int64) * stride_pm + offs_n
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:  # a slot held elsewhere (expert parallelism) adds nothing
+        tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_ok)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
+        + offs_k[None, :]
+    a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    part = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        part *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
+    tl.store(part_ptrs, tl.load(topk_w_ptr + pair) * part, mask=n_ok)
+
+
+@triton.jit
+def _sum_experts_kernel(part_ptr, out_ptr, N, stride_pm, stride_om, TOP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """out[t] = sum over j of part[t * k + j], in a fixed order (deterministic, no atomics)."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     out = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if expert >= 0:
-            w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
-                + offs_k[None, :]
-            a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + offs_k
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * a
-                w_ptrs += BLOCK_K
-                a_ptrs += BLOCK_K
-            part = tl.sum(acc, axis=1)
-            if HAS_SCALE:
-                part *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
-            out += tl.load(topk_w_ptr + pair) * part
+        row = (token * TOP_K + j).to(tl.int64)
+        out += tl.load(part_ptr + row * stride_pm + offs_n, mask=n_ok, other=0.0)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
              out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -211,6 +223,9 @@ class GemvConfig:
     block_n: int = 16
     block_k: int = 256
     num_warps: int = 4
+
+
+_SUM_BLOCK_N = 1024
 
 
 def gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
@@ -288,13 +303,17 @@ def _decode(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, cfg):
         x, w13, s13, topk_ids, act, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), s13_stride, TOP_K=top_k, HAS_SCALE=w13_scale is not None,
         BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, num_warps=up_cfg.num_warps)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    down_cfg = cfg or gemv_config(num_tokens, hidden, w2)
+    down_cfg = cfg or gemv_config(pairs, hidden, w2)
+    part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     s2, s2_stride = _scale_args(w2_scale, topk_weights)
-    _moe_down_gemv_kernel[(num_tokens, triton.cdiv(hidden, down_cfg.block_n))](
-        act, w2, s2, topk_ids, topk_weights, out, hidden, inter, act.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), s2_stride, TOP_K=top_k, HAS_SCALE=w2_scale is not None,
+    _moe_down_gemv_kernel[(pairs, triton.cdiv(hidden, down_cfg.block_n))](
+        act, w2, s2, topk_ids, topk_weights, part, hidden, inter, act.stride(0), w2.stride(0),
+        w2.stride(1), part.stride(0), s2_stride, HAS_SCALE=w2_scale is not None,
         BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, num_warps=down_cfg.num_warps)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    _sum_experts_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_N))](
+        part, out, hidden, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=_SUM_BLOCK_N,
+        num_warps=4)
     return out
 
 
