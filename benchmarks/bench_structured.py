@@ -103,13 +103,19 @@ def throughput(llm: LLM, num: int, vocab: int, scale: float, repeats: int) -> di
         runs["matched"].append(timed_generate(llm, ids, matched)[1:])
         runs["warm"].append(timed_generate(llm, ids, constrained)[1:])
     runs["w5"].append(timed_generate(llm, ids, base)[1:])
-    finished = 0
+    finished, invalid = 0, []
     for out, schema in zip(outs, schemas):
         c = out.outputs[0]
         if c.finish_reason == "stop":
-            jsonschema.validate(json.loads(c.text), schema)
             finished += 1
-    result = {"num": num, "finished_valid": finished, "cold": _rate(cold)}
+            try:
+                jsonschema.validate(json.loads(c.text), schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                # Random weights can pick byte sequences that are not UTF-8 (decoded to U+FFFD),
+                # which a length bound then counts differently: shown, not hidden.
+                invalid.append(str(exc).splitlines()[0][:160])
+    result = {"num": num, "finished": finished, "finished_valid": finished - len(invalid),
+              "invalid_examples": invalid[:5], "cold": _rate(cold)}
     for name, timings in runs.items():
         result[name] = {
             "tok_s": statistics.mean(t[0] for t in timings),
@@ -231,7 +237,7 @@ def print_table(f: dict, num: int) -> None:
         ("JSON schema, compiling as it runs tok/s", rate(f["cold"])),
         ("throughput cost with compiles", f"{100 * f['cost_cold']:.1f} %"),
         ("unconstrained, full W5 lengths tok/s", rate(f["w5"])),
-        ("schema outputs finished / valid", f"{f['finished_valid']} / {f['num']}"),
+        ("schema outputs: of all / finished / valid", f"{f['num']} / {f['finished']} / {f['finished_valid']}"),
         (
             "compile ms per schema (mean / p50 / max)",
             f"{compile_ms['mean']:.1f} / {compile_ms['p50']:.1f} / {compile_ms['max']:.1f}"
@@ -246,6 +252,8 @@ def print_table(f: dict, num: int) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    for example in f["invalid_examples"]:
+        print(f"  invalid: {example}")
 
 
 if __name__ == "__main__":
