@@ -122,6 +122,8 @@ class KernelCaches:
         if BUILD_DIR.get() is not None:  # a build compiles every kernel into the engine
             binary_dirs = [BUILD_DIR.get() / "nvrtc"]
         launch.set_binary_dirs(binary_dirs)
+        if config.load_format == "engine":  # the build's measurements come first
+            tuning_cache.load_file(Path(config.model_path) / "tuning.json")
         self.path = tuning_cache.cache_file(device)
         if self.path is not None:
             tuning_cache.load_file(self.path)

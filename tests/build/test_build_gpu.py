@@ -1,12 +1,14 @@
-"""A GPU build: same greedy tokens as the unbuilt engine, and a load that tunes nothing and
-finds its kernels compiled (tuning.json, triton_cache/ in the engine)."""
+"""A GPU build: same greedy tokens as the unbuilt engine, and a load in a fresh process (empty
+caches) that tunes nothing and compiles nothing (tuning.json, triton_cache/ in the engine)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-import slipstream
 from slipstream import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -24,13 +26,37 @@ def test_gpu_build_loads_without_tuning(tiny_checkpoint, tmp_path, monkeypatch,
     unbuilt = LLM(str(src), **kwargs)
     want = [o.outputs[0].token_ids for o in unbuilt.generate(PROMPTS, GREEDY, use_tqdm=False)]
     del unbuilt
-    engine = slipstream.build(str(src), tmp_path / "engine", **kwargs)
+    # Built by the CLI in a fresh process, as users do: kernels this process already compiled
+    # would not be written into the engine again.
+    engine = tmp_path / "engine"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items() if v is not None]
+    build = subprocess.run([sys.executable, "-m", "slipstream", "build", "--model", str(src),
+                            "--output", str(engine), *flags], capture_output=True, text=True,
+                           timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
     manifest = json.loads((engine / "engine.json").read_text())
     assert manifest["environment"]["gpu_name"] and manifest["cuda_graph_batch_sizes"]
     assert json.loads((engine / "tuning.json").read_text())["tables"]
-    monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", "off")  # only the engine's own tables
-    llm = LLM(str(engine))
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert got == want
-    assert llm.engine.startup_phases["tune"] == 0.0
-    assert llm.engine.startup_phases["quantize"] == 0.0
+    # A fresh process: in this one the tuners' tables and compiled kernels are still in memory.
+    env = {**os.environ, "SLIPSTREAM_CACHE_DIR": "off", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(engine), json.dumps(PROMPTS)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == want
+    assert result["phases"]["tune"] == 0.0
+    assert result["phases"]["quantize"] == 0.0
+    shipped = {p.name for p in (engine / "triton_cache").iterdir()}
+    compiled_now = {p.name for p in (tmp_path / "triton").iterdir()} - shipped
+    assert not compiled_now, f"{len(compiled_now)} Triton kernels compiled again at load"
+
+
+_LOAD = """
+import json, sys
+from slipstream import LLM, SamplingParams
+llm = LLM(sys.argv[1])
+params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                  "phases": llm.engine.startup_phases}))
+"""
