@@ -1,4 +1,4 @@
-"""The LoRA kernels of one decode forward, before and after the fused small-batch path.
+"""The LoRA kernels of one decode forward: before and after the shared shrink workspace.
 
     python benchmarks/bench_lora_kernels.py [--tokens 1 4 16 64 512] [--adapters 8]
 
@@ -9,12 +9,11 @@ graphs do):
 
 - base: the base products alone (the engine's linear kernels; gate/up then SiLU-and-mul, one
   kernel at one row);
-- base + LoRA before: memset + shrink + expand per projection, shrink splitting K only at
-  64 rows or fewer (the previous policy), SiLU-and-mul apart;
-- base + LoRA after: `lora_add` (one fused kernel per projection up to 16 rows; shrink + expand
-  with K split until the tiles fill the GPU above, into one workspace zeroed once a forward);
-  gate/up's delta and SiLU-and-mul in the LoRA kernels (`lora_act`: one kernel at one row,
-  expand + activation in one pass above 16).
+- base + LoRA before: memset + shrink + expand per projection (K split at 64 rows or fewer),
+  SiLU-and-mul apart;
+- base + LoRA after: what the engine runs: one workspace zeroed once a forward, then
+  `lora_add` (shrink into the projection's columns of it + expand) per projection,
+  SiLU-and-mul apart.
 
 Prints microseconds per forward and the LoRA overhead over the base products.
 """
@@ -39,7 +38,8 @@ SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
 
 
 def _previous(x, y, a, b, meta, shards):
-    """The policy before the fused path: split K only at 64 rows or fewer."""
+    """Memset + shrink + expand: a zeroed h of its own per projection, K split only at 64 rows
+    or fewer."""
     k = x.shape[1]
     split = max(1, min(16, k // 256)) if x.shape[0] <= 64 else 1
     h = triton_lora.lora_shrink(x, a, meta, split=split)
@@ -88,41 +88,36 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
     packed = torch.from_numpy(pack_meta(slots, SLOTS)).to(dev)
     meta = meta_views(packed, tokens, SLOTS)
     ops = linear_kernels()
-    scratch = triton_lora.fused_scratch(
-        [(k, layers[0][name]["shards"], sum(sizes)) for name, (k, sizes) in SHAPES.items()],
-        RANK, SLOTS, dev)
     xs = {name: torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
           for name, (k, _) in SHAPES.items()}
     # The engine's shrink workspace: a column range per projection, zeroed once a forward.
     widths = {name: len(sizes) * RANK for name, (_, sizes) in SHAPES.items()}
     per_layer = sum(widths.values())
     ws = torch.empty((tokens, per_layer * len(layers)), device=dev, dtype=torch.float32)
-    use_ws = tokens > triton_lora.FUSED_MAX_ROWS
     h_of = {}
     col = 0
     for i in range(len(layers)):
         for name in SHAPES:
-            h_of[(i, name)] = ws[:, col : col + widths[name]] if use_ws else None
+            h_of[(i, name)] = ws[:, col : col + widths[name]]
             col += widths[name]
 
     def gate_up(p: dict, mode: str, h) -> None:
         """The MLP's first half as the engine runs it: one row without LoRA is the gate/up
-        GEMV writing SiLU-and-mul itself; with LoRA after, the LoRA kernels write it."""
+        GEMV writing SiLU-and-mul itself; with LoRA, the product, its delta, SiLU-and-mul."""
         x = xs["gate_up"]
         if mode == "base" and tokens == 1 and getattr(ops, "linear_gate_out", None):
             if ops.linear_gate_out(x, p["w"], None) is not None:
                 return
         y = ops.linear(x, p["w"], None)
-        if mode == "after":
-            triton_lora.lora_act(x, y, p["a"], p["b"], meta, p["shards"], scratch, h)
-            return
         if mode == "before":
             _previous(x, y, p["a"], p["b"], meta, p["shards"])
+        elif mode == "after":
+            triton_lora.lora_add(x, y, p["a"], p["b"], meta, p["shards"], h)
         silu_and_mul(y)
 
     def forward(mode: str) -> Callable[[], None]:
         def go() -> None:
-            if mode == "after" and use_ws:
+            if mode == "after":
                 ws.zero_()
             for i, layer in enumerate(layers):
                 for name, p in layer.items():
@@ -134,7 +129,7 @@ def run(tokens: int, adapters: int, layers: list[dict]) -> tuple[float, float, f
                         _previous(xs[name], y, p["a"], p["b"], meta, p["shards"])
                     elif mode == "after":
                         triton_lora.lora_add(xs[name], y, p["a"], p["b"], meta, p["shards"],
-                                             scratch, h_of[(i, name)])
+                                             h_of[(i, name)])
         return go
 
     return _graph_us(forward("base")), _graph_us(forward("before")), _graph_us(forward("after"))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-LoRA on one GPU in one command (about 5 min): the LoRA GPU tests, the LoRA kernels of one
-# decode forward against the previous three-kernel path (bench_lora_kernels.py), then the engine:
-# W2-like throughput with 0, 8 and 64 adapters and batch-1 decode with and without one
+# decode forward against memset + shrink + expand per projection (bench_lora_kernels.py), then
+# the engine: W2-like throughput with 0, 8 and 64 adapters and batch-1 decode with and without one
 # (bench_lora.py, Llama-3.1-8B shape, random weights). Logs and JSON go to RESULTS_DIR (else
 # $OUT, else benchmarks/results/<date>-lora); the tables are printed.
 #

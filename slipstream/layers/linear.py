@@ -123,10 +123,8 @@ class MergedColumnParallelLinear(LinearBase):
         has one for x (QuantMethod.apply_gate_out), else None. Each rank holds [gate | up] of its
         own shard, so the activation stays rank-local as in the unfused path. rms_eps > 0: of
         x / rms(x), as forward_rms."""
-        if self.lora_on:  # the adapter's delta goes in before the activation, in its kernels
-            if rms_eps or not self.lora.fuses_gate_out():
-                return None
-            return self.lora.gate_out(x, self.quant_method.apply(self, x, self.bias))
+        if self.lora_on:  # the adapter's delta goes in before the activation
+            return None
         return self.quant_method.apply_gate_out(self, x, self.bias, rms_eps)
 
 

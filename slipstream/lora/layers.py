@@ -30,14 +30,10 @@ class LoRAState:
         self.static = torch.full((packed_size(max_tokens, num_slots),), -1, dtype=torch.int32,
                                  device=device)
         self.max_static_tokens = max_tokens
-        # The fused small-batch kernel's partials and arrival counters, shared by every layer
-        # (allocated once, so a captured graph allocates nothing); None: the ops need none.
-        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Above fused_max_rows rows (and up to max_tokens), the shrinks of a forward write
-        # their own columns of one workspace, zeroed once by the forward's first projection:
-        # one memset a step instead of one a projection. None: each shrink allocates.
+        # The shrinks of a forward of up to max_tokens rows write their own columns of one
+        # workspace, zeroed once by the forward's first projection: one memset a step instead
+        # of one a projection. None: each shrink allocates.
         self.h_workspace: torch.Tensor | None = None
-        self.fused_max_rows = 0
 
     @property
     def active(self) -> bool:
@@ -79,8 +75,7 @@ class LoRALinear:
         """y (the base product of x) plus each row's adapter delta; y is updated in place."""
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         meta = self.state.meta_for(x2.shape[0])
-        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self.state.scratch,
-                          self._h(x2.shape[0]))
+        self.ops.lora_add(x2, y2, self.a, self.b, meta, self.shard_starts, self._h(x2.shape[0]))
         return y
 
     def _h(self, num_tokens: int) -> torch.Tensor | None:
@@ -88,24 +83,11 @@ class LoRALinear:
         ws = self.state.h_workspace
         if ws is None or self.h_cols is None:
             return None
-        if not self.state.fused_max_rows < num_tokens <= ws.shape[0]:
-            return None  # the fused kernel needs none; a long prefill allocates its own
+        if num_tokens > ws.shape[0]:
+            return None  # a long prefill allocates its own
         if self.zeroes_h:
             ws[:num_tokens].zero_()
         return ws[:num_tokens, self.h_cols]
-
-    def fuses_gate_out(self) -> bool:
-        """Whether gate_out can run: a [gate | up] projection on the Triton kernels."""
-        return self.ops.triton and len(self.out_sizes) == 2 and self.state.scratch is not None
-
-    def gate_out(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the [gate | up] product y of x with each row's adapter delta added,
-        the activation inside the LoRA kernels (no pass of its own over y where they can);
-        fuses_gate_out() must hold."""
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        out = self.ops.lora_act(x2, y2, self.a, self.b, self.state.meta_for(x2.shape[0]),
-                                self.shard_starts, self.state.scratch, self._h(x2.shape[0]))
-        return out.view(*y.shape[:-1], -1)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -140,24 +122,17 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int, max_tokens: int
             linear.lora = lora
             layers[(i, kind)] = lora
     if device.type == "cuda":
-        _attach_workspaces(state, layers, shapes, max_rank, max_tokens, device)
+        _attach_workspace(state, layers, max_tokens, device)
     return state, layers
 
 
-def _attach_workspaces(state: LoRAState, layers: dict, shapes: dict, max_rank: int,
-                       max_tokens: int, device: torch.device) -> None:
-    """The Triton kernels' buffers, allocated once before the KV cache is sized: the fused
-    kernel's scratch and the shrink workspace (a column range per projection, in forward order
-    so the first projection called zeroes it)."""
-    from slipstream.kernels.lora.triton_lora import FUSED_MAX_ROWS, fused_scratch
-
-    kinds = {(shapes[kind][0], lo.shard_starts, sum(lo.out_sizes))
-             for (_, kind), lo in layers.items()}
-    state.scratch = fused_scratch(sorted(kinds), max_rank, state.num_slots, device)
+def _attach_workspace(state: LoRAState, layers: dict, max_tokens: int,
+                       device: torch.device) -> None:
+    """The Triton shrinks' workspace, allocated once before the KV cache is sized: a column
+    range per projection, in forward order so the first projection called zeroes it."""
     width = 0
     for lora in layers.values():  # layer by layer, qkv first: the order of a forward
         lora.h_cols = slice(width, width + lora.a.shape[1])
         width += lora.a.shape[1]
     next(iter(layers.values())).zeroes_h = True
     state.h_workspace = torch.empty((max_tokens, width), dtype=torch.float32, device=device)
-    state.fused_max_rows = FUSED_MAX_ROWS

@@ -119,11 +119,10 @@ class LlamaMLP(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), new residual), the norm fused where the method can."""
-        if x.is_cuda and (x.numel() == x.shape[-1] or self.gate_up_proj.lora_on):
+        if x.is_cuda and x.numel() == x.shape[-1]:
             # One decode row: the gate/up GEMV writes SiLU(gate)·up itself where it can, and
             # the down projection reads it as a plain input instead of recomputing the
             # activation in each of its output tiles (which doubles the down GEMV's loop).
-            # With LoRA, at any row count, the adapter kernels add the delta and write it.
             h, new_residual = (norm(x), x) if residual is None else norm(x, residual)
             act = self.gate_up_proj.forward_gate_out(h)
             if act is not None:

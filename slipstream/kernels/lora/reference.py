@@ -41,23 +41,7 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, meta: LoRAMet
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None,
-             h=None) -> torch.Tensor:
-    """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b) (scratch,
-    h: the Triton kernels' buffers, unused here)."""
+             meta: LoRAMeta, shard_starts: tuple[int, ...], h=None) -> torch.Tensor:
+    """y += each row's adapter delta, in place: lora_expand(y, lora_shrink(x, a), b) (h: the
+    Triton kernels' shrink buffer, unused here)."""
     return lora_expand(y, lora_shrink(x, a, meta), b, meta, shard_starts)
-
-
-def lora_act(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             meta: LoRAMeta, shard_starts: tuple[int, ...], scratch=None,
-             h=None) -> torch.Tensor:
-    """silu(gate) * up of a [gate | up] product y of x with each row's adapter delta added (y
-    itself is left as it was); the twin of the Triton lora_act, lora_gate_out and
-    lora_expand_act."""
-    return silu_and_mul(lora_add(x, y.clone(), a, b, meta, shard_starts))
-
-
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of y = [gate | up], computed in float32."""
-    gate, up = y.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(y.dtype)
