@@ -4,6 +4,10 @@ plain msgpack dicts (never pickle).
 Workers keep a mirror of each running request (prompt, sampling params, output tokens) so the
 runner and sampler see the same `Request` fields as in one process; a step message carries only
 what changed: requests seen for the first time, new output tokens, finished ids.
+
+Each step message is numbered ("mb": 0, 1, ...); the output rank's reply carries the number of
+the step it answers. With pipeline parallelism several steps (micro-batches) are in flight at
+once, and the engine checks that the replies come back in the order it sent the steps.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class StepEncoder:
 
     def __init__(self) -> None:
         self._outputs_sent: dict[str, int] = {}  # request id -> output tokens sent
+        self.num_sent = 0  # step messages encoded: the next one's number
 
     def encode(self, sched: SchedulerOutput) -> dict:
         done = list(sched.finished_request_ids)
@@ -33,7 +38,8 @@ class StepEncoder:
                          seq.needs_sample, seq.num_lookahead, seq.num_spec_tokens,
                          request.output_token_ids[sent:]])
             self._outputs_sent[seq.request_id] = request.num_output_tokens
-        return {"t": "step", "done": done, "new": new, "seqs": seqs}
+        self.num_sent += 1
+        return {"t": "step", "mb": self.num_sent - 1, "done": done, "new": new, "seqs": seqs}
 
 
 def _fresh_copy(request: Request) -> Request:
@@ -63,9 +69,9 @@ class StepDecoder:
         return SchedulerOutput(seqs=seqs, finished_request_ids=list(msg["done"]))
 
 
-def encode_runner_output(out: RunnerOutput) -> dict:
-    return {"t": "out", "sampled": out.sampled_token_ids, "logprobs": out.logprobs,
-            "prompt_logprobs": out.prompt_logprobs}
+def encode_runner_output(out: RunnerOutput, micro_batch: int) -> dict:
+    return {"t": "out", "mb": micro_batch, "sampled": out.sampled_token_ids,
+            "logprobs": out.logprobs, "prompt_logprobs": out.prompt_logprobs}
 
 
 def decode_runner_output(msg: dict) -> RunnerOutput:

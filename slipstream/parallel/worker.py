@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 import zmq
 
@@ -26,6 +27,7 @@ from slipstream.engine.core_proc import config_from_dict, pack, unpack, watch_pa
 logger = logging.getLogger("slipstream.parallel.worker")
 
 HEARTBEAT_S = 1.0
+TIMELINE_STEPS = 256
 
 
 class Worker:
@@ -37,6 +39,9 @@ class Worker:
         self.runner = None
         self.decoder = None
         self.is_output_rank = False
+        # (micro-batch, start, end) of the latest steps, time.monotonic(): shows when stages
+        # overlap (a "timeline" message reads it).
+        self.timeline: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
 
     def run(self) -> None:
         while True:
@@ -50,12 +55,9 @@ class Worker:
     def handle(self, msg: dict) -> dict | None:
         kind = msg["t"]
         if kind == "step":
-            out = self.runner.execute_model(self.decoder.decode(msg))
-            if self.is_output_rank:
-                from slipstream.parallel.messages import encode_runner_output
-
-                return encode_runner_output(out)
-            return None
+            return self.step(msg)
+        if kind == "timeline":
+            return {"t": "timeline", "steps": list(self.timeline)}
         if kind == "load":
             return self.load(msg)
         if kind == "num_blocks":
@@ -71,6 +73,19 @@ class Worker:
             return {"t": "done"}
         raise ValueError(f"worker: unknown message {kind!r}")
 
+    def step(self, msg: dict) -> dict | None:
+        """Run one step (micro-batch). A stage that is not the last returns once it has sent
+        its activations on, and takes the next micro-batch while later stages run this one;
+        the sends and receives between two stages pair up in the order the steps came."""
+        start = time.monotonic()
+        out = self.runner.execute_model(self.decoder.decode(msg))
+        self.timeline.append((msg["mb"], start, time.monotonic()))
+        if not self.is_output_rank:
+            return None
+        from slipstream.parallel.messages import encode_runner_output
+
+        return encode_runner_output(out, msg["mb"])
+
     def load(self, msg: dict) -> dict:
         """Drop any model, make the layout's groups (collective over the world), and load this
         rank's shard; ranks the layout leaves out answer "idle"."""
@@ -80,6 +95,7 @@ class Worker:
         from slipstream.parallel.worker_runner import WorkerRunner
 
         self.runner = self.decoder = None
+        self.timeline.clear()
         gc.collect()
         info = state.set_layout(msg["tp"], msg["pp"])
         if info is None:
