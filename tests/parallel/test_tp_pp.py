@@ -282,15 +282,30 @@ def _in_flight(core) -> set[str]:
 def test_a_dead_or_hung_worker_fails_the_engine_within_seconds(pool, tiny_checkpoint, how,
                                                                monkeypatch) -> None:
     """SIGKILL (the process exits) or SIGSTOP (alive, silent: no heartbeat) of one rank: the
-    caller gets an error naming it within seconds, and no process is left behind. Runs last:
-    the pool is lost."""
+    caller gets an error naming it within seconds, and no process is left behind. The killed
+    rank is the last stage of PP=2 with two micro-batches in flight. Runs last: the pool is
+    lost."""
     monkeypatch.setenv("SLIPSTREAM_WORKER_TIMEOUT_S", "2")
-    llm = LLM(str(tiny_checkpoint("LlamaForCausalLM")), **ENGINE, tensor_parallel_size=2)
-    victim = llm.engine.runner.pool.procs[1]
-    os.kill(victim.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    layout = {"pipeline_parallel_size" if how == "kill" else "tensor_parallel_size": 2}
+    llm = LLM(str(tiny_checkpoint("LlamaForCausalLM")), **ENGINE, **layout)
+    core = llm.engine
+    victim = core.runner.pool.procs[1]
     start = time.monotonic()
     with pytest.raises(workers.WorkerError, match="rank 1"):
-        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        if how == "stop":
+            os.kill(victim.pid, signal.SIGSTOP)
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        for i, p in enumerate(PROMPTS):
+            core.add_request(Request(f"r{i}", p, GREEDY))
+        core.step()
+
+        def kill() -> None:  # after the second micro-batch is sent, before the first is read
+            assert len(core.micro_batches) == 2
+            os.kill(victim.pid, signal.SIGKILL)
+
+        core.step(kill)
+        while core.has_unfinished_requests():
+            core.step()
     assert time.monotonic() - start < 10
     for proc in llm.engine.runner.pool.procs:
         assert proc.poll() is not None  # every rank stopped, none left in a collective
