@@ -107,3 +107,25 @@ def test_running_requests_take_turns_in_groups() -> None:
     assert len(groups) == 24 and all(len(g) == 3 for g in groups)
     assert all(not a & b for a, b in zip(groups, groups[1:]))
     assert all(a == b for a, b in zip(groups, groups[2:]))
+
+
+def test_a_full_cache_still_splits_the_running_requests() -> None:
+    """More requests than the cache holds: the waiting ones cannot be admitted, so the split
+    counts the running ones only, and nearly every micro-batch goes out beside another
+    (counting the waiting ones too put every running request in one: 44%)."""
+    pipe, sched, stages = _pipe(2, num_blocks=24, max_num_seqs=16, max_num_tokens=64)
+    for i in range(16):
+        sched.add_request(Request(f"r{i}", [i + 1] + [2] * 11, SamplingParams(
+            max_tokens=30, ignore_eos=True)))
+    beside = []  # per launch: whether another micro-batch was in flight
+    launch = stages.launch_step
+
+    def counted(sched_out):
+        beside.append(len(pipe) == 1)
+        return launch(sched_out)
+
+    stages.launch_step = counted
+    while sched.has_unfinished_requests() or len(pipe):
+        pipe.step(lambda: None)
+    assert sched.num_preemptions > 0  # the cache was full
+    assert sum(beside) > 0.85 * len(beside)
