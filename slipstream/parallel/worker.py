@@ -3,7 +3,9 @@
 It joins the world process group, then obeys the engine core's messages (msgpack over ZeroMQ):
 load a model on a tp x pp layout, size and fill the KV cache, run each step's batch. Every
 active rank runs every step (the collectives need them all); the output rank (tensor rank 0 of
-the last stage) sends the sampled tokens back. A heartbeat thread lets the engine tell a hung
+the last stage) sends the sampled tokens back, numbered like the step. With pipeline
+parallelism several steps (micro-batches) are queued at once, so a stage runs step n + 1 while
+the next stage runs n. A heartbeat thread lets the engine tell a hung
 worker from a slow one; any exception is reported as an "error" message before the worker exits.
 """
 from __future__ import annotations
@@ -40,7 +42,8 @@ class Worker:
         self.decoder = None
         self.is_output_rank = False
         # (micro-batch, start, end) of the latest steps, time.monotonic(): shows when stages
-        # overlap (a "timeline" message reads it).
+        # overlap (a "timeline" message reads it). Host times: on a GPU a stage without the
+        # head ends once its work is queued.
         self.timeline: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
 
     def run(self) -> None:
