@@ -5,8 +5,8 @@ load a model on a tp x pp layout, size and fill the KV cache, run each step's ba
 active rank runs every step (the collectives need them all); the output rank (tensor rank 0 of
 the last stage) sends the sampled tokens back, numbered like the step. With pipeline
 parallelism several steps (micro-batches) are queued at once, so a stage runs step n + 1 while
-the next stage runs n. A heartbeat thread lets the engine tell a hung
-worker from a slow one; any exception is reported as an "error" message before the worker exits.
+the next stage runs n. A heartbeat thread lets the engine tell a hung worker from a slow one;
+any exception is reported as an "error" message before the worker exits.
 """
 from __future__ import annotations
 
