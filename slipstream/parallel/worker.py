@@ -96,7 +96,10 @@ class Worker:
         from slipstream.parallel import state
         from slipstream.parallel.messages import StepDecoder
         from slipstream.parallel.worker_runner import WorkerRunner
+        from slipstream.structured.manager import StructuredOutputManager
 
+        if self.decoder is not None:
+            self.decoder.close()
         self.runner = self.decoder = None
         self.timeline.clear()
         gc.collect()
@@ -109,7 +112,8 @@ class Worker:
             config = config.replace(enforce_eager=True)  # stages send and receive eagerly
         self.runner = WorkerRunner(config)
         self.runner.load_model()
-        self.decoder = StepDecoder()
+        self.decoder = StepDecoder(StructuredOutputManager(
+            config.tokenizer_path, config.model.vocab_size) if info.is_last_stage else None)
         self.is_output_rank = info.rank == state.output_rank(info.tp_size, info.pp_size)
         return {"t": "loaded", "idle": False, "weight_bytes": self.runner.weight_bytes(),
                 "kv_bytes_per_block": self.runner.kv_cache_bytes_per_block()}

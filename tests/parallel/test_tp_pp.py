@@ -7,6 +7,7 @@ processes and their process group start once.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -211,6 +212,28 @@ def test_micro_batches_give_one_ranks_text(pool, tiny_chat_model_dir) -> None:
     for a, b in zip(want, got, strict=True):
         assert (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason) == \
             (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason)
+
+
+def test_structured_outputs_on_worker_ranks(pool, tiny_chat_model_dir) -> None:
+    """The sampling ranks mask with their own copy of each request's grammar (advanced over
+    the tokens each step brings): one rank's constrained text, with PP=2 micro-batches."""
+    from slipstream.structured.params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex="[ab]+")),
+              SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=SO(
+                  choice=["yes", "no"]))]
+    prompts = ["hello", "write json", "say"]
+    one = LLM(str(tiny_chat_model_dir), **ENGINE)
+    want = [o.outputs[0].text for o in one.generate(prompts, params, use_tqdm=False)]
+    assert re.fullmatch("[ab]+", want[0]) and want[2] in ("yes", "no")
+    pp = LLM(str(tiny_chat_model_dir), **ENGINE, pipeline_parallel_size=2)
+    try:
+        got = [o.outputs[0].text for o in pp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        pp.engine.shutdown()
+    assert got == want
 
 
 def test_micro_batches_overlap_and_take_late_requests_and_aborts(pool, tiny_checkpoint) -> None:
