@@ -74,6 +74,8 @@ class EngineCore:
         # An async step launched and not read yet (async_scheduling): (sched_out, tokens).
         self._inflight: tuple[SchedulerOutput, object] | None = None
         self._grammar_pool: ThreadPoolExecutor | None = None  # advances grammars (_read_inflight)
+        # Pipeline parallelism: the micro-batches in flight on the stages (None: one stage).
+        self.micro_batches = _micro_batches(self.config, self.scheduler, self.runner, self._apply)
         weight_bytes = self.runner.weight_bytes()
         kv_bytes = num_blocks * self.runner.kv_cache_bytes_per_block()
         logger.info("engine ready in %.1f s on %s: weights %.2f GiB, KV cache %.2f GiB "
@@ -176,7 +178,7 @@ class EngineCore:
         else could run), run one iteration (`_step`); with speculative decoding, then propose
         the next step's draft tokens."""
         idle = (not self.scheduler.has_unfinished_requests() and self._queued is None
-                and self._inflight is None)
+                and self._inflight is None and not self.micro_batches)
         failed = []
         for request, error in self.grammar_wait.ready(wait=idle):
             if error is None:
@@ -209,6 +211,8 @@ class EngineCore:
         step, fed its input tokens on the device, before reading it.
         """
         once = _Once(while_gpu_runs)
+        if self.micro_batches is not None:
+            return self.micro_batches.step(once)
         inflight, self._inflight = self._inflight, None
         feed = None
         if self._queued is not None:  # never together with an async step in flight
@@ -440,6 +444,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self._queued is not None or self._inflight is not None
+                or bool(self.micro_batches)
                 or self.scheduler.has_unfinished_requests() or bool(self.grammar_wait))
 
     def shutdown(self) -> None:
@@ -504,6 +509,17 @@ def _make_runner(config: EngineConfig):
     if config.runner == "pooling":
         return PoolingModelRunner(config)
     return ModelRunner(config)
+
+
+def _micro_batches(config: EngineConfig, scheduler: Scheduler, runner, apply):
+    """With pipeline_parallel_size P > 1, up to P steps in flight so that the stages overlap
+    (parallel/micro_batches.py); None otherwise."""
+    depth = config.parallel.pipeline_parallel_size
+    if depth <= 1:
+        return None
+    from slipstream.parallel.micro_batches import MicroBatches
+
+    return MicroBatches(depth, scheduler, runner, apply)
 
 
 class _Once:

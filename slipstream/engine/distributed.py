@@ -6,8 +6,11 @@ up, capture, and each step: the SchedulerOutput goes to every rank as one msgpac
 the output rank answers with the sampled tokens. The scheduler, KV manager and detokenizer
 stay in the engine core's process, unchanged.
 
-Steps are synchronous (each read before the next is scheduled): multi-step decode, async
-scheduling and speculative decoding stay off (EngineArgs turns them off).
+With one stage, steps are synchronous (each read before the next is scheduled). With
+pipeline_parallel_size P > 1 the engine core keeps up to P steps (micro-batches) in flight
+(parallel/micro_batches.py): `launch_step` sends one, `collect_step` reads the oldest reply.
+Multi-step decode, async scheduling and speculative decoding stay off (EngineArgs turns them
+off).
 """
 from __future__ import annotations
 
@@ -99,12 +102,32 @@ class DistributedRunner:
                 while_gpu_runs()
             return RunnerOutput()
         with self.timer.phase("forward"):
-            self.pool.send(self.ranks, self._encoder.encode(sched))
+            micro_batch = self.launch_step(sched)
         if while_gpu_runs is not None:
             while_gpu_runs()
         with self.timer.phase("sample"):
-            reply = self.pool.wait("out", [self.output_rank])[self.output_rank]
+            return self.collect_step(micro_batch)
+
+    def launch_step(self, sched: SchedulerOutput) -> int:
+        """Send a non-empty step to every rank without waiting; its number for collect_step."""
+        msg = self._encoder.encode(sched)
+        self.pool.send(self.ranks, msg)
+        return msg["mb"]
+
+    def collect_step(self, micro_batch: int) -> RunnerOutput:
+        """The output rank's reply to step `micro_batch`, the oldest one unread (replies come
+        in the order the steps were sent)."""
+        reply = self.pool.wait("out", [self.output_rank])[self.output_rank]
+        if reply["mb"] != micro_batch:
+            self.pool.fail(f"worker rank {self.output_rank} answered step {reply['mb']} "
+                           f"where step {micro_batch} was due")
         return decode_runner_output(reply)
+
+    def timelines(self) -> dict[int, list[tuple[int, float, float]]]:
+        """Per rank, (step number, start, end) of its latest steps (time.monotonic, one clock
+        for every process of a machine): when stages ran which micro-batch."""
+        replies = self._all({"t": "timeline"}, "timeline")
+        return {rank: [tuple(s) for s in r["steps"]] for rank, r in replies.items()}
 
     def shutdown(self) -> None:
         """Stop the workers (or hand them back to a kept pool)."""

@@ -3,8 +3,10 @@
 It joins the world process group, then obeys the engine core's messages (msgpack over ZeroMQ):
 load a model on a tp x pp layout, size and fill the KV cache, run each step's batch. Every
 active rank runs every step (the collectives need them all); the output rank (tensor rank 0 of
-the last stage) sends the sampled tokens back. A heartbeat thread lets the engine tell a hung
-worker from a slow one; any exception is reported as an "error" message before the worker exits.
+the last stage) sends the sampled tokens back, numbered like the step. With pipeline
+parallelism several steps (micro-batches) are queued at once, so a stage runs step n + 1 while
+the next stage runs n. A heartbeat thread lets the engine tell a hung worker from a slow one;
+any exception is reported as an "error" message before the worker exits.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 
 import zmq
 
@@ -26,6 +29,7 @@ from slipstream.engine.core_proc import config_from_dict, pack, unpack, watch_pa
 logger = logging.getLogger("slipstream.parallel.worker")
 
 HEARTBEAT_S = 1.0
+TIMELINE_STEPS = 256
 
 
 class Worker:
@@ -37,6 +41,10 @@ class Worker:
         self.runner = None
         self.decoder = None
         self.is_output_rank = False
+        # (micro-batch, start, end) of the latest steps, time.monotonic(): shows when stages
+        # overlap (a "timeline" message reads it). Host times: on a GPU a stage without the
+        # head ends once its work is queued.
+        self.timeline: deque[tuple[int, float, float]] = deque(maxlen=TIMELINE_STEPS)
 
     def run(self) -> None:
         while True:
@@ -50,12 +58,9 @@ class Worker:
     def handle(self, msg: dict) -> dict | None:
         kind = msg["t"]
         if kind == "step":
-            out = self.runner.execute_model(self.decoder.decode(msg))
-            if self.is_output_rank:
-                from slipstream.parallel.messages import encode_runner_output
-
-                return encode_runner_output(out)
-            return None
+            return self.step(msg)
+        if kind == "timeline":
+            return {"t": "timeline", "steps": list(self.timeline)}
         if kind == "load":
             return self.load(msg)
         if kind == "num_blocks":
@@ -71,6 +76,19 @@ class Worker:
             return {"t": "done"}
         raise ValueError(f"worker: unknown message {kind!r}")
 
+    def step(self, msg: dict) -> dict | None:
+        """Run one step (micro-batch). A stage that is not the last returns once it has sent
+        its activations on, and takes the next micro-batch while later stages run this one;
+        the sends and receives between two stages pair up in the order the steps came."""
+        start = time.monotonic()
+        out = self.runner.execute_model(self.decoder.decode(msg))
+        self.timeline.append((msg["mb"], start, time.monotonic()))
+        if not self.is_output_rank:
+            return None
+        from slipstream.parallel.messages import encode_runner_output
+
+        return encode_runner_output(out, msg["mb"])
+
     def load(self, msg: dict) -> dict:
         """Drop any model, make the layout's groups (collective over the world), and load this
         rank's shard; ranks the layout leaves out answer "idle"."""
@@ -78,8 +96,12 @@ class Worker:
         from slipstream.parallel import state
         from slipstream.parallel.messages import StepDecoder
         from slipstream.parallel.worker_runner import WorkerRunner
+        from slipstream.structured.manager import StructuredOutputManager
 
+        if self.decoder is not None:
+            self.decoder.close()
         self.runner = self.decoder = None
+        self.timeline.clear()
         gc.collect()
         info = state.set_layout(msg["tp"], msg["pp"])
         if info is None:
@@ -90,7 +112,8 @@ class Worker:
             config = config.replace(enforce_eager=True)  # stages send and receive eagerly
         self.runner = WorkerRunner(config)
         self.runner.load_model()
-        self.decoder = StepDecoder()
+        self.decoder = StepDecoder(StructuredOutputManager(
+            config.tokenizer_path, config.model.vocab_size) if info.is_last_stage else None)
         self.is_output_rank = info.rank == state.output_rank(info.tp_size, info.pp_size)
         return {"t": "loaded", "idle": False, "weight_bytes": self.runner.weight_bytes(),
                 "kv_bytes_per_block": self.runner.kv_cache_bytes_per_block()}

@@ -120,7 +120,8 @@ class WorkerPool:
         deadline = None if timeout_s is None else self._wait_start + timeout_s
         while pending:
             if self.results.poll(POLL_MS):
-                while self.results.poll(0):
+                # Stop once answered: a later reply (the next micro-batch's) stays queued.
+                while pending and self.results.poll(0):
                     self._take(unpack(self.results.recv()), kind, pending, replies)
                 continue
             problem = self._dead_worker() or self._silent_worker(kind)

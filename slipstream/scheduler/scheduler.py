@@ -68,6 +68,7 @@ class Scheduler:
         self._max_seq_len = min(scheduler_config.max_model_len, capacity + 1)
         # LoRA (slipstream/lora/slots.py): device slots pinned by running requests.
         self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
+        self._step_caps = (scheduler_config.max_num_seqs, False)  # schedule()'s arguments
         self._lora_waits: dict[str, int] = {}  # request id -> schedules refused a slot
 
     # ---- requests in and out -------------------------------------------------------------
@@ -202,9 +203,15 @@ class Scheduler:
         }
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running requests first, then waiting ones while all fits."""
+    def schedule(self, max_seqs: int | None = None, skip_pending: bool = False
+                 ) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then waiting ones while all fits.
+
+        Pipeline micro-batches (parallel/micro_batches.py): max_seqs caps this step's
+        sequences, and skip_pending leaves out every request with a token still in flight
+        (its next input is not known on the host)."""
         out = SchedulerOutput()
+        self._step_caps = (max_seqs or self.config.max_num_seqs, skip_pending)
         budget = self._schedule_running(out, self.config.max_num_tokens)
         if not out.preempted_request_ids:  # memory is tight: admit nothing new this step
             self._schedule_waiting(out, budget)
@@ -224,10 +231,12 @@ class Scheduler:
         """Give each running request its next tokens, preempting when blocks run out."""
         scheduled: dict[str, ScheduledSeq] = {}
         for request in list(self.running):  # a copy: preemption removes from self.running
-            if budget <= 0:
+            if budget <= 0 or len(out.seqs) >= self._step_caps[0]:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.num_pending and self._step_caps[1]:
+                continue  # in flight in an unread micro-batch
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue  # nothing to compute (no token came back for it last step)
@@ -335,10 +344,12 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, skipped: list) -> None:
         hold_lora = False  # a starving LoRA request is ahead: later ones wait too
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_seqs, skip_pending = self._step_caps
+        while budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and len(out.seqs) < max_seqs:
             request = self._peek_waiting()
-            if request is None:
-                return
+            if request is None or (skip_pending and request.num_pending):
+                return  # (preempted with a token in flight: it waits for that token)
             if request.lora_int_id and (hold_lora or not self._take_lora_slot(request)):
                 waits = self._lora_waits[request.request_id] = \
                     self._lora_waits.get(request.request_id, 0) + 1

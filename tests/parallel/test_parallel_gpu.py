@@ -1,5 +1,6 @@
 """GPU: one rank through an "mp" worker process gives the in-process engine's tokens; where the
-machine has two GPUs, tensor_parallel_size=2 (NCCL) does too."""
+machine has two GPUs, tensor_parallel_size=2 and pipeline_parallel_size=2 (NCCL, micro-batches
+in flight) do too."""
 from __future__ import annotations
 
 import pytest
@@ -33,3 +34,26 @@ def test_gpu_tensor_parallel_nccl_equals_one_rank(tiny_checkpoint) -> None:
         pytest.skip("needs two GPUs")
     path = tiny_checkpoint("LlamaForCausalLM")
     assert _tokens(path, tensor_parallel_size=2) == _tokens(path)
+
+
+@pytest.mark.gpu
+def test_gpu_pipeline_micro_batches_nccl_equal_one_rank_and_overlap(tiny_checkpoint) -> None:
+    """PP=2 over NCCL with two micro-batches in flight: one rank's tokens, and stage 0 starts
+    micro-batch n + 1 before stage 1 has finished n (the ranks' clocks)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    path = tiny_checkpoint("LlamaForCausalLM")
+    want = _tokens(path)
+    llm = LLM(str(path), **ENGINE, pipeline_parallel_size=2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 4], GREEDY,
+                            use_tqdm=False)
+        timeline = llm.engine.runner.timelines()
+        in_flight = llm.engine.micro_batches.max_in_flight
+    finally:
+        llm.engine.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want * 4
+    assert in_flight == 2
+    stage0 = {mb: start for mb, start, _ in timeline[0]}
+    stage1 = {mb: end for mb, _, end in timeline[1]}
+    assert any(stage0[mb + 1] < stage1[mb] for mb in stage1 if mb + 1 in stage0)

@@ -7,6 +7,7 @@ processes and their process group start once.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from slipstream import LLM, SamplingParams
+from slipstream.engine.request import Request
 from slipstream.parallel import workers
+from tests.helpers import finish_after_abort
 from tests.quantization.test_int4 import _write_layout
 
 PROMPTS = [[1, 5, 9, 33, 7, 250, 11], [1, 100, 200, 300, 400, 17, 3, 64, 90]]
@@ -181,19 +184,151 @@ def _lp(entry) -> float:
     return getattr(entry, "logprob", entry)
 
 
+# ---- pipeline micro-batches: two in flight on two stages ----------------------------------
+
+MIXED = [[1, 5, 9, 33, 7, 250, 11], [1, 100, 200, 300, 400, 17, 3, 64, 90], [1, 2, 3],
+         [7, 8, 9, 10, 11, 12], [40, 41, 42, 43]]
+
+
+def test_micro_batches_give_one_ranks_text(pool, tiny_chat_model_dir) -> None:
+    """PP=2 keeps two micro-batches in flight; requests of different lengths, some ending
+    early (max_tokens) and one on a stop string, give one rank's tokens, text and ends."""
+    lengths = [9, 2, 12, 5, 7]
+    plain = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    prompts = [{"prompt_token_ids": p} for p in MIXED]
+    one = LLM(str(tiny_chat_model_dir), **ENGINE)
+    free = one.generate(prompts, plain, use_tqdm=False)
+    stop = free[2].outputs[0].text[3:6]  # a string request 2 prints mid-way
+    params = [*plain[:2], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                         stop=[stop]), *plain[3:]]
+    want = one.generate(prompts, params, use_tqdm=False)
+    assert want[2].outputs[0].finish_reason == "stop"
+    pp = LLM(str(tiny_chat_model_dir), **ENGINE, pipeline_parallel_size=2)
+    try:
+        got = pp.generate(prompts, params, use_tqdm=False)
+        assert pp.engine.micro_batches.max_in_flight == 2
+    finally:
+        pp.engine.shutdown()
+    for a, b in zip(want, got, strict=True):
+        assert (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason) == \
+            (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason)
+
+
+def test_structured_outputs_on_worker_ranks(pool, tiny_chat_model_dir) -> None:
+    """The sampling ranks mask with their own copy of each request's grammar (advanced over
+    the tokens each step brings): one rank's constrained text, with PP=2 micro-batches."""
+    from slipstream.structured.params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=SO(regex="[ab]+")),
+              SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(json=schema)),
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=SO(
+                  choice=["yes", "no"]))]
+    prompts = ["hello", "write json", "say"]
+    one = LLM(str(tiny_chat_model_dir), **ENGINE)
+    want = [o.outputs[0].text for o in one.generate(prompts, params, use_tqdm=False)]
+    assert re.fullmatch("[ab]+", want[0]) and want[2] in ("yes", "no")
+    pp = LLM(str(tiny_chat_model_dir), **ENGINE, pipeline_parallel_size=2)
+    try:
+        got = [o.outputs[0].text for o in pp.generate(prompts, params, use_tqdm=False)]
+    finally:
+        pp.engine.shutdown()
+    assert got == want
+
+
+def test_micro_batches_overlap_and_take_late_requests_and_aborts(pool, tiny_checkpoint) -> None:
+    """Driven step by step: a prompt of three prefill chunks runs alone, three requests
+    arrive late, one is aborted while its token is in flight. No micro-batch holds a request
+    whose sampled token is in flight; the long prompt's chunks follow one another through the
+    pipe; the tokens are one rank's; and the ranks' clocks show stage 0 running micro-batch
+    n + 1 before stage 1 has finished n."""
+    path = tiny_checkpoint("LlamaForCausalLM")
+    prompts = [list(range(20, 60)), *MIXED[:3]]  # 40 tokens: chunks of 16, 16 and 8
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(str(path), **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    llm = LLM(str(path), **ENGINE, pipeline_parallel_size=2, max_num_tokens=16)
+    core = llm.engine
+    launched = _record_launches(core)
+    tokens = {f"r{i}": [] for i in range(4)}
+    try:
+        core.add_request(Request("r0", prompts[0], params))
+        for step in range(40):
+            if step == 2:
+                for i in (1, 2, 3):
+                    core.add_request(Request(f"r{i}", prompts[i], params))
+            for out in core.step():
+                tokens[out.request_id] += out.new_token_ids
+            if len(tokens["r2"]) >= 3 and "r2" in _in_flight(core):
+                break
+        finish_after_abort(core, tokens, "r2")
+        timeline = core.runner.timelines()
+    finally:
+        core.shutdown()
+    assert [tokens["r0"], tokens["r1"], tokens["r3"]] == [want[0], want[1], want[3]]
+    assert 3 <= len(tokens["r2"]) < 10 and tokens["r2"] == want[2][:len(tokens["r2"])]
+    assert core.micro_batches.max_in_flight == 2
+    for seqs, in_flight in launched:
+        pending = {rid for rid, _, sample in in_flight if sample}
+        assert not {rid for rid, _, _ in seqs} & pending
+    # The second chunk went out while the first was in flight.
+    assert launched[1] == ([("r0", 16, False)], [("r0", 0, False)])
+    stage0 = {mb: start for mb, start, _ in timeline[0]}
+    stage1 = {mb: end for mb, _, end in timeline[1]}
+    assert any(stage0[mb + 1] < stage1[mb] for mb in stage1 if mb + 1 in stage0)
+
+
+def _record_launches(core) -> list[tuple[list[tuple[str, int, bool]], list]]:
+    """Each micro-batch the engine sends, and those in flight as it goes: (request id,
+    start, samples) of each of their seqs."""
+    launched, launch = [], core.runner.launch_step
+
+    def seqs(sched_out) -> list[tuple[str, int, bool]]:
+        return [(s.request_id, s.start_pos, s.needs_sample) for s in sched_out.seqs]
+
+    def recorded(sched_out):
+        in_flight = [seq for batch, _ in core.micro_batches.in_flight for seq in seqs(batch)]
+        launched.append((seqs(sched_out), in_flight))
+        return launch(sched_out)
+
+    core.runner.launch_step = recorded
+    return launched
+
+
+def _in_flight(core) -> set[str]:
+    """Requests with a sampled token in an unread micro-batch."""
+    return {s.request_id for batch, _ in core.micro_batches.in_flight for s in batch.seqs
+            if s.needs_sample}
+
+
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_a_dead_or_hung_worker_fails_the_engine_within_seconds(pool, tiny_checkpoint, how,
                                                                monkeypatch) -> None:
     """SIGKILL (the process exits) or SIGSTOP (alive, silent: no heartbeat) of one rank: the
-    caller gets an error naming it within seconds, and no process is left behind. Runs last:
-    the pool is lost."""
+    caller gets an error naming it within seconds, and no process is left behind. The killed
+    rank is the last stage of PP=2 with two micro-batches in flight. Runs last: the pool is
+    lost."""
     monkeypatch.setenv("SLIPSTREAM_WORKER_TIMEOUT_S", "2")
-    llm = LLM(str(tiny_checkpoint("LlamaForCausalLM")), **ENGINE, tensor_parallel_size=2)
-    victim = llm.engine.runner.pool.procs[1]
-    os.kill(victim.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    layout = {"pipeline_parallel_size" if how == "kill" else "tensor_parallel_size": 2}
+    llm = LLM(str(tiny_checkpoint("LlamaForCausalLM")), **ENGINE, **layout)
+    core = llm.engine
+    victim = core.runner.pool.procs[1]
     start = time.monotonic()
     with pytest.raises(workers.WorkerError, match="rank 1"):
-        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        if how == "stop":
+            os.kill(victim.pid, signal.SIGSTOP)
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        for i, p in enumerate(PROMPTS):
+            core.add_request(Request(f"r{i}", p, GREEDY))
+        core.step()
+
+        def kill() -> None:  # after the second micro-batch is sent, before the first is read
+            assert len(core.micro_batches) == 2
+            os.kill(victim.pid, signal.SIGKILL)
+
+        core.step(kill)
+        while core.has_unfinished_requests():
+            core.step()
     assert time.monotonic() - start < 10
     for proc in llm.engine.runner.pool.procs:
         assert proc.poll() is not None  # every rank stopped, none left in a collective
