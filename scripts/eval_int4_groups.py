@@ -115,11 +115,17 @@ def perplexity(llm: LLM, windows: list[list[int]]) -> float:
 @torch.no_grad()
 def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str, args) -> None:
     """The float model of llm quantized as `row` (rtn, awq, gptq, awq+gptq) says, in place:
-    LayerByLayerAwq (AWQ and / or GPTQ), then round-to-nearest for what GPTQ left float."""
+    LayerByLayerAwq (AWQ and / or GPTQ), then round-to-nearest for what GPTQ left float. With
+    args.only, just the projections named are rounded (AWQ's scales still fold everywhere)."""
     model = llm.engine.runner.model
+    only = tuple(args.only.split(",")) if args.only else None
     use_awq, use_gptq = "awq" in row.split("+"), "gptq" in row
     if use_awq or use_gptq:
-        gptq = GptqOptions(damp=args.damp, act_order=args.act_order) if use_gptq else None
+        gptq = (
+            GptqOptions(damp=args.damp, act_order=args.act_order, sink_weight=args.sink_weight)
+            if use_gptq
+            else None
+        )
         hook = awq_mod.LayerByLayerAwq(
             prompts,
             group,
@@ -130,22 +136,20 @@ def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str
             awq=use_awq,
             gptq=gptq,
         )
-        for i, layer in enumerate(model.model.layers):
-            hook(model, i, layer)
-    only = tuple(args.only.split(",")) if args.only else None
+        projections = awq_mod.projections
+        if only:  # GPTQ rounds only these (the others stay float)
+            awq_mod.projections = lambda layer: {
+                k: v for k, v in projections(layer).items() if k.endswith(only)
+            }
+        try:
+            for i, layer in enumerate(model.model.layers):
+                hook(model, i, layer)
+        finally:
+            awq_mod.projections = projections
     for name, layer in model.named_modules():
-        if not name.endswith("_proj") or not hasattr(layer, "quant_method"):
-            continue
-        if only and not name.endswith(only):
-            if "qweight" in layer._parameters:  # GPTQ-rounded, but to stay float: its twin
-                layer.weight = torch.nn.Parameter(
-                    int4_awq.dequantize_layer(layer, torch.float32), requires_grad=False
-                )
-                for p in ("qweight", "scales", "zeros"):
-                    del layer._parameters[p]
-            continue
-        layer.quant_method = int4_awq.make_method(group)
-        layer.quant_method.process_after_loading(layer)
+        if name.endswith("_proj") and hasattr(layer, "quant_method") and (not only or name.endswith(only)):
+            layer.quant_method = int4_awq.make_method(group)
+            layer.quant_method.process_after_loading(layer)
 
 
 def main() -> None:
@@ -167,6 +171,9 @@ def main() -> None:
     ap.add_argument("--grid", type=int, default=10, help="AWQ's scale grid")
     ap.add_argument("--no-clip", action="store_true", help="AWQ without its clipping search")
     ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (of the mean diagonal)")
+    ap.add_argument(
+        "--sink-weight", type=float, default=1.0, help="GPTQ: each block's first token weighs this x the rest"
+    )
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (static groups)")
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()

@@ -16,7 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slipstream.quantization import utils as qu
-from slipstream.quantization.gptq import GptqOptions, gptq_quantize, install_int4
+from slipstream.quantization.gptq import GptqOptions, gptq_quantize, install_int4, sink_weighted_gram
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +417,10 @@ class LayerByLayerAwq:
             if self.clip:
                 clip_layer(layer, grams, applied, self.group_size)
         if self.gptq is not None:
-            gptq_layer(layer, grams, applied, self.group_size, self.gptq)
+            hessians = {leaf: sink_weighted_gram(x, self.gptq.sink_weight) for leaf, x in (
+                ("self_attn.qkv_proj", inp.attn_in), ("self_attn.o_proj", inp.ctx),
+                ("mlp.gate_up_proj", inp.mlp_in), ("mlp.down_proj", inp.act))}
+            gptq_layer(layer, hessians, applied, self.group_size, self.gptq)
         self._h = h_next
         self.next_layer += 1
         if self._bar is not None:

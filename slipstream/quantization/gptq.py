@@ -27,13 +27,33 @@ from slipstream.quantization import utils as qu
 
 DAMP = 0.01  # added to H's diagonal: this fraction of its mean (GPTQ's percdamp)
 BLOCK = 128  # columns per lazy batch: errors reach the later columns once a batch is done
+SINK_WEIGHT = 1.0  # the first token of a calibration block weighs this times the rest of it
 
 
 @dataclass(frozen=True)
 class GptqOptions:
+    """damp: of H's mean diagonal; act_order: columns by descending diag(H), static groups;
+    sink_weight: see sink_weighted_gram; block: columns per lazy batch."""
+
     damp: float = DAMP
     act_order: bool = False
+    sink_weight: float = SINK_WEIGHT
     block: int = BLOCK
+
+
+def sink_weighted_gram(x: torch.Tensor, sink_weight: float = SINK_WEIGHT) -> torch.Tensor:
+    """H for a projection's inputs x [B, T, K] (blocks of T calibration tokens): the weighted
+    mean of x_t x_t^T, the first token of each block weighing sink_weight * (T - 1) tokens.
+
+    Every later query attends to a sequence's first token (the attention sink), so an error in
+    its keys and values moves the attention of the whole block; counted once among T tokens, it
+    is the token GPTQ sacrifices to fit the others. On SmolLM2-135M, plain H gave GPTQ on q/k/v
+    +13% perplexity where round-to-nearest costs +6% (docs/quantization.md)."""
+    b, t, k = x.shape
+    weights = torch.ones(b, t, 1, dtype=torch.float32, device=x.device)
+    weights[:, 0] = max(1.0, sink_weight * (t - 1))
+    x = x.float()
+    return torch.einsum("btk,btl->kl", x * weights, x) / weights.sum()
 
 
 def group_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
