@@ -121,11 +121,7 @@ def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str
     only = tuple(args.only.split(",")) if args.only else None
     use_awq, use_gptq = "awq" in row.split("+"), "gptq" in row
     if use_awq or use_gptq:
-        gptq = (
-            GptqOptions(damp=args.damp, act_order=args.act_order, sink_weight=args.sink_weight)
-            if use_gptq
-            else None
-        )
+        gptq = GptqOptions(args.damp, args.mlp_damp, args.act_order, args.sink_weight) if use_gptq else None
         hook = awq_mod.LayerByLayerAwq(
             prompts,
             group,
@@ -170,7 +166,10 @@ def main() -> None:
     ap.add_argument("--block-tokens", type=int, default=256, help="of those, AWQ's qkv / gate_up scoring")
     ap.add_argument("--grid", type=int, default=10, help="AWQ's scale grid")
     ap.add_argument("--no-clip", action="store_true", help="AWQ without its clipping search")
-    ap.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening (of the mean diagonal)")
+    ap.add_argument(
+        "--damp", type=float, default=0.01, help="GPTQ dampening (of the mean diagonal): attention"
+    )
+    ap.add_argument("--mlp-damp", type=float, default=0.1, help="GPTQ dampening: MLP")
     ap.add_argument(
         "--sink-weight", type=float, default=1.0, help="GPTQ: each block's first token weighs this x the rest"
     )

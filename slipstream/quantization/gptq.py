@@ -26,16 +26,21 @@ from torch import nn
 from slipstream.quantization import utils as qu
 
 DAMP = 0.01  # added to H's diagonal: this fraction of its mean (GPTQ's percdamp)
+# The MLP's inputs (1536 channels into down_proj on SmolLM2) are estimated worse from a few
+# thousand calibration tokens: more dampening measured better there (docs/quantization.md).
+MLP_DAMP = 0.1
 BLOCK = 128  # columns per lazy batch: errors reach the later columns once a batch is done
 SINK_WEIGHT = 1.0  # the first token of a calibration block weighs this times the rest of it
 
 
 @dataclass(frozen=True)
 class GptqOptions:
-    """damp: of H's mean diagonal; act_order: columns by descending diag(H), static groups;
-    sink_weight: see sink_weighted_gram; block: columns per lazy batch."""
+    """damp / mlp_damp: of H's mean diagonal, for the attention / MLP projections (a caller
+    that knows no such split uses damp); act_order: columns by descending diag(H), static
+    groups; sink_weight: see sink_weighted_gram; block: columns per lazy batch."""
 
     damp: float = DAMP
+    mlp_damp: float = MLP_DAMP
     act_order: bool = False
     sink_weight: float = SINK_WEIGHT
     block: int = BLOCK
