@@ -90,12 +90,12 @@ def eval_windows(tokenizer, tokens: int, window: int) -> list[list[int]]:
     return out
 
 
-def load(path: Path, windows: list[list[int]], quantization: str | None = None) -> LLM:
+def load(path: Path, windows: list[list[int]], quantization: str | None = None, device: str = "cpu") -> LLM:
     return LLM(
         str(path),
         quantization=quantization,
         dtype="float32",
-        device="cpu",
+        device=device,
         max_model_len=max(map(len, windows)) + 8,
         kv_cache_memory=64 << 20,
     )
@@ -174,6 +174,9 @@ def main() -> None:
         "--sink-weight", type=float, default=1.0, help="GPTQ: each block's first token weighs this x the rest"
     )
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (static groups)")
+    ap.add_argument(
+        "--device", default="cpu", help="where the model runs and calibrates (cuda: the full search)"
+    )
     ap.add_argument("--output-json", type=Path, default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -201,20 +204,25 @@ def main() -> None:
         )
 
     t0 = time.perf_counter()
-    record("none", perplexity(load(float_dir, windows), windows), t0)
+    record("none", perplexity(load(float_dir, windows, device=args.device), windows), t0)
     for group in (int(g) for g in args.groups.split(",")):
         if args.at_load:
             t0 = time.perf_counter()
             int4_awq.DEFAULT_GROUP = group  # round-to-nearest at load takes the default group
-            record(f"rtn at load g{group}", perplexity(load(float_dir, windows, "int4_awq"), windows), t0)
+            record(
+                f"rtn at load g{group}",
+                perplexity(load(float_dir, windows, "int4_awq", args.device), windows),
+                t0,
+            )
             int4_awq.DEFAULT_GROUP = 128
         for row in args.rows.split(","):
             t0 = time.perf_counter()
-            llm = load(float_dir, windows)
+            llm = load(float_dir, windows, device=args.device)
             quantize_in_process(llm, prompts, group, row, args)
             record(f"{row} g{group}", perplexity(llm, windows), t0)
             del llm
     settings = {k: v for k, v in vars(args).items() if k not in ("gguf", "work", "output_json")}
+    settings["calib_tokens"] = sum(map(len, prompts))
     result = {
         "model": str(gguf),
         "tokens": n_tokens,

@@ -392,9 +392,11 @@ class LayerByLayerAwq:
     packed block (default: the longest prompt, i.e. the calibration length). Memory: six
     [search_tokens, hidden or intermediate] float32 tensors for the current layer.
 
-    awq: the scale (and, with clip, clipping) search; gptq: GPTQ rounding on the same inputs
-    (after AWQ's scales, when both), which leaves the layer's projections in int4_awq's layout;
-    None leaves the rounding to int4_awq's round-to-nearest.
+    awq: the scale (and, with clip and no GPTQ, clipping) search; gptq: GPTQ rounding on the
+    same inputs (after AWQ's scales, when both), which leaves the layer's projections in
+    int4_awq's layout; None leaves the rounding to int4_awq's round-to-nearest. Clipping is for
+    round-to-nearest: before GPTQ it changes the weights GPTQ then reproduces (measured on
+    SmolLM2 at group 64: AWQ + GPTQ +25.9% perplexity with clipping, +19.5% without).
     """
 
     def __init__(self, prompts: list[list[int]], group_size: int, *, seq_len: int | None = None,
@@ -426,7 +428,7 @@ class LayerByLayerAwq:
             scales = search_layer_scales(layer, inp, grams, cos_sin, self.group_size,
                                          self.block_tokens, self.grid)
             applied = fold_layer(layer, prefix, scales, self._norm_dtype)
-            if self.clip:
+            if self.clip and self.gptq is None:  # clipped weights would be GPTQ's target
                 clip_layer(layer, grams, applied, self.group_size)
         if self.gptq is not None:
             gptq_layer(layer, gptq_hessians(inp, grams, self.gptq), applied, self.group_size,

@@ -41,7 +41,7 @@ from slipstream.quantization.calibration import (
 from slipstream.quantization.fp8 import MIN_CAPABILITY
 from slipstream.quantization.fp8_calibration import checkpoint_module_names
 from slipstream.quantization.gptq import GptqOptions
-from slipstream.quantization.int4_awq import DEFAULT_GPTQ, DEFAULT_GROUP
+from slipstream.quantization.int4_awq import DEFAULT_GROUP, calibration_choice
 from slipstream.quantization.kv_cache import (
     KV_CACHE_DTYPES,
     QUANT_KV_NAMES,
@@ -185,9 +185,9 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
     prompts = calibration_prompts(maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
                                   vocab)
     if method == "int4_awq":
-        options = {"awq": True, "gptq": DEFAULT_GPTQ, **dict(options or {})}
-        hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True, awq=options["awq"],
-                               gptq=GptqOptions() if options["gptq"] else None)
+        awq, gptq = calibration_choice((options or {}).get("awq"), (options or {}).get("gptq"))
+        hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True, awq=awq,
+                               gptq=GptqOptions() if gptq else None)
     else:
         hook = LayerByLayerSmoothQuant(prompts, **dict(options or {}))
     with before_each_layer(hook):
@@ -203,8 +203,9 @@ def streams_calibration(method: str, options: dict | None) -> bool:
     at the default group size with AWQ or GPTQ on, w8a8_sq (any alpha)."""
     if method != "int4_awq":
         return method == "w8a8_sq"
-    options = {"awq": True, "gptq": DEFAULT_GPTQ, **dict(options or {})}
-    return _default_group(options) and (options["awq"] or options["gptq"])
+    options = dict(options or {})
+    return _default_group(options) and any(calibration_choice(options.get("awq"),
+                                                              options.get("gptq")))
 
 
 def _default_group(options: dict) -> bool:
@@ -220,7 +221,7 @@ def quantizes_at_load(method: str, module, options: dict | None, device: str) ->
     without AWQ or GPTQ (round-to-nearest at group 128, what it does at load), on a device that
     runs them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
     if method == "int4_awq" and options and options.get("awq") is False:
-        return not options.get("gptq", DEFAULT_GPTQ) and _default_group(options)
+        return not calibration_choice(False, options.get("gptq"))[1] and _default_group(options)
     if module is None or getattr(module, "NEEDS_CALIBRATION", False) or options:
         return False
     if method == "fp8" and torch.device(device).type == "cuda":

@@ -36,17 +36,17 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help="int4_awq: input channels per scale (32, 64, 128, ...; -1: one scale per "
                         "output channel); a short last group where it does not divide a layer's "
                         "input size")
-    p.add_argument("--awq", dest="awq", action="store_true", default=True,
-                   help="int4_awq: activation-aware scale search (default)")
-    p.add_argument("--no-awq", dest="awq", action="store_false",
-                   help="int4_awq: plain round-to-nearest, no activation-aware scale search")
     p.add_argument("--gptq", dest="gptq", action="store_true", default=DEFAULT_GPTQ,
-                   help="int4_awq: GPTQ rounding (each column's rounding error spread onto the "
-                        "columns not yet rounded), after the AWQ scales when those are on"
-                        + (" (default)" if DEFAULT_GPTQ else ""))
+                   help="int4_awq: GPTQ rounding, each input column's rounding error spread onto "
+                        "the columns not yet rounded" + (" (default)" if DEFAULT_GPTQ else ""))
     p.add_argument("--no-gptq", dest="gptq", action="store_false",
-                   help="int4_awq: round to nearest after the AWQ search"
-                        + ("" if DEFAULT_GPTQ else " (default)"))
+                   help="int4_awq: round to nearest (after the AWQ search, which then runs by "
+                        "default)")
+    p.add_argument("--awq", dest="awq", action="store_true", default=None,
+                   help="int4_awq: activation-aware scale search (default only with --no-gptq; "
+                        "with GPTQ its scales come first, without clipping)")
+    p.add_argument("--no-awq", dest="awq", action="store_false",
+                   help="int4_awq: no activation-aware scale search")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")
     p.add_argument("--keep-float", type=int, default=0, metavar="N",
                    help="fp8: keep in 16 bits the N projections whose FP8 rounding changes the "

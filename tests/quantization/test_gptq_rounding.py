@@ -118,13 +118,14 @@ def short_group_model(tiny_checkpoint) -> Path:
 
 @pytest.mark.parametrize("group,awq", [(64, True), (32, False)], ids=["awq+gptq-g64", "gptq-g32"])
 def test_quantize_gptq_writes_a_checkpoint_that_reloads(short_group_model, tmp_path, group, awq) -> None:
-    """`slipstream quantize --method int4_awq --gptq`: the config records GPTQ, the checkpoint
-    loads as any int4_awq one, and its greedy output equals transformers on its dequantized
-    integers. Without AWQ the integers are GPTQ's, not round-to-nearest's."""
+    """`slipstream quantize --method int4_awq --gptq` (with `--awq`: AWQ's scales first): the
+    config records both, the checkpoint loads as any int4_awq one, and its greedy output equals
+    transformers on its dequantized integers. Without AWQ (the default with GPTQ) the integers
+    are GPTQ's, not round-to-nearest's."""
     out = tmp_path / "ckpt"
     argv = ["quantize", "--model", str(short_group_model), "--method", "int4_awq", "--output", str(out)]
     argv += ["--group-size", str(group), "--gptq", "--num-calib-samples", "4", "--max-calib-len", "64"]
-    assert _run_cli(argv + ([] if awq else ["--no-awq"])) == 0
+    assert _run_cli(argv + (["--awq"] if awq else [])) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["group_size"] == group and qc["calibration"] == {"awq_scales": awq, "gptq": True}
     llm = LLM(str(out), kv_cache_memory=16 << 20)
