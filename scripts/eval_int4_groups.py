@@ -121,7 +121,11 @@ def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str
     only = tuple(args.only.split(",")) if args.only else None
     use_awq, use_gptq = "awq" in row.split("+"), "gptq" in row
     if use_awq or use_gptq:
-        gptq = GptqOptions(args.damp, args.mlp_damp, args.act_order, args.sink_weight) if use_gptq else None
+        gptq = (
+            GptqOptions(args.damp, args.mlp_damp, args.act_order, args.sink_weight, args.quantized_inputs)
+            if use_gptq
+            else None
+        )
         hook = awq_mod.LayerByLayerAwq(
             prompts,
             group,
@@ -172,6 +176,9 @@ def main() -> None:
     ap.add_argument("--mlp-damp", type=float, default=0.1, help="GPTQ dampening: MLP")
     ap.add_argument(
         "--sink-weight", type=float, default=1.0, help="GPTQ: each block's first token weighs this x the rest"
+    )
+    ap.add_argument(
+        "--quantized-inputs", action="store_true", help="GPTQ: calibrate on quantized layers' outputs"
     )
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (static groups)")
     ap.add_argument(

@@ -25,6 +25,7 @@ CLIP_GRID, CLIP_MAX_SHRINK = 20, 0.5  # each end of a group's range times 1 - i/
 SEARCH_TOKENS = 32768  # calibration tokens per layer: statistics, o / down scales, clipping
 BLOCK_TOKENS = 4096  # of those, the ones qkv / gate_up scales are scored on through their block
 _NORM_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 Loss = Callable[[torch.Tensor], float]  # fake-quantized weight -> output error
 
@@ -112,17 +113,30 @@ def gated_act(mlp: nn.Module, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch
 
 
 def layer_inputs(layer: nn.Module, h: torch.Tensor, cos_sin: torch.Tensor,
+                 weights: dict[str, torch.Tensor] | None = None,
                  ) -> tuple[LayerInputs, torch.Tensor]:
-    """The float layer on the residual stream h [B, T, H]: its projections' inputs, and h after."""
+    """The float layer on the residual stream h [B, T, H]: its projections' inputs, and h after.
+    weights: {projection name: weight} in place of the layer's own (a quantized one's twin)."""
     attn, mlp = layer.self_attn, layer.mlp
+    w = {leaf: layer.get_submodule(leaf).weight.float() for leaf in PROJECTIONS
+         if leaf not in (weights or {})}
+    w.update(weights or {})
     attn_in = layer.input_layernorm(h)
-    ctx = attention_ctx(attn, attn_in, attn.qkv_proj.weight.float(), cos_sin)
-    attn_out = F.linear(ctx, attn.o_proj.weight.float(), _bias(attn.o_proj))
+    ctx = attention_ctx(attn, attn_in, w["self_attn.qkv_proj"], cos_sin)
+    attn_out = F.linear(ctx, w["self_attn.o_proj"], _bias(attn.o_proj))
     h = h + attn_out
     mlp_in = layer.post_attention_layernorm(h)
-    act = gated_act(mlp, mlp_in, mlp.gate_up_proj.weight.float())
-    mlp_out = F.linear(act, mlp.down_proj.weight.float(), _bias(mlp.down_proj))
+    act = gated_act(mlp, mlp_in, w["mlp.gate_up_proj"])
+    mlp_out = F.linear(act, w["mlp.down_proj"], _bias(mlp.down_proj))
     return LayerInputs(attn_in, ctx, attn_out, mlp_in, act, mlp_out), h + mlp_out
+
+
+def quantized_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's GPTQ-rounded projections, dequantized (float32)."""
+    from slipstream.quantization.int4_awq import dequantize_layer  # int4_awq imports this module
+
+    return {leaf: dequantize_layer(layer.get_submodule(leaf), torch.float32)
+            for leaf in PROJECTIONS if "qweight" in layer.get_submodule(leaf)._parameters}
 
 
 # --- scale search ---------------------------------------------------------------------------------
@@ -329,9 +343,7 @@ def clip_rows(linear: nn.Module, start: int, stop: int, sigma: torch.Tensor,
 
 def projections(layer: nn.Module) -> dict[str, nn.Module]:
     """A decoder layer's four (fused) projections under their names in `grams`."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return {"self_attn.qkv_proj": attn.qkv_proj, "self_attn.o_proj": attn.o_proj,
-            "mlp.gate_up_proj": mlp.gate_up_proj, "mlp.down_proj": mlp.down_proj}
+    return {leaf: layer.get_submodule(leaf) for leaf in PROJECTIONS}
 
 
 def scaled_gram(grams: dict[str, torch.Tensor], applied: dict[str, torch.Tensor],
@@ -433,6 +445,8 @@ class LayerByLayerAwq:
         if self.gptq is not None:
             gptq_layer(layer, gptq_hessians(inp, grams, self.gptq), applied, self.group_size,
                        self.gptq)
+            if self.gptq.quantized_inputs:  # the next layer calibrates on this one's output
+                h_next = layer_inputs(layer, self._h, cos_sin, quantized_weights(layer))[1]
         self._h = h_next
         self.next_layer += 1
         if self._bar is not None:

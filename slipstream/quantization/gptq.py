@@ -37,12 +37,15 @@ SINK_WEIGHT = 1.0  # the first token of a calibration block weighs this times th
 class GptqOptions:
     """damp / mlp_damp: of H's mean diagonal, for the attention / MLP projections (a caller
     that knows no such split uses damp); act_order: columns by descending diag(H), static
-    groups; sink_weight: see sink_weighted_gram; block: columns per lazy batch."""
+    groups; sink_weight: see sink_weighted_gram; quantized_inputs: a layer-by-layer caller
+    feeds each layer the previous layers' quantized outputs, not the float model's; block:
+    columns per lazy batch."""
 
     damp: float = DAMP
     mlp_damp: float = MLP_DAMP
     act_order: bool = False
     sink_weight: float = SINK_WEIGHT
+    quantized_inputs: bool = False
     block: int = BLOCK
 
 
