@@ -162,6 +162,9 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="quantize only these projections (comma-separated suffixes)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument(
+        "--calib-data", default=None, help="as `slipstream quantize --calib-data` (default: stdlib excerpts)"
+    )
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-len", type=int, default=512)
     ap.add_argument(
@@ -194,7 +197,7 @@ def main() -> None:
     tokenizer = load_gguf_tokenizer(gguf)
     windows = eval_windows(tokenizer, args.tokens, args.window)
     n_tokens = sum(len(w) - 1 for w in windows)
-    texts = load_calib_texts(None, args.calib_samples)
+    texts = load_calib_texts(args.calib_data, args.calib_samples)
     prompts = calibration_prompts(tokenizer, texts, args.calib_len, tokenizer.vocab_size)
     rows = {}
 
