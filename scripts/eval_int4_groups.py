@@ -122,7 +122,14 @@ def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str
     use_awq, use_gptq = "awq" in row.split("+"), "gptq" in row
     if use_awq or use_gptq:
         gptq = (
-            GptqOptions(args.damp, args.mlp_damp, args.act_order, args.sink_weight, args.quantized_inputs)
+            GptqOptions(
+                damp=args.damp,
+                mlp_damp=args.mlp_damp,
+                act_order=args.act_order,
+                sink_weight=args.sink_weight,
+                quantized_inputs=args.quantized_inputs,
+                range_search=args.range_search,
+            )
             if use_gptq
             else None
         )
@@ -183,6 +190,7 @@ def main() -> None:
     ap.add_argument(
         "--quantized-inputs", action="store_true", help="GPTQ: calibrate on quantized layers' outputs"
     )
+    ap.add_argument("--range-search", action="store_true", help="GPTQ: search each group's range")
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (static groups)")
     ap.add_argument(
         "--device", default="cpu", help="where the model runs and calibrates (cuda: the full search)"
