@@ -38,10 +38,9 @@ SINK_WEIGHT = 1.0  # the first token of a calibration block weighs this times th
 class GptqOptions:
     """damp / mlp_damp: of H's mean diagonal, for the attention / MLP projections (a caller
     that knows no such split uses damp); act_order: columns by descending diag(H), static
-    groups; sink_weight: see sink_weighted_gram; quantized_inputs: a layer-by-layer caller
-    feeds each layer the previous layers' quantized outputs, not the float model's;
-    range_search: see group_params; block:
-    columns per lazy batch."""
+    groups; sink_weight: see sink_weighted_gram (0: plain H); quantized_inputs: a
+    layer-by-layer caller feeds each layer the previous layers' quantized outputs, not the
+    float model's; range_search: see group_params; block: columns per lazy batch."""
 
     damp: float = DAMP
     mlp_damp: float = MLP_DAMP
