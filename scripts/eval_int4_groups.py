@@ -127,6 +127,7 @@ def quantize_in_process(llm: LLM, prompts: list[list[int]], group: int, row: str
                 mlp_damp=args.mlp_damp,
                 act_order=args.act_order,
                 sink_weight=args.sink_weight,
+                mlp_sink_weight=args.mlp_sink_weight,
                 quantized_inputs=args.quantized_inputs,
                 range_search=args.range_search,
             )
@@ -191,6 +192,7 @@ def main() -> None:
         "--quantized-inputs", action="store_true", help="GPTQ: calibrate on quantized layers' outputs"
     )
     ap.add_argument("--range-search", action="store_true", help="GPTQ: search each group's range")
+    ap.add_argument("--mlp-sink-weight", type=float, default=0.0, help="GPTQ: the same in the MLP's H")
     ap.add_argument("--act-order", action="store_true", help="GPTQ with act-order (static groups)")
     ap.add_argument(
         "--device", default="cpu", help="where the model runs and calibrates (cuda: the full search)"

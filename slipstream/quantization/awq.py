@@ -365,15 +365,15 @@ def clip_layer(layer: nn.Module, grams: dict[str, torch.Tensor],
                   group_size)
 
 
-def gptq_hessians(inp: LayerInputs, grams: dict[str, torch.Tensor],
-                  options: GptqOptions) -> dict[str, torch.Tensor]:
-    """GPTQ's H per projection: the attention projections' with each block's first token (the
-    attention sink) weighted up (gptq.sink_weighted_gram), the MLP's the plain Gram matrices.
-    Weighting the sink in the MLP's H measured far worse on SmolLM2 (down_proj: +35% perplexity
-    against +4% plain): its MLP inputs hold the massive activations, which then dominate H."""
-    return {"self_attn.qkv_proj": sink_weighted_gram(inp.attn_in, options.sink_weight),
-            "self_attn.o_proj": sink_weighted_gram(inp.ctx, options.sink_weight),
-            "mlp.gate_up_proj": grams["mlp.gate_up_proj"], "mlp.down_proj": grams["mlp.down_proj"]}
+def gptq_hessians(inp: LayerInputs, options: GptqOptions) -> dict[str, torch.Tensor]:
+    """GPTQ's H per projection (gptq.sink_weighted_gram): the attention projections' with each
+    block's first token (the attention sink) weighted up, the MLP's with it left out (measured
+    on SmolLM2, docs/quantization.md)."""
+    attn, mlp = options.sink_weight, options.mlp_sink_weight
+    return {"self_attn.qkv_proj": sink_weighted_gram(inp.attn_in, attn),
+            "self_attn.o_proj": sink_weighted_gram(inp.ctx, attn),
+            "mlp.gate_up_proj": sink_weighted_gram(inp.mlp_in, mlp),
+            "mlp.down_proj": sink_weighted_gram(inp.act, mlp)}
 
 
 def gptq_layer(layer: nn.Module, grams: dict[str, torch.Tensor],
@@ -443,7 +443,7 @@ class LayerByLayerAwq:
             if self.clip and self.gptq is None:  # clipped weights would be GPTQ's target
                 clip_layer(layer, grams, applied, self.group_size)
         if self.gptq is not None:
-            gptq_layer(layer, gptq_hessians(inp, grams, self.gptq), applied, self.group_size,
+            gptq_layer(layer, gptq_hessians(inp, self.gptq), applied, self.group_size,
                        self.gptq)
             if self.gptq.quantized_inputs:  # the next layer calibrates on this one's output
                 h_next = layer_inputs(layer, self._h, cos_sin, quantized_weights(layer))[1]

@@ -32,13 +32,14 @@ MLP_DAMP = 0.1
 BLOCK = 128  # columns per lazy batch: errors reach the later columns once a batch is done
 RANGE_STEPS = 10  # range_search: shrink factors 1 - i/20, i < 10
 SINK_WEIGHT = 1.0  # the first token of a calibration block weighs this times the rest of it
+MLP_SINK_WEIGHT = 0.0  # ... in the MLP's H: left out (its massive activations own H otherwise)
 
 
 @dataclass(frozen=True)
 class GptqOptions:
     """damp / mlp_damp: of H's mean diagonal, for the attention / MLP projections (a caller
     that knows no such split uses damp); act_order: columns by descending diag(H), static
-    groups; sink_weight: see sink_weighted_gram (0: plain H); quantized_inputs: a
+    groups; sink_weight / mlp_sink_weight: see sink_weighted_gram; quantized_inputs: a
     layer-by-layer caller feeds each layer the previous layers' quantized outputs, not the
     float model's; range_search: see group_params; block: columns per lazy batch."""
 
@@ -46,6 +47,7 @@ class GptqOptions:
     mlp_damp: float = MLP_DAMP
     act_order: bool = False
     sink_weight: float = SINK_WEIGHT
+    mlp_sink_weight: float = MLP_SINK_WEIGHT
     quantized_inputs: bool = False
     range_search: bool = False
     block: int = BLOCK
@@ -53,15 +55,18 @@ class GptqOptions:
 
 def sink_weighted_gram(x: torch.Tensor, sink_weight: float = SINK_WEIGHT) -> torch.Tensor:
     """H for a projection's inputs x [B, T, K] (blocks of T calibration tokens): the weighted
-    mean of x_t x_t^T, the first token of each block weighing sink_weight * (T - 1) tokens.
+    mean of x_t x_t^T, the first token of each block weighing sink_weight * (T - 1) tokens
+    (1 / (T - 1): plain H; 0: left out).
 
     Every later query attends to a sequence's first token (the attention sink), so an error in
     its keys and values moves the attention of the whole block; counted once among T tokens, it
     is the token GPTQ sacrifices to fit the others. On SmolLM2-135M, plain H gave GPTQ on q/k/v
-    +13% perplexity where round-to-nearest costs +6% (docs/quantization.md)."""
+    +13% perplexity where round-to-nearest costs +6% (docs/quantization.md). In the MLP the
+    same token's inputs hold the massive activations: weighted up they own H (down_proj +35%),
+    left out they leave the other tokens' H and its dampening to the other tokens."""
     b, t, k = x.shape
     weights = torch.ones(b, t, 1, dtype=torch.float32, device=x.device)
-    weights[:, 0] = max(1.0, sink_weight * (t - 1))
+    weights[:, 0] = sink_weight * (t - 1) if t > 1 else 1.0
     x = x.float()
     return torch.einsum("btk,btl->kl", x * weights, x) / weights.sum()
 

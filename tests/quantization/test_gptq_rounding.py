@@ -68,12 +68,14 @@ def test_a_column_that_never_sees_input_rounds_to_zero() -> None:
     assert torch.equal(deq[:, 5], torch.zeros(16))
 
 
-def test_each_blocks_first_token_weighs_as_much_as_the_rest_of_it() -> None:
+def test_each_blocks_first_token_weighs_as_asked() -> None:
     x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(5))
     rows = torch.cat([x[:, :1]] * 4 + [x[:, 1:]], dim=1).reshape(-1, 8)  # token 0 four times
     assert torch.allclose(sink_weighted_gram(x, 1.0), rows.t() @ rows / rows.shape[0], atol=1e-6)
     plain = x.reshape(-1, 8)
-    assert torch.allclose(sink_weighted_gram(x, 0.0), plain.t() @ plain / 15, atol=1e-6)
+    assert torch.allclose(sink_weighted_gram(x, 0.25), plain.t() @ plain / 15, atol=1e-6)
+    rest = x[:, 1:].reshape(-1, 8)  # weight 0: the first tokens left out
+    assert torch.allclose(sink_weighted_gram(x, 0.0), rest.t() @ rest / 12, atol=1e-6)
 
 
 def test_gptq_needs_a_hessian_of_the_weights_inputs() -> None:
