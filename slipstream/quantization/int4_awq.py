@@ -44,8 +44,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = 128
 # `slipstream quantize`: GPTQ rounding (gptq.py) by default; AWQ's search by default only
-# without it (calibration_choice). Measured on SmolLM2-135M at group 64: GPTQ +11.8% perplexity,
-# AWQ +14.7%, AWQ then GPTQ +19.5%, round-to-nearest +25.3% (docs/quantization.md).
+# without it (calibration_choice). Measured on SmolLM2-135M at group 64: GPTQ +10.7% perplexity,
+# AWQ +14.7%, AWQ's scales then GPTQ worse than GPTQ alone, round-to-nearest +25.3%
+# (docs/quantization.md).
 DEFAULT_GPTQ = True
 GROUP_ATTR = "int4_group_size"  # the layer's group size (K itself: per channel)
 # A norm folds into an int4 weight unless that raises the weight's rounding error by more than
