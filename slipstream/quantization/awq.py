@@ -393,14 +393,15 @@ def gptq_layer(layer: nn.Module, grams: dict[str, torch.Tensor],
 
 class LayerByLayerAwq:
     """AWQ and / or GPTQ one decoder layer at a time, in order: call it with (model, i, layer)
-    for i = 0, 1, ...
-    once layer i's float weights are in (and, for i == 0, the embedding). It keeps the float
-    residual stream of the calibration blocks between calls, so only the current layer needs
-    its float weights: `slipstream quantize --method int4_awq` streams a checkpoint through it
-    (models/quantize_as_loaded.before_each_layer) and never holds the whole float model.
+    for i = 0, 1, ... once layer i's float weights are in (and, for i == 0, the embedding). It
+    keeps the float residual stream of the calibration blocks between calls, so only the
+    current layer needs its float weights: `slipstream quantize --method int4_awq` streams a
+    checkpoint through it (models/quantize_as_loaded.before_each_layer) and never holds the
+    whole float model.
 
     Each layer is searched on the float model's inputs to it: earlier layers' quantization error
-    is not propagated (as in AutoAWQ; propagating it measured worse here). seq_len: tokens per
+    is not propagated (as in AutoAWQ; propagating it measured worse here; GPTQ can, with
+    GptqOptions.quantized_inputs). seq_len: tokens per
     packed block (default: the longest prompt, i.e. the calibration length). Memory: six
     [search_tokens, hidden or intermediate] float32 tensors for the current layer.
 
