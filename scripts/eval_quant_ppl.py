@@ -62,8 +62,9 @@ DEFAULT_ROWS = ("none", "int8_wo", "fp8", "fp8_keep", "w8a8_rtn", "w8a8_sq", "in
 QUANTIZE_ARGS = {
     "fp8_keep": lambda a: ["--method", "fp8", "--keep-float", str(a.fp8_keep_float)],
     "sq": lambda a: ["--method", "w8a8_sq", "--alpha", str(a.alpha)],
-    "int4_rtn": lambda a: ["--method", "int4_awq", "--no-awq", "--group-size", str(a.group_size)],
-    "int4_awq": lambda a: ["--method", "int4_awq", "--group-size", str(a.group_size)],
+    "int4_rtn": lambda a: ["--method", "int4_awq", "--no-awq", "--no-gptq", "--group-size",
+                           str(a.group_size)],
+    "int4_awq": lambda a: ["--method", "int4_awq", "--no-gptq", "--group-size", str(a.group_size)],
 }
 
 

@@ -40,7 +40,8 @@ from slipstream.quantization.calibration import (
 )
 from slipstream.quantization.fp8 import MIN_CAPABILITY
 from slipstream.quantization.fp8_calibration import checkpoint_module_names
-from slipstream.quantization.int4_awq import DEFAULT_GROUP
+from slipstream.quantization.gptq import GptqOptions
+from slipstream.quantization.int4_awq import DEFAULT_GROUP, calibration_choice
 from slipstream.quantization.kv_cache import (
     KV_CACHE_DTYPES,
     QUANT_KV_NAMES,
@@ -71,7 +72,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     """Quantize `model_dir` (a checkpoint directory, a .gguf file or a directory holding one)
     with `method` into `output_dir`; returns output_dir.
 
-    options: method knobs (int4_awq: group_size, awq; w8a8_sq: alpha; fp8: keep_float, the
+    options: method knobs (int4_awq: group_size, awq, gptq; w8a8_sq: alpha; fp8: keep_float, the
     number of projections measured on the calibration set to keep in 16 bits,
     fp8_calibration.py). kv_cache_dtype "fp8" /
     "int8": calibrate per-layer KV scales (on the quantized model, so they match what it
@@ -79,7 +80,7 @@ def quantize_checkpoint(model_dir: str | Path, method: str, output_dir: str | Pa
     asks the engine to quantize the LM head at load (True: the method's own format, or a format
     named, quantization/lm_head.py; the head is stored float, as read).
     stream_layers: calibrate each decoder layer as it is loaded and quantize it right after
-    (streamed_calibration: int4_awq with default options, w8a8_sq), so the float model never
+    (streamed_calibration: int4_awq at the default group size, w8a8_sq), so the float model never
     has to fit; False loads the whole float model first (int4_awq: the same tensors; w8a8_sq:
     the same statistics up to float rounding; tested).
     """
@@ -184,7 +185,9 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
     prompts = calibration_prompts(maybe_load_tokenizer(str(model_dir)), texts, max_calib_len,
                                   vocab)
     if method == "int4_awq":
-        hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True)
+        awq, gptq = calibration_choice((options or {}).get("awq"), (options or {}).get("gptq"))
+        hook = LayerByLayerAwq(prompts, DEFAULT_GROUP, progress=True, awq=awq,
+                               gptq=GptqOptions() if gptq else None)
     else:
         hook = LayerByLayerSmoothQuant(prompts, **dict(options or {}))
     with before_each_layer(hook):
@@ -197,24 +200,28 @@ def streamed_calibration(model_dir: str | Path, method: str, texts: list[str],
 
 def streams_calibration(method: str, options: dict | None) -> bool:
     """Whether `slipstream quantize` calibrates `method` layer by layer while loading: int4_awq
-    with its default options (group 128, AWQ on), w8a8_sq (any alpha)."""
-    return method == "w8a8_sq" or (method == "int4_awq" and _default_options(options))
-
-
-def _default_options(options: dict | None) -> bool:
-    """Whether `options` only repeat int4_awq's defaults (group 128, AWQ on)."""
-    defaults = {"group_size": DEFAULT_GROUP, "awq": True}
+    at the default group size with AWQ or GPTQ on, w8a8_sq (any alpha)."""
+    if method != "int4_awq":
+        return method == "w8a8_sq"
     options = dict(options or {})
-    return set(options) <= set(defaults) and all(options[k] == defaults[k] for k in options)
+    return _default_group(options) and any(calibration_choice(options.get("awq"),
+                                                              options.get("gptq")))
+
+
+def _default_group(options: dict) -> bool:
+    """Whether int4_awq `options` hold nothing but AWQ / GPTQ switches and the default group
+    size (the one the engine rounds to at load)."""
+    return (set(options) <= {"group_size", "awq", "gptq"}
+            and options.get("group_size", DEFAULT_GROUP) == DEFAULT_GROUP)
 
 
 def quantizes_at_load(method: str, module, options: dict | None, device: str) -> bool:
     """Whether the engine can quantize `method` while loading (one layer at a time: the 16-bit
     model never has to fit the device): methods without calibration or options, int4_awq
-    without AWQ (round-to-nearest at group 128, what it does at load), on a device that runs
-    them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
+    without AWQ or GPTQ (round-to-nearest at group 128, what it does at load), on a device that
+    runs them (an fp8 checkpoint can still be written on a GPU without FP8 units)."""
     if method == "int4_awq" and options and options.get("awq") is False:
-        return _default_options({**options, "awq": True})
+        return not calibration_choice(False, options.get("gptq"))[1] and _default_group(options)
     if module is None or getattr(module, "NEEDS_CALIBRATION", False) or options:
         return False
     if method == "fp8" and torch.device(device).type == "cuda":

@@ -12,6 +12,7 @@ import re
 
 from slipstream.assets import default_model_path
 from slipstream.quantization.checkpoint import METHODS, quantize_checkpoint
+from slipstream.quantization.int4_awq import DEFAULT_GPTQ
 from slipstream.quantization.kv_cache import QUANT_KV_NAMES
 from slipstream.quantization.lm_head import FORMAT_NAMES, cli_choice
 
@@ -35,10 +36,17 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help="int4_awq: input channels per scale (32, 64, 128, ...; -1: one scale per "
                         "output channel); a short last group where it does not divide a layer's "
                         "input size")
-    p.add_argument("--awq", dest="awq", action="store_true", default=True,
-                   help="int4_awq: activation-aware scale search (default)")
+    p.add_argument("--gptq", dest="gptq", action="store_true", default=DEFAULT_GPTQ,
+                   help="int4_awq: GPTQ rounding, each input column's rounding error spread onto "
+                        "the columns not yet rounded" + (" (default)" if DEFAULT_GPTQ else ""))
+    p.add_argument("--no-gptq", dest="gptq", action="store_false",
+                   help="int4_awq: round to nearest (after the AWQ search, which then runs by "
+                        "default)")
+    p.add_argument("--awq", dest="awq", action="store_true", default=None,
+                   help="int4_awq: activation-aware scale search (default only with --no-gptq; "
+                        "with GPTQ its scales come first, without clipping)")
     p.add_argument("--no-awq", dest="awq", action="store_false",
-                   help="int4_awq: plain round-to-nearest, no activation-aware scale search")
+                   help="int4_awq: no activation-aware scale search")
     p.add_argument("--alpha", type=float, default=0.5, help="w8a8_sq: migration strength")
     p.add_argument("--keep-float", type=int, default=0, metavar="N",
                    help="fp8: keep in 16 bits the N projections whose FP8 rounding changes the "
@@ -74,7 +82,7 @@ def parse_size(text: str) -> int:
 
 def _options(ns: argparse.Namespace) -> dict:
     if ns.method == "int4_awq":
-        return {"group_size": ns.group_size, "awq": ns.awq}
+        return {"group_size": ns.group_size, "awq": ns.awq, "gptq": ns.gptq}
     if ns.method == "w8a8_sq":
         return {"alpha": ns.alpha}
     if ns.method == "fp8" and ns.keep_float:

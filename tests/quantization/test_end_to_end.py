@@ -125,7 +125,7 @@ def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, refe
         out = tmp_path / flag
         argv = ["quantize", "--model", str(tiny), "--method", "int4_awq", "--output", str(out),
                 "--num-calib-samples", "4"]
-        assert _run_cli(argv + ([flag] if flag == "--no-awq" else [])) == 0
+        assert _run_cli(argv + ["--no-gptq"] + ([flag] if flag == "--no-awq" else [])) == 0
         config = json.loads((out / "config.json").read_text())
         assert config["quantization_config"]["quant_method"] == "awq"
         lps = _score(_llm(out, detect_quant_method(config)), prompts, base)[1]
@@ -136,7 +136,8 @@ def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, refe
 
 
 @pytest.mark.parametrize("method,options", [("fp8", None), ("int8_wo", None),
-                                            ("int4_awq", {"group_size": 128, "awq": False})])
+                                            ("int4_awq", {"group_size": 128, "awq": False,
+                                                          "gptq": False})])
 def test_quantize_at_load_writes_the_same_checkpoint(monkeypatch, tiny, tmp_path, method,
                                                      options):
     """Methods without calibration (and int4 round-to-nearest, `--no-awq`) quantize while the
