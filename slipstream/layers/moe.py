@@ -14,6 +14,8 @@ the routed sum, and `forward` all-reduces the shares across the tensor-parallel 
 
 Weight-only quantization of the experts at load, fp8 (e4m3) or int8, or pre-quantized FP8 from
 the checkpoint (layers/moe_fp8_checkpoint.py): one float32 scale per output row of each expert.
+int4 at load (round to nearest): groups of `int4_group_size` input columns, each with a float32
+scale and a uint8 zero, two values packed a byte along K (kernels/moe/reference.Int4Experts).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from slipstream.kernels.moe import reference
+from slipstream.kernels.moe.reference import Int4Experts
 from slipstream.layers.moe_fp8_checkpoint import (
     UNUSED_TENSORS,
     Fp8ExpertCheckpoint,
@@ -35,12 +38,14 @@ from slipstream.quantization.utils import (
     FP8_DTYPE,
     load_time_weight,
     new_param,
+    pack_int4_rows,
     quantize_fp8_per_channel,
+    quantize_int4_groupwise,
     quantize_int8_per_channel,
     replace_param,
 )
 
-EXPERT_WEIGHT_FORMATS = (None, "fp8", "int8")
+EXPERT_WEIGHT_FORMATS = (None, "fp8", "int8", "int4")
 # Shard index of a checkpoint tensor inside an expert: gate and up rows of w13, then w2.
 GATE, UP, DOWN = 0, 1, 2
 
@@ -49,17 +54,23 @@ class ExpertQuantMethod:
     """Quantizes the stacked expert weights once they are loaded (QuantizeAsLoaded calls
     process_after_loading when the layer's last tensor is in); None keeps them as loaded."""
 
-    def __init__(self, weight_format: str | None, prequantized: bool = False):
+    def __init__(self, weight_format: str | None, prequantized: bool = False,
+                 group_size: int = 0):
         if weight_format not in EXPERT_WEIGHT_FORMATS:
             raise ValueError(f"MoE experts support weight formats {EXPERT_WEIGHT_FORMATS[1:]}, "
                              f"not {weight_format!r}")
-        self.weight_format = weight_format
+        if weight_format == "int4" and group_size <= 0:
+            raise ValueError(f"int4 experts need a positive group size, got {group_size}")
+        self.weight_format, self.group_size = weight_format, group_size
         # The loader may skip these per-expert checkpoint tensors (static activation scales).
         self.unused_checkpoint_tensors = UNUSED_TENSORS if prequantized else ()
 
     def process_after_loading(self, layer: FusedMoE) -> None:
         if self.weight_format is None or not layer.w13_weight.is_floating_point() or \
                 layer.w13_weight.element_size() == 1:
+            return
+        if self.weight_format == "int4":
+            self._quantize_int4(layer)
             return
         quantize = quantize_fp8_per_channel if self.weight_format == "fp8" else \
             quantize_int8_per_channel
@@ -71,6 +82,20 @@ class ExpertQuantMethod:
             replace_param(layer, name.replace("weight", "scale"), scale.view(experts, rows))
 
 
+    def _quantize_int4(self, layer: FusedMoE) -> None:
+        """Round to nearest in groups along K; weight [E, N, K/2] packed, scale and zero
+        [E, N, groups]. (No AWQ scale search for experts: it would need each expert's inputs.)"""
+        for name in ("w13", "w2"):
+            w = getattr(layer, f"{name}_weight")
+            experts, rows, cols = w.shape
+            q, scale, zero = quantize_int4_groupwise(w.data.reshape(experts * rows, cols),
+                                                     self.group_size)
+            replace_param(layer, f"{name}_weight",
+                          pack_int4_rows(q).view(experts, rows, cols // 2))
+            replace_param(layer, f"{name}_scale", scale.view(experts, rows, -1))
+            replace_param(layer, f"{name}_zero", zero.view(experts, rows, -1))
+
+
 class FusedMoE(nn.Module):
     """forward(x [T, H], router_logits [T, E]) -> [T, H]: sum over the k chosen experts of
     weight * down(silu(gate(x)) * up(x))."""
@@ -79,8 +104,9 @@ class FusedMoE(nn.Module):
                  params_dtype: torch.dtype, *, renormalize: bool,
                  weight_format: str | None = None, local_experts: Sequence[int] | None = None,
                  use_triton: bool = False, tp_size: int = 1, tp_rank: int = 0,
-                 fp8_checkpoint: Fp8ExpertCheckpoint | None = None):
-        """fp8_checkpoint: the experts come pre-quantized to FP8 in that layout."""
+                 fp8_checkpoint: Fp8ExpertCheckpoint | None = None, int4_group_size: int = 0):
+        """fp8_checkpoint: the experts come pre-quantized to FP8 in that layout.
+        int4_group_size: the group along K of weight_format "int4" (quantized at load)."""
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
@@ -97,6 +123,8 @@ class FusedMoE(nn.Module):
         self.full_intermediate = intermediate_size
         intermediate_size //= self.split
         self.intermediate_size = intermediate_size
+        if weight_format == "int4":
+            check_int4_sizes(hidden_size, intermediate_size, tp_size if self.split > 1 else 1)
         expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
         expert_map[list(self.local_experts)] = torch.arange(len(self.local_experts),
                                                             dtype=torch.int32)
@@ -106,7 +134,8 @@ class FusedMoE(nn.Module):
         if fp8_checkpoint is not None:
             weight_format, params_dtype = "fp8", FP8_DTYPE
             self._pending = PendingExpertTensors()
-        self.quant_method = ExpertQuantMethod(weight_format, fp8_checkpoint is not None)
+        self.quant_method = ExpertQuantMethod(weight_format, fp8_checkpoint is not None,
+                                              int4_group_size)
         count = len(self.local_experts)
         make = load_time_weight if weight_format is not None and fp8_checkpoint is None \
             else _empty_2d
@@ -118,10 +147,14 @@ class FusedMoE(nn.Module):
         if fp8_checkpoint is None:  # int8 / fp8 at load: [E_local, 2I] float32, made then
             self.register_parameter("w13_scale", None)
             self.register_parameter("w2_scale", None)
+            self.register_parameter("w13_zero", None)  # int4: [E_local, N, groups] uint8
+            self.register_parameter("w2_zero", None)
         else:
             self.w13_scale = new_param(torch.empty(count, 2 * intermediate_size,
                                                    dtype=torch.float32))
             self.w2_scale = new_param(torch.empty(count, hidden_size, dtype=torch.float32))
+            self.register_parameter("w13_zero", None)
+            self.register_parameter("w2_zero", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         """One expert's gate, up or down tensor; shard = local expert * 3 + GATE / UP / DOWN."""
@@ -195,17 +228,29 @@ class FusedMoE(nn.Module):
         """This rank's share of the routed sum for already-routed tokens."""
         ids = global_ids if self.holds_all else self.expert_map[global_ids.long()]
         args = (x, self.w13_weight, self.w2_weight, weights, ids, self.w13_scale, self.w2_scale)
+        int4 = None if self.w13_zero is None else Int4Experts(
+            self.w13_zero, self.w2_zero, self.quant_method.group_size)
         if self.use_triton and x.is_cuda:
             from slipstream.kernels.moe import fused_moe  # Triton: CUDA only
 
-            return fused_moe.fused_moe(*args)
-        return reference.fused_moe(*args)
+            return fused_moe.fused_moe(*args, int4=int4)
+        return reference.fused_moe(*args, int4=int4)
 
     def extra_repr(self) -> str:
         fmt = self.quant_method.weight_format or str(self.w13_weight.dtype).removeprefix("torch.")
         return (f"experts={len(self.local_experts)}/{self.num_experts}, top_k={self.top_k}, "
                 f"hidden={self.hidden_size}, intermediate={self.intermediate_size}"
                 f"{f'/{self.full_intermediate}' if self.split > 1 else ''}, {fmt}")
+
+
+def check_int4_sizes(hidden_size: int, intermediate_size: int, tp_size: int = 1) -> None:
+    """int4 experts pack two values a byte along K (hidden for gate/up, this rank's
+    intermediate slice for down): both must be even. Quantized at load, a rank groups its own
+    slice from its first column, so any slice that packs works."""
+    if hidden_size % 2 or intermediate_size % 2:
+        raise ValueError(f"int4 experts need even input sizes: hidden {hidden_size}, "
+                         f"intermediate per rank {intermediate_size} "
+                         f"(tensor_parallel_size={tp_size})")
 
 
 def _empty_2d(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:

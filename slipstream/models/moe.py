@@ -59,10 +59,11 @@ class SparseMoeBlock(nn.Module):
         num_experts = num_experts_of(cfg)
         self.gate = Router(num_experts, ctx.cfg.hidden_size, ctx.dtype)
         weight_format, fp8_checkpoint = expert_weight_format(ctx, f"{prefix}.experts")
+        group = expert_int4_group(ctx, f"{prefix}.experts", cfg) if weight_format == "int4" else 0
         self.experts = FusedMoE(
             num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
             expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
-            weight_format=weight_format, fp8_checkpoint=fp8_checkpoint,
+            weight_format=weight_format, fp8_checkpoint=fp8_checkpoint, int4_group_size=group,
             local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton",
             tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
         shared = cfg.get("shared_expert_intermediate_size") or 0
@@ -89,9 +90,10 @@ class SparseMoeBlock(nn.Module):
 def expert_weight_format(ctx: BuildContext, prefix: str
                          ) -> tuple[str | None, Fp8ExpertCheckpoint | None]:
     """(weight format, pre-quantized FP8 layout) of the experts from the model's quantization
-    method: fp8 or int8 when it quantizes at load, a pre-quantized FP8 checkpoint's layout,
-    None unquantized; anything else is refused rather than run in 16 bits unnoticed."""
+    method: fp8, int8 or int4 when it quantizes at load, a pre-quantized FP8 checkpoint's
+    layout, None unquantized; anything else is refused rather than run in 16 bits unnoticed."""
     from slipstream.quantization.fp8 import Fp8LinearMethod
+    from slipstream.quantization.int4_awq import Int4LinearMethod
     from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
 
     method = ctx.quant_factory(prefix)
@@ -105,9 +107,18 @@ def expert_weight_format(ctx: BuildContext, prefix: str
                                           if method.block_size is not None else "weight_scale")
     if type(method) is Int8WeightOnlyMethod and not prequantized:
         return "int8", None
-    raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized) and "
-                     f"'int8_wo' (at load), not {type(method).__name__} (prequantized: "
+    if type(method) is Int4LinearMethod and method.layout is None:
+        return "int4", None
+    raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized), "
+                     f"'int8_wo' and 'int4_awq' (at load), not {type(method).__name__} (prequantized: "
                      f"{prequantized})")
+
+
+def expert_int4_group(ctx: BuildContext, prefix: str, cfg: dict) -> int:
+    """The int4 group size along K for the experts: the method's (None, per channel: one group
+    the width of the larger input, hidden or intermediate)."""
+    group = ctx.quant_factory(prefix).group_size
+    return group or max(ctx.cfg.hidden_size, expert_intermediate_size(cfg))
 
 
 def _mlp_factory(ctx: BuildContext, prefix: str) -> nn.Module:
