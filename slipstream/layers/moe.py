@@ -14,8 +14,9 @@ the routed sum, and `forward` all-reduces the shares across the tensor-parallel 
 
 Weight-only quantization of the experts at load, fp8 (e4m3) or int8, or pre-quantized FP8 from
 the checkpoint (layers/moe_fp8_checkpoint.py): one float32 scale per output row of each expert.
-int4 at load (round to nearest): groups of `int4_group_size` input columns, each with a float32
-scale and a uint8 zero, two values packed a byte along K (kernels/moe/reference.Int4Experts).
+int4 at load (round to nearest) or pre-quantized GPTQ / AWQ (layers/moe_int4_checkpoint.py):
+groups of `int4_group_size` input columns, each with a float32 scale and a uint8 zero, two
+values packed a byte along K (kernels/moe/reference.Int4Experts).
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ from slipstream.layers.moe_fp8_checkpoint import (
     Fp8ExpertCheckpoint,
     PendingExpertTensors,
     per_row_fp8,
+)
+from slipstream.layers.moe_int4_checkpoint import (
+    Int4ExpertCheckpoint,
+    PendingInt4Tensors,
+    slice_int4,
+    unpack_expert,
 )
 from slipstream.parallel import state as parallel_state
 from slipstream.parallel.checkpoint_slices import materialize
@@ -90,6 +97,7 @@ class ExpertQuantMethod:
             experts, rows, cols = w.shape
             q, scale, zero = quantize_int4_groupwise(w.data.reshape(experts * rows, cols),
                                                      self.group_size)
+            scale = scale.half().float()  # float16 scales, as int4 checkpoints and dense layers
             replace_param(layer, f"{name}_weight",
                           pack_int4_rows(q).view(experts, rows, cols // 2))
             replace_param(layer, f"{name}_scale", scale.view(experts, rows, -1))
@@ -104,8 +112,9 @@ class FusedMoE(nn.Module):
                  params_dtype: torch.dtype, *, renormalize: bool,
                  weight_format: str | None = None, local_experts: Sequence[int] | None = None,
                  use_triton: bool = False, tp_size: int = 1, tp_rank: int = 0,
-                 fp8_checkpoint: Fp8ExpertCheckpoint | None = None, int4_group_size: int = 0):
-        """fp8_checkpoint: the experts come pre-quantized to FP8 in that layout.
+                 fp8_checkpoint: Fp8ExpertCheckpoint | None = None, int4_group_size: int = 0,
+                 int4_checkpoint: Int4ExpertCheckpoint | None = None):
+        """fp8_checkpoint / int4_checkpoint: the experts come pre-quantized in that layout.
         int4_group_size: the group along K of weight_format "int4" (quantized at load)."""
         super().__init__()
         if not 0 < top_k <= num_experts:
@@ -123,6 +132,10 @@ class FusedMoE(nn.Module):
         self.full_intermediate = intermediate_size
         intermediate_size //= self.split
         self.intermediate_size = intermediate_size
+        self.int4_checkpoint = int4_checkpoint
+        if int4_checkpoint is not None:
+            weight_format, int4_group_size = "int4", int4_checkpoint.group_size
+            self._pending_int4 = PendingInt4Tensors(int4_checkpoint)
         if weight_format == "int4":
             check_int4_sizes(hidden_size, intermediate_size, tp_size if self.split > 1 else 1)
         expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
@@ -137,6 +150,9 @@ class FusedMoE(nn.Module):
         self.quant_method = ExpertQuantMethod(weight_format, fp8_checkpoint is not None,
                                               int4_group_size)
         count = len(self.local_experts)
+        if int4_checkpoint is not None:
+            self._create_int4(count, hidden_size, intermediate_size, int4_group_size)
+            return
         make = load_time_weight if weight_format is not None and fp8_checkpoint is None \
             else _empty_2d
         self.w13_weight = new_param(make(count * 2 * intermediate_size, hidden_size,
@@ -156,10 +172,25 @@ class FusedMoE(nn.Module):
             self.register_parameter("w13_zero", None)
             self.register_parameter("w2_zero", None)
 
+    def _create_int4(self, count: int, hidden: int, inter: int, group: int) -> None:
+        """Pre-quantized int4: the packed layout itself, filled as each expert's tensors load."""
+        for name, rows, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+            groups = -(-k // group)
+            setattr(self, f"{name}_weight",
+                    new_param(torch.zeros(count, rows, k // 2, dtype=torch.uint8)))
+            setattr(self, f"{name}_scale",
+                    new_param(torch.zeros(count, rows, groups, dtype=torch.float32)))
+            setattr(self, f"{name}_zero",
+                    new_param(torch.zeros(count, rows, groups, dtype=torch.uint8)))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        """One expert's gate, up or down tensor; shard = local expert * 3 + GATE / UP / DOWN."""
+        """One expert's gate, up or down tensor; shard = local expert * 3 + GATE / UP / DOWN
+        (int4 checkpoints: times 4 plus the index of the tensor in INT4_TENSORS)."""
         if shard is None:
             raise ValueError("expert weights load one expert's tensor at a time")
+        if self.int4_checkpoint is not None:
+            self._load_int4(loaded, *divmod(shard, 4))
+            return
         expert, part = divmod(shard, 3)
         inter = self.intermediate_size
         start = self.tp_rank * inter if self.split > 1 else 0
@@ -176,6 +207,28 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs expert "
                              f"slice {tuple(dest.shape)}")
         dest.copy_(loaded)
+
+    def _load_int4(self, loaded, shard: int, kind: int) -> None:
+        """A GPTQ / AWQ expert tensor; all of a projection's in: unpack, cut, pack."""
+        ckpt = self.int4_checkpoint
+        tensors = self._pending_int4.add(shard, ckpt.tensor_names[kind], loaded)
+        if tensors is None:
+            return
+        expert, part = divmod(shard, 3)
+        q, scale, zero = unpack_expert(tensors, ckpt)
+        inter = self.intermediate_size
+        if self.split > 1:
+            q, scale, zero = slice_int4(q, scale, zero, 1 if part == DOWN else 0,
+                                        self.tp_rank * inter, inter, ckpt.group_size)
+        name = "w2" if part == DOWN else "w13"
+        dests = [getattr(self, f"{name}_{t}")[expert] for t in ("weight", "scale", "zero")]
+        if part != DOWN:
+            dests = [d.narrow(0, part * inter, inter) for d in dests]
+        for dest, src in zip(dests, (pack_int4_rows(q), scale, zero), strict=True):
+            if dest.shape != src.shape:
+                raise ValueError(f"shape mismatch: checkpoint {tuple(src.shape)} vs expert "
+                                 f"slice {tuple(dest.shape)} ({name}, expert {expert})")
+            dest.copy_(src)
 
     def _load_fp8(self, param: nn.Parameter, loaded, expert: int, part: int, start: int) -> None:
         """A pre-quantized expert tensor or its scale; both in: the rows and their scales."""
@@ -203,6 +256,12 @@ class FusedMoE(nn.Module):
         for local, expert in enumerate(self.local_experts):
             for part, name in enumerate(names):
                 param = "w2" if part == DOWN else "w13"
+                if self.int4_checkpoint is not None:
+                    for kind, tensor in enumerate(self.int4_checkpoint.tensor_names):
+                        target = {"qzeros": "zero", "scales": "scale"}.get(tensor, "weight")
+                        out[f"{prefix}.{expert}.{name}.{tensor}"] = (
+                            f"{prefix}.{param}_{target}", (local * 3 + part) * 4 + kind)
+                    continue
                 out[f"{prefix}.{expert}.{name}.weight"] = (f"{prefix}.{param}_weight",
                                                            local * 3 + part)
                 if self.fp8_checkpoint is not None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from slipstream.layers.moe import FusedMoE
 from slipstream.layers.moe_fp8_checkpoint import Fp8ExpertCheckpoint
+from slipstream.layers.moe_int4_checkpoint import Int4ExpertCheckpoint
 from slipstream.layers.norm import RMSNorm
 from slipstream.models.llama import BuildContext, LlamaForCausalLM, LlamaMLP
 from slipstream.models.moe_config import (
@@ -60,12 +61,13 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(num_experts, ctx.cfg.hidden_size, ctx.dtype)
         weight_format, fp8_checkpoint = expert_weight_format(ctx, f"{prefix}.experts")
         group = expert_int4_group(ctx, f"{prefix}.experts", cfg) if weight_format == "int4" else 0
+        int4_checkpoint = expert_int4_checkpoint(ctx, f"{prefix}.experts", group)
         self.experts = FusedMoE(
             num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
             expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
             weight_format=weight_format, fp8_checkpoint=fp8_checkpoint, int4_group_size=group,
-            local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton",
-            tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
+            int4_checkpoint=int4_checkpoint, local_experts=ctx.local_experts,
+            use_triton=ctx.ops.name == "triton", tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
         shared = cfg.get("shared_expert_intermediate_size") or 0
         if shared:
             self.shared_expert = LlamaMLP(ctx, f"{prefix}.shared_expert", shared)
@@ -107,10 +109,11 @@ def expert_weight_format(ctx: BuildContext, prefix: str
                                           if method.block_size is not None else "weight_scale")
     if type(method) is Int8WeightOnlyMethod and not prequantized:
         return "int8", None
-    if type(method) is Int4LinearMethod and method.layout is None:
+    if type(method) is Int4LinearMethod and method.layout in (None, "awq", "gptq"):
         return "int4", None
     raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized), "
-                     f"'int8_wo' and 'int4_awq' (at load), not {type(method).__name__} (prequantized: "
+                     f"'int8_wo' (at load) and 'int4_awq' (at load, or GPTQ / AWQ GEMM "
+                     f"checkpoints), not {type(method).__name__} (prequantized: "
                      f"{prequantized})")
 
 
@@ -119,6 +122,18 @@ def expert_int4_group(ctx: BuildContext, prefix: str, cfg: dict) -> int:
     the width of the larger input, hidden or intermediate)."""
     group = ctx.quant_factory(prefix).group_size
     return group or max(ctx.cfg.hidden_size, expert_intermediate_size(cfg))
+
+
+def expert_int4_checkpoint(ctx: BuildContext, prefix: str, group: int
+                           ) -> Int4ExpertCheckpoint | None:
+    """The GPTQ / AWQ layout of pre-quantized int4 experts; None for int4 at load (or not
+    int4: group 0)."""
+    if not group:
+        return None
+    method = ctx.quant_factory(prefix)
+    if method.layout is None:
+        return None
+    return Int4ExpertCheckpoint(method.layout, group, method.gptq_zero_offset)
 
 
 def _mlp_factory(ctx: BuildContext, prefix: str) -> nn.Module:

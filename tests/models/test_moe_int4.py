@@ -3,6 +3,8 @@ and Qwen3-MoE generate the same greedy tokens as the same model with its expert 
 by their dequantized int4 values (exact in float32), and the layer's int4 layout."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -90,3 +92,95 @@ def test_int4_at_load_generates_as_the_dequantized_model(tmp_path_factory, arch)
     for block in blocks:
         _to_dequantized_float(block.experts)
     assert generate() == quantized
+
+
+def _write_int4_checkpoint(src, dst, layout: str, group: int):
+    """src re-saved with every projection (attention and each expert's gate/up/down)
+    RTN-quantized in groups of `group`, in the AWQ GEMM or GPTQ (v1) layout, per expert module
+    as AutoAWQ / AutoGPTQ write MoE checkpoints."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from slipstream.quantization import utils as qu
+
+    shutil.copytree(src, dst)
+    tensors = {}
+    projection = re.compile(r"(_proj|\.w[123])\.weight$")
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not projection.search(name):
+            tensors[name] = t
+            continue
+        k = t.shape[1]
+        q, scales, zeros = qu.quantize_int4_groupwise(t, group)
+        base = name.removesuffix(".weight")
+        if layout == "awq":
+            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER)
+            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(zeros.t().contiguous(), qu.AWQ_ORDER)
+        else:
+            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q).t().contiguous()
+            z = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8)
+            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(z.t().contiguous())
+            tensors[f"{base}.g_idx"] = (torch.arange(k) // group).to(torch.int32)
+        tensors[f"{base}.scales"] = scales.t().contiguous().half()
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"} if layout == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+         "sym": False})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _greedy(llm) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch,layout", [("Qwen3MoeForCausalLM", "awq"),
+                                         ("MixtralForCausalLM", "gptq")])
+def test_prequantized_int4_experts_load_like_load_time_rtn(tmp_path, monkeypatch, arch,
+                                                           layout):
+    """A GPTQ / AWQ MoE checkpoint of RTN-quantized weights (group 16) gives the tokens and
+    logprobs of the float checkpoint quantized to int4 at load in groups of 16: the same
+    integers, scales and zeros."""
+    from slipstream.models import norm_fold
+    from slipstream.quantization import int4_awq
+
+    src = make_tiny_moe_checkpoint(tmp_path / "float", arch)
+    path = _write_int4_checkpoint(src, tmp_path / layout, layout, group=16)
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    llm = LLM(str(path), quantization="int4_awq", **kw)
+    experts = next(layer.mlp.experts for layer in llm.engine.runner.model.model.layers
+                   if isinstance(layer.mlp, SparseMoeBlock))
+    assert experts.int4_checkpoint is not None and experts.w2_zero.shape[2] == experts.intermediate_size // 16
+    got = _greedy(llm)
+    monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", 16)
+    with norm_fold.kept_norms():  # the checkpoint was written unfolded
+        want_llm = LLM(str(src), quantization="int4_awq", **kw)
+    want_experts = next(layer.mlp.experts for layer in want_llm.engine.runner.model.model.layers
+                        if isinstance(layer.mlp, SparseMoeBlock))
+    for name in ("w13_weight", "w13_scale", "w13_zero", "w2_weight", "w2_scale", "w2_zero"):
+        assert torch.equal(getattr(experts, name), getattr(want_experts, name)), name
+    assert got == _greedy(want_llm)
+
+
+def test_int4_tensor_parallel_slices_keep_groups():
+    from slipstream.layers.moe_int4_checkpoint import slice_int4
+    from slipstream.quantization.utils import quantize_int4_groupwise
+
+    q, scale, zero = quantize_int4_groupwise(torch.randn(8, 96), 32)
+    cut = slice_int4(q, scale, zero, 1, 32, 64, 32)  # rank 1 of 3 would be 32..64; here 2 groups
+    assert cut[0].shape == (8, 64) and cut[1].shape == (8, 2)
+    assert torch.equal(cut[1], scale[:, 1:3])
+    rows = slice_int4(q, scale, zero, 0, 4, 4, 32)
+    assert torch.equal(rows[2], zero[4:])
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        slice_int4(q, scale, zero, 1, 48, 48, 32)
+    q, scale, zero = quantize_int4_groupwise(torch.randn(8, 80), 32)  # a short last group
+    assert slice_int4(q, scale, zero, 1, 64, 16, 32)[1].shape == (8, 1)
