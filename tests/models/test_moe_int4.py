@@ -184,3 +184,30 @@ def test_int4_tensor_parallel_slices_keep_groups():
         slice_int4(q, scale, zero, 1, 48, 48, 32)
     q, scale, zero = quantize_int4_groupwise(torch.randn(8, 80), 32)  # a short last group
     assert slice_int4(q, scale, zero, 1, 64, 16, 32)[1].shape == (8, 1)
+
+
+def test_int4_expert_formats_taken_and_refused():
+    from types import SimpleNamespace
+
+    from slipstream.layers.moe_int4_checkpoint import Int4ExpertCheckpoint, unpack_expert
+    from slipstream.models.moe import expert_weight_format
+    from slipstream.quantization import utils as qu
+    from slipstream.quantization.int4_awq import Int4LinearMethod
+
+    for layout in (None, "awq", "gptq"):
+        ctx = SimpleNamespace(quant_factory=lambda prefix, lay=layout: Int4LinearMethod(64, lay))
+        assert expert_weight_format(ctx, "model.layers.0.mlp.experts") == ("int4", None)
+    ctx = SimpleNamespace(quant_factory=lambda prefix: Int4LinearMethod(64, "compressed"))
+    with pytest.raises(ValueError, match="MoE experts support quantization"):
+        expert_weight_format(ctx, "model.layers.0.mlp.experts")
+    # GPTQ act-order: a g_idx whose groups are not contiguous along K
+    q, scales, zeros = qu.quantize_int4_groupwise(torch.randn(16, 64), 32)
+    tensors = {"qweight": qu.pack_int32_cols(q).t().contiguous(),
+               "qzeros": qu.pack_int32_cols(zeros.t().contiguous()),
+               "scales": scales.t().contiguous().half(),
+               "g_idx": (torch.arange(64) % 2).to(torch.int32)}
+    with pytest.raises(ValueError, match="act-order"):
+        unpack_expert(tensors, Int4ExpertCheckpoint("gptq", 32))
+    tensors["g_idx"] = (torch.arange(64) // 32).to(torch.int32)
+    got_q, _, got_zero = unpack_expert(tensors, Int4ExpertCheckpoint("gptq", 32))
+    assert torch.equal(got_q, q) and torch.equal(got_zero, (zeros + 1) & 0xF)  # v1 offset
