@@ -1,7 +1,7 @@
 """The MoE layer alone: the fused Triton kernels against a per-expert loop of torch matmuls.
 
 For each layer shape (Qwen3-30B-A3B bf16 and int4, Mixtral-8x7B bf16, fp8 and int4 experts; int4:
-groups of 128 along K, a float32 scale and a uint8 zero each) and 1 / 64 / 512
+groups of 128 along K, a float16 scale and a uint8 zero each) and 1 / 64 / 512
 tokens: routing plus experts through kernels/moe/fused_moe.py, replayed in a CUDA graph over 16
 different routings (so the experts a call reads are not the previous call's, still in L2), and
 the loop (one F.linear pair per expert that got tokens, as transformers does, timed eagerly:
@@ -59,7 +59,8 @@ def make_layer(experts: int, hidden: int, inter: int, fmt: str | None):
         for w in (w13, w2):
             q, scale, zero = quantize_int4_groupwise(w.view(-1, w.shape[2]), INT4_GROUP)
             out.append((pack_int4_rows(q).view(experts, w.shape[1], -1),
-                        scale.view(experts, w.shape[1], -1), zero.view(experts, w.shape[1], -1)))
+                        scale.half().view(experts, w.shape[1], -1),
+                        zero.view(experts, w.shape[1], -1)))
         (q13, s13, z13), (q2, s2, z2) = out
         return q13, q2, s13, s2, Int4Experts(z13, z2, INT4_GROUP)
     q13, s13 = quantize_fp8_per_channel(w13.view(-1, hidden))

@@ -15,7 +15,7 @@ the routed sum, and `forward` all-reduces the shares across the tensor-parallel 
 Weight-only quantization of the experts at load, fp8 (e4m3) or int8, or pre-quantized FP8 from
 the checkpoint (layers/moe_fp8_checkpoint.py): one float32 scale per output row of each expert.
 int4 at load (round to nearest) or pre-quantized GPTQ / AWQ (layers/moe_int4_checkpoint.py):
-groups of `int4_group_size` input columns, each with a float32 scale and a uint8 zero, two
+groups of `int4_group_size` input columns, each with a float16 scale and a uint8 zero, two
 values packed a byte along K (kernels/moe/reference.Int4Experts).
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ExpertQuantMethod:
             experts, rows, cols = w.shape
             q, scale, zero = quantize_int4_groupwise(w.data.reshape(experts * rows, cols),
                                                      self.group_size)
-            scale = scale.half().float()  # float16 scales, as int4 checkpoints and dense layers
+            scale = scale.half()  # float16 scales, as int4 checkpoints and dense layers keep
             replace_param(layer, f"{name}_weight",
                           pack_int4_rows(q).view(experts, rows, cols // 2))
             replace_param(layer, f"{name}_scale", scale.view(experts, rows, -1))
@@ -179,7 +179,7 @@ class FusedMoE(nn.Module):
             setattr(self, f"{name}_weight",
                     new_param(torch.zeros(count, rows, k // 2, dtype=torch.uint8)))
             setattr(self, f"{name}_scale",
-                    new_param(torch.zeros(count, rows, groups, dtype=torch.float32)))
+                    new_param(torch.zeros(count, rows, groups, dtype=torch.float16)))
             setattr(self, f"{name}_zero",
                     new_param(torch.zeros(count, rows, groups, dtype=torch.uint8)))
 

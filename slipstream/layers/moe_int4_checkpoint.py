@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.parallel.checkpoint_slices import materialize
-from slipstream.quantization.int4_layouts import act_order_perm
+from slipstream.quantization.int4_layouts import act_order_perm, fp16_scales
 from slipstream.quantization.utils import AWQ_ORDER, int4_groups, unpack_int32_cols
 
 INT4_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
@@ -50,7 +50,7 @@ class PendingInt4Tensors:
 
 def unpack_expert(tensors: dict[str, torch.Tensor], ckpt: Int4ExpertCheckpoint
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One expert projection's checkpoint tensors -> (q uint8 [N, K], scale float32 [N, G],
+    """One expert projection's checkpoint tensors -> (q uint8 [N, K], scale float16 [N, G],
     zero uint8 [N, G]). GPTQ act-order (a g_idx that is not contiguous groups) is refused:
     the fused kernels read each expert's columns in order."""
     qweight, qzeros = tensors["qweight"].cpu(), tensors["qzeros"].cpu()
@@ -64,7 +64,7 @@ def unpack_expert(tensors: dict[str, torch.Tensor], ckpt: Int4ExpertCheckpoint
         if act_order_perm(g_idx, ckpt.group_size, tuple(q.shape)) is not None:
             raise ValueError("GPTQ act-order (desc_act) MoE experts are not supported: their "
                              "groups are not contiguous along K")
-    scale = tensors["scales"].t().float()
+    scale = fp16_scales(tensors["scales"].t())
     n, k = q.shape
     if tuple(scale.shape) != (n, int4_groups(k, ckpt.group_size)) or zero.shape != scale.shape:
         raise ValueError(f"int4 expert: scales {tuple(scale.shape)} / zeros {tuple(zero.shape)} "

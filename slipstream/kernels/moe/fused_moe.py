@@ -78,7 +78,7 @@ def _int4_tile(w_ptr, s_ptr, z_ptr, n, k, mask, stride_wn, stride_sn, GROUP: tl.
     q = ((byte >> ((k % 2) * 4)) & 0xF).to(tl.float32)
     g = n * stride_sn + k // GROUP
     zero = tl.load(z_ptr + g, mask=mask, other=0).to(tl.float32)
-    return (q - zero) * tl.load(s_ptr + g, mask=mask, other=0.0)
+    return (q - zero) * tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit

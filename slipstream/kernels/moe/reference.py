@@ -6,7 +6,7 @@ Conventions shared with the Triton kernels (kernels/moe/fused_moe.py):
   ([E, 2I] and [E, H]); unquantized ones have no scale (None).
 - int4 experts (Int4Experts): uint8 weights with two values a byte along K (even k in the low
   nibble), w13 [E, 2I, H/2] and w2 [E, H, I/2], and per group of `group_size` input columns a
-  float32 scale and a uint8 zero ([E, N, ceil(K/G)], the last group short where G does not
+  float16 (or float32) scale and a uint8 zero ([E, N, ceil(K/G)], the last group short where G does not
   divide K): w = (q - zero) * scale.
 - topk_ids [T, k] int32: which of this rank's experts each token goes to, -1 for an expert the
   rank does not hold (expert parallelism: that pair adds nothing here). topk_weights [T, k]

@@ -2,8 +2,10 @@
 
 CPU: Triton's interpreter, float32 activations (bf16 tl.dot is wrong in the interpreter), tiny
 shapes; both paths (grouped GEMM, decode GEMVs) on several expert counts, top-k values and
-token counts that leave experts empty, with 16-bit, int8 and fp8 experts, and with slots
-routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape.
+token counts that leave experts empty, with 16-bit, int8, fp8 and int4 experts (groups of
+32 / 64 / 20 along K, short last groups), and with slots
+routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape
+(16-bit, fp8 and int4 experts).
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
         w = torch.randn(num_experts * rows, cols, generator=g, device=device) * 0.2
         q, scale, zero = quantize_int4_groupwise(w, group)
         out.append((pack_int4_rows(q).view(num_experts, rows, cols // 2),
-                    scale.view(num_experts, rows, -1), zero.view(num_experts, rows, -1)))
+                    scale.half().view(num_experts, rows, -1), zero.view(num_experts, rows, -1)))
     (w13, s13, z13), (w2, s2, z2) = out
     return w13, w2, s13, s2, ref.Int4Experts(z13, z2, group)
 
