@@ -1,6 +1,7 @@
 """The MoE layer alone: the fused Triton kernels against a per-expert loop of torch matmuls.
 
-For each layer shape (Qwen3-30B-A3B bf16, Mixtral-8x7B bf16 and fp8 experts) and 1 / 64 / 512
+For each layer shape (Qwen3-30B-A3B bf16 and int4, Mixtral-8x7B bf16, fp8 and int4 experts; int4:
+groups of 128 along K, a float16 scale and a uint8 zero each) and 1 / 64 / 512
 tokens: routing plus experts through kernels/moe/fused_moe.py, replayed in a CUDA graph over 16
 different routings (so the experts a call reads are not the previous call's, still in L2), and
 the loop (one F.linear pair per expert that got tokens, as transformers does, timed eagerly:
@@ -8,7 +9,8 @@ it reads the routing back to pick the experts). Also the bytes the call must rea
 it hits, at their width) and, for the graph-timed kernels, the percent of the copy-bandwidth
 bound for those bytes. --sweep times the decode GEMV tiles at one token.
 
-  python benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b-fp8] [--tokens 1,64,512]
+  python benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b-fp8,qwen3-30b-a3b-int4]
+      [--tokens 1,64,512]
       [--sweep] [--output-json $OUT/moe_layer.json]
 """
 from __future__ import annotations
@@ -23,34 +25,58 @@ import torch.nn.functional as F
 
 from slipstream.bench.latency import measure_copy_bandwidth
 from slipstream.kernels.moe import fused_moe as fm
+from slipstream.kernels.moe.reference import Int4Experts, dequantize_experts
 from slipstream.kernels.runtime.tuning import graph_time_us
-from slipstream.quantization.utils import quantize_fp8_per_channel
+from slipstream.quantization.utils import (
+    pack_int4_rows,
+    quantize_fp8_per_channel,
+    quantize_int4_groupwise,
+)
 
-# name -> (experts, top_k, hidden, expert intermediate, renormalize, fp8 experts)
+# name -> (experts, top_k, hidden, expert intermediate, renormalize, expert format)
 SHAPES = {
-    "qwen3-30b-a3b": (128, 8, 2048, 768, True, False),
-    "mixtral-8x7b": (8, 2, 4096, 14336, True, False),
-    "mixtral-8x7b-fp8": (8, 2, 4096, 14336, True, True),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, True, None),
+    "qwen3-30b-a3b-int4": (128, 8, 2048, 768, True, "int4"),
+    "mixtral-8x7b": (8, 2, 4096, 14336, True, None),
+    "mixtral-8x7b-fp8": (8, 2, 4096, 14336, True, "fp8"),
+    "mixtral-8x7b-int4": (8, 2, 4096, 14336, True, "int4"),
 }
 ROUTINGS = 16
+INT4_GROUP = 128
 
 
-def make_layer(experts: int, hidden: int, inter: int, fp8: bool):
-    """Random bf16 (or fp8 with per-row scales) stacked expert weights on the GPU."""
+def make_layer(experts: int, hidden: int, inter: int, fmt: str | None):
+    """Random bf16 (or fp8 with per-row scales, or int4 in groups) stacked expert weights on
+    the GPU: (w13, w2, s13, s2, Int4Experts or None)."""
     w13 = torch.empty(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16)
     w2 = torch.empty(experts, hidden, inter, device="cuda", dtype=torch.bfloat16)
     w13.normal_(0, 0.02)
     w2.normal_(0, 0.02)
-    if not fp8:
-        return w13, w2, None, None
+    if fmt is None:
+        return w13, w2, None, None, None
+    if fmt == "int4":
+        out = []
+        for w in (w13, w2):
+            q, scale, zero = quantize_int4_groupwise(w.view(-1, w.shape[2]), INT4_GROUP)
+            out.append((pack_int4_rows(q).view(experts, w.shape[1], -1),
+                        scale.half().view(experts, w.shape[1], -1),
+                        zero.view(experts, w.shape[1], -1)))
+        (q13, s13, z13), (q2, s2, z2) = out
+        return q13, q2, s13, s2, Int4Experts(z13, z2, INT4_GROUP)
     q13, s13 = quantize_fp8_per_channel(w13.view(-1, hidden))
     del w13
     q2, s2 = quantize_fp8_per_channel(w2.view(-1, inter))
     return (q13.view(experts, 2 * inter, hidden), q2.view(experts, hidden, inter),
-            s13.view(experts, -1), s2.view(experts, -1))
+            s13.view(experts, -1), s2.view(experts, -1), None)
 
 
-def loop_moe(x, w13, w2, weights, ids, s13, s2):
+def _expert_weight(w, scale, zero, group, e, dtype):
+    if zero is not None:
+        return dequantize_experts(w[e], scale[e], dtype, zero[e], group)
+    return w[e] if scale is None else (w[e].to(dtype) * scale[e, :, None].to(dtype))
+
+
+def loop_moe(x, w13, w2, weights, ids, s13, s2, int4=None):
     """The baseline: one torch matmul pair per expert that received tokens."""
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.view(-1).long()
@@ -58,8 +84,9 @@ def loop_moe(x, w13, w2, weights, ids, s13, s2):
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // top_k
-        a = w13[e] if s13 is None else (w13[e].to(x.dtype) * s13[e, :, None].to(x.dtype))
-        b = w2[e] if s2 is None else (w2[e].to(x.dtype) * s2[e, :, None].to(x.dtype))
+        z13, z2, group = (int4.w13_zero, int4.w2_zero, int4.group_size) if int4 else (None,) * 3
+        a = _expert_weight(w13, s13, z13, group, e, x.dtype)
+        b = _expert_weight(w2, s2, z2, group, e, x.dtype)
         gate, up = F.linear(x[tokens], a).chunk(2, dim=-1)
         down = F.linear(F.silu(gate) * up, b)
         out.index_add_(0, tokens, down.float() * weights.view(-1)[pairs, None])
@@ -82,18 +109,18 @@ def eager_us(call, arg_sets, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def bytes_read(ids: torch.Tensor, w13, w2, s13) -> int:
-    """Bytes of the experts one call hits (weights plus their scales)."""
+def bytes_read(ids: torch.Tensor, w13, w2, s13, s2, int4=None) -> int:
+    """Bytes of the experts one call hits (weights plus their scales and zeros)."""
     hit = len(set(ids.view(-1).tolist()))
-    per_expert = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
-    if s13 is not None:
-        per_expert += 4 * (w13.shape[1] + w2.shape[1])
-    return hit * per_expert
+    extra = [] if s13 is None else [s13, s2]
+    if int4 is not None:
+        extra += [int4.w13_zero, int4.w2_zero]
+    return hit * sum(t[0].numel() * t.element_size() for t in [w13, w2, *extra])
 
 
 def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bool) -> list[dict]:
-    experts, top_k, hidden, inter, renorm, fp8 = SHAPES[name]
-    w13, w2, s13, s2 = make_layer(experts, hidden, inter, fp8)
+    experts, top_k, hidden, inter, renorm, fmt = SHAPES[name]
+    w13, w2, s13, s2, int4 = make_layer(experts, hidden, inter, fmt)
     rows = []
     for t in tokens:
         gen = torch.Generator(device="cuda").manual_seed(t)
@@ -105,15 +132,15 @@ def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bo
         def fused(args, _cfg=None):
             x, logits = args
             weights, ids = fm.route_topk(logits, top_k, renorm)
-            return fm.fused_moe(x, w13, w2, weights, ids, s13, s2, gemv=_cfg)
+            return fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, gemv=_cfg)
 
         kernel_us = graph_time_us(fused, sets, min_calls=ROUTINGS)
-        loop_us = eager_us(lambda x, w, i: loop_moe(x, w13, w2, w, i, s13, s2), routed)
-        nbytes = statistics.mean(bytes_read(i, w13, w2, s13) for _, _, i in routed)
+        loop_us = eager_us(lambda x, w, i: loop_moe(x, w13, w2, w, i, s13, s2, int4), routed)
+        nbytes = statistics.mean(bytes_read(i, w13, w2, s13, s2, int4) for _, _, i in routed)
         x, weights, ids = routed[0]
         want = loop_moe(x.float(), w13.float() if s13 is None else w13,
-                        w2.float() if s2 is None else w2, weights, ids, s13, s2)
-        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2).float()
+                        w2.float() if s2 is None else w2, weights, ids, s13, s2, int4)
+        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4).float()
         row = {"shape": name, "tokens": t,
                "path": "decode" if fm.use_decode_path(t, top_k, experts) else "grouped",
                "fused_us": kernel_us, "loop_us": loop_us, "speedup": loop_us / kernel_us,
@@ -125,7 +152,9 @@ def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bo
             for bn in (4, 8, 16, 32):
                 for k_bytes in (256, 512, 1024):
                     for warps in (2, 4, 8):
-                        cfg = fm.GemvConfig(bn, k_bytes // w13.element_size(), warps)
+                        # int4: k_bytes of packed weight hold twice as many columns
+                        per_byte = 2 if int4 is not None else 1 / w13.element_size()
+                        cfg = fm.GemvConfig(bn, int(k_bytes * per_byte), warps)
                         us = graph_time_us(lambda a, c=cfg: fused(a, c), sets, min_calls=ROUTINGS)
                         row["sweep"][f"n{bn}-k{cfg.block_k}-w{warps}"] = us
             best = min(row["sweep"], key=row["sweep"].get)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MoE on one GPU in one command (< 8 min): the MoE GPU tests, the MoE layer alone against a
-# per-expert torch loop (bench_moe.py: Qwen3-30B-A3B bf16 and Mixtral-8x7B fp8 layer shapes at
+# per-expert torch loop (bench_moe.py: Qwen3-30B-A3B bf16 and int4, Mixtral-8x7B fp8 layer shapes at
 # 1 / 64 / 512 tokens), then whole models with dummy weights: batch-1 decode (% of the bound for
 # the bytes the routed experts take) and W2-like throughput (2,000 x 128 / 128), Qwen3-30B-A3B
 # bf16 first, then Mixtral-8x7B fp8 while the budget lasts. JSON and logs go to RESULTS_DIR
@@ -35,7 +35,7 @@ run() {  # NAME CAP_S command...
 
 run tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rfE tests/kernels/moe \
   tests/engine/test_moe_hf_parity.py
-run layer 100 "$PY" benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b-fp8 \
+run layer 120 "$PY" benchmarks/bench_moe.py --shapes qwen3-30b-a3b,mixtral-8x7b-fp8,qwen3-30b-a3b-int4 \
   --tokens 1,64,512 --output-json "$RESULTS/layer.json"
 W1=(latency --load-format dummy --batch-size 1 --input-len 128 --output-len 128 --num-iters 2)
 W2=(throughput --input-len 128 --output-len 128 --num-requests 2000 --max-batch-size 256

@@ -23,6 +23,7 @@ from torch import nn
 
 from slipstream.layers.moe import FusedMoE
 from slipstream.layers.moe_fp8_checkpoint import Fp8ExpertCheckpoint
+from slipstream.layers.moe_int4_checkpoint import Int4ExpertCheckpoint
 from slipstream.layers.norm import RMSNorm
 from slipstream.models.llama import BuildContext, LlamaForCausalLM, LlamaMLP
 from slipstream.models.moe_config import (
@@ -59,12 +60,14 @@ class SparseMoeBlock(nn.Module):
         num_experts = num_experts_of(cfg)
         self.gate = Router(num_experts, ctx.cfg.hidden_size, ctx.dtype)
         weight_format, fp8_checkpoint = expert_weight_format(ctx, f"{prefix}.experts")
+        group = expert_int4_group(ctx, f"{prefix}.experts", cfg) if weight_format == "int4" else 0
+        int4_checkpoint = expert_int4_checkpoint(ctx, f"{prefix}.experts", group)
         self.experts = FusedMoE(
             num_experts, cfg["num_experts_per_tok"], ctx.cfg.hidden_size,
             expert_intermediate_size(cfg), ctx.dtype, renormalize=renormalizes(cfg),
-            weight_format=weight_format, fp8_checkpoint=fp8_checkpoint,
-            local_experts=ctx.local_experts, use_triton=ctx.ops.name == "triton",
-            tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
+            weight_format=weight_format, fp8_checkpoint=fp8_checkpoint, int4_group_size=group,
+            int4_checkpoint=int4_checkpoint, local_experts=ctx.local_experts,
+            use_triton=ctx.ops.name == "triton", tp_size=ctx.tp_size, tp_rank=ctx.tp_rank)
         shared = cfg.get("shared_expert_intermediate_size") or 0
         if shared:
             self.shared_expert = LlamaMLP(ctx, f"{prefix}.shared_expert", shared)
@@ -89,9 +92,10 @@ class SparseMoeBlock(nn.Module):
 def expert_weight_format(ctx: BuildContext, prefix: str
                          ) -> tuple[str | None, Fp8ExpertCheckpoint | None]:
     """(weight format, pre-quantized FP8 layout) of the experts from the model's quantization
-    method: fp8 or int8 when it quantizes at load, a pre-quantized FP8 checkpoint's layout,
-    None unquantized; anything else is refused rather than run in 16 bits unnoticed."""
+    method: fp8, int8 or int4 when it quantizes at load, a pre-quantized FP8 checkpoint's
+    layout, None unquantized; anything else is refused rather than run in 16 bits unnoticed."""
     from slipstream.quantization.fp8 import Fp8LinearMethod
+    from slipstream.quantization.int4_awq import Int4LinearMethod
     from slipstream.quantization.int8_wo import Int8WeightOnlyMethod
 
     method = ctx.quant_factory(prefix)
@@ -105,9 +109,31 @@ def expert_weight_format(ctx: BuildContext, prefix: str
                                           if method.block_size is not None else "weight_scale")
     if type(method) is Int8WeightOnlyMethod and not prequantized:
         return "int8", None
-    raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized) and "
-                     f"'int8_wo' (at load), not {type(method).__name__} (prequantized: "
+    if type(method) is Int4LinearMethod and method.layout in (None, "awq", "gptq"):
+        return "int4", None
+    raise ValueError(f"MoE experts support quantization 'fp8' (at load or pre-quantized), "
+                     f"'int8_wo' (at load) and 'int4_awq' (at load, or GPTQ / AWQ GEMM "
+                     f"checkpoints), not {type(method).__name__} (prequantized: "
                      f"{prequantized})")
+
+
+def expert_int4_group(ctx: BuildContext, prefix: str, cfg: dict) -> int:
+    """The int4 group size along K for the experts: the method's (None, per channel: one group
+    the width of the larger input, hidden or intermediate)."""
+    group = ctx.quant_factory(prefix).group_size
+    return group or max(ctx.cfg.hidden_size, expert_intermediate_size(cfg))
+
+
+def expert_int4_checkpoint(ctx: BuildContext, prefix: str, group: int
+                           ) -> Int4ExpertCheckpoint | None:
+    """The GPTQ / AWQ layout of pre-quantized int4 experts; None for int4 at load (or not
+    int4: group 0)."""
+    if not group:
+        return None
+    method = ctx.quant_factory(prefix)
+    if method.layout is None:
+        return None
+    return Int4ExpertCheckpoint(method.layout, group, method.gptq_zero_offset)
 
 
 def _mlp_factory(ctx: BuildContext, prefix: str) -> nn.Module:

@@ -332,3 +332,19 @@ def test_a_dead_or_hung_worker_fails_the_engine_within_seconds(pool, tiny_checkp
     assert time.monotonic() - start < 10
     for proc in llm.engine.runner.pool.procs:
         assert proc.poll() is not None  # every rank stopped, none left in a collective
+
+
+@pytest.mark.parametrize("arch,layout,ep", [("MixtralForCausalLM", "gptq", False),
+                                             ("Qwen3MoeForCausalLM", "awq", True)])
+def test_prequantized_int4_moe_equals_one_rank(pool, tmp_path, arch, layout, ep) -> None:
+    """GPTQ / AWQ MoE checkpoints (group 16) on 2 ranks: Mixtral's experts split (the down
+    projection's input cut, 64 of 128 columns, holds whole groups), Qwen3-MoE's whole experts
+    per rank (each rank loads only its experts' tensors); the tokens are one rank's."""
+    from tests.models.moe_checkpoints import make_tiny_moe_checkpoint
+    from tests.models.test_moe_int4 import _write_int4_checkpoint
+
+    src = make_tiny_moe_checkpoint(tmp_path / "float", arch)
+    path = _write_int4_checkpoint(src, tmp_path / layout, layout, group=16)
+    want = _tokens(_generate(path))
+    got = _generate(path, tensor_parallel_size=2, enable_expert_parallel=ep)
+    assert _tokens(got) == want

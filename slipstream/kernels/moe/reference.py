@@ -4,14 +4,31 @@ Conventions shared with the Triton kernels (kernels/moe/fused_moe.py):
 - x [T, H] activations; w13 [E, 2I, H] each expert's [gate | up] weight; w2 [E, H, I] its down
   weight. Quantized experts hold int8 or fp8 weights with a float32 scale per output row
   ([E, 2I] and [E, H]); unquantized ones have no scale (None).
+- int4 experts (Int4Experts): uint8 weights with two values a byte along K (even k in the low
+  nibble), w13 [E, 2I, H/2] and w2 [E, H, I/2], and per group of `group_size` input columns a
+  float16 (or float32) scale and a uint8 zero ([E, N, ceil(K/G)], the last group short where G does not
+  divide K): w = (q - zero) * scale.
 - topk_ids [T, k] int32: which of this rank's experts each token goes to, -1 for an expert the
   rank does not hold (expert parallelism: that pair adds nothing here). topk_weights [T, k]
   float32.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from slipstream.quantization.utils import dequantize_int4_groupwise, unpack_int4_rows
+
+
+@dataclass(frozen=True)
+class Int4Experts:
+    """The zero points and group size that go with int4 expert weights and their scales."""
+
+    w13_zero: torch.Tensor
+    w2_zero: torch.Tensor
+    group_size: int
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool
@@ -26,9 +43,12 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids.to(torch.int32)
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
-                       ) -> torch.Tensor:
-    """w [E, N, K] (16-bit, or int8 / fp8 with scale [E, N]) -> dtype."""
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                       zero: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    """One expert's w [N, K] (16-bit, or int8 / fp8 with scale [N]; or int4 packed [N, K/2]
+    with scale and zero [N, groups]) -> dtype [N, K]."""
+    if zero is not None:
+        return dequantize_int4_groupwise(unpack_int4_rows(w), scale, zero, dtype, group_size)
     if scale is None:
         return w.to(dtype)
     return (w.float() * scale.float()[..., None]).to(dtype)
@@ -36,7 +56,8 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, int4: Int4Experts | None = None
+              ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]:
     one loop over the experts that received tokens, torch matmuls in x's dtype, the weighted
     sum in float32. Returns [T, H] in x's dtype."""
@@ -48,13 +69,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             continue  # an expert this rank does not hold
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tokens = pairs // top_k
-        gate_up = F.linear(x[tokens], dequantize_experts(w13[e], _row(w13_scale, e), x.dtype))
+        gate_up = F.linear(x[tokens], dequantize_experts(w13[e], _row(w13_scale, e), x.dtype,
+                                                         *_int4_args(int4, "w13_zero", e)))
         gate, up = gate_up.chunk(2, dim=-1)
         act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-        down = F.linear(act, dequantize_experts(w2[e], _row(w2_scale, e), x.dtype))
+        down = F.linear(act, dequantize_experts(w2[e], _row(w2_scale, e), x.dtype,
+                                                *_int4_args(int4, "w2_zero", e)))
         weight = topk_weights.reshape(-1)[pairs].float()
         out.index_add_(0, tokens, down.float() * weight[:, None])
     return out.to(x.dtype)
+
+
+def _int4_args(int4: Int4Experts | None, zero: str, e: int) -> tuple:
+    return () if int4 is None else (getattr(int4, zero)[e], int4.group_size)
 
 
 def _row(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:

@@ -2,8 +2,10 @@
 
 CPU: Triton's interpreter, float32 activations (bf16 tl.dot is wrong in the interpreter), tiny
 shapes; both paths (grouped GEMM, decode GEMVs) on several expert counts, top-k values and
-token counts that leave experts empty, with 16-bit, int8 and fp8 experts, and with slots
-routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape.
+token counts that leave experts empty, with 16-bit, int8, fp8 and int4 experts (groups of
+32 / 64 / 20 along K, short last groups), and with slots
+routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape
+(16-bit, fp8 and int4 experts).
 """
 from __future__ import annotations
 
@@ -113,4 +115,52 @@ def test_fused_moe_gpu_qwen3_moe_layer(num_tokens, fmt):
                          if fmt is None else w2, weights, ids, s13, s2)
     for decode in (False, True):
         got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode)
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
+    """Random experts quantized to int4 (round to nearest, groups of `group` along K)."""
+    from slipstream.quantization.utils import pack_int4_rows, quantize_int4_groupwise
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        w = torch.randn(num_experts * rows, cols, generator=g, device=device) * 0.2
+        q, scale, zero = quantize_int4_groupwise(w, group)
+        out.append((pack_int4_rows(q).view(num_experts, rows, cols // 2),
+                    scale.half().view(num_experts, rows, -1), zero.view(num_experts, rows, -1)))
+    (w13, s13, z13), (w2, s2, z2) = out
+    return w13, w2, s13, s2, ref.Int4Experts(z13, z2, group)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,group", [
+    (4, 1, 3, 32),  # K = 64 / 48: whole groups, and a short last group for the down weight
+    (8, 2, 5, 64),  # one group of 64 (gate/up), one short group of 48 (down)
+    (6, 3, 2, 20),  # groups that straddle the K tiles, short last groups
+])
+@pytest.mark.parametrize("decode", [False, True])
+def test_int4_experts_match_reference(num_experts, top_k, num_tokens, group, decode):
+    hidden, inter = 64, 48
+    w13, w2, s13, s2, int4 = _int4_experts(num_experts, hidden, inter, group)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    weights, ids = _routing(num_tokens, num_experts, top_k)
+    assert len(set(ids.flatten().tolist())) < num_experts  # some experts are left empty
+    want = ref.fused_moe(x, w13, w2, weights, ids, s13, s2, int4)
+    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode,
+                       gemm=fm.GemmConfig(16, 32, 16, 4, 1), gemv=fm.GemvConfig(32, 16, 4))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_int4_experts_gpu_qwen3_moe_layer(num_tokens):
+    """bf16 activations, int4 experts in groups of 128 on a Qwen3-30B-A3B layer: both paths
+    against the reference in float32 on the same dequantized weights."""
+    w13, w2, s13, s2, int4 = _int4_experts(128, 2048, 768, 128, device="cuda")
+    x = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
+    weights, ids = fm.route_topk(torch.randn(num_tokens, 128, device="cuda"), 8, True)
+    want = ref.fused_moe(x.float(), w13, w2, weights, ids, s13, s2, int4)
+    for decode in (False, True):
+        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode)
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
