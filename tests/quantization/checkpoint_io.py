@@ -2,6 +2,7 @@
 of the checkpoint formats (compressed-tensors, FP8 variants)."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -75,3 +76,13 @@ def compressed_tensors_config(weights: dict, activations: dict | None, ignore: l
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ["lm_head"] if ignore is None else ignore,
             "kv_cache_scheme": None, "version": "0.10.2", **extra}
+
+
+def run_quantize_cli(argv: list[str]) -> int:
+    """`slipstream quantize ARGV` in this process; its exit code."""
+    from slipstream.quantization.cli import add_quantize_parser
+
+    parser = argparse.ArgumentParser()
+    add_quantize_parser(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(argv)
+    return ns.func(ns)

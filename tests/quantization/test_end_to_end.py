@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from slipstream import LLM, SamplingParams
-from slipstream.quantization.cli import add_quantize_parser
 from slipstream.quantization.utils import detect_quant_method
 from tests.helpers import skip_without_fp8
+from tests.quantization.checkpoint_io import run_quantize_cli
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SCORE = SamplingParams(max_tokens=1, prompt_logprobs=1)
@@ -79,19 +79,12 @@ def test_quantized_llm_close_to_unquantized(tiny, prompts, reference, method, mi
     assert dlogp <= max_dlogp, f"{method}: mean |logprob difference| {dlogp:.3f}"
 
 
-def _run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_quantize_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(argv)
-    return ns.func(ns)
-
-
 @pytest.mark.parametrize("method", ["int8_wo", "fp8"])
 def test_quantize_cli_output_reloads(tiny, prompts, tmp_path, method, monkeypatch) -> None:
     from slipstream.models import norm_fold
 
     out = tmp_path / method
-    assert _run_cli(["quantize", "--model", str(tiny), "--method", method,
+    assert run_quantize_cli(["quantize", "--model", str(tiny), "--method", method,
                      "--output", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert detect_quant_method(config) == method
@@ -113,7 +106,7 @@ def test_quantize_cli_output_reloads(tiny, prompts, tmp_path, method, monkeypatc
 def test_quantize_cli_rejects_kv_cache_dtype(tiny, tmp_path) -> None:
     # fp8 / int8 KV quantization is covered by tests/quantization/test_kv_cache.py.
     with pytest.raises(SystemExit):
-        _run_cli(["quantize", "--model", str(tiny), "--method", "int8_wo",
+        run_quantize_cli(["quantize", "--model", str(tiny), "--method", "int8_wo",
                   "--output", str(tmp_path / "x"), "--kv-cache-dtype", "int4"])
 
 
@@ -125,7 +118,7 @@ def test_quantize_int4_awq_reloads_and_is_not_worse_than_rtn(tiny, prompts, refe
         out = tmp_path / flag
         argv = ["quantize", "--model", str(tiny), "--method", "int4_awq", "--output", str(out),
                 "--num-calib-samples", "4"]
-        assert _run_cli(argv + ["--no-gptq"] + ([flag] if flag == "--no-awq" else [])) == 0
+        assert run_quantize_cli(argv + ["--no-gptq"] + ([flag] if flag == "--no-awq" else [])) == 0
         config = json.loads((out / "config.json").read_text())
         assert config["quantization_config"]["quant_method"] == "awq"
         lps = _score(_llm(out, detect_quant_method(config)), prompts, base)[1]

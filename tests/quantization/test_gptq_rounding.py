@@ -6,7 +6,6 @@ generate exactly what their dequantized integers compute.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -17,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from slipstream import LLM, SamplingParams
 from slipstream.quantization import checkpoint
 from slipstream.quantization import utils as qu
-from slipstream.quantization.cli import add_quantize_parser
 from slipstream.quantization.gptq import GptqOptions, gptq_quantize, sink_weighted_gram
 from tests.helpers import greedy_ids, load_hf_model
+from tests.quantization.checkpoint_io import run_quantize_cli
 
 PROMPTS = [[5, 17, 99, 300, 41], [7, 8, 9, 10, 11, 12, 13]]
 MAX_NEW = 8
@@ -83,13 +82,6 @@ def test_gptq_needs_a_hessian_of_the_weights_inputs() -> None:
         gptq_quantize(torch.randn(8, 64), torch.eye(32), 32)
 
 
-def _run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_quantize_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(argv)
-    return ns.func(ns)
-
-
 def _dequantized_twin(ckpt: Path, dst: Path, group: int) -> Path:
     """The float checkpoint of an AutoAWQ-layout checkpoint's dequantized integers."""
     tensors = load_file(str(ckpt / "model.safetensors"))
@@ -127,7 +119,7 @@ def test_quantize_gptq_writes_a_checkpoint_that_reloads(short_group_model, tmp_p
     out = tmp_path / "ckpt"
     argv = ["quantize", "--model", str(short_group_model), "--method", "int4_awq", "--output", str(out)]
     argv += ["--group-size", str(group), "--gptq", "--num-calib-samples", "4", "--max-calib-len", "64"]
-    assert _run_cli(argv + (["--awq"] if awq else [])) == 0
+    assert run_quantize_cli(argv + (["--awq"] if awq else [])) == 0
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["group_size"] == group and qc["calibration"] == {"awq_scales": awq, "gptq": True}
     llm = LLM(str(out), kv_cache_memory=16 << 20)

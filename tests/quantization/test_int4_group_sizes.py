@@ -6,7 +6,6 @@ output equal to Hugging Face transformers on the dequantized twin; `slipstream q
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -18,9 +17,9 @@ from slipstream import LLM, SamplingParams
 from slipstream.models import norm_fold
 from slipstream.quantization import int4_awq
 from slipstream.quantization import utils as qu
-from slipstream.quantization.cli import add_quantize_parser
 from slipstream.quantization.utils import detect_quant_method
 from tests.helpers import greedy_ids, load_hf_model
+from tests.quantization.checkpoint_io import run_quantize_cli
 
 PROMPTS = [[5, 17, 99, 300, 41], [7, 8, 9, 10, 11, 12, 13]]
 MAX_NEW = 10
@@ -83,13 +82,6 @@ def test_int4_any_group_equals_the_dequantized_twin(odd_model, tmp_path, monkeyp
     assert got == greedy_ids(twin, PROMPTS, MAX_NEW)
 
 
-def _run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_quantize_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(argv)
-    return ns.func(ns)
-
-
 def _awq_twin(ckpt: Path, dst: Path, group: int) -> Path:
     """The float twin of an AutoAWQ checkpoint: each projection's integers dequantized (group 0:
     per channel)."""
@@ -119,7 +111,7 @@ def test_quantize_group_size_64_writes_and_reloads(awq_model, tmp_path) -> None:
     model's greedy output equal to transformers on the checkpoint's dequantized integers."""
     out = tmp_path / "g64"
     assert (
-        _run_cli(
+        run_quantize_cli(
             [
                 "quantize",
                 "--model",
@@ -229,7 +221,7 @@ def test_quantize_per_channel_writes_and_reloads(awq_model, tmp_path) -> None:
     """--group-size -1: one scale and zero per output row, written as GPTQ's -1."""
     out = tmp_path / "per-channel"
     assert (
-        _run_cli(
+        run_quantize_cli(
             [
                 "quantize",
                 "--model",

@@ -4,7 +4,6 @@ checkpoint; the result runs as the GGUF quantized at load does."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -14,9 +13,9 @@ from safetensors.torch import load_file
 from slipstream import LLM, SamplingParams
 from slipstream.models import norm_fold
 from slipstream.models.gguf_convert import write_hf_checkpoint
-from slipstream.quantization.cli import add_quantize_parser
 from slipstream.tokenizer.tokenizer import load_tokenizer
 from tests.models.tiny_gguf import write_tiny_gguf
+from tests.quantization.checkpoint_io import run_quantize_cli
 from tests.tokenizer.tiny_tokenizer import CHAT_TEMPLATE
 
 pytest.importorskip("gguf")
@@ -29,13 +28,6 @@ def _greedy(llm) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _run_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_quantize_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(argv)
-    return ns.func(ns)
 
 
 def test_an_f32_gguf_becomes_its_source_checkpoint(tmp_path):
@@ -57,7 +49,8 @@ def test_an_f32_gguf_becomes_its_source_checkpoint(tmp_path):
 def test_quantize_cli_takes_a_gguf_file(tmp_path):
     gguf_path = write_tiny_gguf(tmp_path, "Q8_0")
     out = tmp_path / "int8"
-    assert _run_cli(["quantize", "--model", str(gguf_path), "--method", "int8_wo", "--output", str(out)]) == 0
+    argv = ["quantize", "--model", str(gguf_path), "--method", "int8_wo", "--output", str(out)]
+    assert run_quantize_cli(argv) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "int8_wo"
     assert [p.name for p in tmp_path.iterdir() if "gguf-" in p.name] == []  # no leftovers
