@@ -19,7 +19,7 @@ from slipstream.quantization.base import UnquantizedLinearMethod
 from slipstream.quantization.calibration import calibration_prompts
 from slipstream.quantization.fp8 import Fp8LinearMethod
 from tests.helpers import greedy_ids, load_hf_model, skip_without_fp8
-from tests.quantization.test_end_to_end import _run_cli
+from tests.quantization.checkpoint_io import run_quantize_cli
 
 CALIB = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog.",
          "for i in range(10):\n    print(i * i)\n", "A licence grants rights to use the work."]
@@ -62,7 +62,7 @@ def calib_file(tmp_path_factory) -> Path:
 
 
 def _quantize(tiny: Path, calib: Path, out: Path, keep: int) -> dict:
-    assert _run_cli(["quantize", "--model", str(tiny), "--method", "fp8", "--output", str(out),
+    assert run_quantize_cli(["quantize", "--model", str(tiny), "--method", "fp8", "--output", str(out),
                      "--keep-float", str(keep), "--calib-data", str(calib),
                      "--max-calib-len", "32"]) == 0
     return json.loads((out / "config.json").read_text())["quantization_config"]
@@ -136,7 +136,7 @@ def test_module_names_and_bad_counts(tiny, tmp_path) -> None:
     with pytest.raises(ValueError, match="keep_float"):
         fc.most_sensitive({"a": 1.0}, -1)
     with pytest.raises(SystemExit):
-        _run_cli(["quantize", "--model", str(tiny), "--method", "int8_wo", "--output",
+        run_quantize_cli(["quantize", "--model", str(tiny), "--method", "int8_wo", "--output",
                   str(tmp_path / "x"), "--keep-float", "2"])
 
 
@@ -155,7 +155,7 @@ def test_quantize_reads_a_gguf_file(tmp_path) -> None:
     prompts = [[5, 17, 300, 42], list(range(3, 40))]  # inside the tiny tokenizer's 420 ids
     gguf = write_tiny_gguf(tmp_path, "F32", tie_word_embeddings=True)
     out = tmp_path / "from-gguf"
-    assert _run_cli(["quantize", "--model", str(gguf), "--method", "fp8", "--output", str(out),
+    assert run_quantize_cli(["quantize", "--model", str(gguf), "--method", "fp8", "--output", str(out),
                      "--keep-float", str(4 * LAYERS), "--num-calib-samples", "2",
                      "--max-calib-len", "16"]) == 0
     config = json.loads((out / "config.json").read_text())

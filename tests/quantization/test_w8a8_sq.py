@@ -19,7 +19,8 @@ from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.calibration import collect_linear_stats, stdlib_calib_texts
 from slipstream.quantization.utils import detect_quant_method
 from tests.helpers import make_tiny_checkpoint, rel_err
-from tests.quantization.test_end_to_end import _greedy, _run_cli, _score
+from tests.quantization.checkpoint_io import run_quantize_cli
+from tests.quantization.test_end_to_end import _greedy, _score
 
 PROMPT_LP = SamplingParams(max_tokens=1, prompt_logprobs=0)
 
@@ -148,7 +149,7 @@ def test_load_time_w8a8_close_to_unquantized(tiny, prompts, reference, caplog) -
 
 def test_quantize_cli_smoothquant_round_trip(tiny, prompts, reference, tmp_path) -> None:
     out = tmp_path / "sq"
-    assert _run_cli(["quantize", "--model", str(tiny), "--method", "w8a8_sq", "--output",
+    assert run_quantize_cli(["quantize", "--model", str(tiny), "--method", "w8a8_sq", "--output",
                      str(out), "--alpha", "0.6", "--num-calib-samples", "4"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "w8a8_sq"
