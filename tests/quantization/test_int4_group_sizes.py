@@ -40,6 +40,13 @@ def awq_model(tiny_checkpoint) -> Path:
     return tiny_checkpoint("LlamaForCausalLM", hidden_size=160, intermediate_size=288, head_dim=40, seed=4)
 
 
+def _quantize_int4(model: Path, out: Path, group: str, *extra: str) -> dict:
+    """`slipstream quantize --method int4_awq --group-size GROUP EXTRA...`; the written config."""
+    args = ["quantize", "--model", str(model), "--method", "int4_awq", "--output", str(out)]
+    assert run_quantize_cli([*args, "--group-size", group, *extra]) == 0
+    return json.loads((out / "config.json").read_text())
+
+
 def _twin(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
     """A float checkpoint: src's files with `tensors` replaced."""
     dst.mkdir()
@@ -110,27 +117,7 @@ def test_quantize_group_size_64_writes_and_reloads(awq_model, tmp_path) -> None:
     checkpoint's config, short last groups of 32 in the files (hidden 160), and the reloaded
     model's greedy output equal to transformers on the checkpoint's dequantized integers."""
     out = tmp_path / "g64"
-    assert (
-        run_quantize_cli(
-            [
-                "quantize",
-                "--model",
-                str(awq_model),
-                "--method",
-                "int4_awq",
-                "--output",
-                str(out),
-                "--group-size",
-                "64",
-                "--num-calib-samples",
-                "4",
-                "--max-calib-len",
-                "64",
-            ]
-        )
-        == 0
-    )
-    config = json.loads((out / "config.json").read_text())
+    config = _quantize_int4(awq_model, out, "64", "--num-calib-samples", "4", "--max-calib-len", "64")
     assert config["quantization_config"]["group_size"] == 64
     scales = load_file(str(out / "model.safetensors"))["model.layers.0.mlp.gate_proj.scales"]
     assert scales.shape == (3, 288)  # ceil(160 / 64) groups
@@ -220,24 +207,7 @@ def test_prequantized_short_groups_load(awq_model, tmp_path, monkeypatch, layout
 def test_quantize_per_channel_writes_and_reloads(awq_model, tmp_path) -> None:
     """--group-size -1: one scale and zero per output row, written as GPTQ's -1."""
     out = tmp_path / "per-channel"
-    assert (
-        run_quantize_cli(
-            [
-                "quantize",
-                "--model",
-                str(awq_model),
-                "--method",
-                "int4_awq",
-                "--output",
-                str(out),
-                "--group-size",
-                "-1",
-                "--no-awq",
-            ]
-        )
-        == 0
-    )
-    config = json.loads((out / "config.json").read_text())
+    config = _quantize_int4(awq_model, out, "-1", "--no-awq")
     assert config["quantization_config"]["group_size"] == -1
     got, llm = _slipstream_greedy(out, detect_quant_method(config))
     down = llm.engine.runner.model.model.layers[0].mlp.down_proj
