@@ -12,9 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slipstream.kernels.gemv.dense import counters
 from slipstream.kernels.moe import fused_moe as fm
 from slipstream.kernels.moe import reference as ref
 from slipstream.quantization.utils import quantize_fp8_per_channel, quantize_int8_per_channel
+
+# The grouped GEMM, and the decode path in each of its launch variants.
+PATHS = ["grouped", *fm.DECODE_VARIANTS]
+
+
+def _path(path: str) -> dict:
+    """fused_moe's keywords that force one path."""
+    if path == "grouped":
+        return {"decode": False}
+    return {"decode": True, "variant": path}
 
 
 def _experts(num_experts, hidden, inter, fmt=None, device="cpu", dtype=torch.float32, seed=0):
@@ -43,31 +54,48 @@ def _routing(num_tokens, num_experts, top_k, seed=1, device="cpu"):
     (6, 3, 2, "fp8"),
     (16, 4, 1, None),  # one decode token: 12 of 16 experts empty
 ])
-@pytest.mark.parametrize("decode", [False, True])
-def test_fused_moe_matches_reference(num_experts, top_k, num_tokens, fmt, decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_moe_matches_reference(num_experts, top_k, num_tokens, fmt, path):
     hidden, inter = 32, 48  # inter: not a multiple of the 32-column tiles below (masked)
     w13, w2, s13, s2 = _experts(num_experts, hidden, inter, fmt)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, num_experts, top_k)
     assert len(set(ids.flatten().tolist())) < num_experts  # some experts are left empty
     want = ref.fused_moe(x, w13, w2, weights, ids, s13, s2)
-    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, **_path(path),
                        gemm=fm.GemmConfig(16, 32, 16, 4, 1), gemv=fm.GemvConfig(32, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_slots_of_experts_held_elsewhere_add_nothing(decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_slots_of_experts_held_elsewhere_add_nothing(path):
     w13, w2, _, _ = _experts(4, 32, 16)
     x = torch.randn(3, 32)
     weights, ids = _routing(3, 4, 2)
     ids[0, 1] = -1
     ids[2] = -1  # a token with no local expert at all: zeros
     want = ref.fused_moe(x, w13, w2, weights, ids)
-    got = fm.fused_moe(x, w13, w2, weights, ids, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, **_path(path),
                        gemm=fm.GemmConfig(16, 16, 16, 4, 1), gemv=fm.GemvConfig(16, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert torch.count_nonzero(got[2]) == 0
+
+
+def test_fused_sum_gives_the_split_sum_bit_for_bit_and_leaves_counters_at_zero():
+    """The down kernel's last arriver sums a token's k partial rows in slot order, as the
+    separate sum kernel does: the same bits (deterministic), and the arrival counters it
+    shares with the dense GEMVs are back at zero for the next call."""
+    w13, w2, _, _ = _experts(8, 32, 48)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    weights, ids = _routing(3, 8, 4)
+    ids[1, 2] = -1
+    cfg = fm.GemvConfig(16, 16, 4)  # 2 column tiles per token
+    split = fm.fused_moe(x, w13, w2, weights, ids, decode=True, gemv=cfg, variant="split")
+    fused = fm.fused_moe(x, w13, w2, weights, ids, decode=True, gemv=cfg, variant="fused-sum")
+    assert torch.equal(fused, split)
+    assert torch.count_nonzero(counters(x.device, 6)) == 0
+    with pytest.raises(ValueError, match="decode variant"):
+        fm.fused_moe(x, w13, w2, weights, ids, variant="atomic")
 
 
 @pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (6, 3, False),
@@ -113,9 +141,11 @@ def test_fused_moe_gpu_qwen3_moe_layer(num_tokens, fmt):
     torch.testing.assert_close(weights, want_w)
     want = ref.fused_moe(x.float(), w13.float() if fmt is None else w13, w2.float()
                          if fmt is None else w2, weights, ids, s13, s2)
-    for decode in (False, True):
-        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode)
-        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    got = {path: fm.fused_moe(x, w13, w2, weights, ids, s13, s2, **_path(path))
+           for path in PATHS}
+    for out in got.values():
+        assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(got["fused-sum"], got["split"])  # the same sum order on the GPU too
 
 
 def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
@@ -139,15 +169,15 @@ def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
     (8, 2, 5, 64),  # one group of 64 (gate/up), one short group of 48 (down)
     (6, 3, 2, 20),  # groups that straddle the K tiles, short last groups
 ])
-@pytest.mark.parametrize("decode", [False, True])
-def test_int4_experts_match_reference(num_experts, top_k, num_tokens, group, decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_int4_experts_match_reference(num_experts, top_k, num_tokens, group, path):
     hidden, inter = 64, 48
     w13, w2, s13, s2, int4 = _int4_experts(num_experts, hidden, inter, group)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, num_experts, top_k)
     assert len(set(ids.flatten().tolist())) < num_experts  # some experts are left empty
     want = ref.fused_moe(x, w13, w2, weights, ids, s13, s2, int4)
-    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, **_path(path),
                        gemm=fm.GemmConfig(16, 32, 16, 4, 1), gemv=fm.GemvConfig(32, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -161,6 +191,6 @@ def test_int4_experts_gpu_qwen3_moe_layer(num_tokens):
     x = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
     weights, ids = fm.route_topk(torch.randn(num_tokens, 128, device="cuda"), 8, True)
     want = ref.fused_moe(x.float(), w13, w2, weights, ids, s13, s2, int4)
-    for decode in (False, True):
-        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode)
+    for path in PATHS:
+        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, **_path(path))
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
