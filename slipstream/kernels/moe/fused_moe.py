@@ -7,8 +7,10 @@ Two paths, the same result:
   down projection times the routing weight; the k slots of a token are summed last. Blocks
   past the rows in use exit at once, so the grid size depends on the shapes only (CUDA graphs).
 - Decode (a few tokens): no sort at all. One program per (pair, column tile) reads the pair's
-  expert id and streams only that expert's rows of [gate | up]; the down kernel loops over a
-  token's k experts and sums them in registers. Only the selected experts' weights are read.
+  expert id and streams only that expert's rows of [gate | up], then one per (pair, tile) its
+  down rows; a token's k partial rows are summed in slot order, by a last kernel or (fused-sum,
+  DECODE_VARIANTS) by the last of the k down programs to finish a tile. Only the selected
+  experts' weights are read.
 
 Weights are 16-bit, or int8 / fp8 with a float32 scale per output row (weight-only: the tiles
 are converted to the activation dtype before the product, the scale applied after it), or int4
@@ -23,7 +25,22 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels.gemv.dense import counters, reduce_splits
 from slipstream.kernels.moe.reference import Int4Experts, align_by_expert
+from slipstream.kernels.runtime import pdl
+from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
+
+# The decode path's launches, one choice for A/B on a GPU (benchmarks/bench_moe.py prints
+# each variant side by side); the switch is DECODE_VARIANT, the default of fused_moe(variant=).
+#   split:     top-k, gate/up GEMV, down GEMV per (pair, tile), the in-order sum: 4 launches
+#   fused-sum: the down GEMV's last program per (token, tile) does the in-order sum: 3
+#   fused-route: fused-sum, and each gate/up program computes its pair's top-k choice from the
+#                router logits (moe_forward; fused_moe, given routed tokens, runs fused-sum): 2
+#   fused-route-pdl: fused-route launched with programmatic dependent launch under CUDA-graph
+#                capture (kernels/runtime/pdl.py): the down kernel starts while gate/up
+#                finishes and computes its own pair's choice from the logits meanwhile: 2
+DECODE_VARIANTS = ("split", "fused-sum", "fused-route", "fused-route-pdl")
+DECODE_VARIANT = "fused-route"
 
 
 @triton.jit
@@ -149,16 +166,79 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, zero_ptr, topk_w_ptr, sorte
 
 
 @triton.jit
+def _route_slot(logits_ptr, num_experts, slot, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                BLOCK_E: tl.constexpr, RANK_CHUNK: tl.constexpr):
+    """(expert, weight) of one token's slot-th choice, as _route_topk_kernel picks it (the same
+    probabilities, ties to the lowest id), found by rank instead of k rounds of argmax: the
+    expert with exactly `slot` others ahead of it. Every program of the token computes it."""
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    total = tl.sum(tl.where(valid, tl.exp(logits - top), 0.0), axis=0)
+    probs = tl.where(valid, tl.exp(logits - top) / total, -1.0)
+    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
+    # The others in chunks (reloaded, recomputed to the same bits): a [BLOCK_E, RANK_CHUNK]
+    # comparison at a time instead of BLOCK_E squared values in registers.
+    for c0 in tl.static_range(0, BLOCK_E, RANK_CHUNK):
+        other_id = c0 + tl.arange(0, RANK_CHUNK)
+        ok = other_id < num_experts
+        other = tl.load(logits_ptr + other_id, mask=ok, other=float("-inf")).to(tl.float32)
+        other = tl.where(ok, tl.exp(other - top) / total, -1.0)[None, :]
+        ahead = (other > probs[:, None]) | ((other == probs[:, None])
+                                            & (other_id[None, :] < offs[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    chosen = rank == slot
+    expert = tl.min(tl.where(chosen, offs, BLOCK_E), axis=0)
+    weight = tl.sum(tl.where(chosen, probs, 0.0), axis=0)
+    if RENORMALIZE:
+        weight = weight / tl.sum(tl.where(rank < TOP_K, probs, 0.0), axis=0)
+    return expert, weight
+
+
+@triton.jit
+def _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                  RANK_CHUNK: tl.constexpr):
+    """(this rank's expert id, -1 if held elsewhere; weight) of a (token, slot) pair."""
+    token = (pair // TOP_K).to(tl.int64)
+    expert, weight = _route_slot(logits_ptr + token * stride_l, num_experts, pair % TOP_K,
+                                 TOP_K, RENORMALIZE, BLOCK_E, RANK_CHUNK)
+    if HAS_MAP:
+        expert = tl.load(map_ptr + expert)
+    return expert, weight
+
+
+@triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr, N, K,
                              stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn,
+                             logits_ptr, map_ptr, topk_w_ptr, num_experts, stride_l,
                              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, INT4: tl.constexpr,
-                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[pair, n] = silu(gate_e(x_t)) * up_e(x_t) on one column tile, e = ids[pair]."""
+                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
+                             HAS_MAP: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
+                             RANK_CHUNK: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+    """act[pair, n] = silu(gate_e(x_t)) * up_e(x_t) on one column tile, e = ids[pair].
+    ROUTE (fused-route): e and the pair's weight come from the token's router logits
+    (_route_slot; HAS_MAP: global id -> this rank's, -1 elsewhere), and the column tile 0
+    program writes them to ids / topk_w for the down kernel: the top-k needs no launch.
+    USE_PDL: the down kernel may launch once every program here is past its wait (not
+    before), so that it finds the router's logits complete."""
+    pdl_wait(USE_PDL)
+    pdl_release(USE_PDL)
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // TOP_K).to(tl.int64)
+    if ROUTE:
+        expert, weight = _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K,
+                                       RENORMALIZE, HAS_MAP, BLOCK_E, RANK_CHUNK)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, expert.to(tl.int32))
+            tl.store(topk_w_ptr + pair, weight)
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
         return
-    token = (pair // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -202,28 +282,64 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr
 
 
 @triton.jit
-def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_ptr, part_ptr, N,
-                          K, stride_am, stride_we, stride_wn, stride_pm, stride_se, stride_sn,
-                          HAS_SCALE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_ptr, part_ptr,
+                          out_ptr, cnt_ptr, N, K, stride_am, stride_we, stride_wn, stride_pm,
+                          stride_om, stride_se, stride_sn, logits_ptr, map_ptr, num_experts,
+                          stride_l, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                          INT4: tl.constexpr, GROUP: tl.constexpr, FUSED_SUM: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
+                          HAS_MAP: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
+                          RANK_CHUNK: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
     """part[pair, n] = weight[pair] * down_e(act[pair]) (float32) on one column tile: one
-    program per (pair, tile), so a token's experts stream their weights side by side."""
+    program per (pair, tile), so a token's experts stream their weights side by side.
+    FUSED_SUM: the last of a token's k programs on a tile to arrive on its counter (cnt_ptr,
+    [tokens, tiles], left at zero) also sums the k partial rows in slot order, the order of
+    _sum_experts_kernel (the same bits, run to run), and writes out[token] in out's dtype.
+    ROUTE (fused-route-pdl): the pair's expert and weight are recomputed from the logits, not
+    read from the gate/up kernel, so that under PDL this runs while gate/up finishes."""
     pair = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    part_ptrs = part_ptr + pair.to(tl.int64) * stride_pm + offs_n
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if expert < 0:  # a slot held elsewhere (expert parallelism) adds nothing
-        tl.store(part_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=n_ok)
-        return
+    if ROUTE:  # gate/up let this kernel launch only past its own wait: the logits are done
+        expert, weight = _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K,
+                                       RENORMALIZE, HAS_MAP, BLOCK_E, RANK_CHUNK)
+        pdl_wait(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)
+        expert = tl.load(ids_ptr + pair)
+        weight = tl.load(topk_w_ptr + pair)
+    pdl_release(USE_PDL)
+    expert = expert.to(tl.int64)
+    part = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if expert >= 0:  # a slot held elsewhere (expert parallelism) adds nothing
+        part = weight * _down_rows(
+            act_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we,
+            scale_ptr + expert * stride_se, zero_ptr + expert * stride_se, offs_n, n_ok, K,
+            stride_wn, stride_sn, HAS_SCALE, INT4, GROUP, BLOCK_N, BLOCK_K)
+    if FUSED_SUM:
+        token = pair // TOP_K
+        rows = part_ptr + (token * TOP_K).to(tl.int64) * stride_pm + offs_n
+        total, done = reduce_splits(part, rows, n_ok, stride_pm,
+                                    cnt_ptr + token * tl.num_programs(1) + pid_n, pair % TOP_K,
+                                    TOP_K, True)
+        if done:
+            tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
+                     total.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(part_ptr + pair.to(tl.int64) * stride_pm + offs_n, part, mask=n_ok)
+
+
+@triton.jit
+def _down_rows(a_ptr, w_base, s_base, z_base, offs_n, n_ok, K, stride_wn, stride_sn,
+               HAS_SCALE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """down_e(act) on rows offs_n of one expert's weight (w_base), float32 [BLOCK_N]."""
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn \
-        + offs_k[None, :]
-    a_ptrs = act_ptr + pair.to(tl.int64) * stride_am + offs_k
-    w_base = w_ptr + expert * stride_we
-    s_base = scale_ptr + expert * stride_se
-    z_base = zero_ptr + expert * stride_se
     n_row = offs_n[:, None].to(tl.int64)
+    w_ptrs = w_base + n_row * stride_wn + offs_k[None, :]
+    a_ptrs = a_ptr + offs_k
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
@@ -231,7 +347,7 @@ def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_p
         mask = n_ok[:, None] & k_ok[None, :]
         if INT4:
             w = _int4_tile(w_base, s_base, z_base, n_row, (k0 + offs_k)[None, :], mask,
-                           stride_wn, stride_sn, GROUP).to(act_ptr.dtype.element_ty)
+                           stride_wn, stride_sn, GROUP).to(a_ptr.dtype.element_ty)
         else:
             w = tl.load(w_ptrs, mask=mask, other=0.0)
         acc += w.to(tl.float32) * a
@@ -239,8 +355,8 @@ def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_p
         a_ptrs += BLOCK_K
     part = tl.sum(acc, axis=1)
     if HAS_SCALE:
-        part *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
-    tl.store(part_ptrs, tl.load(topk_w_ptr + pair) * part, mask=n_ok)
+        part *= tl.load(s_base + offs_n, mask=n_ok, other=0.0)
+    return part
 
 
 @triton.jit
@@ -313,8 +429,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, int4: Int4Experts | None = None, *,
               decode: bool | None = None, gemm: GemmConfig | None = None,
-              gemv: GemvConfig | None = None) -> torch.Tensor:
-    """reference.fused_moe with the Triton kernels. decode: force one path (None: by size)."""
+              gemv: GemvConfig | None = None, variant: str | None = None) -> torch.Tensor:
+    """reference.fused_moe with the Triton kernels. decode: force one path (None: by size);
+    variant: the decode path's launches (DECODE_VARIANTS; None: DECODE_VARIANT)."""
+    variant = _check_variant(variant)
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, int4)
@@ -325,11 +443,55 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_ids = topk_ids.to(torch.int32).contiguous()
     if decode is None:
         decode = use_decode_path(num_tokens, top_k, num_experts)
-    weights = (_Weights(w13, w13_scale, int4 and int4.w13_zero, int4),
-               _Weights(w2, w2_scale, int4 and int4.w2_zero, int4))
+    weights = _weights(w13, w2, w13_scale, w2_scale, int4)
     if decode:
-        return _decode(x, *weights, topk_weights, topk_ids, gemv)
+        return _decode(x, *weights, topk_weights, topk_ids, gemv, variant)
     return _grouped(x, *weights, topk_weights, topk_ids, gemm)
+
+
+def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None, int4: Int4Experts | None = None, *,
+                expert_map: torch.Tensor | None = None, decode: bool | None = None,
+                gemm: GemmConfig | None = None, gemv: GemvConfig | None = None,
+                variant: str | None = None) -> torch.Tensor:
+    """The routed experts from the router logits [T, E]: route_topk, the global ids mapped to
+    this rank's by expert_map ([E] int32, -1 for experts held elsewhere; None: all here), then
+    fused_moe. The fused-route decode variant routes inside the gate/up kernel instead."""
+    variant = _check_variant(variant)
+    num_tokens, num_experts = router_logits.shape
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds the {num_experts} experts")
+    if expert_map is not None and tuple(expert_map.shape) != (num_experts,):
+        raise ValueError(f"expert_map has shape {tuple(expert_map.shape)}, the router "
+                         f"{num_experts} experts")
+    if decode is None:
+        decode = use_decode_path(num_tokens, top_k, w13.shape[0])
+    if not (decode and variant.startswith("fused-route") and num_tokens):
+        weights, ids = route_topk(router_logits, top_k, renormalize)
+        if expert_map is not None:
+            ids = expert_map[ids.long()]
+        return fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, int4, decode=decode,
+                         gemm=gemm, gemv=gemv, variant=variant)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    _check_shapes(x, w13, w2, weights, ids, w13_scale, w2_scale, int4)
+    route = _Route(router_logits.contiguous(), renormalize,
+                   None if expert_map is None else expert_map.to(torch.int32).contiguous())
+    return _decode(x.contiguous(), *_weights(w13, w2, w13_scale, w2_scale, int4), weights, ids,
+                   gemv, variant, route)
+
+
+def _weights(w13, w2, w13_scale, w2_scale, int4) -> tuple[_Weights, _Weights]:
+    return (_Weights(w13, w13_scale, int4 and int4.w13_zero, int4),
+            _Weights(w2, w2_scale, int4 and int4.w2_zero, int4))
+
+
+def _check_variant(variant: str | None) -> str:
+    variant = variant or DECODE_VARIANT
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"MoE decode variant must be one of {DECODE_VARIANTS}, got {variant!r}")
+    return variant
 
 
 def _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, int4) -> None:
@@ -380,28 +542,64 @@ class _Weights:
                     GROUP=self.int4.group_size if int4 else 1)
 
 
-def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg):
+@dataclass(frozen=True)
+class _Route:
+    """What the gate/up kernel needs to route (fused-route): the router logits [T, E], the
+    renormalisation rule and the global -> local expert map (None: this rank holds all)."""
+
+    logits: torch.Tensor
+    renormalize: bool
+    expert_map: torch.Tensor | None
+
+    def kernel_args(self, topk_weights: torch.Tensor) -> tuple[tuple, dict]:
+        """(logits, map, weights out, experts, logits row stride), and the constexprs."""
+        num_experts = self.logits.shape[1]
+        block_e = triton.next_power_of_2(num_experts)
+        expert_map = self.expert_map if self.expert_map is not None else self.logits
+        return ((self.logits, expert_map, topk_weights, num_experts, self.logits.stride(0)),
+                dict(ROUTE=True, RENORMALIZE=self.renormalize,
+                     HAS_MAP=self.expert_map is not None, BLOCK_E=block_e,
+                     RANK_CHUNK=min(block_e, 32)))
+
+
+def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant: str,
+            route: _Route | None = None):
+    """The decode GEMVs; route: topk_weights / topk_ids are outputs, filled by gate/up."""
     num_tokens, top_k = topk_ids.shape
     inter, hidden = w2.in_features, w2.w.shape[1]
     pairs = num_tokens * top_k
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     up_cfg = cfg or gemv_config(pairs, inter, w13.w)
     s13, z13, s13_e, s13_n = w13.kernel_args(topk_weights)
+    route_args, route_flags = route.kernel_args(topk_weights) if route is not None else (
+        (x, x, topk_weights, 0, 0), {})
+    # PDL only where the down kernel routes for itself (it has nothing else to do early).
+    pdl_on = variant == "fused-route-pdl" and route is not None
+    launch = pdl.launch_kwargs(x.device) if pdl_on else {}
     _moe_gate_up_gemv_kernel[(pairs, triton.cdiv(inter, up_cfg.block_n))](
         x, w13.w, s13, z13, topk_ids, act, inter, hidden, x.stride(0), w13.w.stride(0),
-        w13.w.stride(1), act.stride(0), s13_e, s13_n, TOP_K=top_k, **w13.flags(),
-        BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, num_warps=up_cfg.num_warps)
+        w13.w.stride(1), act.stride(0), s13_e, s13_n, *route_args, TOP_K=top_k,
+        **w13.flags(), **route_flags, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k,
+        num_warps=up_cfg.num_warps, **launch)
     down_cfg = cfg or gemv_config(pairs, hidden, w2.w)
+    tiles = triton.cdiv(hidden, down_cfg.block_n)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
-    s2, z2, s2_e, s2_n = w2.kernel_args(topk_weights)
-    _moe_down_gemv_kernel[(pairs, triton.cdiv(hidden, down_cfg.block_n))](
-        act, w2.w, s2, z2, topk_ids, topk_weights, part, hidden, inter, act.stride(0),
-        w2.w.stride(0), w2.w.stride(1), part.stride(0), s2_e, s2_n, **w2.flags(),
-        BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k, num_warps=down_cfg.num_warps)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _sum_experts_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_N))](
-        part, out, hidden, part.stride(0), out.stride(0), TOP_K=top_k, BLOCK_N=_SUM_BLOCK_N,
-        num_warps=4)
+    fused_sum = variant != "split"
+    # Without the fused sum the output stands in for the unused counters.
+    cnt = counters(x.device, num_tokens * tiles) if fused_sum else out
+    s2, z2, s2_e, s2_n = w2.kernel_args(topk_weights)
+    down_route = route_args[:2] + route_args[3:] if pdl_on else (x, x, 0, 0)
+    _moe_down_gemv_kernel[(pairs, tiles)](
+        act, w2.w, s2, z2, topk_ids, topk_weights, part, out, cnt, hidden, inter,
+        act.stride(0), w2.w.stride(0), w2.w.stride(1), part.stride(0), out.stride(0), s2_e,
+        s2_n, *down_route, TOP_K=top_k, **w2.flags(), **(route_flags if pdl_on else {}),
+        FUSED_SUM=fused_sum, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
+        num_warps=down_cfg.num_warps, **launch)
+    if not fused_sum:
+        _sum_experts_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_N))](
+            part, out, hidden, part.stride(0), out.stride(0), TOP_K=top_k,
+            BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out
 
 

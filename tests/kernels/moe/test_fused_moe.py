@@ -1,20 +1,33 @@
 """Triton MoE kernels (kernels/moe/fused_moe.py) against their twin (kernels/moe/reference.py).
 
 CPU: Triton's interpreter, float32 activations (bf16 tl.dot is wrong in the interpreter), tiny
-shapes; both paths (grouped GEMM, decode GEMVs) on several expert counts, top-k values and
-token counts that leave experts empty, with 16-bit, int8, fp8 and int4 experts (groups of
-32 / 64 / 20 along K, short last groups), and with slots
-routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape
-(16-bit, fp8 and int4 experts).
+shapes; both paths (grouped GEMM, decode GEMVs in each launch variant) on several expert
+counts, top-k values and token counts that leave experts empty, with 16-bit, int8, fp8 and int4
+experts (groups of 32 / 64 / 20 along K, short last groups), and with slots routed to experts
+held elsewhere (-1); the layer from router logits (moe_forward), routing inside the gate/up
+kernel or not. GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape (16-bit, fp8 and int4
+experts), and FusedMoE itself with each decode variant, whole and expert parallel.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from slipstream.kernels.gemv.dense import counters
 from slipstream.kernels.moe import fused_moe as fm
 from slipstream.kernels.moe import reference as ref
 from slipstream.quantization.utils import quantize_fp8_per_channel, quantize_int8_per_channel
+
+# The grouped GEMM, and the decode path's variants that differ for routed tokens (fused-route
+# routes inside the gate/up kernel: moe_forward's tests below).
+PATHS = ["grouped", "split", "fused-sum"]
+
+
+def _path(path: str) -> dict:
+    """fused_moe's keywords that force one path."""
+    if path == "grouped":
+        return {"decode": False}
+    return {"decode": True, "variant": path}
 
 
 def _experts(num_experts, hidden, inter, fmt=None, device="cpu", dtype=torch.float32, seed=0):
@@ -43,31 +56,48 @@ def _routing(num_tokens, num_experts, top_k, seed=1, device="cpu"):
     (6, 3, 2, "fp8"),
     (16, 4, 1, None),  # one decode token: 12 of 16 experts empty
 ])
-@pytest.mark.parametrize("decode", [False, True])
-def test_fused_moe_matches_reference(num_experts, top_k, num_tokens, fmt, decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_fused_moe_matches_reference(num_experts, top_k, num_tokens, fmt, path):
     hidden, inter = 32, 48  # inter: not a multiple of the 32-column tiles below (masked)
     w13, w2, s13, s2 = _experts(num_experts, hidden, inter, fmt)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, num_experts, top_k)
     assert len(set(ids.flatten().tolist())) < num_experts  # some experts are left empty
     want = ref.fused_moe(x, w13, w2, weights, ids, s13, s2)
-    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, **_path(path),
                        gemm=fm.GemmConfig(16, 32, 16, 4, 1), gemv=fm.GemvConfig(32, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_slots_of_experts_held_elsewhere_add_nothing(decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_slots_of_experts_held_elsewhere_add_nothing(path):
     w13, w2, _, _ = _experts(4, 32, 16)
     x = torch.randn(3, 32)
     weights, ids = _routing(3, 4, 2)
     ids[0, 1] = -1
     ids[2] = -1  # a token with no local expert at all: zeros
     want = ref.fused_moe(x, w13, w2, weights, ids)
-    got = fm.fused_moe(x, w13, w2, weights, ids, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, **_path(path),
                        gemm=fm.GemmConfig(16, 16, 16, 4, 1), gemv=fm.GemvConfig(16, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert torch.count_nonzero(got[2]) == 0
+
+
+def test_fused_sum_gives_the_split_sum_bit_for_bit_and_leaves_counters_at_zero():
+    """The down kernel's last arriver sums a token's k partial rows in slot order, as the
+    separate sum kernel does: the same bits (deterministic), and the arrival counters it
+    shares with the dense GEMVs are back at zero for the next call."""
+    w13, w2, _, _ = _experts(8, 32, 48)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    weights, ids = _routing(3, 8, 4)
+    ids[1, 2] = -1
+    cfg = fm.GemvConfig(16, 16, 4)  # 2 column tiles per token
+    split = fm.fused_moe(x, w13, w2, weights, ids, decode=True, gemv=cfg, variant="split")
+    fused = fm.fused_moe(x, w13, w2, weights, ids, decode=True, gemv=cfg, variant="fused-sum")
+    assert torch.equal(fused, split)
+    assert torch.count_nonzero(counters(x.device, 6)) == 0
+    with pytest.raises(ValueError, match="decode variant"):
+        fm.fused_moe(x, w13, w2, weights, ids, variant="atomic")
 
 
 @pytest.mark.parametrize("num_experts,top_k,renormalize", [(8, 2, True), (6, 3, False),
@@ -113,9 +143,11 @@ def test_fused_moe_gpu_qwen3_moe_layer(num_tokens, fmt):
     torch.testing.assert_close(weights, want_w)
     want = ref.fused_moe(x.float(), w13.float() if fmt is None else w13, w2.float()
                          if fmt is None else w2, weights, ids, s13, s2)
-    for decode in (False, True):
-        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, decode=decode)
-        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    got = {path: fm.fused_moe(x, w13, w2, weights, ids, s13, s2, **_path(path))
+           for path in PATHS}
+    for out in got.values():
+        assert ((out.float() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(got["fused-sum"], got["split"])  # the same sum order on the GPU too
 
 
 def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
@@ -139,15 +171,15 @@ def _int4_experts(num_experts, hidden, inter, group, device="cpu", seed=0):
     (8, 2, 5, 64),  # one group of 64 (gate/up), one short group of 48 (down)
     (6, 3, 2, 20),  # groups that straddle the K tiles, short last groups
 ])
-@pytest.mark.parametrize("decode", [False, True])
-def test_int4_experts_match_reference(num_experts, top_k, num_tokens, group, decode):
+@pytest.mark.parametrize("path", PATHS)
+def test_int4_experts_match_reference(num_experts, top_k, num_tokens, group, path):
     hidden, inter = 64, 48
     w13, w2, s13, s2, int4 = _int4_experts(num_experts, hidden, inter, group)
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
     weights, ids = _routing(num_tokens, num_experts, top_k)
     assert len(set(ids.flatten().tolist())) < num_experts  # some experts are left empty
     want = ref.fused_moe(x, w13, w2, weights, ids, s13, s2, int4)
-    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode,
+    got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, **_path(path),
                        gemm=fm.GemmConfig(16, 32, 16, 4, 1), gemv=fm.GemvConfig(32, 16, 4))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
@@ -161,6 +193,126 @@ def test_int4_experts_gpu_qwen3_moe_layer(num_tokens):
     x = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
     weights, ids = fm.route_topk(torch.randn(num_tokens, 128, device="cuda"), 8, True)
     want = ref.fused_moe(x.float(), w13, w2, weights, ids, s13, s2, int4)
-    for decode in (False, True):
-        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, decode=decode)
+    for path in PATHS:
+        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, **_path(path))
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def _forward_reference(x, logits, top_k, renormalize, w13, w2, s13=None, s2=None, int4=None,
+                       expert_map=None):
+    """moe_forward's twin: route, map to local ids, the per-expert loop."""
+    weights, ids = ref.route_topk(logits, top_k, renormalize)
+    if expert_map is not None:
+        ids = expert_map[ids.long()]
+    return ref.fused_moe(x, w13, w2, weights, ids, s13, s2, int4)
+
+
+@pytest.mark.usefixtures("poison_outputs")
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,fmt,renormalize", [
+    (16, 4, 2, None, True),
+    (40, 3, 3, "fp8", False),  # 40 experts: 64 lanes, two rank chunks, 24 masked
+    (6, 2, 1, "int4", True),
+])
+@pytest.mark.parametrize("variant", ["split", "fused-route", "fused-route-pdl"])
+def test_moe_forward_from_logits_matches_reference(num_experts, top_k, num_tokens, fmt,
+                                                   renormalize, variant):
+    """fused-route: each gate/up program picks its pair's expert and weight from the logits
+    (and writes them for the down kernel; -pdl: the down kernel picks them again itself); the
+    others route first. Same layer output."""
+    hidden, inter = 64, 48
+    if fmt == "int4":
+        w13, w2, s13, s2, int4 = _int4_experts(num_experts, hidden, inter, 32)
+    else:
+        (w13, w2, s13, s2), int4 = _experts(num_experts, hidden, inter, fmt), None
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(5))
+    want = _forward_reference(x, logits, top_k, renormalize, w13, w2, s13, s2, int4)
+    got = fm.moe_forward(x, logits, top_k, renormalize, w13, w2, s13, s2, int4, decode=True,
+                         gemv=fm.GemvConfig(32, 16, 4), variant=variant)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["split", "fused-route", "fused-route-pdl"])
+def test_moe_forward_expert_parallel_and_ties(variant):
+    """A rank holding experts 1, 3, 4, 6 of 8 (global -> local by expert_map, -1 elsewhere),
+    one token routed only elsewhere (zeros), and tied logits: the lowest ids win, as in
+    route_topk (so fused-route and split agree on tokens whose top k are tied)."""
+    local = [1, 3, 4, 6]
+    expert_map = torch.full((8,), -1, dtype=torch.int32)
+    expert_map[local] = torch.arange(4, dtype=torch.int32)
+    w13, w2, _, _ = _experts(4, 32, 16)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(6))
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+    logits[1] = torch.tensor([5.0, 0, 5.0, 0, 0, 0, 0, 0])  # top 2 held elsewhere
+    logits[2] = torch.tensor([0.0, 2, 0, 2, 2, 0, 2, 0])  # a 4-way tie: 1 and 3
+    got = fm.moe_forward(x, logits, 2, True, w13, w2, expert_map=expert_map, decode=True,
+                         gemv=fm.GemvConfig(8, 16, 4), variant=variant)
+    weights, ids = fm.route_topk(logits, 2, True)
+    assert ids[2].tolist() == [1, 3]
+    want = ref.fused_moe(x, w13, w2, weights, expert_map[ids.long()])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[2]) > 0
+    with pytest.raises(ValueError, match="expert_map"):
+        fm.moe_forward(x, logits, 2, True, w13, w2, expert_map=expert_map[:4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fused_moe_layer_gpu_variants(monkeypatch, expert_parallel):
+    """FusedMoE.forward on a Qwen3-30B-A3B layer (bf16) with each decode variant switched on
+    where the engine reads it (DECODE_VARIANT), whole or holding every other expert, against
+    the reference path in float32 at 1 and 8 tokens; the fused sum is exact against split."""
+    from slipstream.layers.moe import FusedMoE
+
+    w13, w2, _, _ = _experts(128, 2048, 768, device="cuda", dtype=torch.bfloat16)
+    local = list(range(0, 128, 2)) if expert_parallel else None
+    layer = FusedMoE(128, 8, 2048, 768, torch.bfloat16, renormalize=True, use_triton=True,
+                     local_experts=local).cuda()
+    keep = torch.tensor(layer.local_experts, device="cuda")
+    layer.w13_weight.data.copy_(w13[keep])
+    layer.w2_weight.data.copy_(w2[keep])
+    for num_tokens in (1, 8):
+        x = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(num_tokens, 128, device="cuda").to(torch.bfloat16)
+        # route_topk's choice (ties to the lowest id: bf16 logits tie often), the float32 loop
+        weights, ids = fm.route_topk(logits, 8, True)
+        want = ref.fused_moe(x.float(), layer.w13_weight.float(), layer.w2_weight.float(),
+                             weights, layer.expert_map[ids.long()])
+        got = {}
+        for variant in fm.DECODE_VARIANTS:
+            monkeypatch.setattr(fm, "DECODE_VARIANT", variant)
+            got[variant] = layer(x, logits)
+            err = ((got[variant].float() - want).norm() / want.norm()).item()
+            assert err < 1e-2, (variant, num_tokens, err)
+        assert torch.equal(got["fused-sum"], got["split"])
+
+
+@pytest.mark.gpu
+def test_fused_route_pdl_in_a_cuda_graph():
+    """fused-route-pdl launches with PDL only under CUDA-graph capture: the layer captured once
+    and replayed on new tokens gives what the split variant gives eagerly (the same choice,
+    the same ordered sum), 1 and 2 tokens, whole and expert parallel."""
+    w13, w2, _, _ = _experts(128, 2048, 768, device="cuda", dtype=torch.bfloat16)
+    ids = torch.arange(128, device="cuda", dtype=torch.int32)
+    every_other = torch.where(ids % 2 == 0, ids // 2, -1).to(torch.int32)  # 64 held here
+    for num_tokens, expert_map in ((1, None), (2, every_other)):
+        local_w13 = w13[:64] if expert_map is not None else w13
+        local_w2 = w2[:64] if expert_map is not None else w2
+        x = torch.zeros(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
+        logits = torch.zeros(num_tokens, 128, device="cuda", dtype=torch.bfloat16)
+
+        def layer(variant, x=x, logits=logits, w13=local_w13, w2=local_w2, m=expert_map):
+            return fm.moe_forward(x, logits, 8, True, w13, w2, expert_map=m, decode=True,
+                                  variant=variant)
+
+        layer("fused-route-pdl")  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer("fused-route-pdl")
+        for seed in range(4):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+            logits.copy_(torch.randn(logits.shape, device="cuda", generator=g))
+            graph.replay()
+            want = layer("split")
+            assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
