@@ -27,8 +27,6 @@ import triton.language as tl
 
 from slipstream.kernels.gemv.dense import counters, reduce_splits
 from slipstream.kernels.moe.reference import Int4Experts, align_by_expert
-from slipstream.kernels.runtime import pdl
-from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
 # The decode path's launches, one choice for A/B on a GPU (benchmarks/bench_moe.py prints
 # each variant side by side); the switch is DECODE_VARIANT, the default of fused_moe(variant=).
@@ -36,10 +34,7 @@ from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 #   fused-sum: the down GEMV's last program per (token, tile) does the in-order sum: 3
 #   fused-route: fused-sum, and each gate/up program computes its pair's top-k choice from the
 #                router logits (moe_forward; fused_moe, given routed tokens, runs fused-sum): 2
-#   fused-route-pdl: fused-route launched with programmatic dependent launch under CUDA-graph
-#                capture (kernels/runtime/pdl.py): the down kernel starts while gate/up
-#                finishes and computes its own pair's choice from the logits meanwhile: 2
-DECODE_VARIANTS = ("split", "fused-sum", "fused-route", "fused-route-pdl")
+DECODE_VARIANTS = ("split", "fused-sum", "fused-route")
 DECODE_VARIANT = "fused-route"
 
 
@@ -197,19 +192,6 @@ def _route_slot(logits_ptr, num_experts, slot, TOP_K: tl.constexpr, RENORMALIZE:
 
 
 @triton.jit
-def _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_E: tl.constexpr,
-                  RANK_CHUNK: tl.constexpr):
-    """(this rank's expert id, -1 if held elsewhere; weight) of a (token, slot) pair."""
-    token = (pair // TOP_K).to(tl.int64)
-    expert, weight = _route_slot(logits_ptr + token * stride_l, num_experts, pair % TOP_K,
-                                 TOP_K, RENORMALIZE, BLOCK_E, RANK_CHUNK)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert)
-    return expert, weight
-
-
-@triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr, N, K,
                              stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn,
                              logits_ptr, map_ptr, topk_w_ptr, num_experts, stride_l,
@@ -217,20 +199,18 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr
                              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
                              HAS_MAP: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
-                             RANK_CHUNK: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                             RANK_CHUNK: tl.constexpr = 1):
     """act[pair, n] = silu(gate_e(x_t)) * up_e(x_t) on one column tile, e = ids[pair].
     ROUTE (fused-route): e and the pair's weight come from the token's router logits
     (_route_slot; HAS_MAP: global id -> this rank's, -1 elsewhere), and the column tile 0
-    program writes them to ids / topk_w for the down kernel: the top-k needs no launch.
-    USE_PDL: the down kernel may launch once every program here is past its wait (not
-    before), so that it finds the router's logits complete."""
-    pdl_wait(USE_PDL)
-    pdl_release(USE_PDL)
+    program writes them to ids / topk_w for the down kernel: the top-k needs no launch."""
     pair = tl.program_id(0)
     token = (pair // TOP_K).to(tl.int64)
     if ROUTE:
-        expert, weight = _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K,
-                                       RENORMALIZE, HAS_MAP, BLOCK_E, RANK_CHUNK)
+        expert, weight = _route_slot(logits_ptr + token * stride_l, num_experts, pair % TOP_K,
+                                     TOP_K, RENORMALIZE, BLOCK_E, RANK_CHUNK)
+        if HAS_MAP:
+            expert = tl.load(map_ptr + expert)
         if tl.program_id(1) == 0:
             tl.store(ids_ptr + pair, expert.to(tl.int32))
             tl.store(topk_w_ptr + pair, weight)
@@ -284,37 +264,22 @@ def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr
 @triton.jit
 def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_ptr, part_ptr,
                           out_ptr, cnt_ptr, N, K, stride_am, stride_we, stride_wn, stride_pm,
-                          stride_om, stride_se, stride_sn, logits_ptr, map_ptr, num_experts,
-                          stride_l, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          INT4: tl.constexpr, GROUP: tl.constexpr, FUSED_SUM: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
-                          HAS_MAP: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
-                          RANK_CHUNK: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                          stride_om, stride_se, stride_sn, TOP_K: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+                          FUSED_SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """part[pair, n] = weight[pair] * down_e(act[pair]) (float32) on one column tile: one
     program per (pair, tile), so a token's experts stream their weights side by side.
     FUSED_SUM: the last of a token's k programs on a tile to arrive on its counter (cnt_ptr,
     [tokens, tiles], left at zero) also sums the k partial rows in slot order, the order of
-    _sum_experts_kernel (the same bits, run to run), and writes out[token] in out's dtype.
-    ROUTE (fused-route-pdl): the pair's expert and weight are recomputed from the logits, not
-    read from the gate/up kernel, so that under PDL this runs while gate/up finishes."""
+    _sum_experts_kernel (the same bits, run to run), and writes out[token] in out's dtype."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if ROUTE:  # gate/up let this kernel launch only past its own wait: the logits are done
-        expert, weight = _local_choice(logits_ptr, map_ptr, pair, num_experts, stride_l, TOP_K,
-                                       RENORMALIZE, HAS_MAP, BLOCK_E, RANK_CHUNK)
-        pdl_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
-        expert = tl.load(ids_ptr + pair)
-        weight = tl.load(topk_w_ptr + pair)
-    pdl_release(USE_PDL)
-    expert = expert.to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     part = tl.zeros([BLOCK_N], dtype=tl.float32)
     if expert >= 0:  # a slot held elsewhere (expert parallelism) adds nothing
-        part = weight * _down_rows(
+        part = tl.load(topk_w_ptr + pair) * _down_rows(
             act_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we,
             scale_ptr + expert * stride_se, zero_ptr + expert * stride_se, offs_n, n_ok, K,
             stride_wn, stride_sn, HAS_SCALE, INT4, GROUP, BLOCK_N, BLOCK_K)
@@ -467,7 +432,7 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorm
                          f"{num_experts} experts")
     if decode is None:
         decode = use_decode_path(num_tokens, top_k, w13.shape[0])
-    if not (decode and variant.startswith("fused-route") and num_tokens):
+    if not (decode and variant == "fused-route" and num_tokens):
         weights, ids = route_topk(router_logits, top_k, renormalize)
         if expert_map is not None:
             ids = expert_map[ids.long()]
@@ -573,14 +538,11 @@ def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant
     s13, z13, s13_e, s13_n = w13.kernel_args(topk_weights)
     route_args, route_flags = route.kernel_args(topk_weights) if route is not None else (
         (x, x, topk_weights, 0, 0), {})
-    # PDL only where the down kernel routes for itself (it has nothing else to do early).
-    pdl_on = variant == "fused-route-pdl" and route is not None
-    launch = pdl.launch_kwargs(x.device) if pdl_on else {}
     _moe_gate_up_gemv_kernel[(pairs, triton.cdiv(inter, up_cfg.block_n))](
         x, w13.w, s13, z13, topk_ids, act, inter, hidden, x.stride(0), w13.w.stride(0),
         w13.w.stride(1), act.stride(0), s13_e, s13_n, *route_args, TOP_K=top_k,
         **w13.flags(), **route_flags, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k,
-        num_warps=up_cfg.num_warps, **launch)
+        num_warps=up_cfg.num_warps)
     down_cfg = cfg or gemv_config(pairs, hidden, w2.w)
     tiles = triton.cdiv(hidden, down_cfg.block_n)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
@@ -589,13 +551,11 @@ def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant
     # Without the fused sum the output stands in for the unused counters.
     cnt = counters(x.device, num_tokens * tiles) if fused_sum else out
     s2, z2, s2_e, s2_n = w2.kernel_args(topk_weights)
-    down_route = route_args[:2] + route_args[3:] if pdl_on else (x, x, 0, 0)
     _moe_down_gemv_kernel[(pairs, tiles)](
         act, w2.w, s2, z2, topk_ids, topk_weights, part, out, cnt, hidden, inter,
         act.stride(0), w2.w.stride(0), w2.w.stride(1), part.stride(0), out.stride(0), s2_e,
-        s2_n, *down_route, TOP_K=top_k, **w2.flags(), **(route_flags if pdl_on else {}),
-        FUSED_SUM=fused_sum, BLOCK_N=down_cfg.block_n, BLOCK_K=down_cfg.block_k,
-        num_warps=down_cfg.num_warps, **launch)
+        s2_n, TOP_K=top_k, **w2.flags(), FUSED_SUM=fused_sum, BLOCK_N=down_cfg.block_n,
+        BLOCK_K=down_cfg.block_k, num_warps=down_cfg.num_warps)
     if not fused_sum:
         _sum_experts_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_N))](
             part, out, hidden, part.stride(0), out.stride(0), TOP_K=top_k,
