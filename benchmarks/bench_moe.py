@@ -12,7 +12,7 @@ DECODE_VARIANTS: the grouped path, above the decode sizes, has one). --sweep tim
 GEMV tiles at one token.
 
   python benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b-fp8,qwen3-30b-a3b-int4]
-      [--tokens 1,64,512] [--variants split,fused-sum,fused-route]
+      [--tokens 1,64,512] [--variants split,fused-sum]
       [--sweep] [--output-json $OUT/moe_layer.json]
 """
 from __future__ import annotations
@@ -184,8 +184,8 @@ def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bo
 
 def layer_forward(x, logits, top_k, renorm, w13, w2, s13, s2, int4, gemv=None, variant=None):
     """Routing plus experts, as FusedMoE.forward runs them on a GPU."""
-    return fm.moe_forward(x, logits, top_k, renorm, w13, w2, s13, s2, int4, gemv=gemv,
-                          variant=variant)
+    weights, ids = fm.route_topk(logits, top_k, renorm)
+    return fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, gemv=gemv, variant=variant)
 
 
 def main() -> None:

@@ -278,17 +278,8 @@ class FusedMoE(nn.Module):
         return reference.route_topk(router_logits, self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.is_cuda:
-            from slipstream.kernels.moe import fused_moe  # Triton: CUDA only
-
-            # Routing and experts together: the decode path may route inside its first kernel.
-            out = fused_moe.moe_forward(
-                x, router_logits, self.top_k, self.renormalize, self.w13_weight,
-                self.w2_weight, self.w13_scale, self.w2_scale, self._int4(),
-                expert_map=None if self.holds_all else self.expert_map)
-        else:
-            weights, ids = self.route(router_logits)
-            out = self.experts(x, weights, ids)
+        weights, ids = self.route(router_logits)
+        out = self.experts(x, weights, ids)
         return parallel_state.tp_all_reduce(out) if self.tp_size > 1 else out
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, global_ids: torch.Tensor
@@ -296,15 +287,13 @@ class FusedMoE(nn.Module):
         """This rank's share of the routed sum for already-routed tokens."""
         ids = global_ids if self.holds_all else self.expert_map[global_ids.long()]
         args = (x, self.w13_weight, self.w2_weight, weights, ids, self.w13_scale, self.w2_scale)
+        int4 = None if self.w13_zero is None else Int4Experts(
+            self.w13_zero, self.w2_zero, self.quant_method.group_size)
         if self.use_triton and x.is_cuda:
             from slipstream.kernels.moe import fused_moe  # Triton: CUDA only
 
-            return fused_moe.fused_moe(*args, int4=self._int4())
-        return reference.fused_moe(*args, int4=self._int4())
-
-    def _int4(self) -> Int4Experts | None:
-        return None if self.w13_zero is None else Int4Experts(
-            self.w13_zero, self.w2_zero, self.quant_method.group_size)
+            return fused_moe.fused_moe(*args, int4=int4)
+        return reference.fused_moe(*args, int4=int4)
 
     def extra_repr(self) -> str:
         fmt = self.quant_method.weight_format or str(self.w13_weight.dtype).removeprefix("torch.")

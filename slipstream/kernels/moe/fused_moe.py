@@ -32,10 +32,8 @@ from slipstream.kernels.moe.reference import Int4Experts, align_by_expert
 # each variant side by side); the switch is DECODE_VARIANT, the default of fused_moe(variant=).
 #   split:     top-k, gate/up GEMV, down GEMV per (pair, tile), the in-order sum: 4 launches
 #   fused-sum: the down GEMV's last program per (token, tile) does the in-order sum: 3
-#   fused-route: fused-sum, and each gate/up program computes its pair's top-k choice from the
-#                router logits (moe_forward; fused_moe, given routed tokens, runs fused-sum): 2
-DECODE_VARIANTS = ("split", "fused-sum", "fused-route")
-DECODE_VARIANT = "fused-route"
+DECODE_VARIANTS = ("split", "fused-sum")
+DECODE_VARIANT = "fused-sum"
 
 
 @triton.jit
@@ -161,64 +159,16 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, zero_ptr, topk_w_ptr, sorte
 
 
 @triton.jit
-def _route_slot(logits_ptr, num_experts, slot, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                BLOCK_E: tl.constexpr, RANK_CHUNK: tl.constexpr):
-    """(expert, weight) of one token's slot-th choice, as _route_topk_kernel picks it (the same
-    probabilities, ties to the lowest id), found by rank instead of k rounds of argmax: the
-    expert with exactly `slot` others ahead of it. Every program of the token computes it."""
-    offs = tl.arange(0, BLOCK_E)
-    valid = offs < num_experts
-    logits = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    top = tl.max(logits, axis=0)
-    total = tl.sum(tl.where(valid, tl.exp(logits - top), 0.0), axis=0)
-    probs = tl.where(valid, tl.exp(logits - top) / total, -1.0)
-    rank = tl.zeros([BLOCK_E], dtype=tl.int32)
-    # The others in chunks (reloaded, recomputed to the same bits): a [BLOCK_E, RANK_CHUNK]
-    # comparison at a time instead of BLOCK_E squared values in registers.
-    for c0 in tl.static_range(0, BLOCK_E, RANK_CHUNK):
-        other_id = c0 + tl.arange(0, RANK_CHUNK)
-        ok = other_id < num_experts
-        other = tl.load(logits_ptr + other_id, mask=ok, other=float("-inf")).to(tl.float32)
-        other = tl.where(ok, tl.exp(other - top) / total, -1.0)[None, :]
-        ahead = (other > probs[:, None]) | ((other == probs[:, None])
-                                            & (other_id[None, :] < offs[:, None]))
-        rank += tl.sum(ahead.to(tl.int32), axis=1)
-    chosen = rank == slot
-    expert = tl.min(tl.where(chosen, offs, BLOCK_E), axis=0)
-    weight = tl.sum(tl.where(chosen, probs, 0.0), axis=0)
-    if RENORMALIZE:
-        weight = weight / tl.sum(tl.where(rank < TOP_K, probs, 0.0), axis=0)
-    return expert, weight
-
-
-@triton.jit
 def _moe_gate_up_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, act_ptr, N, K,
                              stride_xm, stride_we, stride_wn, stride_am, stride_se, stride_sn,
-                             logits_ptr, map_ptr, topk_w_ptr, num_experts, stride_l,
                              TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, INT4: tl.constexpr,
-                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
-                             HAS_MAP: tl.constexpr = False, BLOCK_E: tl.constexpr = 1,
-                             RANK_CHUNK: tl.constexpr = 1):
-    """act[pair, n] = silu(gate_e(x_t)) * up_e(x_t) on one column tile, e = ids[pair].
-    ROUTE (fused-route): e and the pair's weight come from the token's router logits
-    (_route_slot; HAS_MAP: global id -> this rank's, -1 elsewhere), and the column tile 0
-    program writes them to ids / topk_w for the down kernel: the top-k needs no launch."""
+                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act[pair, n] = silu(gate_e(x_t)) * up_e(x_t) on one column tile, e = ids[pair]."""
     pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    if ROUTE:
-        expert, weight = _route_slot(logits_ptr + token * stride_l, num_experts, pair % TOP_K,
-                                     TOP_K, RENORMALIZE, BLOCK_E, RANK_CHUNK)
-        if HAS_MAP:
-            expert = tl.load(map_ptr + expert)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + pair, expert.to(tl.int32))
-            tl.store(topk_w_ptr + pair, weight)
-        expert = expert.to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
         return
+    token = (pair // TOP_K).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -408,48 +358,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     topk_ids = topk_ids.to(torch.int32).contiguous()
     if decode is None:
         decode = use_decode_path(num_tokens, top_k, num_experts)
-    weights = _weights(w13, w2, w13_scale, w2_scale, int4)
+    weights = (_Weights(w13, w13_scale, int4 and int4.w13_zero, int4),
+               _Weights(w2, w2_scale, int4 and int4.w2_zero, int4))
     if decode:
         return _decode(x, *weights, topk_weights, topk_ids, gemv, variant)
     return _grouped(x, *weights, topk_weights, topk_ids, gemm)
-
-
-def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None, int4: Int4Experts | None = None, *,
-                expert_map: torch.Tensor | None = None, decode: bool | None = None,
-                gemm: GemmConfig | None = None, gemv: GemvConfig | None = None,
-                variant: str | None = None) -> torch.Tensor:
-    """The routed experts from the router logits [T, E]: route_topk, the global ids mapped to
-    this rank's by expert_map ([E] int32, -1 for experts held elsewhere; None: all here), then
-    fused_moe. The fused-route decode variant routes inside the gate/up kernel instead."""
-    variant = _check_variant(variant)
-    num_tokens, num_experts = router_logits.shape
-    if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} exceeds the {num_experts} experts")
-    if expert_map is not None and tuple(expert_map.shape) != (num_experts,):
-        raise ValueError(f"expert_map has shape {tuple(expert_map.shape)}, the router "
-                         f"{num_experts} experts")
-    if decode is None:
-        decode = use_decode_path(num_tokens, top_k, w13.shape[0])
-    if not (decode and variant == "fused-route" and num_tokens):
-        weights, ids = route_topk(router_logits, top_k, renormalize)
-        if expert_map is not None:
-            ids = expert_map[ids.long()]
-        return fused_moe(x, w13, w2, weights, ids, w13_scale, w2_scale, int4, decode=decode,
-                         gemm=gemm, gemv=gemv, variant=variant)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
-    _check_shapes(x, w13, w2, weights, ids, w13_scale, w2_scale, int4)
-    route = _Route(router_logits.contiguous(), renormalize,
-                   None if expert_map is None else expert_map.to(torch.int32).contiguous())
-    return _decode(x.contiguous(), *_weights(w13, w2, w13_scale, w2_scale, int4), weights, ids,
-                   gemv, variant, route)
-
-
-def _weights(w13, w2, w13_scale, w2_scale, int4) -> tuple[_Weights, _Weights]:
-    return (_Weights(w13, w13_scale, int4 and int4.w13_zero, int4),
-            _Weights(w2, w2_scale, int4 and int4.w2_zero, int4))
 
 
 def _check_variant(variant: str | None) -> str:
@@ -507,42 +420,17 @@ class _Weights:
                     GROUP=self.int4.group_size if int4 else 1)
 
 
-@dataclass(frozen=True)
-class _Route:
-    """What the gate/up kernel needs to route (fused-route): the router logits [T, E], the
-    renormalisation rule and the global -> local expert map (None: this rank holds all)."""
-
-    logits: torch.Tensor
-    renormalize: bool
-    expert_map: torch.Tensor | None
-
-    def kernel_args(self, topk_weights: torch.Tensor) -> tuple[tuple, dict]:
-        """(logits, map, weights out, experts, logits row stride), and the constexprs."""
-        num_experts = self.logits.shape[1]
-        block_e = triton.next_power_of_2(num_experts)
-        expert_map = self.expert_map if self.expert_map is not None else self.logits
-        return ((self.logits, expert_map, topk_weights, num_experts, self.logits.stride(0)),
-                dict(ROUTE=True, RENORMALIZE=self.renormalize,
-                     HAS_MAP=self.expert_map is not None, BLOCK_E=block_e,
-                     RANK_CHUNK=min(block_e, 32)))
-
-
-def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant: str,
-            route: _Route | None = None):
-    """The decode GEMVs; route: topk_weights / topk_ids are outputs, filled by gate/up."""
+def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant: str):
     num_tokens, top_k = topk_ids.shape
     inter, hidden = w2.in_features, w2.w.shape[1]
     pairs = num_tokens * top_k
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     up_cfg = cfg or gemv_config(pairs, inter, w13.w)
     s13, z13, s13_e, s13_n = w13.kernel_args(topk_weights)
-    route_args, route_flags = route.kernel_args(topk_weights) if route is not None else (
-        (x, x, topk_weights, 0, 0), {})
     _moe_gate_up_gemv_kernel[(pairs, triton.cdiv(inter, up_cfg.block_n))](
         x, w13.w, s13, z13, topk_ids, act, inter, hidden, x.stride(0), w13.w.stride(0),
-        w13.w.stride(1), act.stride(0), s13_e, s13_n, *route_args, TOP_K=top_k,
-        **w13.flags(), **route_flags, BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k,
-        num_warps=up_cfg.num_warps)
+        w13.w.stride(1), act.stride(0), s13_e, s13_n, TOP_K=top_k, **w13.flags(),
+        BLOCK_N=up_cfg.block_n, BLOCK_K=up_cfg.block_k, num_warps=up_cfg.num_warps)
     down_cfg = cfg or gemv_config(pairs, hidden, w2.w)
     tiles = triton.cdiv(hidden, down_cfg.block_n)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

@@ -1,12 +1,11 @@
 """Triton MoE kernels (kernels/moe/fused_moe.py) against their twin (kernels/moe/reference.py).
 
 CPU: Triton's interpreter, float32 activations (bf16 tl.dot is wrong in the interpreter), tiny
-shapes; both paths (grouped GEMM, decode GEMVs in each launch variant) on several expert
-counts, top-k values and token counts that leave experts empty, with 16-bit, int8, fp8 and int4
-experts (groups of 32 / 64 / 20 along K, short last groups), and with slots routed to experts
-held elsewhere (-1); the layer from router logits (moe_forward), routing inside the gate/up
-kernel or not. GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape (16-bit, fp8 and int4
-experts), and FusedMoE itself with each decode variant, whole and expert parallel.
+shapes; both paths (grouped GEMM, decode GEMVs) on several expert counts, top-k values and
+token counts that leave experts empty, with 16-bit, int8, fp8 and int4 experts (groups of
+32 / 64 / 20 along K, short last groups), and with slots
+routed to experts held elsewhere (-1). GPU (`-m gpu`): bf16 on a Qwen3-30B-A3B layer shape
+(16-bit, fp8 and int4 experts).
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from slipstream.kernels.moe import fused_moe as fm
 from slipstream.kernels.moe import reference as ref
 from slipstream.quantization.utils import quantize_fp8_per_channel, quantize_int8_per_channel
 
-# The grouped GEMM, and the decode path's variants that differ for routed tokens (fused-route
-# routes inside the gate/up kernel: moe_forward's tests below).
-PATHS = ["grouped", "split", "fused-sum"]
+# The grouped GEMM, and the decode path in each of its launch variants.
+PATHS = ["grouped", *fm.DECODE_VARIANTS]
 
 
 def _path(path: str) -> dict:
@@ -196,92 +194,3 @@ def test_int4_experts_gpu_qwen3_moe_layer(num_tokens):
     for path in PATHS:
         got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, **_path(path))
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
-
-
-def _forward_reference(x, logits, top_k, renormalize, w13, w2, s13=None, s2=None, int4=None,
-                       expert_map=None):
-    """moe_forward's twin: route, map to local ids, the per-expert loop."""
-    weights, ids = ref.route_topk(logits, top_k, renormalize)
-    if expert_map is not None:
-        ids = expert_map[ids.long()]
-    return ref.fused_moe(x, w13, w2, weights, ids, s13, s2, int4)
-
-
-@pytest.mark.usefixtures("poison_outputs")
-@pytest.mark.parametrize("num_experts,top_k,num_tokens,fmt,renormalize", [
-    (16, 4, 2, None, True),
-    (40, 3, 3, "fp8", False),  # 40 experts: 64 lanes, two rank chunks, 24 masked
-    (6, 2, 1, "int4", True),
-])
-@pytest.mark.parametrize("variant", ["split", "fused-route"])
-def test_moe_forward_from_logits_matches_reference(num_experts, top_k, num_tokens, fmt,
-                                                   renormalize, variant):
-    """fused-route: each gate/up program picks its pair's expert and weight from the logits
-    (and writes them for the down kernel); the others route first. Same layer output."""
-    hidden, inter = 64, 48
-    if fmt == "int4":
-        w13, w2, s13, s2, int4 = _int4_experts(num_experts, hidden, inter, 32)
-    else:
-        (w13, w2, s13, s2), int4 = _experts(num_experts, hidden, inter, fmt), None
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(2))
-    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(5))
-    want = _forward_reference(x, logits, top_k, renormalize, w13, w2, s13, s2, int4)
-    got = fm.moe_forward(x, logits, top_k, renormalize, w13, w2, s13, s2, int4, decode=True,
-                         gemv=fm.GemvConfig(32, 16, 4), variant=variant)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.parametrize("variant", ["split", "fused-route"])
-def test_moe_forward_expert_parallel_and_ties(variant):
-    """A rank holding experts 1, 3, 4, 6 of 8 (global -> local by expert_map, -1 elsewhere),
-    one token routed only elsewhere (zeros), and tied logits: the lowest ids win, as in
-    route_topk (so fused-route and split agree on tokens whose top k are tied)."""
-    local = [1, 3, 4, 6]
-    expert_map = torch.full((8,), -1, dtype=torch.int32)
-    expert_map[local] = torch.arange(4, dtype=torch.int32)
-    w13, w2, _, _ = _experts(4, 32, 16)
-    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(6))
-    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
-    logits[1] = torch.tensor([5.0, 0, 5.0, 0, 0, 0, 0, 0])  # top 2 held elsewhere
-    logits[2] = torch.tensor([0.0, 2, 0, 2, 2, 0, 2, 0])  # a 4-way tie: 1 and 3
-    got = fm.moe_forward(x, logits, 2, True, w13, w2, expert_map=expert_map, decode=True,
-                         gemv=fm.GemvConfig(8, 16, 4), variant=variant)
-    weights, ids = fm.route_topk(logits, 2, True)
-    assert ids[2].tolist() == [1, 3]
-    want = ref.fused_moe(x, w13, w2, weights, expert_map[ids.long()])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    assert torch.count_nonzero(got[1]) == 0 and torch.count_nonzero(got[2]) > 0
-    with pytest.raises(ValueError, match="expert_map"):
-        fm.moe_forward(x, logits, 2, True, w13, w2, expert_map=expert_map[:4])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("expert_parallel", [False, True])
-@pytest.mark.parametrize("variant", fm.DECODE_VARIANTS)
-def test_fused_moe_layer_gpu_variants(monkeypatch, variant, expert_parallel):
-    """FusedMoE.forward on a Qwen3-30B-A3B layer (bf16) with each decode variant switched on
-    where the engine reads it (DECODE_VARIANT), whole or holding every other expert, against
-    the reference path in float32 at 1 and 8 tokens; the fused sum is exact against split."""
-    from slipstream.layers.moe import FusedMoE
-
-    w13, w2, _, _ = _experts(128, 2048, 768, device="cuda", dtype=torch.bfloat16)
-    local = list(range(0, 128, 2)) if expert_parallel else None
-    layer = FusedMoE(128, 8, 2048, 768, torch.bfloat16, renormalize=True, use_triton=True,
-                     local_experts=local).cuda()
-    keep = torch.tensor(layer.local_experts, device="cuda")
-    layer.w13_weight.data.copy_(w13[keep])
-    layer.w2_weight.data.copy_(w2[keep])
-    monkeypatch.setattr(fm, "DECODE_VARIANT", variant)
-    for num_tokens in (1, 8):
-        x = torch.randn(num_tokens, 2048, device="cuda").to(torch.bfloat16)
-        logits = torch.randn(num_tokens, 128, device="cuda").to(torch.bfloat16)
-        got = layer(x, logits)
-        # route_topk's choice (ties to the lowest id: bf16 logits tie often), the float32 loop
-        weights, ids = fm.route_topk(logits, 8, True)
-        want = ref.fused_moe(x.float(), layer.w13_weight.float(), layer.w2_weight.float(),
-                             weights, layer.expert_map[ids.long()])
-        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
-        monkeypatch.setattr(fm, "DECODE_VARIANT", "split")
-        if variant == "fused-sum":
-            assert torch.equal(got, layer(x, logits))
-        monkeypatch.setattr(fm, "DECODE_VARIANT", variant)
