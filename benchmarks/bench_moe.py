@@ -7,12 +7,10 @@ different routings (so the experts a call reads are not the previous call's, sti
 the loop (one F.linear pair per expert that got tokens, as transformers does, timed eagerly:
 it reads the routing back to pick the experts). Also the bytes the call must read (the experts
 it hits, at their width) and, for the graph-timed kernels, the percent of the copy-bandwidth
-bound for those bytes, for each decode-path launch variant side by side (fused_moe.
-DECODE_VARIANTS: the grouped path, above the decode sizes, has one). --sweep times the decode
-GEMV tiles at one token.
+bound for those bytes. --sweep times the decode GEMV tiles at one token.
 
   python benchmarks/bench_moe.py [--shapes qwen3-30b-a3b,mixtral-8x7b-fp8,qwen3-30b-a3b-int4]
-      [--tokens 1,64,512] [--variants split,fused-sum]
+      [--tokens 1,64,512]
       [--sweep] [--output-json $OUT/moe_layer.json]
 """
 from __future__ import annotations
@@ -120,8 +118,7 @@ def bytes_read(ids: torch.Tensor, w13, w2, s13, s2, int4=None) -> int:
     return hit * sum(t[0].numel() * t.element_size() for t in [w13, w2, *extra])
 
 
-def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bool,
-                variants: list[str]) -> list[dict]:
+def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bool) -> list[dict]:
     experts, top_k, hidden, inter, renorm, fmt = SHAPES[name]
     w13, w2, s13, s2, int4 = make_layer(experts, hidden, inter, fmt)
     rows = []
@@ -132,33 +129,24 @@ def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bo
                 for _ in range(ROUTINGS)]
         routed = [(x, *fm.route_topk(logits, top_k, renorm)) for x, logits in sets]
 
-        def fused(args, _cfg=None, _variant=None):
+        def fused(args, _cfg=None):
             x, logits = args
-            return layer_forward(x, logits, top_k, renorm, w13, w2, s13, s2, int4, gemv=_cfg,
-                                 variant=_variant)
+            weights, ids = fm.route_topk(logits, top_k, renorm)
+            return fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, gemv=_cfg)
 
-        decode = fm.use_decode_path(t, top_k, experts)
-        # The grouped path has no variants: it is timed once.
-        timed = variants if decode else variants[:1]
-        times = {v: graph_time_us(lambda a, v=v: fused(a, _variant=v), sets,
-                                  min_calls=ROUTINGS) for v in timed}
-        kernel_us = times.get(fm.DECODE_VARIANT, times[timed[0]])
+        kernel_us = graph_time_us(fused, sets, min_calls=ROUTINGS)
         loop_us = eager_us(lambda x, w, i: loop_moe(x, w13, w2, w, i, s13, s2, int4), routed)
         nbytes = statistics.mean(bytes_read(i, w13, w2, s13, s2, int4) for _, _, i in routed)
-        x, logits = sets[0]
-        weights, ids = fm.route_topk(logits, top_k, renorm)
+        x, weights, ids = routed[0]
         want = loop_moe(x.float(), w13.float() if s13 is None else w13,
                         w2.float() if s2 is None else w2, weights, ids, s13, s2, int4)
-        rel_err = max(((fused((x, logits), _variant=v).float() - want).norm()
-                       / want.norm()).item() for v in timed)
-        row = {"shape": name, "tokens": t, "path": "decode" if decode else "grouped",
+        got = fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4).float()
+        row = {"shape": name, "tokens": t,
+               "path": "decode" if fm.use_decode_path(t, top_k, experts) else "grouped",
                "fused_us": kernel_us, "loop_us": loop_us, "speedup": loop_us / kernel_us,
-               "mb_read": nbytes / 1e6, "rel_err": rel_err,
-               "variants": {v: {"us": us} for v, us in times.items()}}
+               "mb_read": nbytes / 1e6, "rel_err": ((got - want).norm() / want.norm()).item()}
         if bandwidth:
             row["pct_bound"] = 100 * (nbytes / bandwidth * 1e6) / kernel_us
-            for v in row["variants"].values():
-                v["pct_bound"] = 100 * (nbytes / bandwidth * 1e6) / v["us"]
         if sweep and t == 1:
             row["sweep"] = {}
             for bn in (4, 8, 16, 32):
@@ -172,43 +160,29 @@ def bench_shape(name: str, tokens: list[int], bandwidth: float | None, sweep: bo
             best = min(row["sweep"], key=row["sweep"].get)
             row["sweep_best"] = (best, row["sweep"][best])
         rows.append(row)
-        cells = "".join(f"{row['variants'][v]['us']:>9.1f}"
-                        f"{row['variants'][v].get('pct_bound', float('nan')):>7.1f}"
-                        if v in row["variants"] else f"{'-':>9}{'-':>7}" for v in variants)
-        print(f"{name:<18}{t:>6}  {row['path']:<8}{cells}{loop_us:>10.1f}"
-              f"{row['speedup']:>8.2f}{row['mb_read']:>9.1f}{row['rel_err']:>10.2e}"
+        print(f"{name:<18}{t:>6}  {row['path']:<8}{kernel_us:>10.1f}{loop_us:>10.1f}"
+              f"{row['speedup']:>8.2f}{row['mb_read']:>9.1f}"
+              f"{row.get('pct_bound', float('nan')):>8.1f}{row['rel_err']:>10.2e}"
               + (f"  best tile {row['sweep_best'][0]}: {row['sweep_best'][1]:.1f} us"
                  if "sweep_best" in row else ""), flush=True)
     return rows
-
-
-def layer_forward(x, logits, top_k, renorm, w13, w2, s13, s2, int4, gemv=None, variant=None):
-    """Routing plus experts, as FusedMoE.forward runs them on a GPU."""
-    weights, ids = fm.route_topk(logits, top_k, renorm)
-    return fm.fused_moe(x, w13, w2, weights, ids, s13, s2, int4, gemv=gemv, variant=variant)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="qwen3-30b-a3b,mixtral-8x7b-fp8,mixtral-8x7b")
     parser.add_argument("--tokens", default="1,64,512")
-    parser.add_argument("--variants", default=",".join(fm.DECODE_VARIANTS),
-                        help="decode-path launch variants to time side by side")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     bandwidth = measure_copy_bandwidth("cuda")
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
-    variants = args.variants.split(",")
-    print(f"fused: us and % of the bound per decode variant (default {fm.DECODE_VARIANT}); "
-          f"x loop: the default's speed-up")
-    print(f"{'shape':<18}{'tokens':>6}  {'path':<8}"
-          + "".join(f"{v[:14]:>16}" for v in variants)
-          + f"{'loop us':>10}{'x loop':>8}{'MB read':>9}{'rel err':>10}")
+    print(f"{'shape':<18}{'tokens':>6}  {'path':<8}{'fused us':>10}{'loop us':>10}{'x loop':>8}"
+          f"{'MB read':>9}{'% bound':>8}{'rel err':>10}")
     rows = []
     for name in args.shapes.split(","):
         rows += bench_shape(name, [int(t) for t in args.tokens.split(",")], bandwidth,
-                            args.sweep, variants)
+                            args.sweep)
         torch.cuda.empty_cache()  # the shape's weights are gone with its frame
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,8 @@ Two paths, the same result:
   past the rows in use exit at once, so the grid size depends on the shapes only (CUDA graphs).
 - Decode (a few tokens): no sort at all. One program per (pair, column tile) reads the pair's
   expert id and streams only that expert's rows of [gate | up], then one per (pair, tile) its
-  down rows; a token's k partial rows are summed in slot order, by a last kernel or (fused-sum,
-  DECODE_VARIANTS) by the last of the k down programs to finish a tile. Only the selected
-  experts' weights are read.
+  down rows; the last of a token's k down programs to finish a tile sums the k partial rows in
+  slot order. Only the selected experts' weights are read.
 
 Weights are 16-bit, or int8 / fp8 with a float32 scale per output row (weight-only: the tiles
 are converted to the activation dtype before the product, the scale applied after it), or int4
@@ -27,13 +26,6 @@ import triton.language as tl
 
 from slipstream.kernels.gemv.dense import counters, reduce_splits
 from slipstream.kernels.moe.reference import Int4Experts, align_by_expert
-
-# The decode path's launches, one choice for A/B on a GPU (benchmarks/bench_moe.py prints
-# each variant side by side); the switch is DECODE_VARIANT, the default of fused_moe(variant=).
-#   split:     top-k, gate/up GEMV, down GEMV per (pair, tile), the in-order sum: 4 launches
-#   fused-sum: the down GEMV's last program per (token, tile) does the in-order sum: 3
-DECODE_VARIANTS = ("split", "fused-sum")
-DECODE_VARIANT = "fused-sum"
 
 
 @triton.jit
@@ -216,12 +208,12 @@ def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_p
                           out_ptr, cnt_ptr, N, K, stride_am, stride_we, stride_wn, stride_pm,
                           stride_om, stride_se, stride_sn, TOP_K: tl.constexpr,
                           HAS_SCALE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-                          FUSED_SUM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """part[pair, n] = weight[pair] * down_e(act[pair]) (float32) on one column tile: one
-    program per (pair, tile), so a token's experts stream their weights side by side.
-    FUSED_SUM: the last of a token's k programs on a tile to arrive on its counter (cnt_ptr,
-    [tokens, tiles], left at zero) also sums the k partial rows in slot order, the order of
-    _sum_experts_kernel (the same bits, run to run), and writes out[token] in out's dtype."""
+    program per (pair, tile), so a token's experts stream their weights side by side. The last
+    of a token's k programs on a tile to arrive on its counter (cnt_ptr, [tokens, tiles], left
+    at zero) sums the k partial rows in slot order (the same bits, run to run: no float
+    atomics) and writes out[token] in out's dtype: no separate sum launch."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,17 +225,14 @@ def _moe_down_gemv_kernel(act_ptr, w_ptr, scale_ptr, zero_ptr, ids_ptr, topk_w_p
             act_ptr + pair.to(tl.int64) * stride_am, w_ptr + expert * stride_we,
             scale_ptr + expert * stride_se, zero_ptr + expert * stride_se, offs_n, n_ok, K,
             stride_wn, stride_sn, HAS_SCALE, INT4, GROUP, BLOCK_N, BLOCK_K)
-    if FUSED_SUM:
-        token = pair // TOP_K
-        rows = part_ptr + (token * TOP_K).to(tl.int64) * stride_pm + offs_n
-        total, done = reduce_splits(part, rows, n_ok, stride_pm,
-                                    cnt_ptr + token * tl.num_programs(1) + pid_n, pair % TOP_K,
-                                    TOP_K, True)
-        if done:
-            tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
-                     total.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:
-        tl.store(part_ptr + pair.to(tl.int64) * stride_pm + offs_n, part, mask=n_ok)
+    token = pair // TOP_K
+    rows = part_ptr + (token * TOP_K).to(tl.int64) * stride_pm + offs_n
+    total, done = reduce_splits(part, rows, n_ok, stride_pm,
+                                cnt_ptr + token * tl.num_programs(1) + pid_n, pair % TOP_K,
+                                TOP_K, True)
+    if done:
+        tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
+                 total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -274,21 +263,6 @@ def _down_rows(a_ptr, w_base, s_base, z_base, offs_n, n_ok, K, stride_wn, stride
     return part
 
 
-@triton.jit
-def _sum_experts_kernel(part_ptr, out_ptr, N, stride_pm, stride_om, TOP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """out[t] = sum over j of part[t * k + j], in a fixed order (deterministic, no atomics)."""
-    token = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    out = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = (token * TOP_K + j).to(tl.int64)
-        out += tl.load(part_ptr + row * stride_pm + offs_n, mask=n_ok, other=0.0)
-    tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
-             out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of the grouped GEMM path."""
@@ -308,8 +282,6 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
 
-
-_SUM_BLOCK_N = 1024
 
 
 def gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
@@ -344,10 +316,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, int4: Int4Experts | None = None, *,
               decode: bool | None = None, gemm: GemmConfig | None = None,
-              gemv: GemvConfig | None = None, variant: str | None = None) -> torch.Tensor:
-    """reference.fused_moe with the Triton kernels. decode: force one path (None: by size);
-    variant: the decode path's launches (DECODE_VARIANTS; None: DECODE_VARIANT)."""
-    variant = _check_variant(variant)
+              gemv: GemvConfig | None = None) -> torch.Tensor:
+    """reference.fused_moe with the Triton kernels. decode: force one path (None: by size)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, int4)
@@ -361,15 +331,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights = (_Weights(w13, w13_scale, int4 and int4.w13_zero, int4),
                _Weights(w2, w2_scale, int4 and int4.w2_zero, int4))
     if decode:
-        return _decode(x, *weights, topk_weights, topk_ids, gemv, variant)
+        return _decode(x, *weights, topk_weights, topk_ids, gemv)
     return _grouped(x, *weights, topk_weights, topk_ids, gemm)
-
-
-def _check_variant(variant: str | None) -> str:
-    variant = variant or DECODE_VARIANT
-    if variant not in DECODE_VARIANTS:
-        raise ValueError(f"MoE decode variant must be one of {DECODE_VARIANTS}, got {variant!r}")
-    return variant
 
 
 def _check_shapes(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, int4) -> None:
@@ -420,7 +383,7 @@ class _Weights:
                     GROUP=self.int4.group_size if int4 else 1)
 
 
-def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant: str):
+def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg):
     num_tokens, top_k = topk_ids.shape
     inter, hidden = w2.in_features, w2.w.shape[1]
     pairs = num_tokens * top_k
@@ -435,19 +398,13 @@ def _decode(x, w13: _Weights, w2: _Weights, topk_weights, topk_ids, cfg, variant
     tiles = triton.cdiv(hidden, down_cfg.block_n)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    fused_sum = variant != "split"
-    # Without the fused sum the output stands in for the unused counters.
-    cnt = counters(x.device, num_tokens * tiles) if fused_sum else out
+    cnt = counters(x.device, num_tokens * tiles)
     s2, z2, s2_e, s2_n = w2.kernel_args(topk_weights)
     _moe_down_gemv_kernel[(pairs, tiles)](
         act, w2.w, s2, z2, topk_ids, topk_weights, part, out, cnt, hidden, inter,
         act.stride(0), w2.w.stride(0), w2.w.stride(1), part.stride(0), out.stride(0), s2_e,
-        s2_n, TOP_K=top_k, **w2.flags(), FUSED_SUM=fused_sum, BLOCK_N=down_cfg.block_n,
+        s2_n, TOP_K=top_k, **w2.flags(), BLOCK_N=down_cfg.block_n,
         BLOCK_K=down_cfg.block_k, num_warps=down_cfg.num_warps)
-    if not fused_sum:
-        _sum_experts_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK_N))](
-            part, out, hidden, part.stride(0), out.stride(0), TOP_K=top_k,
-            BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out
 
 
