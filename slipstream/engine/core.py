@@ -483,12 +483,12 @@ def _check_sliding_window_combinations(config: EngineConfig) -> None:
     if not any(windows):
         return
     spec = config.speculative
-    if spec is not None and (spec.method == "medusa" or spec.speculative_token_tree is not None):
+    if spec is not None and spec.drafts_trees:
         # A tree node attends from its depth's position but sits at its breadth-first slot;
         # the kernels place the window by slot, which would hide keys the node must see.
         raise ValueError(
             f"{config.model.architecture} has sliding-window attention layers: draft trees "
-            "(medusa, speculative_token_tree) are not supported with them; use a chain "
+            "(medusa, lookahead, speculative_token_tree) are not supported with them; use a chain "
             "method (ngram, draft_model, eagle) or no speculation")
 
 

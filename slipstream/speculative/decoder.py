@@ -141,9 +141,12 @@ class SpeculativeDecoder:
 
     def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
         """Count a verified step; per request id (drafts, accepted) for its output. A proposer
-        that drafts from the target's hidden states gets the step's (`observe`)."""
+        that drafts from the target's hidden states gets the step's (`observe`); one that
+        learns from every verification row gets them (`observe_verification`)."""
         if runner_out.spec_hidden is not None:
             self.proposer.observe(runner_out.spec_hidden)
+        if runner_out.spec_row_token_ids and hasattr(self.proposer, "observe_verification"):
+            self.proposer.observe_verification(sched_out, runner_out)
         per_request = {}
         proposed = accepted = 0
         for seq in sched_out.seqs:
@@ -244,6 +247,10 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.speculative.eagle import EagleProposer
 
         proposer = EagleProposer(config)
+    elif spec.method == "lookahead":
+        from slipstream.speculative.lookahead import LookaheadProposer
+
+        proposer = LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_candidates)
     elif spec.method == "medusa":
         import torch
 

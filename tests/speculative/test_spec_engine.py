@@ -104,6 +104,7 @@ def _spec_configs(tiny_checkpoint, heads=None):
             for m in ("medusa", "eagle", "eagle3")
         },
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        "lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "lookahead_ngram": 3},
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_is_target": {"method": "draft_model", "num_speculative_tokens": 4},
         "oracle": {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": 0.7},
@@ -111,7 +112,18 @@ def _spec_configs(tiny_checkpoint, heads=None):
 
 
 @pytest.mark.parametrize(
-    "name", ["ngram", "draft_model", "draft_is_target", "oracle", "oracle_tree", "medusa", "eagle", "eagle3"]
+    "name",
+    [
+        "ngram",
+        "lookahead",
+        "draft_model",
+        "draft_is_target",
+        "oracle",
+        "oracle_tree",
+        "medusa",
+        "eagle",
+        "eagle3",
+    ],
 )
 def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, heads, name):
     config = dict(_spec_configs(tiny_checkpoint, heads)[name], adaptive=False)
