@@ -95,11 +95,9 @@ class StepDecoder:
 
 def encode_runner_output(out: RunnerOutput, micro_batch: int) -> dict:
     return {"t": "out", "mb": micro_batch, "sampled": out.sampled_token_ids,
-            "logprobs": out.logprobs, "prompt_logprobs": out.prompt_logprobs,
-            "spec_rows": out.spec_row_token_ids}
+            "logprobs": out.logprobs, "prompt_logprobs": out.prompt_logprobs}
 
 
 def decode_runner_output(msg: dict) -> RunnerOutput:
     return RunnerOutput(sampled_token_ids=msg["sampled"], logprobs=msg["logprobs"],
-                        prompt_logprobs=msg["prompt_logprobs"],
-                        spec_row_token_ids=msg.get("spec_rows", {}))
+                        prompt_logprobs=msg["prompt_logprobs"])

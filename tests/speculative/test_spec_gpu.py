@@ -12,7 +12,7 @@ from tests.speculative.heads import write_eagle, write_medusa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "method", ["ngram", "oracle", "oracle_tree", "draft_model", "medusa", "eagle", "eagle3"]
+    "method", ["ngram", "lookahead", "oracle", "oracle_tree", "draft_model", "medusa", "eagle", "eagle3"]
 )
 def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, method):
     path = tiny_checkpoint("LlamaForCausalLM")
