@@ -14,6 +14,8 @@ _PUBLIC = tuple(m for m in METHODS if m != "oracle")
 _NOT_IMPLEMENTED = ("mtp",)
 # Methods whose drafts come from heads on the target's hidden states: `model` is required.
 _HEAD_METHODS = ("medusa", "eagle", "eagle3")
+# Methods that draft the tree speculative_token_tree shapes.
+_TREE_METHODS = ("medusa", "eagle", "eagle3", "oracle")
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,7 @@ class SpeculativeConfig:
         if self.method in _HEAD_METHODS and not Path(self.model).is_dir():
             raise ValueError(f"speculative_config: {self.method} model {self.model!r} is not a directory")
         if self.speculative_token_tree is not None:
-            from slipstream.speculative.tree import tree_from_choices
-
-            tree_from_choices(self.token_tree())
+            self._check_tree()
         if (
             self.method == "draft_model"
             and self.model is not None
@@ -152,3 +152,17 @@ class SpeculativeConfig:
                 f"speculative_config: lookahead drafts up to (lookahead_candidates + 1) * "
                 f"num_speculative_tokens = {nodes} tree nodes; at most {MAX_TREE_TOKENS - 1} fit"
             )
+
+    def _check_tree(self) -> None:
+        from slipstream.speculative.tree import tree_from_choices
+
+        if self.method not in _TREE_METHODS:
+            raise ValueError(
+                f"speculative_config: speculative_token_tree applies to {_TREE_METHODS}, not {self.method!r}"
+            )
+        if self.method in ("eagle", "eagle3"):
+            from slipstream.speculative.eagle import eagle_tree
+
+            eagle_tree(self.token_tree())
+        else:
+            tree_from_choices(self.token_tree())
