@@ -11,11 +11,12 @@ Per request it keeps:
   verification rows (the last N - 1 tokens of a node's branch followed by the token the
   target sampled at its row).
 
-Each step drafts a small tree (speculative/tree.py): the continuations of up to G pool
-n-grams that start with the last known token, then the window as one more chain, merged where
-they share a prefix. Verification accepts the longest matching branch as for any tree, so
-greedy output is exact and sampling keeps the target distribution (the drafts are
-deterministic: docs/speculative.md, Exactness).
+Each step drafts a small tree (speculative/tree.py): up to G branches (what followed the
+latest earlier match of the text's longest suffix of up to N - 1 tokens, then the pool's
+continuations of the last known token, each extended by chaining pool n-grams), then the
+window as one more chain, merged where they share a prefix. Verification accepts the longest
+matching branch as for any tree, so greedy output is exact and sampling keeps the target
+distribution (the drafts are deterministic: docs/speculative.md, Exactness).
 """
 
 from __future__ import annotations
@@ -91,12 +92,32 @@ class LookaheadProposer:
             state = self._state(request)
             tokens = request.all_token_ids
             self._scan(state, tokens)
-            branches = [list(c[:k]) for c in state.pool.continuations(tokens[-1])[: self.candidates]]
+            branches = self._pool_branches(state, tokens, k)
             state.chain = self._window_chain(state, tokens, k)
             tree_tokens, parents = merge_chains([b for b in branches if b] + [state.chain])
             if tree_tokens:
                 drafts[request.request_id] = (tree_tokens, parents)
         return drafts
+
+    def _pool_branches(self, state: _State, tokens: list[int], k: int) -> list[list[int]]:
+        """Up to G branches: what followed the latest earlier match of the longest suffix (up
+        to N - 1 tokens) of the request's text, then the pool's continuations of the last
+        token, most recent first; each extended to k tokens by the most recent continuation
+        of its last token."""
+        found = lookup(tokens, 1, self.ngram - 1, k)
+        branches = [found] if found else []
+        for cont in state.pool.continuations(tokens[-1]):
+            if len(branches) == self.candidates:
+                break
+            branch = list(cont[:k])
+            while len(branch) < k:
+                nxt = state.pool.continuations(branch[-1])
+                if not nxt:
+                    break
+                branch += nxt[0][: k - len(branch)]
+            if branch not in branches:
+                branches.append(branch)
+        return branches
 
     def _state(self, request: Request) -> _State:
         state = self._states.get(request.request_id)

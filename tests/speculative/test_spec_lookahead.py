@@ -10,6 +10,7 @@ import pytest
 from slipstream import LLM, SamplingParams
 from slipstream.engine.request import Request
 from slipstream.scheduler.output import RunnerOutput, ScheduledSeq, SchedulerOutput
+from slipstream.serve.metrics import EngineStatsCollector
 from slipstream.speculative.config import SpeculativeConfig
 from slipstream.speculative.lookahead import LookaheadProposer, NgramPool, merge_chains
 from slipstream.speculative.tree import check_parents, first_chain
@@ -47,18 +48,19 @@ def test_window_and_trajectories_from_every_row():
     prop = LookaheadProposer(window=3, ngram=3, candidates=2)
     r = _request([1, 2, 3, 1, 2, 4, 9, 1], prompt_len=5)
     ((tokens, parents),) = prop.propose([(r, 3)]).values()
-    # Pool candidates after the last token 1 (most recent first): (2, 4), (2, 3); the window
-    # starts as what followed the latest earlier 1: [2, 4, 9]; shared prefixes merged.
-    assert tokens == [2, 4, 3, 9] and parents == [-1, 0, 0, 1]
+    # Branches: what followed the latest earlier 1 (no longer suffix recurs): [2, 4, 9]; the
+    # pool's continuations of 1, most recent first, extended by chaining n-grams: (2, 4) + 9
+    # (the same again), (2, 3) + 1. The window starts as [2, 4, 9]. Shared prefixes merged.
+    assert tokens == [2, 4, 3, 9, 1] and parents == [-1, 0, 0, 1, 2]
     state = prop._states["r"]
     assert state.chain == [2, 4, 9]
-    # The target samples at every row: root, then nodes 2, 4, 3, 9 (breadth-first).
-    rows = [2, 5, 30, 31, 6]  # root -> 2 accepted; node 4 -> 5 (mismatch: 4 was drafted)
-    seq = ScheduledSeq(r, [1] + tokens, r.num_tokens - 1, [0], True, num_spec_tokens=4, spec_parents=parents)
+    # The target samples at every row: root, then nodes 2, 4, 3, 9, 1 (breadth-first).
+    rows = [2, 5, 30, 31, 6, 40]  # root -> 2 accepted; node 2 -> 5, not a drafted child
+    seq = ScheduledSeq(r, [1] + tokens, r.num_tokens - 1, [0], True, num_spec_tokens=5, spec_parents=parents)
     out = RunnerOutput(sampled_token_ids={"r": [2, 5]}, spec_row_token_ids={"r": rows})
     prop.observe_verification(SchedulerOutput(seqs=[seq]), out)
     # Trajectories: the branch's last N - 1 tokens and its row's sample.
-    for gram in ([1, 2, 5], [2, 4, 30], [2, 3, 31], [4, 9, 6]):
+    for gram in ([1, 2, 5], [2, 4, 30], [2, 3, 31], [4, 9, 6], [3, 1, 40]):
         assert tuple(gram[1:]) in state.pool.continuations(gram[0]), gram
     # Jacobi: the window chain 2, 4, 9 sampled 5, 30, 6 for the positions after each.
     assert (state.window_start, state.window) == (8, [2, 5, 30, 6])
@@ -128,6 +130,11 @@ def test_repetitive_text_accepts_drafts_with_the_same_tokens(tiny_checkpoint, mo
     # Every row comes back: the root's and each draft's, accepted or not.
     assert sum(len(rows) - 1 for step in seen for rows in step.values()) == la["num_draft_tokens"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    families = {f.name: f for f in EngineStatsCollector(lambda: stats).collect()}
+    accepted = families["slipstream_spec_decode_num_accepted_tokens"].samples
+    assert [(s.labels, s.value) for s in accepted if s.name.endswith("_total")] == [
+        ({"method": "lookahead"}, la["num_accepted_tokens"])
+    ]
 
 
 def test_refused_on_sliding_window_models(tiny_checkpoint):
