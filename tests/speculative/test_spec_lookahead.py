@@ -147,3 +147,29 @@ def test_refused_on_sliding_window_models(tiny_checkpoint):
             max_model_len=64,
             speculative_config={"method": "lookahead", "num_speculative_tokens": 2},
         )
+
+
+def test_adaptive_acceptance_counts_positions_tried_not_tree_nodes():
+    """A chain of 4 with 2 accepted tried 3 positions; a depth-2 tree of 5 nodes accepted to
+    its depth tried 2: a = 4 / 5 (accepted over verified nodes would say 4 / 9)."""
+    from slipstream.speculative.decoder import _EMA_WEIGHT, SpeculativeDecoder
+
+    dec = SpeculativeDecoder(
+        SpeculativeConfig.from_dict({"method": "lookahead", "num_speculative_tokens": 4}), None, 64
+    )
+    dec.acceptance = 0.0
+    chain = ScheduledSeq(_request([1, 2], 2), [2, 3, 4, 5, 6], 1, [0], True, num_spec_tokens=4)
+    tree = ScheduledSeq(
+        _request([1, 2], 2),
+        [2, 3, 4, 5, 6, 7],
+        1,
+        [0],
+        True,
+        num_spec_tokens=5,
+        spec_parents=[-1, -1, 0, 0, 1],
+    )
+    tree.request.request_id = "t"
+    out = RunnerOutput(sampled_token_ids={"r": [3, 4, 9], "t": [3, 5, 8]})
+    assert dec.record(SchedulerOutput(seqs=[chain, tree]), out) == {"r": (4, 2), "t": (5, 2)}
+    assert dec.acceptance == pytest.approx(_EMA_WEIGHT * 4 / 5)
+    assert dec.stats.num_draft_tokens == 9 and dec.stats.num_accepted_tokens == 4
