@@ -164,6 +164,8 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
+        if self.spec is not None:  # the proposer's per-request state
+            self.spec.forget(request_ids)
         self._forget_queued_if_done()
 
     def _forget_queued_if_done(self) -> None:

@@ -173,3 +173,20 @@ def test_adaptive_acceptance_counts_positions_tried_not_tree_nodes():
     assert dec.record(SchedulerOutput(seqs=[chain, tree]), out) == {"r": (4, 2), "t": (5, 2)}
     assert dec.acceptance == pytest.approx(_EMA_WEIGHT * 4 / 5)
     assert dec.stats.num_draft_tokens == 9 and dec.stats.num_accepted_tokens == 4
+
+
+def test_aborted_requests_leave_no_proposer_state(tiny_checkpoint):
+    llm = LLM(
+        str(tiny_checkpoint("LlamaForCausalLM")),
+        speculative_config={"method": "lookahead", "num_speculative_tokens": 2, "adaptive": False},
+        **ENGINE,
+    )
+    core = llm.engine
+    for rid in ("a", "b"):
+        core.add_request(Request(rid, [5, 6, 7, 5, 6], SamplingParams(temperature=0, max_tokens=30)))
+    for _ in range(4):
+        core.step()
+    states = core.spec.proposer._states
+    assert set(states) == {"a", "b"}
+    core.abort_requests(["a"])
+    assert set(states) == {"b"}
