@@ -175,7 +175,7 @@ def test_chi_square_sampled_tokens_follow_target(tiny_checkpoint, method):
     if method == "draft_model":
         prompt, spec["model"], max_tokens = [3, 4, 5], str(path), 3
     else:  # room for the tree's nodes: the scheduler fits them in max_tokens
-        prompt, max_tokens = _many_pairs(12), 6
+        prompt, max_tokens = _many_pairs(12, 64), 5
         spec |= {"lookahead_ngram": 2, "lookahead_candidates": 4}
     num = 3000
     llm = LLM(
@@ -210,16 +210,17 @@ def test_chi_square_sampled_tokens_follow_target(tiny_checkpoint, method):
         assert p_value > 1e-3, (pos, p_value, counts.tolist(), expected.tolist())
 
 
-def _many_pairs(vocab: int) -> list[int]:
-    """Tokens in a random order that repeats no pair: each token is followed by many others,
-    the most recent ones differing from token to token."""
+def _many_pairs(vocab: int, length: int) -> list[int]:
+    """`length` tokens in a random order that repeats no pair: each token is followed by
+    several others, the most recent ones differing from token to token."""
     rng, seq, seen = random.Random(0), [0], set()
-    while True:
+    while len(seq) < length:
         unseen = [b for b in range(vocab) if (seq[-1], b) not in seen]
         if not unseen:
             return seq
         seq.append(rng.choice(unseen))
         seen.add((seq[-2], seq[-1]))
+    return seq
 
 
 @torch.no_grad()
