@@ -121,7 +121,7 @@ class LookaheadProposer:
 
     def _state(self, request: Request) -> _State:
         state = self._states.get(request.request_id)
-        if state is None or state.scanned > request.num_tokens:  # new, or its tokens were reset
+        if state is None:
             state = self._states[request.request_id] = _State(self.ngram, self.candidates)
         return state
 
@@ -135,9 +135,7 @@ class LookaheadProposer:
         """The window's guesses for the next positions (shifted to start right after the last
         known token), padded to min(W, k) by repeating its last guess."""
         length = len(tokens)
-        if state.window_start < 0 or state.window_start > length:
-            # First proposal (or the request went back): what followed the last token's latest
-            # earlier occurrence.
+        if state.window_start < 0:  # first proposal: what followed the last token before
             state.window, state.window_start = lookup(tokens, 1, 1, self.window), length
         state.window = state.window[length - state.window_start :][: self.window]
         state.window_start = length
