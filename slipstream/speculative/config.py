@@ -34,8 +34,9 @@ class SpeculativeConfig:
     ridge_tokens: int = 128
     # oracle (test-only): chance that each draft token is the target's own next token.
     acceptance_rate: float = 0.7
-    # medusa: the candidate tree as paths of top-k ranks per level, e.g. [[0], [1], [0, 0]]
-    # (or its JSON text, vLLM's name); None: a default tree of num_speculative_tokens levels.
+    # medusa, eagle / eagle3, oracle: the candidate tree as paths of top-k ranks per level,
+    # e.g. [[0], [1], [0, 0]] (or its JSON text, vLLM's name); None: medusa's default tree of
+    # num_speculative_tokens levels, a chain for the others (EAGLE: paths [0, ..., 0, r]).
     speculative_token_tree: Any = None
     # lookahead: the Jacobi window's length W, the pool's n-gram length N and the most pool
     # n-grams G drafted a step (speculative/lookahead.py).
@@ -154,15 +155,11 @@ class SpeculativeConfig:
             )
 
     def _check_tree(self) -> None:
-        from slipstream.speculative.tree import tree_from_choices
+        from slipstream.speculative.tree import leaves_on_top_chain, tree_from_choices
 
         if self.method not in _TREE_METHODS:
             raise ValueError(
                 f"speculative_config: speculative_token_tree applies to {_TREE_METHODS}, not {self.method!r}"
             )
-        if self.method in ("eagle", "eagle3"):
-            from slipstream.speculative.eagle import eagle_tree
-
-            eagle_tree(self.token_tree())
-        else:
-            tree_from_choices(self.token_tree())
+        check = leaves_on_top_chain if self.method in ("eagle", "eagle3") else tree_from_choices
+        check(self.token_tree())

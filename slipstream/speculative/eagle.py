@@ -186,7 +186,7 @@ class EagleProposer:
         self._fed: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}
         # speculative_token_tree: the top-1 chain with next-ranked leaves (None: a chain).
-        self.paths = eagle_tree(spec.token_tree())
+        self.paths = trees.leaves_on_top_chain(spec.token_tree())
         self.width = 1 if self.paths is None else max(p[-1] for p in self.paths) + 1
 
     # ---- the target ----------------------------------------------------------------------
@@ -315,21 +315,6 @@ class EagleProposer:
         for rid in request_ids:
             self._fed.pop(rid, None)
             self._pending.pop(rid, None)
-
-
-def eagle_tree(choices) -> list[tuple[int, ...]] | None:
-    """speculative_token_tree for an EAGLE head, breadth-first: only the top-1 chain is
-    expanded, so every path is (0, ..., 0, r); ValueError otherwise. None: no tree."""
-    if choices is None:
-        return None
-    paths = trees.tree_from_choices(choices)
-    for p in paths:
-        if any(p[:-1]):
-            raise ValueError(
-                f"speculative_token_tree: path {list(p)!r}: an EAGLE head expands only its top-1 "
-                "chain, so every path is [0, ..., 0, r] (the r-th ranked token at its depth)"
-            )
-    return paths
 
 
 def _top(logits: torch.Tensor, width: int) -> torch.Tensor:
