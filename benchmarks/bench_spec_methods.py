@@ -5,7 +5,9 @@ held-out standard library files (never trained on; slipstream's own sources wher
 standard library is absent) at temperature 0, batch 1 and 8. Per method: tokens/s against no
 speculation in the same engine and run, the acceptance rate, the mean accepted length (tokens
 a verification emits) and tokens per target step (every emitted token over verifications plus
-plain decode steps: what the speed-up is made of).
+plain decode steps: what the speed-up is made of). "exact" compares the tokens with the run
+without speculation (in bfloat16 a verification chunk and a decode step may round a near tie
+differently).
 
     python benchmarks/bench_spec_methods.py [--batches 1,8] [--output-len 128] [--out DIR]
 """
@@ -70,13 +72,15 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="the model's own (bfloat16) unless given")
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/spec_methods")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     kw = dict(max_num_seqs=max(batches), max_model_len=args.input_len + args.output_len + 16)
-    if args.device:
-        kw["device"] = args.device
+    for key in ("device", "dtype"):
+        if getattr(args, key):
+            kw[key] = getattr(args, key)
     rows = []
     for name, spec in METHODS.items():
         llm = LLM(DEFAULT_MODEL_DIR, speculative_config={**spec, "adaptive": False}, **kw)
