@@ -188,6 +188,10 @@ class EagleProposer:
         # speculative_token_tree: the top-1 chain with next-ranked leaves (None: a chain).
         self.paths = trees.leaves_on_top_chain(spec.token_tree())
         self.width = 1 if self.paths is None else max(p[-1] for p in self.paths) + 1
+        w = self.head.w.get("lm_head.weight")
+        vocab = w.shape[0] if self.shape.eagle3 and w is not None else config.model.vocab_size
+        if self.width > vocab:
+            raise ValueError(f"speculative_token_tree: rank {self.width - 1} past the head's {vocab} tokens")
 
     # ---- the target ----------------------------------------------------------------------
     def attach_target(self, model) -> None:

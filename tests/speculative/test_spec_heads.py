@@ -237,3 +237,16 @@ def test_eagle_tree_expands_only_the_top_chain():
         SpeculativeConfig.from_dict(
             {"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": [[0]]}
         )
+
+
+def test_eagle_tree_ranks_within_the_heads_vocabulary(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("LlamaForCausalLM", vocab_size=16)
+    head = write_eagle(tmp_path / "h", path, eagle3=True)  # a draft vocabulary of 8
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="rank 8 past the head's 8 tokens"):
+        LLM(
+            str(path),
+            device="cpu",
+            max_model_len=64,
+            speculative_config=spec | {"speculative_token_tree": [[0], [8]]},
+        )
