@@ -164,6 +164,8 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
             self._requests.pop(rid, None)
+        if self.spec is not None:  # the proposer's per-request state
+            self.spec.forget(request_ids)
         self._forget_queued_if_done()
 
     def _forget_queued_if_done(self) -> None:
@@ -483,12 +485,12 @@ def _check_sliding_window_combinations(config: EngineConfig) -> None:
     if not any(windows):
         return
     spec = config.speculative
-    if spec is not None and (spec.method == "medusa" or spec.speculative_token_tree is not None):
+    if spec is not None and spec.drafts_trees:
         # A tree node attends from its depth's position but sits at its breadth-first slot;
         # the kernels place the window by slot, which would hide keys the node must see.
         raise ValueError(
             f"{config.model.architecture} has sliding-window attention layers: draft trees "
-            "(medusa, speculative_token_tree) are not supported with them; use a chain "
+            "(medusa, lookahead, speculative_token_tree) are not supported with them; use a chain "
             "method (ngram, draft_model, eagle) or no speculation")
 
 

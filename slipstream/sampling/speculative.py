@@ -71,6 +71,8 @@ def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs:
             rows = list(range(num_accepted(drafts, tokens) + 1))
         keep = len(rows)
         out.sampled_token_ids[rid] = [tokens[r] for r in rows]
+        if seq.num_spec_tokens:
+            out.spec_row_token_ids[rid] = list(tokens)
         lps = [result.logprobs[row + r] for r in rows]
         if lps and lps[0] is not None:
             out.logprobs[rid] = lps

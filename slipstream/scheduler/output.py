@@ -63,3 +63,6 @@ class RunnerOutput:
     # Speculative proposers that draft from the target's hidden states (Medusa, EAGLE): the
     # step's speculative.hidden.StepHidden, when the runner was asked to keep them.
     spec_hidden: Any = None
+    # Verifications: every row's sampled token (root first, then each draft's row), accepted
+    # or not, for proposers that learn from the rows past the first mismatch (lookahead).
+    spec_row_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -8,12 +8,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "oracle")
+METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "lookahead", "oracle")
 _PUBLIC = tuple(m for m in METHODS if m != "oracle")
 # Named in vLLM / the issue but not implemented here: a clear error instead of a silent no-op.
-_NOT_IMPLEMENTED = ("lookahead", "mtp")
+_NOT_IMPLEMENTED = ("mtp",)
 # Methods whose drafts come from heads on the target's hidden states: `model` is required.
 _HEAD_METHODS = ("medusa", "eagle", "eagle3")
+# Methods that draft the tree speculative_token_tree shapes.
+_TREE_METHODS = ("medusa", "eagle", "eagle3", "oracle")
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,15 @@ class SpeculativeConfig:
     ridge_tokens: int = 128
     # oracle (test-only): chance that each draft token is the target's own next token.
     acceptance_rate: float = 0.7
-    # medusa: the candidate tree as paths of top-k ranks per level, e.g. [[0], [1], [0, 0]]
-    # (or its JSON text, vLLM's name); None: a default tree of num_speculative_tokens levels.
+    # medusa, eagle / eagle3, oracle: the candidate tree as paths of top-k ranks per level,
+    # e.g. [[0], [1], [0, 0]] (or its JSON text, vLLM's name); None: medusa's default tree of
+    # num_speculative_tokens levels, a chain for the others (EAGLE: paths [0, ..., 0, r]).
     speculative_token_tree: Any = None
+    # lookahead: the Jacobi window's length W, the pool's n-gram length N and the most pool
+    # n-grams G drafted a step (speculative/lookahead.py).
+    lookahead_window: int = 4
+    lookahead_ngram: int = 4
+    lookahead_candidates: int = 4
 
     @staticmethod
     def from_dict(value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -78,6 +86,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: speculative_token_tree must be a list of rank paths")
         return [tuple(p) for p in tree]
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the proposer drafts trees (rather than chains)."""
+        return self.method in ("medusa", "lookahead") or self.speculative_token_tree is not None
+
     def check(self) -> None:
         if self.method in _NOT_IMPLEMENTED:
             raise ValueError(
@@ -106,6 +119,8 @@ class SpeculativeConfig:
             )
         if not 0.0 <= float(self.acceptance_rate) <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1]")
+        if self.method == "lookahead":
+            self._check_lookahead()
         if self.method in _HEAD_METHODS and self.model is None:
             raise ValueError(
                 f"speculative_config: method {self.method!r} needs 'model' (the "
@@ -114,9 +129,7 @@ class SpeculativeConfig:
         if self.method in _HEAD_METHODS and not Path(self.model).is_dir():
             raise ValueError(f"speculative_config: {self.method} model {self.model!r} is not a directory")
         if self.speculative_token_tree is not None:
-            from slipstream.speculative.tree import tree_from_choices
-
-            tree_from_choices(self.token_tree())
+            self._check_tree()
         if (
             self.method == "draft_model"
             and self.model is not None
@@ -126,3 +139,27 @@ class SpeculativeConfig:
                 f"speculative_config: draft model {self.model!r} is not a "
                 "checkpoint directory (no config.json)"
             )
+
+    def _check_lookahead(self) -> None:
+        from slipstream.speculative.tree import MAX_TREE_TOKENS
+
+        for key, lo in (("lookahead_window", 1), ("lookahead_ngram", 2), ("lookahead_candidates", 1)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= 16:
+                raise ValueError(f"speculative_config: {key} must be an integer in [{lo}, 16], got {v!r}")
+        nodes = (self.lookahead_candidates + 1) * self.num_speculative_tokens
+        if nodes > MAX_TREE_TOKENS - 1:
+            raise ValueError(
+                f"speculative_config: lookahead drafts up to (lookahead_candidates + 1) * "
+                f"num_speculative_tokens = {nodes} tree nodes; at most {MAX_TREE_TOKENS - 1} fit"
+            )
+
+    def _check_tree(self) -> None:
+        from slipstream.speculative.tree import leaves_on_top_chain, tree_from_choices
+
+        if self.method not in _TREE_METHODS:
+            raise ValueError(
+                f"speculative_config: speculative_token_tree applies to {_TREE_METHODS}, not {self.method!r}"
+            )
+        check = leaves_on_top_chain if self.method in ("eagle", "eagle3") else tree_from_choices
+        check(self.token_tree())

@@ -18,8 +18,12 @@ from slipstream.speculative.step_cost import StepCostEstimator
 
 logger = logging.getLogger(__name__)
 
-# Acceptance assumed before any draft is verified, and the weight of each new step in the
-# running estimate (an exponential moving average over steps).
+# Per-token acceptance assumed before any draft is verified, and the weight of each new step
+# in the running estimate (an exponential moving average over steps). Each step's estimate
+# counts a trial per draft position a verification reached: its accepted drafts, and the
+# first rejected one unless all up to its depth were accepted (the maximum-likelihood a of a
+# chain whose drafts are each right with probability a; a tree's nodes at one depth compete
+# for one position).
 _PRIOR_ACCEPTANCE = 0.7
 _EMA_WEIGHT = 0.1
 # With adaptive k at 0 (acceptance too low to pay), one proposal round in this many drafts
@@ -141,11 +145,14 @@ class SpeculativeDecoder:
 
     def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
         """Count a verified step; per request id (drafts, accepted) for its output. A proposer
-        that drafts from the target's hidden states gets the step's (`observe`)."""
+        that drafts from the target's hidden states gets the step's (`observe`); one that
+        learns from every verification row gets them (`observe_verification`)."""
         if runner_out.spec_hidden is not None:
             self.proposer.observe(runner_out.spec_hidden)
+        if runner_out.spec_row_token_ids and hasattr(self.proposer, "observe_verification"):
+            self.proposer.observe_verification(sched_out, runner_out)
         per_request = {}
-        proposed = accepted = 0
+        proposed = accepted = trials = 0
         for seq in sched_out.seqs:
             if not seq.num_spec_tokens:
                 continue
@@ -155,13 +162,14 @@ class SpeculativeDecoder:
             n = min(len(sampled) - 1, seq.num_spec_tokens)
             per_request[seq.request_id] = (seq.num_spec_tokens, n)
             proposed += seq.num_spec_tokens
+            trials += n + (n < _depth(seq))
             accepted += n
             self.stats.num_drafts += 1
             self.stats.num_emitted_tokens += n + 1
         if proposed:
             self.stats.num_draft_tokens += proposed
             self.stats.num_accepted_tokens += accepted
-            self.acceptance += _EMA_WEIGHT * (accepted / proposed - self.acceptance)
+            self.acceptance += _EMA_WEIGHT * (accepted / trials - self.acceptance)
         return per_request
 
     def step_applied(self, sched_out: SchedulerOutput, num_steps: int) -> None:
@@ -206,6 +214,11 @@ class SpeculativeDecoder:
         }
 
 
+def _depth(seq) -> int:
+    """The most drafts a verification can accept: a chain's length, a tree's depth."""
+    return max(tree.depths(seq.spec_parents)) if seq.spec_parents else seq.num_spec_tokens
+
+
 def _seeded_sampling(r: Request) -> bool:
     p = r.sampling_params
     return p.seed is not None and not p.greedy
@@ -244,6 +257,10 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         from slipstream.speculative.eagle import EagleProposer
 
         proposer = EagleProposer(config)
+    elif spec.method == "lookahead":
+        from slipstream.speculative.lookahead import LookaheadProposer
+
+        proposer = LookaheadProposer(spec.lookahead_window, spec.lookahead_ngram, spec.lookahead_candidates)
     elif spec.method == "medusa":
         import torch
 

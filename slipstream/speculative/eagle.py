@@ -1,5 +1,6 @@
 """EAGLE / EAGLE-3 proposer: a one-layer draft head that runs autoregressively on the target's
-hidden states (features) rather than on tokens alone. Chains of k drafts.
+hidden states (features) rather than on tokens alone. Chains of k drafts; with
+`speculative_token_tree`, the chain plus next-ranked leaves at each depth (a draft tree).
 
 At position t the head takes the embedding of token t + 1 and the feature of position t and
 predicts the feature of position t + 1, whose logits give the draft for token t + 2; each
@@ -41,6 +42,7 @@ from slipstream.kernels.reference import rms_norm
 from slipstream.layers.rotary import RotaryEmbedding
 from slipstream.runner.input_batch import prepare_inputs
 from slipstream.scheduler.output import ScheduledSeq
+from slipstream.speculative import tree as trees
 from slipstream.speculative.hidden import StepHidden
 
 
@@ -183,6 +185,13 @@ class EagleProposer:
         # Per request: head K/V valid below fed_upto; features of the positions after it.
         self._fed: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        # speculative_token_tree: the top-1 chain with next-ranked leaves (None: a chain).
+        self.paths = trees.leaves_on_top_chain(spec.token_tree())
+        self.width = 1 if self.paths is None else max(p[-1] for p in self.paths) + 1
+        w = self.head.w.get("lm_head.weight")
+        vocab = w.shape[0] if self.shape.eagle3 and w is not None else config.model.vocab_size
+        if self.width > vocab:
+            raise ValueError(f"speculative_token_tree: rank {self.width - 1} past the head's {vocab} tokens")
 
     # ---- the target ----------------------------------------------------------------------
     def attach_target(self, model) -> None:
@@ -208,10 +217,11 @@ class EagleProposer:
         return self.target.model.embed_tokens(ids).to(self.dtype)
 
     def _draft_ids(self, feature: torch.Tensor) -> torch.Tensor:
+        """[N, width]: each row's `width` most likely target ids, the most likely first."""
         if not self.shape.eagle3:
-            return self.target.compute_logits(feature).argmax(-1)
+            return _top(self.target.compute_logits(feature), self.width)
         h = rms_norm(feature, self.head.w["norm.weight"], self.shape.eps)
-        ids = F.linear(h, self.head.w["lm_head.weight"]).argmax(-1)
+        ids = _top(F.linear(h, self.head.w["lm_head.weight"]), self.width)
         d2t = self.head.w.get("d2t")
         return ids if d2t is None else ids + d2t[ids]
 
@@ -248,9 +258,11 @@ class EagleProposer:
 
     # ---- proposing -----------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict:
         """Per request id, k greedy drafts: one catch-up chunk over its queued features, then
-        k - 1 steps on the head's own features; one host read at the end."""
+        k - 1 steps on the head's own features; one host read at the end. With a token tree,
+        (tokens, parents): the chain plus, at each depth, the next-ranked tokens of that
+        step's logits as leaves."""
         ready = [(r, k) for r, k in wanted if self._caught_up_to(r) == r.num_tokens - 1]
         ready = [(r, k) for r, k in ready if self.kv.allocate_slots(r, 1 + k)]
         if not ready:
@@ -271,7 +283,7 @@ class EagleProposer:
             keep = [n for n, i in enumerate(alive) if ready[i][1] > j]
             alive = [alive[n] for n in keep]
             rows = torch.tensor(keep, device=self.device)
-            prev_ids, h = steps[-1].index_select(0, rows), h.index_select(0, rows)
+            prev_ids, h = steps[-1][:, 0].index_select(0, rows), h.index_select(0, rows)
             seqs = [
                 ScheduledSeq(
                     ready[i][0],
@@ -284,7 +296,14 @@ class EagleProposer:
             ]
             h = self._run(seqs, self._embed(prev_ids), h)
             steps.append(self._draft_ids(h))
-        return _regroup(torch.cat(steps).tolist(), ready)
+        per_depth = _regroup(torch.cat(steps).tolist(), ready)
+        if self.paths is None:
+            return {rid: [row[0] for row in rows] for rid, rows in per_depth.items()}
+        drafts = {}
+        for rid, rows in per_depth.items():
+            paths = [p for p in self.paths if len(p) <= len(rows)]  # breadth-first: a prefix
+            drafts[rid] = ([rows[len(p) - 1][p[-1]] for p in paths], trees.parents_of(paths))
+        return drafts
 
     def _caught_up_to(self, r: Request) -> int:
         fed, pending = self._fed.get(r.request_id), self._pending.get(r.request_id)
@@ -302,8 +321,13 @@ class EagleProposer:
             self._pending.pop(rid, None)
 
 
-def _regroup(flat: list[int], ready: list[tuple[Request, int]]) -> dict[str, list[int]]:
-    drafts: dict[str, list[int]] = {r.request_id: [] for r, _ in ready}
+def _top(logits: torch.Tensor, width: int) -> torch.Tensor:
+    return logits.argmax(-1, keepdim=True) if width == 1 else logits.topk(width, dim=-1).indices
+
+
+def _regroup(flat: list[list[int]], ready: list[tuple[Request, int]]) -> dict[str, list[list[int]]]:
+    """Per request id, its row of ranked ids at each depth (the steps' rows, flattened)."""
+    drafts: dict[str, list[list[int]]] = {r.request_id: [] for r, _ in ready}
     alive, offset, j = list(range(len(ready))), 0, 0
     while offset < len(flat):
         alive = [i for i in alive if ready[i][1] > j]

@@ -66,6 +66,22 @@ def tree_from_choices(choices: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return paths
 
 
+def leaves_on_top_chain(choices) -> list[tuple[int, ...]] | None:
+    """Choices for a proposer that expands only its top-1 chain (EAGLE): every path is
+    (0, ..., 0, r), the r-th ranked token at its depth as a leaf; sorted breadth-first.
+    ValueError otherwise; None for None (no tree)."""
+    if choices is None:
+        return None
+    paths = tree_from_choices(choices)
+    for p in paths:
+        if any(p[:-1]):
+            raise ValueError(
+                f"speculative_token_tree: path {list(p)!r}: an EAGLE head expands only its top-1 "
+                "chain, so every path is [0, ..., 0, r] (the r-th ranked token at its depth)"
+            )
+    return paths
+
+
 def default_tree(depth: int, num_nodes: int, width: int = 4) -> list[tuple[int, ...]]:
     """The num_nodes most likely paths of at most `depth` ranks (< width each) if each rank r
     were right with probability about 1 / (r + 2): ranks of the same depth compete, the

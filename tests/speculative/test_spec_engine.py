@@ -103,7 +103,14 @@ def _spec_configs(tiny_checkpoint, heads=None):
             m: {"method": m, "model": str(heads[m]), "num_speculative_tokens": 3}
             for m in ("medusa", "eagle", "eagle3")
         },
+        "eagle3_tree": {
+            "method": "eagle3",
+            "model": str(heads["eagle3"]),
+            "num_speculative_tokens": 3,
+            "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1]],
+        },
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        "lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "lookahead_ngram": 3},
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3},
         "draft_is_target": {"method": "draft_model", "num_speculative_tokens": 4},
         "oracle": {"method": "oracle", "num_speculative_tokens": 4, "acceptance_rate": 0.7},
@@ -111,7 +118,19 @@ def _spec_configs(tiny_checkpoint, heads=None):
 
 
 @pytest.mark.parametrize(
-    "name", ["ngram", "draft_model", "draft_is_target", "oracle", "oracle_tree", "medusa", "eagle", "eagle3"]
+    "name",
+    [
+        "ngram",
+        "lookahead",
+        "draft_model",
+        "draft_is_target",
+        "oracle",
+        "oracle_tree",
+        "medusa",
+        "eagle",
+        "eagle3",
+        "eagle3_tree",
+    ],
 )
 def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, heads, name):
     config = dict(_spec_configs(tiny_checkpoint, heads)[name], adaptive=False)
@@ -129,7 +148,7 @@ def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, 
     stats = llm.get_stats()
     spec = stats["speculative"][config["method"]]
     assert spec["num_draft_tokens"] > 0
-    if name not in ("draft_model", "medusa", "eagle", "eagle3"):  # random drafts may never be right
+    if not name.startswith(("draft_model", "medusa", "eagle")):  # random drafts may never be right
         assert spec["num_accepted_tokens"] > 0
     assert stats["spec_num_draft_tokens"] == spec["num_draft_tokens"]
     assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
@@ -144,31 +163,37 @@ def test_same_tokens_as_without_speculation(tiny_checkpoint, target, reference, 
         assert stats["num_preemptions"] > 0
 
 
-def test_chi_square_sampled_tokens_follow_target(tiny_checkpoint):
-    """Tokens 2 and 3 of 3000 samples at temperature 1 (drafts: the target's own greedy
-    tokens, so a rule that accepted drafts too often would pile up on the argmax) against
-    their exact marginals from transformers."""
+@pytest.mark.parametrize("method", ["draft_model", "lookahead"])
+def test_chi_square_sampled_tokens_follow_target(tiny_checkpoint, method):
+    """Tokens 2 and 3 of 3000 samples at temperature 1 against their exact marginals from
+    transformers. Drafts: the target's own greedy tokens, or a lookahead tree whose first
+    level holds about five of the twelve tokens whatever the token before (the prompt
+    follows each token by many others), so a rule that accepted drafts too often would pile
+    up on them."""
     path = tiny_checkpoint("LlamaForCausalLM", vocab_size=12, initializer_range=0.3, seed=4)
-    prompt, num = [3, 4, 5], 3000
+    spec = {"method": method, "num_speculative_tokens": 2, "adaptive": False}
+    if method == "draft_model":
+        prompt, spec["model"], max_tokens = [3, 4, 5], str(path), 3
+    else:  # room for the tree's nodes: the scheduler fits them in max_tokens
+        prompt, max_tokens = _many_pairs(12, 64), 5
+        spec |= {"lookahead_ngram": 2, "lookahead_candidates": 4}
+    num = 3000
     llm = LLM(
         str(path),
         dtype="float32",
         device="cpu",
         max_num_seqs=256,
-        max_model_len=16,
+        max_model_len=len(prompt) + 8,
         kv_cache_memory=4 << 20,
-        speculative_config={
-            "method": "draft_model",
-            "model": str(path),
-            "num_speculative_tokens": 2,
-            "adaptive": False,
-        },
+        speculative_config=spec,
     )
     outs = llm.generate(
-        [prompt] * num, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), use_tqdm=False
+        [prompt] * num,
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
     )
     assert llm.get_stats()["spec_num_accepted_tokens"] > num // 4
-    samples = torch.tensor([o.outputs[0].token_ids for o in outs])
+    samples = torch.tensor([o.outputs[0].token_ids[:3] for o in outs])
     p2, p3 = _exact_marginals(load_hf_model(path), prompt, 12)
     for pos, p in ((1, p2), (2, p3)):
         counts = torch.bincount(samples[:, pos], minlength=12).double()
@@ -183,6 +208,19 @@ def test_chi_square_sampled_tokens_follow_target(tiny_checkpoint):
         dof = int(keep.sum()) - (0 if (~keep).any() else 1)
         p_value = torch.special.gammaincc(torch.tensor(dof / 2), stat / 2).item()
         assert p_value > 1e-3, (pos, p_value, counts.tolist(), expected.tolist())
+
+
+def _many_pairs(vocab: int, length: int) -> list[int]:
+    """`length` tokens in a random order that repeats no pair: each token is followed by
+    several others, the most recent ones differing from token to token."""
+    rng, seq, seen = random.Random(0), [0], set()
+    while len(seq) < length:
+        unseen = [b for b in range(vocab) if (seq[-1], b) not in seen]
+        if not unseen:
+            return seq
+        seq.append(rng.choice(unseen))
+        seen.add((seq[-2], seq[-1]))
+    return seq
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ from tests.speculative.heads import write_eagle, write_medusa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "method", ["ngram", "oracle", "oracle_tree", "draft_model", "medusa", "eagle", "eagle3"]
+    "method",
+    ["ngram", "lookahead", "oracle", "oracle_tree", "draft_model", "medusa", "eagle", "eagle3", "eagle_tree"],
 )
 def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, method):
     path = tiny_checkpoint("LlamaForCausalLM")
@@ -30,10 +31,12 @@ def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, method):
         spec |= {"method": "oracle", "speculative_token_tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}
     if method == "medusa":
         spec["model"] = str(write_medusa(tmp_path / "m", path))
-    if method in ("eagle", "eagle3"):
+    if method == "eagle_tree":  # the top-1 chain and next-ranked leaves
+        spec |= {"method": "eagle", "speculative_token_tree": [[0], [1], [2], [0, 0], [0, 1], [0, 0, 0]]}
+    if spec["method"] in ("eagle", "eagle3"):
         spec["model"] = str(write_eagle(tmp_path / "e", path, eagle3=method == "eagle3"))
     llm = LLM(str(path), speculative_config=spec, **kw)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
-    if method not in ("medusa", "eagle", "eagle3"):  # random heads may never be right
+    if not method.startswith(("medusa", "eagle")):  # random heads may never be right
         assert llm.get_stats()["spec_num_accepted_tokens"] > 0

@@ -164,3 +164,89 @@ def _rope(x, pos, cos_sin):
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+# Depth 1: ranks 0-5; depth 2: ranks 0-3 under the top-1 draft; depth 3: ranks 0-1 under it.
+EAGLE_TREE = [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [0, 2], [0, 3], [0, 0, 0], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("eagle3", [False, True])
+def test_eagle_tree_is_exact_beats_the_chain_and_keeps_head_kv_right(tiny_checkpoint, tmp_path, eagle3):
+    """A 16-token vocabulary, so the next-ranked leaves are often right: the same tokens as
+    without speculation, a mean accepted length above the chain's on the same prompts, and
+    after every tree step (accepted leaves included) the next drafts' chain equals the head
+    run densely over the known tokens, so the head's K/V holds exactly the accepted path."""
+    path = tiny_checkpoint("LlamaForCausalLM", vocab_size=16)
+    head_dir = write_eagle(tmp_path / "h", path, eagle3=eagle3)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11, 12, 13], [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    ]
+    kw = dict(
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=64,
+        kv_cache_memory=1 << 20,
+        decode_steps=1,
+    )
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)]
+    method = "eagle3" if eagle3 else "eagle"
+    mean_len = {}
+    for name, tree_choices in (("chain", None), ("tree", EAGLE_TREE)):
+        spec = {"method": method, "model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+        if tree_choices is not None:
+            spec["speculative_token_tree"] = tree_choices
+        llm = LLM(str(path), speculative_config=spec, **kw)
+        proposer = llm.engine.spec.proposer
+        seen = []
+        real_propose = proposer.propose
+
+        def spy(wanted, real_propose=real_propose, seen=seen):
+            out = real_propose(wanted)
+            seen += [(list(r.all_token_ids), out[r.request_id]) for r, _ in wanted if r.request_id in out]
+            return out
+
+        proposer.propose = spy
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        stats = llm.get_stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        mean_len[name] = stats["speculative"][method]["mean_accepted_length"]
+        if name == "tree":
+            hf = load_hf_model(path)
+            for tokens, (drafts, parents) in seen[::3]:
+                chain = tree.first_chain(drafts, parents)
+                assert chain == _dense_drafts(hf, proposer.head, tokens, len(chain), eagle3)
+    assert mean_len["tree"] > mean_len["chain"] >= 1.0
+
+
+def test_eagle_tree_expands_only_the_top_chain():
+    from slipstream.speculative.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=r"\[0, \.\.\., 0, r\]"):
+        SpeculativeConfig.from_dict(
+            {
+                "method": "eagle",
+                "model": "/tmp",
+                "num_speculative_tokens": 2,
+                "speculative_token_tree": [[0], [1], [1, 0]],
+            }
+        )
+    with pytest.raises(ValueError, match="applies to"):
+        SpeculativeConfig.from_dict(
+            {"method": "ngram", "num_speculative_tokens": 2, "speculative_token_tree": [[0]]}
+        )
+
+
+def test_eagle_tree_ranks_within_the_heads_vocabulary(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("LlamaForCausalLM", vocab_size=16)
+    head = write_eagle(tmp_path / "h", path, eagle3=True)  # a draft vocabulary of 8
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="rank 8 past the head's 8 tokens"):
+        LLM(
+            str(path),
+            device="cpu",
+            max_model_len=64,
+            speculative_config=spec | {"speculative_token_tree": [[0], [8]]},
+        )

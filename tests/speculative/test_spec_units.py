@@ -19,7 +19,7 @@ from slipstream.speculative.ngram import lookup
     [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "nope", "num_speculative_tokens": 2}, "method must be one of"),
-        ({"method": "lookahead", "num_speculative_tokens": 2}, "not implemented"),
+        ({"method": "mtp", "num_speculative_tokens": 2}, "not implemented"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "eagle", "num_speculative_tokens": 2, "model": "/no/such"}, "not a directory"),
         ({"method": "oracle", "num_speculative_tokens": 2, "speculative_token_tree": [[0, 0]]}, "no parent"),
@@ -94,8 +94,11 @@ def test_adaptive_k_probes_while_off():
     from slipstream.speculative.config import SpeculativeConfig
     from slipstream.speculative.decoder import _PROBE_EVERY, SpeculativeDecoder
 
-    spec = SpeculativeDecoder(SpeculativeConfig.from_dict(
-        {"method": "ngram", "num_speculative_tokens": 4}), proposer=None, max_seq_len=64)
+    spec = SpeculativeDecoder(
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4}),
+        proposer=None,
+        max_seq_len=64,
+    )
     spec.acceptance = 0.0
     assert spec.num_drafts_for(1) == 0
     due = [spec._probe_due(1) for _ in range(3 * _PROBE_EVERY)]
