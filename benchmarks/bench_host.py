@@ -92,6 +92,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled requests (never multi-step: the single-step path)")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=ns.max_num_seqs,
@@ -103,7 +105,8 @@ def main() -> None:
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 4000) for _ in range(ns.input_len)]
                for _ in range(ns.num_requests)]
-    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=ns.output_len, ignore_eos=True,
+                            temperature=ns.temperature)
     steps = 0
     step = core.step
 
@@ -123,13 +126,18 @@ def main() -> None:
         assert all(len(o.outputs[0].token_ids) == ns.output_len for o in outs)
     wall, cpu = min(runs)
     per_run = {name: total / ns.repeat for name, total in phases.items()}
+    row_steps = ns.num_requests * ns.output_len  # one sampled token per row per step
     result = dict(num_requests=ns.num_requests, input_len=ns.input_len, output_len=ns.output_len,
+                  temperature=ns.temperature, decode_steps=ns.decode_steps,
+                  tokens_per_s=row_steps / wall, us_per_token=1e6 * wall / row_steps,
                   engine_steps=steps, host_s=wall, host_cpu_s=cpu, runs=runs,
                   host_ms_per_step=1e3 * wall / steps, phases_s=per_run,
                   queued_decodes=core.runner.queued // ns.repeat)
     print(f"{steps} engine steps ({core.runner.queued // ns.repeat} decodes fed on the device), host "
           f"{wall:.2f} s ({1e3 * wall / steps:.2f} ms per step; CPU {cpu:.2f} s); "
           f"runs {[round(r[0], 2) for r in runs]}")
+    print(f"{row_steps / wall:,.0f} tokens/s, {1e6 * wall / row_steps:.1f} us per token "
+          f"(CPU {1e6 * cpu / row_steps:.1f})")
     print("mean per run: " + ", ".join(f"{k} {v:.2f} s" for k, v in per_run.items()))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=1))
