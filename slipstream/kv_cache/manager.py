@@ -158,7 +158,9 @@ class KVCacheManager:
             # Fast path (most decode steps): the table already covers the new tokens.
             total_tokens = request.num_computed_tokens + num_new_tokens
             if total_tokens <= len(table) * self.block_size:
-                self._cache_full_blocks(request, table, total_tokens)
+                if self.enable_prefix_caching \
+                        and total_tokens // self.block_size > self._num_hashed[rid]:
+                    self._cache_full_blocks(request, table, total_tokens)
                 return True
         hits = new_computed_blocks or []
         if hits and table:

@@ -248,8 +248,12 @@ class Scheduler:
                           - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue  # nothing to compute (no token came back for it last step)
-            if num_pending and self._ends_by_length(request):
-                continue  # its pending token is its last: update_from_output finishes it
+            if num_pending:
+                max_tokens = request.sampling_params.max_tokens
+                if (len(request.prompt_token_ids) + len(request.output_token_ids)
+                        >= self._max_seq_len or (max_tokens is not None and len(
+                            request.output_token_ids) >= max_tokens)):
+                    continue  # its pending token is its last: update_from_output finishes it
             drafts = self._drafts_to_verify(request, num_new, budget) \
                 if request.spec_token_ids else []
             while not allocate(request, num_new + len(drafts)):
@@ -283,11 +287,6 @@ class Scheduler:
         if request.spec_parents is not None:  # a tree: its breadth-first nodes of depth <= room - 1
             n = min(n, prune(request.spec_parents, room - 1))
         return drafts[:n]
-
-    def _ends_by_length(self, request: Request) -> bool:
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens >= self._max_seq_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens)
 
     def mark_launched(self, scheduler_output: SchedulerOutput) -> None:
         """async_scheduling: the step is on the device and its tokens will be read later. Its
@@ -540,6 +539,16 @@ class Scheduler:
         if num_pending:
             del request.output_token_ids[-num_pending:]
             request.num_pending = 0
+        if len(sampled) == 1 and request.grammar is None:  # every row of a single step
+            token = sampled[0]
+            count, status = scan_stop(request, sampled, self._max_seq_len)
+            request.output_token_ids.append(token)
+            if status is not None:
+                request.status = status
+            elif num_pending > 1:
+                request.output_token_ids.extend([PENDING_TOKEN] * (num_pending - 1))
+                request.num_pending = num_pending - 1
+            return [token]
         count, status = scan_stop(request, sampled, self._max_seq_len)
         grammar = request.grammar
         if grammar is not None:  # structured output: its end is a stop
