@@ -6,6 +6,7 @@ offsets, lengths and block tables go into AttentionMetadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -47,14 +48,15 @@ def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
     """numpy arrays for `seqs`; max_blocks_per_seq pads the block table to a fixed width."""
     if not seqs:
         raise ValueError("cannot build a batch of zero sequences")
-    num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    num_seqs = len(seqs)
+    num_tokens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
     if (num_tokens < 1).any():
         raise ValueError("every scheduled sequence needs at least one token")
-    starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
+    starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(num_tokens, out=query_start_loc[1:])
     seq_lens = (starts + num_tokens).astype(np.int32)
-    input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64,
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64,
                             count=int(query_start_loc[-1]))
     # positions: start_pos + offset inside the seq's chunk, for every token at once
     seq_of_token = np.repeat(np.arange(len(seqs)), num_tokens)
@@ -104,14 +106,21 @@ def _spec_logits_indices(seqs: list[ScheduledSeq], sampled: list[int],
 def _block_tables(seqs: list[ScheduledSeq], seq_lens: np.ndarray, block_size: int,
                   width: int | None) -> np.ndarray:
     needed = (seq_lens + block_size - 1) // block_size
-    for s, n in zip(seqs, needed):
-        if len(s.block_ids) < n:
-            raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold "
-                             f"{s.start_pos + s.num_tokens} tokens (block_size {block_size})")
+    have = np.fromiter((len(s.block_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+    short = np.flatnonzero(have < needed)
+    if len(short):
+        s = seqs[short[0]]
+        raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold "
+                         f"{s.start_pos + s.num_tokens} tokens (block_size {block_size})")
     if width is not None and width < needed.max():
         raise ValueError(f"max_blocks_per_seq={width} is below the {needed.max()} blocks needed")
-    width = width or max(len(s.block_ids) for s in seqs)
+    width = width or int(have.max())
     table = np.zeros((len(seqs), width), dtype=np.int32)
+    if have.max() <= width:  # every table fits: one flat copy in row order
+        flat = np.fromiter(chain.from_iterable(s.block_ids for s in seqs), dtype=np.int32,
+                           count=int(have.sum()))
+        table[np.arange(width) < have[:, None]] = flat
+        return table
     for i, s in enumerate(seqs):
         ids = s.block_ids[:width]
         table[i, : len(ids)] = ids
