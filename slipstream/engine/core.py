@@ -566,10 +566,13 @@ def _holds_first_tokens(inflight) -> bool:
 
 
 def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bool:
+    """Whether the request's next tokens need no host work between them: sampling (greedy or
+    not: the sampler runs on the device each step) with no logprobs, stop strings, penalties,
+    pending min_tokens, logit controls or output constraint."""
     p = request.sampling_params
     if num_output_tokens is None:
         num_output_tokens = request.num_output_tokens
-    return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
+    return (p.logprobs is None and not p.stop and not has_penalties(p)
             and num_output_tokens >= p.min_tokens and not p.has_logit_controls
             and p.structured_outputs is None)
 

@@ -389,15 +389,27 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int, feed: _Feed = None
                             ) -> LaunchedTokens:
-        """Greedy pure-decode batch, num_steps tokens per request without the host: queues the
-        steps and returns their token ids [num_steps, num_seqs] (on the device, their host copy
+        """Pure-decode batch, num_steps tokens per request without the host: queues the steps
+        and returns their token ids [num_steps, num_seqs] (on the device, their host copy
         queued behind them) for collect_decode_steps. The scheduler has reserved blocks for
         every step (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
-        DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
+        DecodeGraphs.run_steps); the seqs' token_ids are then placeholders.
+
+        Greedy batches take the fused argmax; a batch with sampled requests runs the sampler
+        once a step, as the single-step path would (each seeded request draws from its own
+        generator once a step, in step order, so its tokens are the same either way)."""
         hb = build_host_batch(sched.seqs, self.block_size)
         graphs = self._decode_graphs_for(sched.seqs)
+        requests = [s.request for s in sched.seqs]
+        sample = None
+        if not all(r.sampling_params.greedy for r in requests):
+            sampler = self._get_sampler()
+
+            def sample(logits: torch.Tensor) -> torch.Tensor:
+                return sampler.sample_on_device(logits, requests)
+
         with self.timer.phase("graph"):
-            return LaunchedTokens(graphs.run_steps(hb, num_steps, self.block_size, feed))
+            return LaunchedTokens(graphs.run_steps(hb, num_steps, self.block_size, feed, sample))
 
     def collect_decode_steps(self, sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for launched decode steps and return their tokens, per request."""
