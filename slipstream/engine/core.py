@@ -550,8 +550,9 @@ def _feed_from(inflight, sched_out: SchedulerOutput):
     if inflight is None:
         return None
     prev, tokens = inflight
-    row_of = {s.request_id: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
-    rows = [row_of.get(s.request_id, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
+    # Keyed by the request object (hashed by identity): cheaper than its id, every step.
+    row_of = {s.request: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
+    rows = [row_of.get(s.request, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
             for s in sched_out.seqs]
     return (tokens.on_device, rows) if any(r >= 0 for r in rows) else None
 

@@ -502,11 +502,11 @@ class ModelRunner:
     @staticmethod
     def collect_sampled(sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for a launch_sampled step and return its tokens, per request."""
-        out = RunnerOutput()
-        seqs = [s for s in sched.seqs if s.needs_sample]
-        for seq, token in zip(seqs, tokens.host().tolist(), strict=True):
-            out.sampled_token_ids[seq.request_id] = [token]
-        return out
+        requests = [s.request for s in sched.seqs if s.needs_sample]
+        values = tokens.host().tolist()
+        if len(values) != len(requests):
+            raise ValueError(f"{len(values)} sampled tokens for {len(requests)} sampled seqs")
+        return RunnerOutput({r.request_id: [t] for r, t in zip(requests, values)})
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput,

@@ -244,8 +244,10 @@ class Scheduler:
             num_pending = request.num_pending
             if num_pending and skip_pending:
                 continue  # in flight in an unread micro-batch
-            num_new = min(len(request.prompt_token_ids) + len(request.output_token_ids)
-                          - request.num_computed_tokens, budget)
+            num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                       - request.num_computed_tokens)
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue  # nothing to compute (no token came back for it last step)
             if num_pending:
@@ -294,7 +296,7 @@ class Scheduler:
         schedule() already builds on them (update_from_output puts the real ids in)."""
         for seq in scheduler_output.seqs:
             request = seq.request
-            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.needs_sample:
                 request.output_token_ids.append(PENDING_TOKEN)
                 request.num_pending += 1
@@ -478,7 +480,7 @@ class Scheduler:
                 rid, new_ids,
                 logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
                 prompt_lps, status.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0),
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 # Timestamps matter once: with the first tokens (and again at the end).
                 _timestamps(request) if new_ids and (
                     len(request.output_token_ids) - request.num_pending == len(new_ids)
@@ -596,8 +598,8 @@ def scan_stop(request: Request, tokens: list[int], max_seq_len: int
     params = request.sampling_params
     num_output = len(request.output_token_ids)
     room = max_seq_len - len(request.prompt_token_ids) - num_output
-    if params.max_tokens is not None:
-        room = min(room, params.max_tokens - num_output)
+    if params.max_tokens is not None and params.max_tokens - num_output < room:
+        room = params.max_tokens - num_output
     eos = () if params.ignore_eos else request.eos_token_ids
     if len(tokens) == 1:  # the single-step path: every row, every step
         token = tokens[0]
