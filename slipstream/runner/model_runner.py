@@ -26,6 +26,7 @@ from slipstream.quantization.kv_cache import check_kv_cache_device, prepare_kv_s
 from slipstream.runner.cuda_graphs import DecodeGraphs
 from slipstream.runner.host_copies import HostKVCopies, measure_copy_rate, measure_matmul_rate
 from slipstream.runner.input_batch import (
+    BlockTableRows,
     HostBatch,
     ModelInputs,
     build_host_batch,
@@ -79,6 +80,7 @@ class ModelRunner:
         # runs eagerly and returns them (RunnerOutput.spec_hidden).
         self.keep_hidden = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
+        self._block_tables = BlockTableRows()  # running requests' block tables, kept
         if self.device.type == "cpu":  # once per process: the server's engine process set it
             from slipstream.runner.cpu_threads import configure_cpu_threads
 
@@ -398,7 +400,7 @@ class ModelRunner:
         Greedy batches take the fused argmax; a batch with sampled requests runs the sampler
         once a step, as the single-step path would (each seeded request draws from its own
         generator once a step, in step order, so its tokens are the same either way)."""
-        hb = build_host_batch(sched.seqs, self.block_size)
+        hb = self._host_batch(sched)
         graphs = self._decode_graphs_for(sched.seqs)
         requests = [s.request for s in sched.seqs]
         sample = None
@@ -420,6 +422,11 @@ class ModelRunner:
             out.sampled_token_ids[seq.request_id] = row
         return out
 
+    def _host_batch(self, sched: SchedulerOutput) -> HostBatch:
+        """The step's host arrays, block tables gathered from the rows kept across steps."""
+        self._block_tables.forget(sched.finished_request_ids)
+        return build_host_batch(sched.seqs, self.block_size, tables=self._block_tables)
+
     def _max_blocks_per_seq(self) -> int:
         return -(-(self.config.scheduler.max_model_len + 1) // self.block_size)
 
@@ -430,7 +437,7 @@ class ModelRunner:
             return None
         if any(s.num_tokens != 1 or not s.needs_sample for s in sched.seqs):
             return None
-        hb = build_host_batch(sched.seqs, self.block_size)
+        hb = self._host_batch(sched)
         if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
             return None
         return self._decode_graphs_for(sched.seqs).run(hb, feed)
@@ -459,7 +466,7 @@ class ModelRunner:
         if logits is not None:
             return logits, [s.request for s in sched.seqs], None
         with self.timer.phase("prepare"):
-            hb = build_host_batch(sched.seqs, self.block_size)
+            hb = self._host_batch(sched)
         prefill = None if self.keep_hidden else self._prefill_logits(sched, hb, feed)
         if prefill is not None:
             return (*prefill, None)
