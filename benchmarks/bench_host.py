@@ -1,6 +1,7 @@
 """Host time of an offline batch with the model taken out: what the GPU waits for between steps.
 
     python benchmarks/bench_host.py [--num-requests 4000] [--input-len 128] [--output-len 128]
+        [--decode-steps 8] [--async-scheduling] [--temperature 0] [--prepare-inputs]
 The embedded default model's engine runs W2's request mix (512 running, 8192 tokens per step,
 8 decode steps per host round trip, as `LLM` does) with a stub runner that returns tokens at
 once, so the wall time is the host's own work: scheduling, block tables, stop checks and output
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from slipstream import LLM, SamplingParams
 from slipstream.assets import default_model_path
+from slipstream.runner.input_batch import build_host_batch
 from slipstream.scheduler.output import RunnerOutput
 
 
@@ -33,8 +35,12 @@ class _Launched:
 class StubRunner:
     """Answers every step at once with random token ids (the multi-step path included)."""
 
-    def __init__(self, real, vocab_size: int, max_decode_batch: int):
+    def __init__(self, real, vocab_size: int, max_decode_batch: int, prepare: bool = False):
         self.timer = real.timer
+        # prepare: build each step's host arrays as the real runner does (input preparation).
+        self._prepare = getattr(real, "_host_batch", None) or (
+            lambda sched: build_host_batch(sched.seqs, real.block_size))
+        self._prepare = self._prepare if prepare else (lambda sched: None)
         self.max_decode_batch = max_decode_batch
         self.queued = 0  # decodes launched before the previous step's tokens were read
         self._rng = random.Random(0)
@@ -46,20 +52,23 @@ class StubRunner:
 
     def launch_decode_steps(self, sched, num_steps: int, feed=None) -> _Launched:
         self.queued += feed is not None
+        self._prepare(sched)
         return _Launched([self._tokens(num_steps) for _ in sched.seqs])
 
     def collect_decode_steps(self, sched, tokens: _Launched) -> RunnerOutput:
         return RunnerOutput({s.request_id: row for s, row in zip(sched.seqs, tokens.values)})
 
     def execute_model(self, sched, while_gpu_runs=None, feed=None) -> RunnerOutput:
+        self._prepare(sched)
         return RunnerOutput({s.request_id: self._tokens(1) for s in sched.seqs if s.needs_sample})
 
     def launch_sampled(self, sched, feed=None) -> _Launched:
+        self._prepare(sched)
         return _Launched(self._tokens(sum(s.needs_sample for s in sched.seqs)))
 
     def collect_sampled(self, sched, tokens: _Launched) -> RunnerOutput:
-        seqs = [s for s in sched.seqs if s.needs_sample]
-        return RunnerOutput({s.request_id: [t] for s, t in zip(seqs, tokens.values)})
+        requests = [s.request for s in sched.seqs if s.needs_sample]
+        return RunnerOutput({r.request_id: [t] for r, t in zip(requests, tokens.values)})
 
 
 def _time_phases(llm) -> dict[str, float]:
@@ -95,6 +104,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sampled requests (never multi-step: the single-step path)")
+    ap.add_argument("--prepare-inputs", action="store_true",
+                    help="build each step's host arrays (block tables, positions, slots) too")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     llm = LLM(str(default_model_path()), device="cpu", max_num_seqs=ns.max_num_seqs,
@@ -102,7 +113,8 @@ def main() -> None:
               kv_cache_memory=2 << 30, decode_steps=ns.decode_steps,
               async_scheduling=ns.async_scheduling)
     core = llm.engine
-    core.runner = StubRunner(core.runner, llm.engine_config.model.vocab_size, ns.max_num_seqs)
+    core.runner = StubRunner(core.runner, llm.engine_config.model.vocab_size, ns.max_num_seqs,
+                             ns.prepare_inputs)
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 4000) for _ in range(ns.input_len)]
                for _ in range(ns.num_requests)]
