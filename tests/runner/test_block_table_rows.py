@@ -1,6 +1,7 @@
 """BlockTableRows: block tables kept across steps give the same arrays as a fresh build, through
 random growth, trims, in-place edits (blocks released behind a window), preemptions (a new list),
 finishes (rows given back and reused) and width changes."""
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,7 @@ def _edit(rng: random.Random, blocks: list[int], next_block: list[int]) -> list[
         blocks.extend(range(next_block[0], next_block[0] + rng.randint(1, 3)))
         next_block[0] += 3
     elif kind == 2 and len(blocks) > 1:  # trimmed (rejected drafts), then maybe regrown
-        del blocks[rng.randrange(1, len(blocks)):]
+        del blocks[rng.randrange(1, len(blocks)) :]
     elif kind == 3 and len(blocks) > 2:  # released behind a sliding window (same length)
         k = rng.randrange(1, len(blocks))
         blocks[:k] = [0] * k
