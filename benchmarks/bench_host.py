@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="> 0: sampled requests (never multi-step: the single-step path)")
+                    help="> 0: sampled requests (the stub ignores it; it picks the engine path)")
     ap.add_argument("--prepare-inputs", action="store_true",
                     help="build each step's host arrays (block tables, positions, slots) too")
     ap.add_argument("--output-json", default=None)
