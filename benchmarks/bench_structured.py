@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="the engine's async_scheduling (auto: on with CUDA); off runs constrained steps unoverlapped",
     )
+    parser.add_argument("--decode-steps", type=int, default=None,
+                        help="the engine's decode_steps (default: LLM's; 1 keeps every request "
+                        "on the single-step path)")
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     model, _ = resolve_model(args.model) if is_shape_name(args.model) else (args.model, None)
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_tokens=args.max_num_tokens,
         max_model_len=args.max_model_len,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
     )
     vocab = min(llm.engine_config.model.vocab_size, len(llm.tokenizer))
     tp = throughput(llm, args.num_requests, vocab, args.length_scale, args.repeats)
@@ -207,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(llm.engine_config.device),
         "model_vocab": vocab,
         "async_scheduling": llm.engine_config.scheduler.async_scheduling,
+        "decode_steps": llm.engine_config.scheduler.decode_steps,
         **tp,
         "compile_ms": {
             "mean": 1e3 * statistics.mean(compile_s),
@@ -229,7 +234,8 @@ def print_table(f: dict, num: int) -> None:
 
     compile_ms, ttft = f["compile_ms"], f["ttft_ms"]
     rows = [
-        ("device", f"{f['device']} (async_scheduling {f['async_scheduling']})"),
+        ("device", f"{f['device']} (async_scheduling {f['async_scheduling']}, decode_steps "
+                   f"{f['decode_steps']})"),
         ("model vocab", f"{f['model_vocab']}"),
         ("unconstrained, matched lengths tok/s", rate(f["matched"])),
         ("JSON schema, grammars compiled tok/s", rate(f["warm"])),
@@ -237,7 +243,8 @@ def print_table(f: dict, num: int) -> None:
         ("JSON schema, compiling as it runs tok/s", rate(f["cold"])),
         ("throughput cost with compiles", f"{100 * f['cost_cold']:.1f} %"),
         ("unconstrained, full W5 lengths tok/s", rate(f["w5"])),
-        ("schema outputs: of all / finished / valid", f"{f['num']} / {f['finished']} / {f['finished_valid']}"),
+        ("schema outputs: of all / finished / valid",
+         f"{f['num']} / {f['finished']} / {f['finished_valid']}"),
         (
             "compile ms per schema (mean / p50 / max)",
             f"{compile_ms['mean']:.1f} / {compile_ms['p50']:.1f} / {compile_ms['max']:.1f}"

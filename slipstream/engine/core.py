@@ -66,6 +66,8 @@ class EngineCore:
                         "copies pay from some length on" if self._tier_cost.ever_pays(
                             self.scheduler.max_seq_len) else "recomputing is always cheaper")
         self._requests: dict[str, Request] = {}
+        # Requests whose outputs carried their first_scheduled_time already (once is enough).
+        self._stamped: set[str] = set()
         # Structured-output requests whose grammar is still compiling (off the step loop).
         self.grammar_wait = GrammarWaitRoom(config.tokenizer_path, config.model.vocab_size)
         self.beams = BeamCoordinator(self.scheduler, self.runner)
@@ -163,10 +165,14 @@ class EngineCore:
                 self.beams.abort(rid)
         self.scheduler.abort_requests(request_ids)
         for rid in request_ids:
-            self._requests.pop(rid, None)
+            self._forget(rid)
         if self.spec is not None:  # the proposer's per-request state
             self.spec.forget(request_ids)
         self._forget_queued_if_done()
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._stamped.discard(request_id)
 
     def _forget_queued_if_done(self) -> None:
         """Drop a queued decode none of whose requests is still running: nothing of it would
@@ -186,7 +192,7 @@ class EngineCore:
             if error is None:
                 self.scheduler.add_request(request)
             else:
-                self._requests.pop(request.request_id, None)
+                self._forget(request.request_id)
                 failed.append(_error_output(request, error))
         outputs = self._step(while_gpu_runs)
         if self.spec is not None:
@@ -269,12 +275,16 @@ class EngineCore:
                 outputs = self.beams.on_outputs(outputs)
         if self.trace.enabled:
             self.trace.record(sched_out, runner_out, num_steps, self.scheduler.get_stats())
+        stamped = self._stamped
         for out in outputs:
-            request = self._requests.get(out.request_id)
-            if request is not None and request.first_scheduled_time is not None:
-                out.timestamps.setdefault("first_scheduled_time", request.first_scheduled_time)
-            if out.finished:
-                self._requests.pop(out.request_id, None)
+            rid = out.request_id
+            if rid not in stamped:  # the front end keeps the first it gets (RequestMetrics)
+                request = self._requests.get(rid)
+                if request is not None and request.first_scheduled_time is not None:
+                    out.timestamps.setdefault("first_scheduled_time", request.first_scheduled_time)
+                    stamped.add(rid)
+            if out.finish_reason is not None:
+                self._forget(rid)
         self._forget_queued_if_done()
         return outputs
 
@@ -315,7 +325,7 @@ class EngineCore:
         outputs = self._apply(sched_out, runner_out, 1, grammars_advanced=True)
         ended = self.scheduler.end_rejected(pairs, job.result())
         for out in ended:
-            self._requests.pop(out.request_id, None)
+            self._forget(out.request_id)
         return outputs + ended
 
     def _grammar_thread(self) -> ThreadPoolExecutor:
@@ -542,8 +552,9 @@ def _feed_from(inflight, sched_out: SchedulerOutput):
     if inflight is None:
         return None
     prev, tokens = inflight
-    row_of = {s.request_id: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
-    rows = [row_of.get(s.request_id, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
+    # Keyed by the request object (hashed by identity): cheaper than its id, every step.
+    row_of = {s.request: i for i, s in enumerate(t for t in prev.seqs if t.needs_sample)}
+    rows = [row_of.get(s.request, -1) if s.token_ids[-1] == PENDING_TOKEN else -1
             for s in sched_out.seqs]
     return (tokens.on_device, rows) if any(r >= 0 for r in rows) else None
 
@@ -558,10 +569,13 @@ def _holds_first_tokens(inflight) -> bool:
 
 
 def _multi_step_ok(request: Request, num_output_tokens: int | None = None) -> bool:
+    """Whether the request's next tokens need no host work between them: sampling (greedy or
+    not: the sampler runs on the device each step) with no logprobs, stop strings, penalties,
+    pending min_tokens, logit controls or output constraint."""
     p = request.sampling_params
     if num_output_tokens is None:
         num_output_tokens = request.num_output_tokens
-    return (p.greedy and p.logprobs is None and not p.stop and not has_penalties(p)
+    return (p.logprobs is None and not p.stop and not has_penalties(p)
             and num_output_tokens >= p.min_tokens and not p.has_logit_controls
             and p.structured_outputs is None)
 

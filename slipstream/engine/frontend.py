@@ -256,17 +256,20 @@ class OutputProcessor:
         touched: dict[str, _ParentState] = {}
         to_abort: list[str] = []
         now = time.monotonic()
+        child_to_parent, parents = self._child_to_parent, self._parents
         for out in outputs:
-            key = self._child_to_parent.get(out.request_id)
+            key = child_to_parent.get(out.request_id)
             if key is None:
                 continue  # already aborted or finished by a stop string
-            state = self._parents[key[0]]
+            state = parents[key[0]]
             choice = state.choices[key[1]]
             if self._apply(state, choice, out, now):
                 to_abort.append(out.request_id)
             if choice.finish_reason is not None:
-                self._child_to_parent.pop(out.request_id, None)
-            touched[state.request_id] = state
+                child_to_parent.pop(out.request_id, None)
+                touched[state.request_id] = state
+            elif emit_unfinished:  # (a parent finishes only in a step one of its choices does)
+                touched[state.request_id] = state
         results = []
         for state in touched.values():
             finished = all(c.finish_reason is not None for c in state.choices)
@@ -284,25 +287,28 @@ class OutputProcessor:
             metrics.absorb(out.timestamps)
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None and choice.index == 0:
             state.prompt_logprobs.extend(out.prompt_logprobs)
-        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-        if not out.new_token_ids:
+        if out.num_cached_tokens > state.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        new_ids = out.new_token_ids
+        if not new_ids:
             if out.finish_reason is not None:  # e.g. aborted or failed before a new token
                 choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             return False
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.num_generated_tokens += len(out.new_token_ids)
-        metrics.num_draft_tokens += out.num_draft_tokens
-        metrics.num_accepted_tokens += out.num_accepted_tokens
-        choice.token_ids.extend(out.new_token_ids)
+        metrics.num_generated_tokens += len(new_ids)
+        if out.num_draft_tokens:
+            metrics.num_draft_tokens += out.num_draft_tokens
+            metrics.num_accepted_tokens += out.num_accepted_tokens
+        choice.token_ids.extend(new_ids)
         if choice.logprobs is not None and out.new_logprobs:
             choice.logprobs.extend(out.new_logprobs)
         choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-        detok = self._detokenizer(state, choice)
+        detok = choice.detokenizer or self._detokenizer(state, choice)
         if detok is None:
             return False
         # An engine stop (EOS or a stop token id) keeps that token's text out of the output.
-        detok.defer(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+        detok.defer(new_ids, out.finish_reason == "stop")
         if detok.stop_matched is not None and out.finish_reason in (None, "stop", "length"):
             choice.finish_reason, choice.stop_reason = "stop", detok.stop_matched
             return out.finish_reason is None

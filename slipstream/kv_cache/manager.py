@@ -158,7 +158,9 @@ class KVCacheManager:
             # Fast path (most decode steps): the table already covers the new tokens.
             total_tokens = request.num_computed_tokens + num_new_tokens
             if total_tokens <= len(table) * self.block_size:
-                self._cache_full_blocks(request, table, total_tokens)
+                if self.enable_prefix_caching \
+                        and total_tokens // self.block_size > self._num_hashed[rid]:
+                    self._cache_full_blocks(request, table, total_tokens)
                 return True
         hits = new_computed_blocks or []
         if hits and table:
@@ -385,10 +387,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        num_hashed = self._num_hashed[rid]
+        if total_tokens // self.block_size <= num_hashed:
+            return  # most decode steps: no block filled since the last call
         # Only blocks whose tokens are all known (multi-step decode reserves slots ahead; an
         # async step's sampled token is a placeholder until read).
         num_full = min(total_tokens, request.num_known_tokens) // self.block_size
-        start = max(self._num_hashed[rid], self._num_released.get(rid, 0))
+        start = max(num_hashed, self._num_released.get(rid, 0))
         if num_full <= start:
             return
         hashes = self._request_hashes(request, num_full)

@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -122,8 +123,11 @@ class DecodeGraphs:
         return self._step(b)[:n]
 
     def run_steps(self, hb: HostBatch, num_steps: int, block_size: int,
-                  feed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+                  feed: tuple[torch.Tensor, list[int]] | None = None,
+                  sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """`num_steps` greedy decode steps back to back, each argmax fed in as the next input.
+        sample: logits [n, vocab] -> token ids [n] on the device, called once a step in step
+        order (the sampler, for batches with requests that are not greedy) instead of argmax.
 
         Nothing waits for the host between steps: positions, sequence lengths and slots advance
         on the device (the block tables already cover every step). Returns token ids
@@ -140,7 +144,13 @@ class DecodeGraphs:
         tokens = torch.empty((num_steps, n), dtype=torch.int64, device=self.device)
         for step in range(num_steps):
             logits = self._step(b)[:n]
-            if step + 1 < num_steps:
+            if sample is not None:
+                tokens[step].copy_(sample(logits))
+                if step + 1 < num_steps:
+                    advance_with_tokens(tokens[step], self.input_ids, self.positions,
+                                        self.seq_lens, self.slot_mapping, self.block_tables,
+                                        block_size)
+            elif step + 1 < num_steps:
                 self._advance(logits, tokens[step], self.input_ids, self.positions, self.seq_lens,
                               self.slot_mapping, self.block_tables, block_size)
             else:
@@ -232,13 +242,21 @@ def argmax_and_advance_reference(logits, out, input_ids, positions, seq_lens, sl
                                  block_tables, block_size: int) -> None:
     """Twin of kernels.sampling.greedy.argmax_and_advance: out = argmax of each logits row, fed back as
     the next input (input_ids), one position on (positions, seq_lens +1, slot_mapping)."""
-    n = logits.shape[0]
     torch.argmax(logits, dim=-1, out=out)
-    input_ids[:n].copy_(out)
+    advance_with_tokens(out, input_ids, positions, seq_lens, slot_mapping, block_tables,
+                        block_size)
+
+
+def advance_with_tokens(tokens, input_ids, positions, seq_lens, slot_mapping, block_tables,
+                        block_size: int) -> None:
+    """tokens [n] become the next inputs of the first n rows, one position on (positions,
+    seq_lens +1, slot_mapping), in torch ops on the device."""
+    n = tokens.shape[0]
+    input_ids[:n].copy_(tokens)
     positions[:n].add_(1)
     seq_lens[:n].add_(1)
     pos = positions[:n]
-    rows = torch.arange(n, device=logits.device)
+    rows = torch.arange(n, device=tokens.device)
     block = block_tables[rows, pos // block_size].to(torch.int64)
     slot_mapping[:n].copy_(block * block_size + pos % block_size)
 

@@ -6,6 +6,7 @@ offsets, lengths and block tables go into AttentionMetadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -42,25 +43,85 @@ class HostBatch:
     tree_mask: np.ndarray | None = None
 
 
+class BlockTableRows:
+    """Each request's block table kept as a numpy row across steps, so a step's table is one
+    gather: only rows whose block list changed since the last step are converted (a decode
+    adds a block every block_size tokens). A change is found by comparing the list with the
+    copy the row was made from (a list compare runs in C), so any edit counts: growth, a
+    trim, blocks released behind a sliding window, a new table after a preemption."""
+
+    def __init__(self, rows: int = 64, width: int = 16):
+        self._table = np.zeros((rows, width), dtype=np.int32)
+        self._row_of: dict[str, int] = {}
+        self._held: list[list[int] | None] = [None] * rows  # each row's block list (a copy)
+        self._free = list(range(rows - 1, -1, -1))
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Give back the rows of requests that left the engine."""
+        for rid in request_ids:
+            row = self._row_of.pop(rid, None)
+            if row is not None:
+                self._held[row] = None
+                self._free.append(row)
+
+    def gather(self, seqs: list[ScheduledSeq], width: int) -> np.ndarray:
+        """[len(seqs), width] int32: row i holds seqs[i].block_ids[:width], padded with 0."""
+        rows = []
+        held, row_of = self._held, self._row_of
+        for s in seqs:
+            ids = s.block_ids
+            row = row_of.get(s.request.request_id)
+            if row is None:
+                row = self._take_row(s.request.request_id)
+            if held[row] != ids:
+                self._store(row, ids)
+            rows.append(row)
+        if width > self._table.shape[1]:
+            self._widen(width)
+        return self._table[rows, :width]  # a copy: later steps rewrite the rows
+
+    def _take_row(self, request_id: str) -> int:
+        if not self._free:
+            n = len(self._held)
+            self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+            self._held += [None] * n
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self._row_of[request_id] = self._free.pop()
+        return row
+
+    def _widen(self, width: int) -> None:
+        self._table = np.pad(self._table, ((0, 0), (0, width - self._table.shape[1])))
+
+    def _store(self, row: int, ids: list[int]) -> None:
+        if len(ids) > self._table.shape[1]:
+            self._widen(max(len(ids), 2 * self._table.shape[1]))
+        self._table[row, : len(ids)] = ids
+        self._table[row, len(ids) :] = 0
+        self._held[row] = list(ids)
+
+
 def build_host_batch(seqs: list[ScheduledSeq], block_size: int,
-                     max_blocks_per_seq: int | None = None) -> HostBatch:
-    """numpy arrays for `seqs`; max_blocks_per_seq pads the block table to a fixed width."""
+                     max_blocks_per_seq: int | None = None,
+                     tables: BlockTableRows | None = None) -> HostBatch:
+    """numpy arrays for `seqs`; max_blocks_per_seq pads the block table to a fixed width.
+    tables: the block tables kept from earlier steps (the runner's), else built afresh."""
     if not seqs:
         raise ValueError("cannot build a batch of zero sequences")
-    num_tokens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
+    num_seqs = len(seqs)
+    num_tokens = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=num_seqs)
     if (num_tokens < 1).any():
         raise ValueError("every scheduled sequence needs at least one token")
-    starts = np.array([s.start_pos for s in seqs], dtype=np.int64)
+    starts = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=num_seqs)
     query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(num_tokens, out=query_start_loc[1:])
     seq_lens = (starts + num_tokens).astype(np.int32)
-    input_ids = np.fromiter((t for s in seqs for t in s.token_ids), dtype=np.int64,
+    input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), dtype=np.int64,
                             count=int(query_start_loc[-1]))
     # positions: start_pos + offset inside the seq's chunk, for every token at once
     seq_of_token = np.repeat(np.arange(len(seqs)), num_tokens)
     positions = np.arange(len(input_ids), dtype=np.int64) - query_start_loc[seq_of_token] \
         + starts[seq_of_token]
-    block_tables = _block_tables(seqs, seq_lens, block_size, max_blocks_per_seq)
+    block_tables = _block_tables(seqs, seq_lens, block_size, max_blocks_per_seq, tables)
     block_of_token = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     slot_mapping = block_of_token * block_size + positions % block_size
     tree_mask = None
@@ -102,16 +163,25 @@ def _spec_logits_indices(seqs: list[ScheduledSeq], sampled: list[int],
 
 
 def _block_tables(seqs: list[ScheduledSeq], seq_lens: np.ndarray, block_size: int,
-                  width: int | None) -> np.ndarray:
+                  width: int | None, tables: BlockTableRows | None = None) -> np.ndarray:
     needed = (seq_lens + block_size - 1) // block_size
-    for s, n in zip(seqs, needed):
-        if len(s.block_ids) < n:
-            raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold "
-                             f"{s.start_pos + s.num_tokens} tokens (block_size {block_size})")
+    have = np.fromiter((len(s.block_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+    short = np.flatnonzero(have < needed)
+    if len(short):
+        s = seqs[short[0]]
+        raise ValueError(f"request {s.request_id}: {len(s.block_ids)} blocks cannot hold "
+                         f"{s.start_pos + s.num_tokens} tokens (block_size {block_size})")
     if width is not None and width < needed.max():
         raise ValueError(f"max_blocks_per_seq={width} is below the {needed.max()} blocks needed")
-    width = width or max(len(s.block_ids) for s in seqs)
+    width = width or int(have.max())
+    if tables is not None:
+        return tables.gather(seqs, width)
     table = np.zeros((len(seqs), width), dtype=np.int32)
+    if have.max() <= width:  # every table fits: one flat copy in row order
+        flat = np.fromiter(chain.from_iterable(s.block_ids for s in seqs), dtype=np.int32,
+                           count=int(have.sum()))
+        table[np.arange(width) < have[:, None]] = flat
+        return table
     for i, s in enumerate(seqs):
         ids = s.block_ids[:width]
         table[i, : len(ids)] = ids

@@ -26,6 +26,7 @@ from slipstream.quantization.kv_cache import check_kv_cache_device, prepare_kv_s
 from slipstream.runner.cuda_graphs import DecodeGraphs
 from slipstream.runner.host_copies import HostKVCopies, measure_copy_rate, measure_matmul_rate
 from slipstream.runner.input_batch import (
+    BlockTableRows,
     HostBatch,
     ModelInputs,
     build_host_batch,
@@ -79,6 +80,7 @@ class ModelRunner:
         # runs eagerly and returns them (RunnerOutput.spec_hidden).
         self.keep_hidden = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
+        self._block_tables = BlockTableRows()  # running requests' block tables, kept
         if self.device.type == "cpu":  # once per process: the server's engine process set it
             from slipstream.runner.cpu_threads import configure_cpu_threads
 
@@ -389,15 +391,27 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int, feed: _Feed = None
                             ) -> LaunchedTokens:
-        """Greedy pure-decode batch, num_steps tokens per request without the host: queues the
-        steps and returns their token ids [num_steps, num_seqs] (on the device, their host copy
+        """Pure-decode batch, num_steps tokens per request without the host: queues the steps
+        and returns their token ids [num_steps, num_seqs] (on the device, their host copy
         queued behind them) for collect_decode_steps. The scheduler has reserved blocks for
         every step (ScheduledSeq.num_lookahead). feed: input tokens still on the device (see
-        DecodeGraphs.run_steps); the seqs' token_ids are then placeholders."""
-        hb = build_host_batch(sched.seqs, self.block_size)
+        DecodeGraphs.run_steps); the seqs' token_ids are then placeholders.
+
+        Greedy batches take the fused argmax; a batch with sampled requests runs the sampler
+        once a step, as the single-step path would (each seeded request draws from its own
+        generator once a step, in step order, so its tokens are the same either way)."""
+        hb = self._host_batch(sched)
         graphs = self._decode_graphs_for(sched.seqs)
+        requests = [s.request for s in sched.seqs]
+        sample = None
+        if not all(r.sampling_params.greedy for r in requests):
+            sampler = self._get_sampler()
+
+            def sample(logits: torch.Tensor) -> torch.Tensor:
+                return sampler.sample_on_device(logits, requests)
+
         with self.timer.phase("graph"):
-            return LaunchedTokens(graphs.run_steps(hb, num_steps, self.block_size, feed))
+            return LaunchedTokens(graphs.run_steps(hb, num_steps, self.block_size, feed, sample))
 
     def collect_decode_steps(self, sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for launched decode steps and return their tokens, per request."""
@@ -407,6 +421,11 @@ class ModelRunner:
         for seq, row in zip(sched.seqs, rows, strict=True):
             out.sampled_token_ids[seq.request_id] = row
         return out
+
+    def _host_batch(self, sched: SchedulerOutput) -> HostBatch:
+        """The step's host arrays, block tables gathered from the rows kept across steps."""
+        self._block_tables.forget(sched.finished_request_ids)
+        return build_host_batch(sched.seqs, self.block_size, tables=self._block_tables)
 
     def _max_blocks_per_seq(self) -> int:
         return -(-(self.config.scheduler.max_model_len + 1) // self.block_size)
@@ -418,7 +437,7 @@ class ModelRunner:
             return None
         if any(s.num_tokens != 1 or not s.needs_sample for s in sched.seqs):
             return None
-        hb = build_host_batch(sched.seqs, self.block_size)
+        hb = self._host_batch(sched)
         if hb.block_tables.shape[1] > graphs.max_blocks_per_seq:
             return None
         return self._decode_graphs_for(sched.seqs).run(hb, feed)
@@ -447,7 +466,7 @@ class ModelRunner:
         if logits is not None:
             return logits, [s.request for s in sched.seqs], None
         with self.timer.phase("prepare"):
-            hb = build_host_batch(sched.seqs, self.block_size)
+            hb = self._host_batch(sched)
         prefill = None if self.keep_hidden else self._prefill_logits(sched, hb, feed)
         if prefill is not None:
             return (*prefill, None)
@@ -490,11 +509,11 @@ class ModelRunner:
     @staticmethod
     def collect_sampled(sched: SchedulerOutput, tokens: LaunchedTokens) -> RunnerOutput:
         """Wait for a launch_sampled step and return its tokens, per request."""
-        out = RunnerOutput()
-        seqs = [s for s in sched.seqs if s.needs_sample]
-        for seq, token in zip(seqs, tokens.host().tolist(), strict=True):
-            out.sampled_token_ids[seq.request_id] = [token]
-        return out
+        requests = [s.request for s in sched.seqs if s.needs_sample]
+        values = tokens.host().tolist()
+        if len(values) != len(requests):
+            raise ValueError(f"{len(values)} sampled tokens for {len(requests)} sampled seqs")
+        return RunnerOutput({r.request_id: [t] for r, t in zip(requests, values)})
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput,

@@ -11,12 +11,14 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from slipstream.sampling.logit_controls import LogitControls, has_logit_controls
 from slipstream.sampling.logprobs import pack_top_logprobs, unpack_top_logprobs
 from slipstream.sampling.penalties import apply_penalties, has_penalties, mask_min_tokens
 from slipstream.sampling.topk_topp import apply_min_p, apply_top_k_top_p
+from slipstream.sampling_params import _GREEDY_EPS
 
 if TYPE_CHECKING:
     from slipstream.engine.request import Request
@@ -45,24 +47,28 @@ class _Params:
     @staticmethod
     def build(requests: list[Request], device: torch.device) -> _Params:
         sps = [r.sampling_params for r in requests]
-        greedy = [sp.greedy for sp in sps]
+        # Per-field lists into numpy (one C conversion each: this runs every step for every row);
+        # the checks use float64, as the parameters are, before the float32 copy.
+        temps = np.array([sp.temperature for sp in sps], dtype=np.float64)
+        ks = np.array([sp.top_k for sp in sps], dtype=np.int64)
+        ps = np.array([sp.top_p for sp in sps], dtype=np.float64)
+        mps = np.array([sp.min_p for sp in sps], dtype=np.float64)
+        greedy = temps < _GREEDY_EPS  # SamplingParams.greedy
         # Greedy rows go through the sampling maths too (then get overwritten): keep them
-        # neutral so nothing divides by zero.
-        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]
-        ks = [sp.top_k for sp in sps]
-        ps = [sp.top_p for sp in sps]
-        mps = [sp.min_p for sp in sps]
-        # One host-to-device copy for all parameters (top_k < 2**24 is exact in float32).
-        host = torch.tensor([temps, ks, ps, mps, greedy], dtype=torch.float32)
-        dev = host.to(device, non_blocking=True)
+        # neutral so nothing divides by zero. One host-to-device copy for all parameters
+        # (top_k < 2**24 is exact in float32).
+        host = np.empty((5, len(sps)), dtype=np.float32)
+        host[0] = np.where(greedy, 1.0, temps)
+        host[1], host[2], host[3], host[4] = ks, ps, mps, greedy
+        dev = torch.from_numpy(host).to(device, non_blocking=True)
         return _Params(
             greedy=dev[4].bool(),
             temperature=dev[0],
-            top_k=dev[1].long() if any(ks) else None,
-            top_p=dev[2] if any(p < 1.0 for p in ps) else None,
-            min_p=dev[3] if any(mps) else None,
-            max_k=max(ks),
-            any_greedy=any(greedy),
+            top_k=dev[1].long() if ks.any() else None,
+            top_p=dev[2] if (ps < 1.0).any() else None,
+            min_p=dev[3] if mps.any() else None,
+            max_k=int(ks.max()),
+            any_greedy=bool(greedy.any()),
         )
 
 

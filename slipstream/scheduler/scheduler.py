@@ -228,35 +228,49 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Give each running request its next tokens, preempting when blocks run out."""
-        scheduled: dict[str, ScheduledSeq] = {}
+        """Give each running request its next tokens, preempting when blocks run out.
+
+        Runs for every running request every step: attribute reads are hoisted and a decode
+        row's common case (no drafts, blocks already there) stays in this loop."""
+        seqs = out.seqs
+        max_seqs, skip_pending = self._step_caps
+        allocate = self.kv.allocate_slots
+        running_status = RequestStatus.RUNNING
         for request in list(self.running):  # a copy: preemption removes from self.running
-            if budget <= 0 or len(out.seqs) >= self._step_caps[0]:
+            if budget <= 0 or len(seqs) >= max_seqs:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running_status:
                 continue  # preempted earlier in this step
-            if request.num_pending and self._step_caps[1]:
+            num_pending = request.num_pending
+            if num_pending and skip_pending:
                 continue  # in flight in an unread micro-batch
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = (len(request.prompt_token_ids) + len(request.output_token_ids)
+                       - request.num_computed_tokens)
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue  # nothing to compute (no token came back for it last step)
-            if request.num_pending and self._ends_by_length(request):
-                continue  # its pending token is its last: update_from_output finishes it
-            drafts = self._drafts_to_verify(request, num_new, budget)
-            while not self.kv.allocate_slots(request, num_new + len(drafts)):
+            if num_pending:
+                max_tokens = request.sampling_params.max_tokens
+                if (len(request.prompt_token_ids) + len(request.output_token_ids)
+                        >= self._max_seq_len or (max_tokens is not None and len(
+                            request.output_token_ids) >= max_tokens)):
+                    continue  # its pending token is its last: update_from_output finishes it
+            drafts = self._drafts_to_verify(request, num_new, budget) \
+                if request.spec_token_ids else []
+            while not allocate(request, num_new + len(drafts)):
                 if drafts:  # speculation gives way before anyone is preempted
                     drafts = []
                     continue
                 victim = self._pick_victim()
-                budget += self._preempt(victim, out, scheduled)
+                budget += self._preempt(victim, out)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if request.status != running_status:
                 continue
             seq = self._make_seq(request, num_new, drafts)
-            scheduled[request.request_id] = seq
-            out.seqs.append(seq)
-            budget -= seq.num_tokens
+            seqs.append(seq)
+            budget -= len(seq.token_ids)
         return budget
 
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
@@ -276,18 +290,13 @@ class Scheduler:
             n = min(n, prune(request.spec_parents, room - 1))
         return drafts[:n]
 
-    def _ends_by_length(self, request: Request) -> bool:
-        max_tokens = request.sampling_params.max_tokens
-        return request.num_tokens >= self._max_seq_len or (
-            max_tokens is not None and request.num_output_tokens >= max_tokens)
-
     def mark_launched(self, scheduler_output: SchedulerOutput) -> None:
         """async_scheduling: the step is on the device and its tokens will be read later. Its
         tokens count as computed now and each sampled seq holds a PENDING_TOKEN, so the next
         schedule() already builds on them (update_from_output puts the real ids in)."""
         for seq in scheduler_output.seqs:
             request = seq.request
-            request.num_computed_tokens = seq.start_pos + seq.num_tokens
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.needs_sample:
                 request.output_token_ids.append(PENDING_TOKEN)
                 request.num_pending += 1
@@ -298,9 +307,7 @@ class Scheduler:
                   key=lambda j: (self.running[j].priority, self.running[j].arrival_time, j))
         return self.running[idx]
 
-    def _preempt(
-        self, request: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq]
-    ) -> int:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> int:
         """Recompute-preempt `request`; returns the tokens it gave back to this step's budget."""
         self.running.remove(request)
         if self._swaps(request):
@@ -315,7 +322,7 @@ class Scheduler:
         self._plp_received.pop(request.request_id, None)
         out.preempted_request_ids.append(request.request_id)
         self._push_waiting(request)
-        seq = scheduled.pop(request.request_id, None)
+        seq = next((s for s in out.seqs if s.request is request), None)  # rare: a scan
         if seq is None:
             return 0
         out.seqs.remove(seq)
@@ -398,18 +405,21 @@ class Scheduler:
     def _make_seq(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
-        parents = request.spec_parents[: len(drafts)] if request.spec_parents and drafts else None
-        request.spec_token_ids, request.spec_parents = [], None  # drafts are for this step only
-        return ScheduledSeq(
-            request=request,
-            token_ids=request.token_ids_slice(start, end) + list(drafts),
-            start_pos=start,
-            # The live table, not a copy: the runner reads it before the next schedule().
-            block_ids=self.kv.get_block_ids(request.request_id),
-            needs_sample=end == request.num_tokens,
-            num_spec_tokens=len(drafts),
-            spec_parents=parents,
-        )
+        num_prompt = len(request.prompt_token_ids)
+        if start >= num_prompt:  # a decode (or a resumed request's output part)
+            token_ids = request.output_token_ids[start - num_prompt : end - num_prompt]
+        else:
+            token_ids = request.token_ids_slice(start, end)
+        parents = None
+        if drafts:
+            token_ids += drafts
+            parents = request.spec_parents[: len(drafts)] if request.spec_parents else None
+        if request.spec_token_ids or request.spec_parents is not None:
+            request.spec_token_ids, request.spec_parents = [], None  # for this step only
+        # The live block table, not a copy: the runner reads it before the next schedule().
+        return ScheduledSeq(request, token_ids, start, self.kv.get_block_ids(request.request_id),
+                            end == num_prompt + len(request.output_token_ids), 0, len(drafts),
+                            parents)
 
     def _push_waiting(self, request: Request) -> None:
         # A preempted request keeps its arrival_time, so it goes back ahead of later arrivals.
@@ -434,46 +444,54 @@ class Scheduler:
         `end_rejected`), e.g. in a thread while this runs."""
         outputs = []
         grammar_tokens = [] if grammars_advanced else self.grammar_tokens(scheduler_output, runner_output)
+        requests = self.requests
+        sampled_ids = runner_output.sampled_token_ids
+        all_logprobs = runner_output.logprobs
+        all_prompt_lps = runner_output.prompt_logprobs
+        running_status = RequestStatus.RUNNING
         for seq in scheduler_output.seqs:
             request = seq.request
             rid = request.request_id
-            if self.requests.get(rid) is not request:
+            if requests.get(rid) is not request:
                 continue  # finished or aborted since it was scheduled
-            running = request.status == RequestStatus.RUNNING
+            running = request.status == running_status
             if running:
                 # max: mark_launched may already have moved it past this step (async steps).
-                request.num_computed_tokens = max(
-                    request.num_computed_tokens, _computed_after(seq, runner_output))
+                end = _computed_after(seq, runner_output) if seq.num_spec_tokens \
+                    else seq.start_pos + len(seq.token_ids) + seq.num_lookahead
+                if end > request.num_computed_tokens:
+                    request.num_computed_tokens = end
             elif not (seq.needs_sample and request.num_pending):
                 continue  # preempted since it was scheduled
             # A request preempted after an async step was launched keeps that step's token
             # (its next one either way, and a seeded sample stays reproducible).
-            new_ids = self._append_tokens(request, runner_output) if seq.needs_sample else []
+            new_ids = self._append_tokens(request, sampled_ids.get(rid)) \
+                if seq.needs_sample else []
             if seq.num_spec_tokens and not request.is_finished:
                 self.kv.trim(request, request.num_tokens)  # roll back the rejected drafts' slots
-            prompt_lps = self._new_prompt_logprobs(rid, runner_output.prompt_logprobs.get(rid))
+            prompt_lps = self._new_prompt_logprobs(rid, all_prompt_lps.get(rid)) \
+                if all_prompt_lps else None
             if not new_ids and not prompt_lps:
                 continue
-            logprobs = runner_output.logprobs.get(rid)
+            logprobs = all_logprobs.get(rid) if all_logprobs else None
+            status = request.status
+            finished = status.finished
             outputs.append(EngineCoreOutput(
-                request_id=rid,
-                new_token_ids=new_ids,
-                new_logprobs=logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
-                prompt_logprobs=prompt_lps,
-                finish_reason=request.status.finish_reason,
-                stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
+                rid, new_ids,
+                logprobs[: len(new_ids)] if logprobs is not None and new_ids else None,
+                prompt_lps, status.finish_reason, request.stop_reason,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 # Timestamps matter once: with the first tokens (and again at the end).
-                timestamps=_timestamps(request) if new_ids and (
-                    request.num_output_tokens - request.num_pending == len(new_ids)
-                    or request.is_finished) else {},
+                _timestamps(request) if new_ids and (
+                    len(request.output_token_ids) - request.num_pending == len(new_ids)
+                    or finished) else {},
             ))
-            if request.is_finished:
+            if finished:
                 if running:
                     self.running.remove(request)
                 else:
                     self._num_waiting -= 1  # its heap entry is skipped once finished
-                self._finish(request, request.status)
+                self._finish(request, status)
         if grammar_tokens:
             outputs += self.end_rejected(grammar_tokens, advance_grammars(grammar_tokens))
         return outputs
@@ -511,33 +529,43 @@ class Scheduler:
                                             finish_reason=request.status.finish_reason))
         return outputs
 
-    def _append_tokens(self, request: Request, runner_output: RunnerOutput) -> list[int]:
+    def _append_tokens(self, request: Request, sampled: list[int] | None) -> list[int]:
         """Append sampled tokens until one stops the request; returns those appended."""
-        sampled = runner_output.sampled_token_ids.get(request.request_id)
         if not sampled:
             return []
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         # With async_scheduling the oldest placeholder is this step's token; any after it
         # belong to a step still on the device and come back only if the request goes on.
-        later = max(request.num_pending - 1, 0)
-        if request.num_pending:
-            del request.output_token_ids[-request.num_pending:]
+        num_pending = request.num_pending
+        if num_pending:
+            del request.output_token_ids[-num_pending:]
             request.num_pending = 0
+        if len(sampled) == 1 and request.grammar is None:  # every row of a single step
+            token = sampled[0]
+            count, status = scan_stop(request, sampled, self._max_seq_len)
+            request.output_token_ids.append(token)
+            if status is not None:
+                request.status = status
+            elif num_pending > 1:
+                request.output_token_ids.extend([PENDING_TOKEN] * (num_pending - 1))
+                request.num_pending = num_pending - 1
+            return [token]
         count, status = scan_stop(request, sampled, self._max_seq_len)
-        if request.grammar is not None:  # structured output: its end is a stop
+        grammar = request.grammar
+        if grammar is not None:  # structured output: its end is a stop
             if len(sampled) == 1:  # advanced with the step's others (see grammar_tokens)
-                if request.grammar.ends_on(sampled[0]):
+                if grammar.ends_on(sampled[0]):
                     status = RequestStatus.FINISHED_STOPPED
             else:
-                count, status = request.grammar.accept(sampled[:count], status)
+                count, status = grammar.accept(sampled[:count], status)
         appended = sampled[:count]
         request.output_token_ids.extend(appended)
         if status is not None:
             request.status = status  # blocks are freed by the caller, same call
-        elif later:
-            request.output_token_ids.extend([PENDING_TOKEN] * later)
-            request.num_pending = later
+        elif num_pending > 1:
+            request.output_token_ids.extend([PENDING_TOKEN] * (num_pending - 1))
+            request.num_pending = num_pending - 1
         return appended
 
     def _new_prompt_logprobs(self, rid: str, entries: list | None) -> list | None:
@@ -568,12 +596,19 @@ def scan_stop(request: Request, tokens: list[int], max_seq_len: int
     max_seq_len: max_model_len, or less when the whole KV cache holds fewer tokens.
     """
     params = request.sampling_params
-    num_output = request.num_output_tokens
-    room = max_seq_len - request.num_tokens
-    if params.max_tokens is not None:
-        room = min(room, params.max_tokens - num_output)
-    n = min(len(tokens), max(room, 1))
+    num_output = len(request.output_token_ids)
+    room = max_seq_len - len(request.prompt_token_ids) - num_output
+    if params.max_tokens is not None and params.max_tokens - num_output < room:
+        room = params.max_tokens - num_output
     eos = () if params.ignore_eos else request.eos_token_ids
+    if len(tokens) == 1:  # the single-step path: every row, every step
+        token = tokens[0]
+        if (token in eos or token in params.stop_token_ids) \
+                and num_output + 1 >= params.min_tokens:
+            request.stop_reason = None if token in eos else token
+            return 1, RequestStatus.FINISHED_STOPPED
+        return 1, RequestStatus.FINISHED_LENGTH if room <= 1 else None
+    n = min(len(tokens), max(room, 1))
     if eos or params.stop_token_ids:
         stops = {*eos, *params.stop_token_ids}
         first = max(params.min_tokens - num_output - 1, 0)  # tokens before it cannot stop

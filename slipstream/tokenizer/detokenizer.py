@@ -73,8 +73,11 @@ class IncrementalDetokenizer:
         if self._stops:
             self.update(new_token_ids, stop_terminated)
             return
-        if not self.finished:
-            self._add_ids(new_token_ids, stop_terminated)
+        if self.stop_matched is None and not self._finalized:  # not finished (inlined: per step)
+            self.num_tokens += len(new_token_ids)
+            if stop_terminated and not self._include_stop:
+                new_token_ids = new_token_ids[:-1]
+            self._ids.extend(new_token_ids)
 
     def _add_ids(self, new_token_ids: list[int], stop_terminated: bool) -> None:
         self.num_tokens += len(new_token_ids)

@@ -48,6 +48,13 @@ def test_fixed_width_block_table_and_too_few_blocks():
         build_host_batch([], block_size=4)
 
 
+def test_block_table_longer_than_the_fixed_width_is_cut():
+    # Blocks reserved past what the step needs (multi-step lookahead) beyond the padded width.
+    hb = build_host_batch([seq("a", [1], 3, [4, 5, 6, 7], True), seq("b", [2], 0, [8], True)],
+                          block_size=4, max_blocks_per_seq=2)
+    assert hb.block_tables.tolist() == [[4, 5], [8, 0]]
+
+
 def test_prepare_inputs_metadata():
     inputs = prepare_inputs(mixed_step(), block_size=4, device=torch.device("cpu"))
     meta = inputs.meta
