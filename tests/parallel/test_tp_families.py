@@ -55,15 +55,17 @@ CASES = [
     ("Gemma3ForCausalLM", {"num_key_value_heads": 1}, None),  # one KV head, replicated
     ("Phi3ForCausalLM", {}, None),
     ("Phi3ForCausalLM", {}, "int8_wo"),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}, None),  # Phi-4-mini's partial RoPE
     ("GPT2LMHeadModel", {}, None),
 ]
 
 
-@pytest.mark.parametrize(
-    "arch,overrides,quant",
-    CASES,
-    ids=[f"{a.split('For')[0].removesuffix('LMHeadModel')}-{q or 'float'}" for a, _, q in CASES],
-)
+def _case_id(arch: str, overrides: dict, quant: str | None) -> str:
+    family = arch.split("For")[0].removesuffix("LMHeadModel")
+    return f"{family}-{quant or 'float'}" + ("-partial" if "partial_rotary_factor" in overrides else "")
+
+
+@pytest.mark.parametrize("arch,overrides,quant", CASES, ids=[_case_id(*c) for c in CASES])
 def test_tp2_equals_one_rank(pool, tiny_checkpoint, arch, overrides, quant) -> None:
     path = tiny_checkpoint(arch, **overrides)
     want = _chosen(_generate(path, quantization=quant))
