@@ -234,6 +234,10 @@ def test_partial_rotary_rotates_the_first_dims_and_passes_the_rest() -> None:
     torch.testing.assert_close(want[..., :r], torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
     assert torch.equal(want[..., r:], q[..., r:])
     torch.testing.assert_close(apply_rotary(q, pos, cs), want, atol=ATOL, rtol=RTOL)
+    from slipstream.quantization.awq import _rope  # AWQ calibration's own rotation
+
+    cos, sin = cs[pos].chunk(2, dim=-1)
+    torch.testing.assert_close(_rope(q[None], cos, sin)[0], want, atol=ATOL, rtol=RTOL)
     kc, vc = _caches(2, bs, hkv, d)
     slots = _slots(tokens, 2 * bs)
     want_k, want_v = kc.clone(), vc.clone()
