@@ -97,3 +97,14 @@ def test_fused_checkpoint_tensor_windows_read_each_ranks_rows(tmp_path) -> None:
     conv_q = checkpoint_part(lazy["conv"], 1, 0, 8)  # [in, out]: shards along dim 1
     assert torch.equal(conv_q.narrow(1, 4, 4), whole.t()[:, 4:8])
     assert torch.equal(conv_q[1:3], whole.t()[1:3, :8])
+
+
+def test_prequantized_fused_checkpoint_splits(pool, tiny_checkpoint, tmp_path) -> None:
+    """An AWQ Phi-3: the fused qkv_proj / gate_up_proj tensors are packed eight values an int32
+    along the output dim, so each shard's part is cut in proportion before the rank's rows."""
+    from tests.quantization.test_int4 import _write_layout
+
+    src = tiny_checkpoint("Phi3ForCausalLM", hidden_size=128, intermediate_size=256)
+    path = _write_layout(src, tmp_path / "awq", "awq")
+    want = [[t for t, _ in seq] for seq in _chosen(_generate(path))]
+    assert [[t for t, _ in seq] for seq in _chosen(_generate(path, tensor_parallel_size=2))] == want
