@@ -31,7 +31,10 @@ class TritonAttentionBackend(ReferenceAttentionBackend):
         v_scale: torch.Tensor | None = None, l2_prefetch: torch.Tensor | None = None,
         sliding_window: int | None = None, logit_softcap: float | None = None,
     ) -> torch.Tensor:
-        if not (self.fuse_decode and q.is_cuda and meta.max_query_len <= 1):
+        # The fused decode kernel rotates whole heads: a partial-rotary table takes the
+        # composed path (ops.rotary_and_cache_write rotates its first dims with torch ops).
+        whole_heads = cos_sin_cache.shape[-1] == q.shape[-1]
+        if not (self.fuse_decode and q.is_cuda and meta.max_query_len <= 1 and whole_heads):
             return super().forward(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta,
                                    scale, k_scale=k_scale, v_scale=v_scale,
                                    sliding_window=sliding_window, logit_softcap=logit_softcap)

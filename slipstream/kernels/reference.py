@@ -44,8 +44,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """NeoX-style rotation (rotate_half), as in HF Llama/Qwen. x: [T, H, D].
 
-    cos_sin_cache: [max_positions, D] float32, cos in [:D/2] and sin in [D/2:].
+    cos_sin_cache: [max_positions, R] float32, cos in [:R/2] and sin in [R/2:]. R < D (partial
+    rotary, Phi-4-mini): the first R dims of each head rotate, the rest pass through.
     """
+    rotary_dim = cos_sin_cache.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], positions, cos_sin_cache)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     cs = cos_sin_cache.index_select(0, positions.long())
     cos = cs[:, None, :half]

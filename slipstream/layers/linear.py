@@ -11,7 +11,12 @@ from torch import nn
 
 from slipstream.parallel import state as parallel_state
 from slipstream.parallel.checkpoint_slices import materialize
-from slipstream.parallel.sharding import kv_heads_per_rank, kv_shard_position, shard_checkpoint_tensor
+from slipstream.parallel.sharding import (
+    kv_heads_per_rank,
+    kv_shard_position,
+    shard_checkpoint_tensor,
+    split_fused_checkpoint_tensor,
+)
 from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod
 
 
@@ -24,6 +29,8 @@ class LinearBase(nn.Module):
     # enable_lora. While a step uses adapters, the fused variants below give way to the plain
     # product plus the adapter delta; otherwise they run exactly as without LoRA.
     lora = None
+    # Whether 2-D checkpoint tensors are stored [in, out] (GPT-2's Conv1D), not [out, in].
+    checkpoint_transposed = False
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool, params_dtype: torch.dtype,
@@ -33,6 +40,8 @@ class LinearBase(nn.Module):
         self.tp_size, self.tp_rank = tp_size, tp_rank
         self.input_size = input_size
         self.output_sizes = list(output_sizes)  # this rank's share of each fused shard
+        # Each shard's whole-model output size (a fused checkpoint tensor is cut by these).
+        self.full_output_sizes = [s * tp_size for s in self.output_sizes]
         self.output_size = sum(self.output_sizes)
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_sizes, params_dtype)
@@ -70,10 +79,19 @@ class LinearBase(nn.Module):
         return self.quant_method.apply_rms(self, x, eps, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard)."""
+        """Copy one checkpoint tensor (whole-model shape) into `param` (this rank, this shard).
+        shard None on a fused layer: the checkpoint holds all its shards in one tensor."""
         if self.tp_size > 1:  # tensor parallel: this rank's slice, in the checkpoint's layout
+            if shard is None and len(self.output_sizes) > 1:
+                parts = split_fused_checkpoint_tensor(self, param, loaded, self.full_output_sizes)
+                if parts is not None:  # each shard's rows apart, as if stored apart
+                    for index, part in enumerate(parts):
+                        self.weight_loader(param, part, index)
+                    return
             loaded = shard_checkpoint_tensor(self, param, loaded, shard)
         loaded = materialize(loaded)  # a distributed rank's lazily read tensor, if not sliced
+        if self.checkpoint_transposed and loaded.dim() == 2:
+            loaded = loaded.t()
         custom = getattr(param, "weight_loader", None)
         if custom is not None:
             custom(param, loaded, shard)
@@ -140,6 +158,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = [num_heads // tp_size * head_dim, kv, kv]
         LinearBase.__init__(self, hidden_size, sizes, bias, params_dtype, quant_method,
                             tp_size, tp_rank)
+        self.full_output_sizes = [num_heads * head_dim] + [num_kv_heads * head_dim] * 2
 
     def tp_shard_position(self, shard: int | None) -> tuple[int, int]:
         if shard in (1, 2):

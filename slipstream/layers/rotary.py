@@ -4,7 +4,11 @@ inverse frequency divided by its own factor, as llama.cpp applies a GGUF file's 
 tensor (Llama 3.x's long-context RoPE; models/gguf.py).
 
 The table layout is what the kernels read: [max_positions, rotary_dim] float32, cos in the
-first half of the last dim and sin in the second (NeoX / HF rotate_half convention). yarn and
+first half of the last dim and sin in the second (NeoX / HF rotate_half convention). With
+partial rotary (`partial_rotary_factor < 1`, Phi-4-mini) rotary_dim is less than head_dim:
+every scaling type builds its frequencies over rotary_dim, as transformers does, and the first
+rotary_dim dims of each head rotate while the rest pass through (kernels/reference.py
+apply_rotary; the Triton kernels rotate whole heads, so such a table takes that path). yarn and
 longrope multiply both by their attention factor. transformers switches longrope and dynamic
 frequencies by the length of the whole sequence; a paged cache keeps keys rotated, so here the
 switch is by position: positions inside the original context use the original frequencies
@@ -21,6 +25,18 @@ from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic",
                         "freq_factors")
+
+
+def rotary_dim_of(head_dim: int, hf_config: dict[str, Any]) -> int:
+    """The dims of each head that RoPE rotates: int(head_dim * partial_rotary_factor), the
+    factor top-level or in transformers 5's rope_parameters (1 where neither says)."""
+    params = hf_config.get("rope_parameters") or {}
+    factor = hf_config.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0
+    rotary_dim = int(head_dim * float(factor))
+    if not 0 < float(factor) <= 1 or rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor} with head_dim {head_dim} gives "
+                         f"{rotary_dim} rotary dims: it must be in (0, 1] and give an even count")
+    return rotary_dim
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:

@@ -103,7 +103,10 @@ class GemmaModel(nn.Module):
         cfg = ctx.cfg
         # sqrt(hidden_size) rounded to the model dtype first, as transformers does.
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=ctx.dtype))
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        # Vocab-parallel: the scale below multiplies the summed (all-reduced) rows, once.
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp_size, ctx.tp_rank
+        )
         windows = layer_sliding_windows(cfg)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(ctx, f"{prefix}.layers.{i}", windows[i]) for i in range(cfg.num_hidden_layers)
@@ -161,8 +164,7 @@ class Gemma2ForCausalLM(nn.Module):
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-    # One process only: the embedding, head and layers are built whole, without stages.
-    supports_tensor_parallel = False
+    # The layers are built whole, without pipeline stages.
     supports_pipeline_parallel = False
 
     def __init__(self, ctx: BuildContext):
@@ -172,7 +174,14 @@ class Gemma2ForCausalLM(nn.Module):
         # Gemma ties its head to the embedding; its configs often leave the flag out.
         self.tied = bool(ctx.cfg.hf_config.get("tie_word_embeddings", True))
         tied = self.model.embed_tokens if self.tied else None
-        self.lm_head = LMHead(ctx.cfg.vocab_size, ctx.cfg.hidden_size, ctx.dtype, tied=tied)
+        self.lm_head = LMHead(
+            ctx.cfg.vocab_size,
+            ctx.cfg.hidden_size,
+            ctx.dtype,
+            tied=tied,
+            tp_size=ctx.tp_size,
+            tp_rank=ctx.tp_rank,
+        )
         self.final_logit_softcap = ctx.cfg.hf_config.get("final_logit_softcapping")
 
     def forward(
@@ -185,7 +194,8 @@ class Gemma2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab], soft-capped where configured."""
+        """hidden [N, hidden_size] -> logits [N, vocab], soft-capped where configured (on the
+        gathered logits under tensor parallelism: the cap is elementwise either way)."""
         return softcap(self.lm_head(hidden, float32), self.final_logit_softcap)
 
     def ignored_checkpoint_tensor(self, name: str) -> bool:

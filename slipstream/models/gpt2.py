@@ -22,10 +22,10 @@ _GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "
 
 
 class _Conv1DWeights:
-    """A linear layer filled from a Conv1D checkpoint tensor ([in, out] -> [out, in])."""
+    """A linear layer filled from Conv1D checkpoint tensors ([in, out]): cut for this rank in
+    that layout (c_attn's q, k and v apart), then transposed (linear.LinearBase.weight_loader)."""
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
-        super().weight_loader(param, loaded.t() if loaded.dim() == 2 else loaded, shard)
+    checkpoint_transposed = True
 
 
 class Conv1DQKV(_Conv1DWeights, QKVParallelLinear):
@@ -58,7 +58,7 @@ class GPT2Attention(nn.Module):
         h, d = cfg.num_attention_heads, cfg.head_dim
         self.c_attn = Conv1DQKV(cfg.hidden_size, d, h, h, True, **ctx.linear_kwargs(f"{prefix}.c_attn"))
         self.c_proj = Conv1DRow(h * d, cfg.hidden_size, True, **ctx.linear_kwargs(f"{prefix}.c_proj"))
-        self.attn = Attention(h, h, d, d**-0.5, ctx.backend)
+        self.attn = Attention(h // ctx.tp_size, h // ctx.tp_size, d, d**-0.5, ctx.backend)
 
     def forward(
         self,
@@ -117,7 +117,8 @@ class GPT2Model(nn.Module):
     def __init__(self, ctx: BuildContext, prefix: str = "transformer"):
         super().__init__()
         cfg = ctx.cfg
-        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.tp_size, ctx.tp_rank)
+        # Learned positions: every rank holds the whole (small) table.
         self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size, ctx.dtype)
         self.h = nn.ModuleList(GPT2Block(ctx, f"{prefix}.h.{i}") for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype)
@@ -145,8 +146,7 @@ class GPT2LMHeadModel(nn.Module):
     head is the token embedding unless the config unties them (GPT-2's default is tied)."""
 
     packed_modules_mapping: dict[str, list[str]] = {}
-    # One process only: the embeddings, head and blocks are built whole, without stages.
-    supports_tensor_parallel = False
+    # The blocks are built whole, without pipeline stages.
     supports_pipeline_parallel = False
 
     def __init__(self, ctx: BuildContext):
@@ -170,6 +170,8 @@ class GPT2LMHeadModel(nn.Module):
             ctx.cfg.hidden_size,
             ctx.dtype,
             tied=self.transformer.wte if self.tied else None,
+            tp_size=ctx.tp_size,
+            tp_rank=ctx.tp_rank,
         )
 
     def forward(

@@ -21,7 +21,7 @@ from slipstream.layers.attention import Attention
 from slipstream.layers.embedding import LMHead, VocabEmbedding
 from slipstream.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from slipstream.layers.norm import RMSNorm
-from slipstream.layers.rotary import RotaryEmbedding
+from slipstream.layers.rotary import RotaryEmbedding, rotary_dim_of
 from slipstream.models.layer_types import layer_sliding_windows, within
 from slipstream.parallel.pipeline import PipelineStage, stage_of
 from slipstream.parallel.sharding import kv_heads_per_rank
@@ -202,7 +202,8 @@ class LlamaModel(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ctx.dtype, ctx.ops)
                      if stage.has_head else None)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, ctx.max_positions, cfg.rope_theta,
+        self.rotary_emb = RotaryEmbedding(rotary_dim_of(cfg.head_dim, cfg.hf_config),
+                                          ctx.max_positions, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.max_position_embeddings)
         self.hidden_size, self.dtype = cfg.hidden_size, ctx.dtype
 

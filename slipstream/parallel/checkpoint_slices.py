@@ -42,12 +42,43 @@ class CheckpointSlice:
     def materialize(self) -> torch.Tensor:
         if not self.shape:
             return self._slice[...]
-        return self._slice[tuple(slice(None) for _ in self.shape)]
+        return self[tuple(slice(None) for _ in self.shape)]
+
+    def part(self, dim: int, start: int, length: int) -> CheckpointSlice:
+        """Rows [start, start + length) of dim, still not read: a fused tensor's one shard,
+        which the rank then narrows to its own rows (one read of just those)."""
+        return _NarrowedSlice(self, dim, start, length)
+
+
+class _NarrowedSlice(CheckpointSlice):
+    """A CheckpointSlice seen through a window of one dim; indexing reads through the base."""
+
+    def __init__(self, base: CheckpointSlice, dim: int, start: int, length: int):
+        self._base, self._dim, self._start = base, dim, start
+        self.shape = base.shape[:dim] + torch.Size([length]) + base.shape[dim + 1:]
+        self.dtype = base.dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (self.dim() - len(index))
+        window = index[self._dim]
+        if not isinstance(window, slice) or window.step not in (None, 1):
+            raise TypeError("a checkpoint slice's window takes plain slices only")
+        start, stop, _ = window.indices(self.shape[self._dim])
+        shifted = slice(self._start + start, self._start + stop)
+        return self._base[index[:self._dim] + (shifted,) + index[self._dim + 1:]]
 
 
 def materialize(tensor) -> torch.Tensor:
     """The tensor itself, or a CheckpointSlice read whole."""
     return tensor.materialize() if isinstance(tensor, CheckpointSlice) else tensor
+
+
+def checkpoint_part(tensor, dim: int, start: int, length: int):
+    """Rows [start, start + length) of dim: a view of a tensor, a lazy window of a slice."""
+    if isinstance(tensor, CheckpointSlice):
+        return tensor.part(dim, start, length)
+    return tensor.narrow(dim, start, length)
 
 
 def iterate_safetensor_slices(files: Iterable[Path], skip: Callable[[str], bool]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from slipstream.config import ModelConfig
-from slipstream.parallel.checkpoint_slices import materialize
+from slipstream.parallel.checkpoint_slices import checkpoint_part, materialize
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -100,18 +100,45 @@ def shard_checkpoint_tensor(layer: nn.Module, param: nn.Parameter, loaded: torch
     return part
 
 
+def split_fused_checkpoint_tensor(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor,
+                                  shard_sizes: list[int]) -> list[torch.Tensor] | None:
+    """A checkpoint tensor that holds a fused layer's shards back to back (Phi-3's qkv_proj
+    and gate_up_proj, GPT-2's c_attn) cut into one part per shard, whole-model sized and not
+    read yet, so each rank then takes its rows of each shard as from separate tensors.
+    shard_sizes: the shards' whole-model output sizes; a packed tensor (int4's eight values
+    an int32) is cut in proportion. None: the tensor is not split by output (a scale of one
+    element), so it loads as it is."""
+    dim = _split_dim(layer, param, _param_name(layer, param), loaded)
+    if dim is None or layer.tp_split != "output":
+        return None
+    total, whole = loaded.shape[dim], sum(shard_sizes)
+    if any(total * size % whole for size in shard_sizes):
+        raise ValueError(f"dim {dim} of size {total} does not split into fused shards of "
+                         f"sizes {shard_sizes}")
+    parts, start = [], 0
+    for size in shard_sizes:
+        length = total * size // whole
+        parts.append(checkpoint_part(loaded, dim, start, length))
+        start += length
+    return parts
+
+
 def _split_dim(layer: nn.Module, param: nn.Parameter, leaf: str,
                loaded: torch.Tensor) -> int | None:
     split = layer.tp_split
     if split is None or loaded.numel() == 1:
         return None
+    transposed = getattr(layer, "checkpoint_transposed", False) and loaded.dim() == 2
     if getattr(param, "weight_loader", None) is None:  # stored as the checkpoint stores it
-        return getattr(param, f"{split}_dim", None)
+        dim = getattr(param, f"{split}_dim", None)
+        return 1 - dim if transposed and dim is not None else dim  # GPT-2's Conv1D: [in, out]
     if leaf in _COLUMN_ORDER_TENSORS:
         return 0 if split == "input" else None
     dim = 0 if split == "output" else 1
     layout = getattr(layer.quant_method, "layout", None)
     if layout in _INPUT_FIRST_LAYOUTS and leaf in _INPUT_FIRST_TENSORS:
+        dim = 1 - dim
+    elif transposed:
         dim = 1 - dim
     if loaded.dim() <= dim or loaded.shape[dim] == 1:
         return None

@@ -82,7 +82,11 @@ def _bias(linear: nn.Module) -> torch.Tensor | None:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotation of x [B, T, H, D] by cos / sin [T, D/2] (kernels.reference.apply_rotary)."""
+    """NeoX rotation of x [B, T, H, D] by cos / sin [T, R/2] (kernels.reference.apply_rotary):
+    the first R dims of each head (all of them but with partial rotary)."""
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -28,8 +28,9 @@ CASES = [
     ("Gemma3ForCausalLM", {}),
     ("Phi3ForCausalLM", {"original_max_position_embeddings": 128, "rope_scaling": LONGROPE}),
     ("GPT2LMHeadModel", {}),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}),  # rotated before the cache-write kernel
 ]
-IDS = [a for a, _ in CASES]
+IDS = [a + ("-partial" if "partial_rotary_factor" in o else "") for a, o in CASES]
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -56,13 +56,10 @@ def test_proposers_reading_the_target_tables_keep_blocks(method, window):
     assert _releasable_window(_config(method)) == window
 
 
-def test_parallel_refused_for_single_process_families():
+def test_pipeline_parallel_refused_for_whole_model_families():
     for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GPT2LMHeadModel"):
-        with pytest.raises(ValueError, match="tensor parallelism"):
-            check_parallel_support(arch, 2, 1)
+        check_parallel_support(arch, 2, 1)
         with pytest.raises(ValueError, match="pipeline parallelism"):
             check_parallel_support(arch, 1, 2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        check_parallel_support("Phi3ForCausalLM", 2, 1)
-    check_parallel_support("Phi3ForCausalLM", 1, 2)
+    check_parallel_support("Phi3ForCausalLM", 2, 2)
     check_parallel_support("LlamaForCausalLM", 2, 2)

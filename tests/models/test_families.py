@@ -22,7 +22,16 @@ def family(request, tiny_checkpoint):
 
 
 def test_logprobs_match_transformers(family):
-    path, llm = family
+    _check_logprobs(*family)
+
+
+def test_partial_rotary_decode_matches_transformers(tiny_checkpoint):
+    """Phi-4-mini's partial rotary: 12 of each head's 16 dims rotate (prefill and decode)."""
+    path = tiny_checkpoint("Phi3ForCausalLM", partial_rotary_factor=0.75)
+    _check_logprobs(path, LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20))
+
+
+def _check_logprobs(path, llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     hf = load_hf_model(path)

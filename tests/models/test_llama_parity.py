@@ -45,6 +45,11 @@ CASES = [
     # The 45-token prompt stays inside the original context (see tests/layers/test_rotary.py)
     ("Phi3ForCausalLM", {"original_max_position_embeddings": 64, "rope_scaling": LONGROPE}),
     ("Phi3ForCausalLM", {"sliding_window": 10}),
+    # Partial rotary (Phi-4-mini): 12 of the 16 dims of each head rotate, the rest pass through
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75}),
+    ("Phi3ForCausalLM", {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+                         "rope_scaling": {**LONGROPE, "short_factor": LONGROPE["short_factor"][:6],
+                                          "long_factor": LONGROPE["long_factor"][:6]}}),
     ("LlamaForCausalLM", {"rope_scaling": YARN}),
     ("Qwen2ForCausalLM", {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}),
     ("GPT2LMHeadModel", {}),

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from slipstream.kernels import reference
 from slipstream.kernels.runtime import pdl
 from slipstream.kernels.runtime.pdl import pdl_release, pdl_wait
 
@@ -233,8 +234,16 @@ def kv_quant_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.T
     return mode, dev(k_scale), dev(v_scale)
 
 
+def is_partial_rotary(x: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
+    """Whether the table rotates only the first dims of each head: the kernels here rotate
+    whole heads, so such a model takes the reference rotation (kernels/reference.py)."""
+    return cos_sin_cache.shape[-1] != x.shape[-1]
+
+
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """NeoX-style rotation (rotate_half) of x [T, H, D] at `positions`."""
+    if is_partial_rotary(x, cos_sin_cache):
+        return reference.apply_rotary(x, positions, cos_sin_cache)
     x = _heads_view(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_tokens, n_heads, head_dim = x.shape
@@ -283,7 +292,13 @@ def rotary_and_cache_write(
 
     q, k, v may be strided views (e.g. slices of the fused QKV output); one program per token.
     fp8 / int8 caches get k_rot / k_scale and v / v_scale, as in write_kv_cache.
+    A table narrower than the head (partial rotary) rotates with torch ops, then writes.
     """
+    if is_partial_rotary(q, cos_sin_cache):
+        q_rot = reference.apply_rotary(q, positions, cos_sin_cache)
+        k_rot = reference.apply_rotary(k, positions, cos_sin_cache)
+        write_kv_cache(k_rot, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        return q_rot, k_rot
     check_cache(k_cache)
     check_cache(v_cache)
     q, k, v = _heads_view(q), _heads_view(k), _heads_view(v)

@@ -217,3 +217,46 @@ def test_gpu_rotary_and_cache_write_quantized_bf16(dtype: torch.dtype, tokens: i
         step = s if dtype == torch.int8 else (want.float().abs() * s / 8).clamp_min(s * 2**-9)
         assert ((got.float() - want.float()).abs() * s <= step * 1.001).all()
         assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.01
+
+
+# ---------------------------------------------------------------------------- partial rotary
+def test_partial_rotary_rotates_the_first_dims_and_passes_the_rest() -> None:
+    """A table of R < D columns (Phi-4-mini): the first R dims of each head rotate (NeoX
+    pairs within them), the rest pass through; the Triton wrappers give the same results."""
+    tokens, hq, hkv, d, r, bs = 7, 4, 2, 32, 24, 16
+    q, k, v = _qkv(tokens, hq, hkv, d)
+    cs = _cos_sin(64, r)
+    pos = torch.randint(0, 64, (tokens,))
+    want = reference.apply_rotary(q, pos, cs)
+    half = r // 2
+    c, s = cs[pos][:, None, :half], cs[pos][:, None, half:]
+    x1, x2 = q[..., :half], q[..., half:r]
+    torch.testing.assert_close(want[..., :r], torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+    assert torch.equal(want[..., r:], q[..., r:])
+    torch.testing.assert_close(apply_rotary(q, pos, cs), want, atol=ATOL, rtol=RTOL)
+    from slipstream.quantization.awq import _rope  # AWQ calibration's own rotation
+
+    cos, sin = cs[pos].chunk(2, dim=-1)
+    torch.testing.assert_close(_rope(q[None], cos, sin)[0], want, atol=ATOL, rtol=RTOL)
+    kc, vc = _caches(2, bs, hkv, d)
+    slots = _slots(tokens, 2 * bs)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q, want_kr = reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots)
+    got_q, got_kr = rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots)
+    for got, ref in ((got_q, want_q), (got_kr, want_kr), (kc, want_k), (vc, want_v)):
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+def test_gpu_partial_rotary_and_cache_write_bf16() -> None:
+    dev, dt, bs, tokens = "cuda", torch.bfloat16, 16, 64
+    q, k, v = _qkv(tokens, 24, 8, 128, dt, dev)
+    kc, vc = _caches(tokens // bs + 2, bs, 8, 128, dt, dev)
+    cs = _cos_sin(4096, 96).to(dev)  # Phi-4-mini: 96 of 128 dims rotate
+    pos = torch.randint(0, 4096, (tokens,), device=dev)
+    slots = _slots(tokens, kc.shape[0] * bs, device=dev)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_q, want_kr = reference.rotary_and_cache_write(q, k, v, pos, cs, want_k, want_v, slots)
+    got_q, got_kr = rotary_and_cache_write(q, k, v, pos, cs, kc, vc, slots)
+    for got, want in ((got_q, want_q), (got_kr, want_kr), (kc, want_k), (vc, want_v)):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
