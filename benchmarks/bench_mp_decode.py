@@ -1,6 +1,7 @@
 """Batch-1 decode in the engine's own process against the same through one "mp" worker
-(tensor_parallel_size=1, distributed_executor_backend="mp"): output tokens/s of one request,
-runs alternating between the two engines (both started first), median and spread.
+(tensor_parallel_size=1, distributed_executor_backend="mp"), the worker with decode_steps as
+given and with 1 (a round trip a token): output tokens/s of one request, runs alternating
+between the three engines (all started first), median and spread.
 
     PYTHONPATH=$PWD python benchmarks/bench_mp_decode.py [--model DIR] [--runs 7]
 
@@ -30,7 +31,9 @@ def main() -> None:
     if args.device == "cpu":
         common["kv_cache_memory"] = 64 << 20
     engines = {"in-process": LLM(args.model, **common),
-               "mp worker": LLM(args.model, distributed_executor_backend="mp", **common)}
+               "mp worker": LLM(args.model, distributed_executor_backend="mp", **common),
+               "mp, 1 step": LLM(args.model, distributed_executor_backend="mp",
+                                 **{**common, "decode_steps": 1})}
     prompt = {"prompt_token_ids": [(7 * i) % 200 + 3 for i in range(args.input_len)]}
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in engines}
