@@ -103,6 +103,27 @@ def test_abort_during_multi_step_decode(pool, model, reference) -> None:
     assert tail == reference["greedy"]
 
 
+def test_unseeded_sampling_feeds_every_rank_the_same_tokens(pool, model) -> None:
+    """seed=None: each rank's generator seeds itself, so without the first rank's tokens
+    broadcast the ranks would feed different tokens to the model and the K/V they cache would
+    belong to neither. The sampled text, read back through the prefix cache by a greedy
+    request, continues as one process continues it from scratch."""
+    llm = LLM(model, **ENGINE, decode_steps=8, tensor_parallel_size=2, seed=None)
+    try:
+        sampled = _generate(llm, [SamplingParams(max_tokens=25, temperature=1.0,
+                                                 ignore_eos=True)] * 2)
+        texts = [p + s for p, s in zip(PROMPTS, sampled)]
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": t} for t in texts], params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert all(o.num_cached_tokens >= 16 for o in outs)
+    one = LLM(model, **ENGINE, decode_steps=1, enable_prefix_caching=False)
+    want = one.generate([{"prompt_token_ids": t} for t in texts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == \
+        [list(o.outputs[0].token_ids) for o in want]
+
+
 def test_a_rank_killed_during_multi_step_decode_fails_the_engine(pool, model) -> None:
     """Runs last: the pool is lost."""
     llm = LLM(model, **ENGINE, decode_steps=8, tensor_parallel_size=2)
