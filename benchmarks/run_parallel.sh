@@ -2,7 +2,8 @@
 # One GPU: W1 bf16 (batch 1, 128 in / 256 out, Llama-3.1-8B shape, dummy weights) in the
 # engine's own process (the default path; it must keep its speed) and through one "mp" worker
 # process (tensor_parallel_size=1, distributed_executor_backend=mp: the multi-GPU path's
-# transport and synchronous steps, measured), then the GPU tests of tests/parallel. ~4 min.
+# transport and its multi-step decode, 8 steps a message, measured), then the GPU tests of
+# tests/parallel. ~4 min.
 #
 #   bash benchmarks/run_parallel.sh [RESULTS_DIR]
 set -u

@@ -130,8 +130,8 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_tokens=self.max_num_tokens,
                 max_model_len=max_len,
-                # Worker ranks run each step as it comes (engine/distributed.py).
-                decode_steps=1 if parallel.uses_workers else self.decode_steps,
+                # Pipeline stages run single steps, as micro-batches (engine/distributed.py).
+                decode_steps=1 if parallel.pipeline_parallel_size > 1 else self.decode_steps,
                 pipeline_decode=self.pipeline_decode,
                 preemption_mode=self.preemption_mode,
                 async_scheduling=not parallel.uses_workers and (

@@ -6,16 +6,20 @@ up, capture, and each step: the SchedulerOutput goes to every rank as one msgpac
 the output rank answers with the sampled tokens. The scheduler, KV manager and detokenizer
 stay in the engine core's process, unchanged.
 
-With one stage, steps are synchronous (each read before the next is scheduled). With
-pipeline_parallel_size P > 1 the engine core keeps up to P steps (micro-batches) in flight
-(parallel/micro_batches.py): `launch_step` sends one, `collect_step` reads the oldest reply.
-Multi-step decode, async scheduling and speculative decoding stay off (EngineArgs turns them
-off).
+With one stage, steps are synchronous (each read before the next is scheduled), except a
+multi-step decode (decode_steps > 1): `launch_decode_steps` sends one message for its n steps,
+which every rank runs back to back, and `collect_decode_steps` reads the n tokens per request.
+With pipeline_decode the engine core sends the next multi-step decode before reading the one
+sent, so the ranks never wait for the host between them. With pipeline_parallel_size P > 1
+the engine core keeps up to P steps (micro-batches) in flight (parallel/micro_batches.py):
+`launch_step` sends one, `collect_step` reads the oldest reply; their steps are single
+steps. Async scheduling and speculative decoding stay off (EngineArgs turns them off).
 """
 from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 from slipstream.config import EngineConfig
@@ -38,10 +42,13 @@ class DistributedRunner:
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         self.timer = StepTimer(config.device, enabled=False)
         self.draft_kv_bytes_per_block = 0
-        self.max_decode_batch = 0  # no multi-step decode
+        self.max_decode_batch = 0  # the ranks' largest multi-step decode batch (capture)
         self.num_blocks = 0
         self._kv_bytes = self._weight_bytes = 0
         self._encoder = StepEncoder()
+        # Steps sent and not read yet, oldest first: a multi-step decode sent ahead
+        # (pipeline_decode) and then dropped by the engine core still gets its reply.
+        self._unread: deque[int] = deque()
         self.pool = acquire_pool(len(self.ranks), config.device, p.distributed_executor_backend)
         self._finalizer = weakref.finalize(self, release_pool, self.pool)
 
@@ -49,7 +56,10 @@ class DistributedRunner:
              ) -> dict[int, dict]:
         ranks = self.ranks if ranks is None else ranks
         self.pool.send(ranks, msg)
-        return self.pool.wait(reply, ranks)
+        replies = self.pool.wait(reply, ranks)
+        # Each rank answers in order: replies to steps sent before were read past (dropped).
+        self._unread.clear()
+        return replies
 
     # ---- set-up --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -88,7 +98,8 @@ class DistributedRunner:
         self._all({"t": "warmup"})
 
     def capture_cuda_graphs(self) -> None:
-        self._all({"t": "capture"})
+        replies = self._all({"t": "capture"}).values()
+        self.max_decode_batch = min(r["max_decode_batch"] for r in replies)
 
     # ---- steps ---------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput,
@@ -108,20 +119,44 @@ class DistributedRunner:
         with self.timer.phase("sample"):
             return self.collect_step(micro_batch)
 
-    def launch_step(self, sched: SchedulerOutput) -> int:
+    def launch_step(self, sched: SchedulerOutput, num_steps: int = 1,
+                    feed_rows: list[int] | None = None) -> int:
         """Send a non-empty step to every rank without waiting; its number for collect_step."""
-        msg = self._encoder.encode(sched)
+        msg = self._encoder.encode(sched, num_steps, feed_rows)
         self.pool.send(self.ranks, msg)
+        self._unread.append(msg["mb"])
         return msg["mb"]
 
     def collect_step(self, micro_batch: int) -> RunnerOutput:
-        """The output rank's reply to step `micro_batch`, the oldest one unread (replies come
-        in the order the steps were sent)."""
-        reply = self.pool.wait("out", [self.output_rank])[self.output_rank]
-        if reply["mb"] != micro_batch:
-            self.pool.fail(f"worker rank {self.output_rank} answered step {reply['mb']} "
-                           f"where step {micro_batch} was due")
-        return decode_runner_output(reply)
+        """The output rank's reply to step `micro_batch`. Replies come in the order the steps
+        were sent; those of older steps the engine core dropped unread are skipped."""
+        while True:
+            reply = self.pool.wait("out", [self.output_rank])[self.output_rank]
+            due = self._unread.popleft() if self._unread else None
+            if reply["mb"] != due:
+                self.pool.fail(f"worker rank {self.output_rank} answered step {reply['mb']} "
+                               f"where step {due} was due")
+            if due == micro_batch:
+                return decode_runner_output(reply)
+
+    def launch_decode_steps(self, sched: SchedulerOutput, num_steps: int, feed=None
+                            ) -> _SentSteps:
+        """One message for `num_steps` decode steps of a pure-decode batch (the scheduler has
+        reserved blocks for every step); every rank runs them back to back and the output
+        rank replies once. feed: (tokens, rows) where tokens is the last row of the previous
+        multi-step decode's _SentSteps (pipeline_decode): those tokens stay on the ranks."""
+        feed_rows = None
+        if feed is not None:
+            last, feed_rows = feed
+            if not isinstance(last, _LastTokens) or last.micro_batch != self._encoder.num_sent - 1:
+                raise ValueError("distributed engines feed input tokens only from the "
+                                 "multi-step decode sent just before")
+        return _SentSteps(self.launch_step(sched, num_steps, feed_rows))
+
+    def collect_decode_steps(self, sched: SchedulerOutput, tokens: _SentSteps) -> RunnerOutput:
+        """The n tokens per request of a multi-step decode sent by launch_decode_steps."""
+        with self.timer.phase("graph"):
+            return self.collect_step(tokens.micro_batch)
 
     def timelines(self) -> dict[int, list[tuple[int, float, float]]]:
         """Per rank, (step number, start, end) of its latest steps (time.monotonic, one clock
@@ -132,3 +167,20 @@ class DistributedRunner:
     def shutdown(self) -> None:
         """Stop the workers (or hand them back to a kept pool)."""
         self._finalizer()
+
+
+class _LastTokens:
+    """The last step's tokens of multi-step decode `micro_batch`, kept on the ranks."""
+
+    def __init__(self, micro_batch: int):
+        self.micro_batch = micro_batch
+
+
+class _SentSteps:
+    """A multi-step decode sent to the ranks and not read yet. `on_device[-1]` names its last
+    step's tokens, which the engine core feeds to the decode it sends next (pipeline_decode),
+    as it does with a LaunchedTokens in one process."""
+
+    def __init__(self, micro_batch: int):
+        self.micro_batch = micro_batch
+        self.on_device = {-1: _LastTokens(micro_batch)}

@@ -5,6 +5,12 @@ Workers keep a mirror of each running request (prompt, sampling params, output t
 runner and sampler see the same `Request` fields as in one process; a step message carries only
 what changed: requests seen for the first time, new output tokens, finished ids.
 
+A multi-step decode goes as one step message with "steps": n > 1: every rank runs the n decode
+steps back to back, feeding each step's tokens in on the device, and the output rank replies
+once with n tokens per request. "feed": rows of the previous multi-step decode's last tokens,
+still on the ranks, that stand for the seqs' placeholder input tokens (pipeline_decode), or
+None.
+
 Each step message is numbered ("mb": 0, 1, ...); the output rank's reply carries the number of
 the step it answers. With pipeline parallelism several steps (micro-batches) are in flight at
 once, and the engine checks that the replies come back in the order it sent the steps.
@@ -25,7 +31,8 @@ class StepEncoder:
         self._outputs_sent: dict[str, int] = {}  # request id -> output tokens sent
         self.num_sent = 0  # step messages encoded: the next one's number
 
-    def encode(self, sched: SchedulerOutput) -> dict:
+    def encode(self, sched: SchedulerOutput, num_steps: int = 1,
+               feed_rows: list[int] | None = None) -> dict:
         done = list(sched.finished_request_ids)
         for rid in done:
             self._outputs_sent.pop(rid, None)
@@ -41,7 +48,8 @@ class StepEncoder:
                          request.output_token_ids[sent:]])
             self._outputs_sent[seq.request_id] = request.num_output_tokens
         self.num_sent += 1
-        return {"t": "step", "mb": self.num_sent - 1, "done": done, "new": new, "seqs": seqs}
+        return {"t": "step", "mb": self.num_sent - 1, "done": done, "new": new, "seqs": seqs,
+                "steps": num_steps, "feed": feed_rows}
 
 
 def _fresh_copy(request: Request) -> Request:

@@ -116,6 +116,12 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def tp_broadcast_first(x: torch.Tensor) -> torch.Tensor:
+    """x as the tensor-parallel group's first rank holds it, on every rank, in place."""
+    dist.broadcast(x, src=_Groups.tp_ranks[0], group=_Groups.tp_group)
+    return x
+
+
 def pp_send(tensors: list[torch.Tensor]) -> None:
     """Send a stage's activations to the same tensor rank of the next stage."""
     dst = _Groups.info.rank + _Groups.info.tp_size

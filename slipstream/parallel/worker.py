@@ -41,6 +41,7 @@ class Worker:
         self.runner = None
         self.decoder = None
         self.is_output_rank = False
+        self.last_decode_steps = None  # tokens of the latest multi-step decode, on the device
         # (micro-batch, start, end) of the latest steps, time.monotonic(): shows when stages
         # overlap (a "timeline" message reads it). Host times: on a GPU a stage without the
         # head ends once its work is queued.
@@ -73,7 +74,7 @@ class Worker:
             return {"t": "done"}
         if kind == "capture":
             self.runner.capture_cuda_graphs()
-            return {"t": "done"}
+            return {"t": "done", "max_decode_batch": self.runner.max_decode_batch}
         raise ValueError(f"worker: unknown message {kind!r}")
 
     def step(self, msg: dict) -> dict | None:
@@ -81,13 +82,31 @@ class Worker:
         its activations on, and takes the next micro-batch while later stages run this one;
         the sends and receives between two stages pair up in the order the steps came."""
         start = time.monotonic()
-        out = self.runner.execute_model(self.decoder.decode(msg))
+        sched = self.decoder.decode(msg)
+        if msg.get("steps", 1) > 1:
+            tokens = self.launch_decode_steps(sched, msg["steps"], msg.get("feed"))
+            # Other ranks go on to the next message without waiting for the tokens.
+            out = self.runner.collect_decode_steps(sched, tokens) if self.is_output_rank else None
+        else:
+            out = self.runner.execute_model(sched)
         self.timeline.append((msg["mb"], start, time.monotonic()))
         if not self.is_output_rank:
             return None
         from slipstream.parallel.messages import encode_runner_output
 
         return encode_runner_output(out, msg["mb"])
+
+    def launch_decode_steps(self, sched, num_steps: int, feed_rows: list[int] | None):
+        """The runner's multi-step decode (graphs replayed, each step's token fed in on the
+        device); its tokens [num_steps, seqs] on the device. feed_rows: rows of the latest
+        multi-step decode's last tokens, which the host has not seen, as the seqs' inputs."""
+        feed = None
+        if feed_rows is not None:
+            if self.last_decode_steps is None:
+                raise RuntimeError("a fed multi-step decode came with no decode before it")
+            feed = (self.last_decode_steps.on_device[-1], feed_rows)
+        self.last_decode_steps = self.runner.launch_decode_steps(sched, num_steps, feed)
+        return self.last_decode_steps
 
     def load(self, msg: dict) -> dict:
         """Drop any model, make the layout's groups (collective over the world), and load this
@@ -100,7 +119,7 @@ class Worker:
 
         if self.decoder is not None:
             self.decoder.close()
-        self.runner = self.decoder = None
+        self.runner = self.decoder = self.last_decode_steps = None
         self.timeline.clear()
         gc.collect()
         info = state.set_layout(msg["tp"], msg["pp"])

@@ -1,6 +1,6 @@
 """GPU: one rank through an "mp" worker process gives the in-process engine's tokens; where the
 machine has two GPUs, tensor_parallel_size=2 and pipeline_parallel_size=2 (NCCL, micro-batches
-in flight) do too."""
+in flight) do too, and multi-step decode on worker ranks gives single steps' tokens."""
 from __future__ import annotations
 
 import pytest
@@ -57,3 +57,31 @@ def test_gpu_pipeline_micro_batches_nccl_equal_one_rank_and_overlap(tiny_checkpo
     stage0 = {mb: start for mb, start, _ in timeline[0]}
     stage1 = {mb: end for mb, _, end in timeline[1]}
     assert any(stage0[mb + 1] < stage1[mb] for mb in stage1 if mb + 1 in stage0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpu_multi_step_decode_on_workers_equals_single_steps(tiny_checkpoint, tp) -> None:
+    """decode_steps 8 on worker ranks (the decode graphs replayed 8 times a message; TP=2: the
+    first rank's sampled tokens broadcast each step) gives one process's single-step tokens,
+    greedy and seeded sampled."""
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    path = tiny_checkpoint("LlamaForCausalLM")
+    cases = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
+
+    def run(**kwargs):
+        llm = LLM(str(path), **ENGINE, **kwargs)
+        try:
+            return [[list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+                for params in cases], llm.engine.runner
+        finally:
+            llm.engine.shutdown()
+
+    want, _ = run(decode_steps=1)
+    got, runner = run(decode_steps=8, tensor_parallel_size=tp, distributed_executor_backend="mp")
+    assert got == want
+    assert runner.max_decode_batch >= len(PROMPTS)
+    assert runner._encoder.num_sent <= 2 * 4  # per case: a prefill and 8 + 8 + 3 steps
