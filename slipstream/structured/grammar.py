@@ -2,14 +2,18 @@
 
 The scheduler advances it with every token it appends (`accept`; a step's single tokens of all
 requests together, `accept_batch`); the sampler asks it for the next token's bitmask
-(`fill_bitmask`). Speculative decoding will check draft tokens with `accept` and undo the
-rejected ones with `rollback`.
+(`fill_bitmask`; one row per verification row of drafts, `fill_bitmask_along`). It also
+proposes the continuation the grammar forces as draft tokens (`forced_drafts`); the scheduler
+advances it over the accepted ones only, with `accept`.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import numpy as np
+import torch
 
 from slipstream.engine.request import RequestStatus
 
@@ -23,6 +27,8 @@ class RequestGrammar:
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
         # Only a stop token can end the grammar: the others need no is_terminated() call.
         self._stop_ids = frozenset(self._matcher.stop_token_ids)
+        self._vocab_size = compiled.tokenizer_info.vocab_size
+        self._scratch: torch.Tensor | None = None  # one bitmask row for forced_drafts
 
     @property
     def is_terminated(self) -> bool:
@@ -60,6 +66,62 @@ class RequestGrammar:
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         """Write the allowed next tokens into row `row` of an int32 [R, ceil(V / 32)] mask."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_bitmask_along(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row .. row + len(drafts) of `bitmask`: row + j is the next-token mask after the
+        first j drafts, as a plain step there would see it. The matcher ends where it started.
+        Past a draft the grammar rejects or ends on, rows repeat the last mask: such a row's
+        draft is never sampled, so no later row is ever read."""
+        matcher = self._matcher
+        matcher.fill_next_token_bitmask(bitmask, row)
+        advanced, live = 0, True
+        for j, token in enumerate(drafts, 1):
+            if live and not matcher.is_terminated() and matcher.accept_token(token):
+                advanced += 1
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, row + j)
+                    continue
+            live = False
+            bitmask[row + j].copy_(bitmask[row + j - 1])
+        if advanced:
+            matcher.rollback(advanced)
+
+    def forced_drafts(self, limit: int) -> list[int]:
+        """Up to `limit` draft tokens from the grammar alone: while its mask allows exactly
+        one token, that token (a forced one, always accepted); elsewhere xgrammar's
+        jump-forward tokenization of the string the grammar forces (a guess at how the model
+        splits it: the masked verification accepts it or replaces it). The matcher ends
+        where it started."""
+        matcher, drafts = self._matcher, []
+        while len(drafts) < limit and not matcher.is_terminated():
+            only = self._only_allowed()
+            tokens = [only] if only is not None else matcher.find_jump_forward_tokens()
+            if not tokens:
+                break
+            for token in tokens[: limit - len(drafts)]:
+                if not matcher.accept_token(token):
+                    break
+                drafts.append(token)
+            else:
+                continue
+            break
+        if drafts:
+            matcher.rollback(len(drafts))
+        return drafts
+
+    def _only_allowed(self) -> int | None:
+        """The one token the next mask allows, or None (none or several)."""
+        if self._scratch is None:
+            self._scratch = torch.empty(1, -(-self._vocab_size // 32), dtype=torch.int32)
+        self._matcher.fill_next_token_bitmask(self._scratch, 0)
+        words = self._scratch.numpy()[0].view(np.uint32)
+        nonzero = np.flatnonzero(words)
+        if len(nonzero) != 1:
+            return None
+        word = int(words[nonzero[0]])
+        if word & (word - 1):
+            return None
+        return int(nonzero[0]) * 32 + word.bit_length() - 1
 
 
 def accept_batch(grammars: list[RequestGrammar], tokens: list[int]) -> list[bool]:
