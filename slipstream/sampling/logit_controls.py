@@ -38,7 +38,10 @@ class LogitControls:
         self._bitmask = BitmaskFiller()
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], grammar_drafts: dict[int, list[int]] | None = None
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        grammar_drafts: dict[int, list[int]] | None = None,
     ) -> torch.Tensor:
         """grammar_drafts: per first row of a constrained verification, its draft tokens (row
         first + j is masked as after the first j drafts)."""

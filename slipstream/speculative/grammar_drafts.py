@@ -23,7 +23,9 @@ MAX_GRAMMAR_DRAFTS = 16
 
 def check_grammar_forced_drafts(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_GRAMMAR_DRAFTS:
-        raise ValueError(f"grammar_forced_drafts must be an integer in [0, {MAX_GRAMMAR_DRAFTS}], got {value!r}")
+        raise ValueError(
+            f"grammar_forced_drafts must be an integer in [0, {MAX_GRAMMAR_DRAFTS}], got {value!r}"
+        )
     return value
 
 

@@ -10,6 +10,7 @@ advances it over the accepted ones only, with `accept`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class RequestGrammar:
-    def __init__(self, compiled: Any, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, compiled: Any, stop_token_ids: tuple[int, ...], encode: Callable[[str], list[int]] | None = None
+    ) -> None:
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids) or None)
@@ -29,6 +32,7 @@ class RequestGrammar:
         self._stop_ids = frozenset(self._matcher.stop_token_ids)
         self._vocab_size = compiled.tokenizer_info.vocab_size
         self._scratch: torch.Tensor | None = None  # one bitmask row for forced_drafts
+        self._encode = encode  # the tokenizer's text -> ids, for forced strings
 
     @property
     def is_terminated(self) -> bool:
@@ -95,7 +99,7 @@ class RequestGrammar:
         matcher, drafts = self._matcher, []
         while len(drafts) < limit and not matcher.is_terminated():
             only = self._only_allowed()
-            tokens = [only] if only is not None else matcher.find_jump_forward_tokens()
+            tokens = [only] if only is not None else self._jump_forward()
             if not tokens:
                 break
             for token in tokens[: limit - len(drafts)]:
@@ -108,6 +112,12 @@ class RequestGrammar:
         if drafts:
             matcher.rollback(len(drafts))
         return drafts
+
+    def _jump_forward(self) -> list[int]:
+        if self._encode is not None:
+            text = self._matcher.find_jump_forward_string()
+            return self._encode(text) if text else []
+        return self._matcher.find_jump_forward_tokens()
 
     def _only_allowed(self) -> int | None:
         """The one token the next mask allows, or None (none or several)."""
