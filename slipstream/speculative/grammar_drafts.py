@@ -33,19 +33,21 @@ class GrammarDrafter:
     def __init__(self, max_drafts: int, max_seq_len: int) -> None:
         self.max_drafts = max_drafts
         self.max_seq_len = max_seq_len
+        self.enabled = True  # benchmarks switch the drafts off and on in one engine
         self.num_drafts = 0  # verifications
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
-    @staticmethod
-    def wants(running: list[Request]) -> bool:
+    def wants(self, running: list[Request]) -> bool:
         """Whether the next step may verify grammar drafts: its tokens must then be read
         before it is scheduled (no async step)."""
-        return any(r.grammar is not None for r in running)
+        return self.enabled and any(r.grammar is not None for r in running)
 
     def propose(self, running: list[Request]) -> None:
         """Set spec_token_ids of each constrained request that decodes next and whose grammar
         forces (or jump-forwards) a continuation."""
+        if not self.enabled:
+            return
         for r in running:
             if r.grammar is None or not _may_draft(r):
                 continue
