@@ -135,8 +135,13 @@ def throughput(llm: LLM, num: int, vocab: int, scale: float, repeats: int) -> di
                 # Random weights can pick byte sequences that are not UTF-8 (decoded to U+FFFD),
                 # which a length bound then counts differently: shown, not hidden.
                 invalid.append(str(exc).splitlines()[0][:160])
-    result = {"num": num, "finished": finished, "finished_valid": finished - len(invalid),
-              "invalid_examples": invalid[:5], "cold": _rate(cold)}
+    result = {
+        "num": num,
+        "finished": finished,
+        "finished_valid": finished - len(invalid),
+        "invalid_examples": invalid[:5],
+        "cold": _rate(cold),
+    }
     for name, timings in runs.items():
         result[name] = {
             "tok_s": statistics.mean(t[0] for t in timings),
@@ -212,12 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="the engine's async_scheduling (auto: on with CUDA); off runs constrained steps unoverlapped",
     )
-    parser.add_argument("--decode-steps", type=int, default=None,
-                        help="the engine's decode_steps (default: LLM's; 1 keeps every request "
-                        "on the single-step path)")
-    parser.add_argument("--grammar-forced-drafts", type=int, default=8, metavar="K",
-                        help="the engine's grammar_forced_drafts; above 0 the constrained run "
-                        "is also timed with the drafts switched off")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="the engine's decode_steps (default: LLM's; 1 keeps every request on the single-step path)",
+    )
+    parser.add_argument(
+        "--grammar-forced-drafts",
+        type=int,
+        default=8,
+        metavar="K",
+        help="the engine's grammar_forced_drafts; above 0 the constrained run "
+        "is also timed with the drafts switched off",
+    )
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     model, _ = resolve_model(args.model) if is_shape_name(args.model) else (args.model, None)
@@ -264,19 +277,25 @@ def print_table(f: dict, num: int) -> None:
 
     compile_ms, ttft = f["compile_ms"], f["ttft_ms"]
     rows = [
-        ("device", f"{f['device']} (async_scheduling {f['async_scheduling']}, decode_steps "
-                   f"{f['decode_steps']})"),
+        (
+            "device",
+            f"{f['device']} (async_scheduling {f['async_scheduling']}, decode_steps {f['decode_steps']})",
+        ),
         ("model vocab", f"{f['model_vocab']}"),
         ("unconstrained, matched lengths tok/s", rate(f["matched"])),
-        (f"JSON schema, grammars compiled tok/s (forced drafts {f['grammar_forced_drafts']})",
-         rate(f["warm"])),
+        (
+            f"JSON schema, grammars compiled tok/s (forced drafts {f['grammar_forced_drafts']})",
+            rate(f["warm"]),
+        ),
         ("throughput cost", f"{100 * f['cost']:.1f} % (target <= 10 %)"),
         ("JSON schema, compiling as it runs tok/s", rate(f["cold"])),
         ("throughput cost with compiles", f"{100 * f['cost_cold']:.1f} %"),
         ("unconstrained, full W5 lengths tok/s", rate(f["w5"])),
         *_draft_rows(f),
-        ("schema outputs: of all / finished / valid",
-         f"{f['num']} / {f['finished']} / {f['finished_valid']}"),
+        (
+            "schema outputs: of all / finished / valid",
+            f"{f['num']} / {f['finished']} / {f['finished_valid']}",
+        ),
         (
             "compile ms per schema (mean / p50 / max)",
             f"{compile_ms['mean']:.1f} / {compile_ms['p50']:.1f} / {compile_ms['max']:.1f}"
@@ -300,12 +319,16 @@ def _draft_rows(f: dict) -> list[tuple[str, str]]:
         return []
     g = f["grammar_drafts"]
     return [
-        ("JSON schema, forced drafts off tok/s", f"{f['warm_no_drafts']['tok_s']:.0f} "
-         f"({f['warm_no_drafts']['steps']} steps)"),
+        (
+            "JSON schema, forced drafts off tok/s",
+            f"{f['warm_no_drafts']['tok_s']:.0f} ({f['warm_no_drafts']['steps']} steps)",
+        ),
         ("throughput cost, forced drafts off", f"{100 * f['cost_no_drafts']:.1f} %"),
-        ("forced drafts: verified / accepted tokens",
-         f"{g['grammar_num_draft_tokens']} / {g['grammar_num_accepted_tokens']} "
-         f"({100 * g['grammar_acceptance_rate']:.0f} %)"),
+        (
+            "forced drafts: verified / accepted tokens",
+            f"{g['grammar_num_draft_tokens']} / {g['grammar_num_accepted_tokens']} "
+            f"({100 * g['grammar_acceptance_rate']:.0f} %)",
+        ),
     ]
 
 
