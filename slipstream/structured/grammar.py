@@ -114,10 +114,21 @@ class RequestGrammar:
         return drafts
 
     def _jump_forward(self) -> list[int]:
+        """The forced string's tokens: the tokenizer's split where the mask (just filled by
+        _only_allowed) allows its first token, else xgrammar's (a tokenizer that prefixes a
+        space, say)."""
         if self._encode is not None:
             text = self._matcher.find_jump_forward_string()
-            return self._encode(text) if text else []
+            if not text:
+                return []
+            tokens = self._encode(text)
+            if tokens and self._allowed(tokens[0]):
+                return tokens
         return self._matcher.find_jump_forward_tokens()
+
+    def _allowed(self, token: int) -> bool:
+        words = self._scratch.numpy()[0].view(np.uint32)
+        return token < self._vocab_size and bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
     def _only_allowed(self) -> int | None:
         """The one token the next mask allows, or None (none or several)."""

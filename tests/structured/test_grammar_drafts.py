@@ -83,6 +83,12 @@ def test_forced_drafts_are_the_forced_text_and_roll_back(manager):
         assert regex.matcher.accept_token(token)
     assert regex.forced_drafts(16) == []  # a digit: free
     regex.rollback(len(drafts))
+    # A tokenizer whose split starts with a token the grammar forbids (a prefixed space):
+    # xgrammar's own tokenization of the forced string instead.
+    space = tokenizer.encode(" ")[0]
+    compiled = manager.compile(SO(regex=REGEX)).result()
+    spaced = RequestGrammar(compiled, (), lambda text: [space, *manager.encode(text)])
+    assert tokenizer.decode(spaced.forced_drafts(16)) == "ORDER-"
 
 
 def test_verification_rows_follow_the_drafts(manager):
@@ -175,6 +181,20 @@ def test_long_fixed_keys_take_fewer_steps(tiny_chat_model_dir, without_drafts):
         counts[k] = (steps, outs[0].outputs[0].token_ids)
     assert counts[0][1] == counts[8][1]
     assert counts[8][0] < 0.6 * counts[0][0], counts
+
+
+@pytest.mark.gpu
+def test_same_tokens_on_cuda(tiny_chat_model_dir):
+    """Pinned mask buffers filled along the drafts, copied and applied on the device, prefill
+    graphs returning the verification rows; against constrained decoding without drafts
+    (async steps on, as CUDA's default)."""
+    engine = dict(ENGINE, device="cuda", kv_cache_memory=64 << 20)
+    want, plain_steps = _run(LLM(str(tiny_chat_model_dir), grammar_forced_drafts=0, **engine))
+    got, steps = _run(LLM(str(tiny_chat_model_dir), grammar_forced_drafts=8, **engine))
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    assert steps < plain_steps
 
 
 def test_knob_is_checked():
