@@ -74,8 +74,8 @@ class RequestGrammar:
     def fill_bitmask_along(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows row .. row + len(drafts) of `bitmask`: row + j is the next-token mask after the
         first j drafts, as a plain step there would see it. The matcher ends where it started.
-        Past a draft the grammar rejects or ends on, rows repeat the last mask: such a row's
-        draft is never sampled, so no later row is ever read."""
+        Past a draft the grammar rejects (its row never samples it, so no later row is kept)
+        or ends on (the scheduler stops there), rows repeat the last mask."""
         matcher = self._matcher
         matcher.fill_next_token_bitmask(bitmask, row)
         advanced, live = 0, True
@@ -92,10 +92,10 @@ class RequestGrammar:
 
     def forced_drafts(self, limit: int) -> list[int]:
         """Up to `limit` draft tokens from the grammar alone: while its mask allows exactly
-        one token, that token (a forced one, always accepted); elsewhere xgrammar's
-        jump-forward tokenization of the string the grammar forces (a guess at how the model
-        splits it: the masked verification accepts it or replaces it). The matcher ends
-        where it started."""
+        one token, that token (a forced one, always accepted); elsewhere the string the grammar
+        forces (xgrammar's jump-forward string) as the tokenizer splits it, a guess at the
+        model's tokenization that the masked verification accepts or replaces. The matcher
+        ends where it started."""
         matcher, drafts = self._matcher, []
         while len(drafts) < limit and not matcher.is_terminated():
             only = self._only_allowed()
