@@ -63,11 +63,24 @@ def prompts(lengths: list[tuple[int, int]], vocab: int, seed: int) -> list[list[
 
 
 def timed_generate(llm: LLM, ids: list[list[int]], params: list[SamplingParams]):
+    """(outputs, output tok/s, output tokens, seconds, engine steps)."""
+    engine, steps = llm.engine, []
+    step = engine.step
+    engine.step = lambda *a, **kw: steps.append(1) or step(*a, **kw)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    finally:
+        del engine.step
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return outs, tokens / seconds, tokens, seconds
+    return outs, tokens / seconds, tokens, seconds, len(steps)
+
+
+def grammar_drafts_on(llm: LLM, on: bool) -> None:
+    """Switch grammar-forced drafts (speculative/grammar_drafts.py) on or off in this engine."""
+    if llm.engine.grammar_drafts is not None:
+        llm.engine.grammar_drafts.enabled = on
 
 
 def scaled_w5(num: int, scale: float, seed: int = 0) -> list[tuple[int, int]]:
@@ -82,7 +95,8 @@ def throughput(llm: LLM, num: int, vocab: int, scale: float, repeats: int) -> di
     cost compares like with like: the same prompts, unconstrained, each generating exactly as
     many tokens as its constrained reply (`matched`), against the constrained run with its
     grammars compiled (`warm`). `cold` is the first constrained run, which compiles every
-    schema as it goes; `w5` the unconstrained requests at their full W5 lengths."""
+    schema as it goes; `w5` the unconstrained requests at their full W5 lengths. With
+    grammar-forced drafts on, `warm_no_drafts` is the warm run with them switched off."""
     lengths = scaled_w5(num, scale)
     ids = prompts(lengths, vocab, seed=1)
     rng = random.Random(0)
@@ -98,10 +112,17 @@ def throughput(llm: LLM, num: int, vocab: int, scale: float, repeats: int) -> di
     timed_generate(llm, ids[:8], base[:8])  # warm
     outs, *cold = timed_generate(llm, ids, constrained)
     matched = [p.clone(max_tokens=max(1, len(o.outputs[0].token_ids))) for p, o in zip(base, outs)]
+    drafts = llm.engine.grammar_drafts is not None
     runs: dict[str, list] = {"matched": [], "warm": [], "w5": []}
+    if drafts:
+        runs["warm_no_drafts"] = []
     for _ in range(repeats):  # interleaved, so drift in the machine hits both alike
         runs["matched"].append(timed_generate(llm, ids, matched)[1:])
         runs["warm"].append(timed_generate(llm, ids, constrained)[1:])
+        if drafts:
+            grammar_drafts_on(llm, False)
+            runs["warm_no_drafts"].append(timed_generate(llm, ids, constrained)[1:])
+            grammar_drafts_on(llm, True)
     runs["w5"].append(timed_generate(llm, ids, base)[1:])
     finished, invalid = 0, []
     for out, schema in zip(outs, schemas):
@@ -114,22 +135,31 @@ def throughput(llm: LLM, num: int, vocab: int, scale: float, repeats: int) -> di
                 # Random weights can pick byte sequences that are not UTF-8 (decoded to U+FFFD),
                 # which a length bound then counts differently: shown, not hidden.
                 invalid.append(str(exc).splitlines()[0][:160])
-    result = {"num": num, "finished": finished, "finished_valid": finished - len(invalid),
-              "invalid_examples": invalid[:5], "cold": _rate(cold)}
+    result = {
+        "num": num,
+        "finished": finished,
+        "finished_valid": finished - len(invalid),
+        "invalid_examples": invalid[:5],
+        "cold": _rate(cold),
+    }
     for name, timings in runs.items():
         result[name] = {
             "tok_s": statistics.mean(t[0] for t in timings),
             "tokens": timings[0][1],
             "s": statistics.mean(t[2] for t in timings),
+            "steps": timings[0][3],
         }
     result["cost"] = 1 - result["warm"]["tok_s"] / result["matched"]["tok_s"]
     result["cost_cold"] = 1 - result["cold"]["tok_s"] / result["matched"]["tok_s"]
+    if drafts:
+        result["cost_no_drafts"] = 1 - result["warm_no_drafts"]["tok_s"] / result["matched"]["tok_s"]
+        result["grammar_drafts"] = llm.engine.grammar_drafts.get_stats()
     return result
 
 
 def _rate(timing) -> dict:
-    tok_s, tokens, seconds = timing
-    return {"tok_s": tok_s, "tokens": tokens, "s": seconds}
+    tok_s, tokens, seconds, steps = timing
+    return {"tok_s": tok_s, "tokens": tokens, "s": seconds, "steps": steps}
 
 
 def ttft_probe(llm: LLM, num: int, vocab: int, scale: float) -> tuple[float, float]:
@@ -187,9 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="the engine's async_scheduling (auto: on with CUDA); off runs constrained steps unoverlapped",
     )
-    parser.add_argument("--decode-steps", type=int, default=None,
-                        help="the engine's decode_steps (default: LLM's; 1 keeps every request "
-                        "on the single-step path)")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="the engine's decode_steps (default: LLM's; 1 keeps every request on the single-step path)",
+    )
+    parser.add_argument(
+        "--grammar-forced-drafts",
+        type=int,
+        default=8,
+        metavar="K",
+        help="the engine's grammar_forced_drafts; above 0 the constrained run "
+        "is also timed with the drafts switched off",
+    )
     parser.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     model, _ = resolve_model(args.model) if is_shape_name(args.model) else (args.model, None)
@@ -201,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_tokens=args.max_num_tokens,
         max_model_len=args.max_model_len,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        grammar_forced_drafts=args.grammar_forced_drafts,
         **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
     )
     vocab = min(llm.engine_config.model.vocab_size, len(llm.tokenizer))
@@ -212,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_vocab": vocab,
         "async_scheduling": llm.engine_config.scheduler.async_scheduling,
         "decode_steps": llm.engine_config.scheduler.decode_steps,
+        "grammar_forced_drafts": llm.engine_config.grammar_forced_drafts,
         **tp,
         "compile_ms": {
             "mean": 1e3 * statistics.mean(compile_s),
@@ -230,21 +273,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(f: dict, num: int) -> None:
     def rate(run: dict) -> str:
-        return f"{run['tok_s']:.0f} ({run['tokens']} tok, {run['s']:.2f} s)"
+        return f"{run['tok_s']:.0f} ({run['tokens']} tok, {run['s']:.2f} s, {run['steps']} steps)"
 
     compile_ms, ttft = f["compile_ms"], f["ttft_ms"]
     rows = [
-        ("device", f"{f['device']} (async_scheduling {f['async_scheduling']}, decode_steps "
-                   f"{f['decode_steps']})"),
+        (
+            "device",
+            f"{f['device']} (async_scheduling {f['async_scheduling']}, decode_steps {f['decode_steps']})",
+        ),
         ("model vocab", f"{f['model_vocab']}"),
         ("unconstrained, matched lengths tok/s", rate(f["matched"])),
-        ("JSON schema, grammars compiled tok/s", rate(f["warm"])),
+        (
+            f"JSON schema, grammars compiled tok/s (forced drafts {f['grammar_forced_drafts']})",
+            rate(f["warm"]),
+        ),
         ("throughput cost", f"{100 * f['cost']:.1f} % (target <= 10 %)"),
         ("JSON schema, compiling as it runs tok/s", rate(f["cold"])),
         ("throughput cost with compiles", f"{100 * f['cost_cold']:.1f} %"),
         ("unconstrained, full W5 lengths tok/s", rate(f["w5"])),
-        ("schema outputs: of all / finished / valid",
-         f"{f['num']} / {f['finished']} / {f['finished_valid']}"),
+        *_draft_rows(f),
+        (
+            "schema outputs: of all / finished / valid",
+            f"{f['num']} / {f['finished']} / {f['finished_valid']}",
+        ),
         (
             "compile ms per schema (mean / p50 / max)",
             f"{compile_ms['mean']:.1f} / {compile_ms['p50']:.1f} / {compile_ms['max']:.1f}"
@@ -261,6 +312,24 @@ def print_table(f: dict, num: int) -> None:
         print(f"{key:<{width}}  {value}")
     for example in f["invalid_examples"]:
         print(f"  invalid: {example}")
+
+
+def _draft_rows(f: dict) -> list[tuple[str, str]]:
+    if "warm_no_drafts" not in f:
+        return []
+    g = f["grammar_drafts"]
+    return [
+        (
+            "JSON schema, forced drafts off tok/s",
+            f"{f['warm_no_drafts']['tok_s']:.0f} ({f['warm_no_drafts']['steps']} steps)",
+        ),
+        ("throughput cost, forced drafts off", f"{100 * f['cost_no_drafts']:.1f} %"),
+        (
+            "forced drafts: verified / accepted tokens",
+            f"{g['grammar_num_draft_tokens']} / {g['grammar_num_accepted_tokens']} "
+            f"({100 * g['grammar_acceptance_rate']:.0f} %)",
+        ),
+    ]
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ replaced by random logits (the sampler, the grammars, the scheduler and the outp
 are the real ones, async steps on as with CUDA): N requests with a JSON schema each, and the
 same prompts unconstrained generating exactly as many tokens, alternated. Printed: host ms per
 step (wall and this process's CPU time, which other processes on a shared machine disturb
-less) and the difference. Masks are applied by the CPU kernel here; on a GPU that is a kernel
-launch.
+less) and the difference; and the constrained run with grammar-forced drafts, per token
+(random logits accept only the truly forced drafts: a floor on what a model's drafts save).
+Masks are applied by the CPU kernel here; on a GPU that is a kernel launch.
 
-    python benchmarks/bench_structured_host.py [--rows 64] [--repeats 2] [--output-json PATH]
+    python benchmarks/bench_structured_host.py [--rows 64] [--repeats 2] [--grammar-forced-drafts 8]
+        [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def stub_forward(llm: LLM) -> torch.Generator:
         seqs = [s for s in sched.seqs if s.needs_sample]
         if not seqs:
             return None, [], None
-        return torch.randn(len(seqs), vocab, generator=gen), [s.request for s in seqs], None
+        rows = sum(s.num_spec_tokens + 1 for s in seqs)  # a verification: k + 1 rows
+        return torch.randn(rows, vocab, generator=gen), [s.request for s in seqs], None
 
     runner._step_logits = step_logits
     return gen
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64, help="concurrent requests")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--grammar-forced-drafts", type=int, default=8, metavar="K")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     llm = LLM(
@@ -87,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_tokens + 64,
         async_scheduling=True,
         decode_steps=1,
+        grammar_forced_drafts=args.grammar_forced_drafts,
     )
+    drafter = llm.engine.grammar_drafts
     gen = stub_forward(llm)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 4000) for _ in range(16)] for _ in range(args.rows)]
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         p.clone(structured_outputs=StructuredOutputsParams(json=schema_for(i, rng)))
         for i, p in enumerate(base)
     ]
+    if drafter is not None:
+        drafter.enabled = False  # the plain constrained runs; the drafts have their own
     timed_run(llm, prompts, constrained)  # compiles the grammars
     gen.manual_seed(0)
     first = timed_run(llm, prompts, constrained)  # the lengths every constrained run repeats
@@ -104,8 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         for p, o in zip(base, first["outs"])
     ]
     runs: dict[str, list[dict]] = {"unconstrained": [], "constrained": []}
+    if drafter is not None:
+        runs["forced drafts"] = []
     for _ in range(args.repeats):  # alternated: drift in a shared machine hits both alike
-        for name, params in (("unconstrained", matched), ("constrained", constrained)):
+        for name in runs:
+            params = matched if name == "unconstrained" else constrained
+            if drafter is not None:
+                drafter.enabled = name == "forced drafts"
             gen.manual_seed(0)
             runs[name].append(timed_run(llm, prompts, params))
     figures = {"rows": args.rows}
@@ -115,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": rs[0]["tokens"],
             "wall_ms_per_step": statistics.mean(r["wall_ms"] for r in rs),
             "cpu_ms_per_step": statistics.mean(r["cpu_ms"] for r in rs),
+            "cpu_ms_per_token": statistics.mean(r["cpu_ms"] * r["steps"] / r["tokens"] for r in rs),
         }
     free, so = figures["unconstrained"], figures["constrained"]
     print(f"{args.rows} rows, stub forward; host ms per step (wall / process CPU)")
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         f = figures[name]
         print(
             f"  {name:<14} {f['wall_ms_per_step']:7.2f} / {f['cpu_ms_per_step']:7.2f}  "
-            f"({f['steps']} steps, {f['tokens']} tokens)"
+            f"({f['steps']} steps, {f['tokens']} tokens; {f['cpu_ms_per_token']:.3f} CPU ms a token)"
         )
     added_wall = so["wall_ms_per_step"] - free["wall_ms_per_step"]
     added_cpu = so["cpu_ms_per_step"] - free["cpu_ms_per_step"]

@@ -224,6 +224,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     # Speculative decoding (speculative/); None: off.
     speculative: SpeculativeConfig | None = None
+    # Constrained requests: grammar-forced tokens verified as drafts, at most this many a step (0: off).
+    grammar_forced_drafts: int = 0
     lora: LoRAConfig = LoRAConfig()
     # "generate" (text) or "pooling" (embeddings / classification: pooling/, with `pooler`).
     runner: str = "generate"

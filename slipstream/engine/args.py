@@ -21,6 +21,7 @@ from slipstream.quantization.lm_head import DEFAULT_FORMATS, FORMAT_NAMES, cli_c
 from slipstream.quantization.utils import resolve_quantization
 from slipstream.scheduler.scheduler import PREEMPTION_MODES
 from slipstream.speculative.config import SpeculativeConfig
+from slipstream.speculative.grammar_drafts import check_grammar_forced_drafts
 
 KV_OFFLOAD_MODES = ("auto", "always")
 
@@ -77,6 +78,9 @@ class EngineArgs:
     # Speculative decoding, vLLM's dict: {"method": "ngram" | "draft_model", "num_speculative_
     # tokens": k, "model": PATH, "prompt_lookup_min"/"max": n, ...} (speculative/config.py).
     speculative_config: dict | str | None = None
+    # Constrained requests: the most tokens their grammar forces (keys, quotes, braces, enum
+    # literals) verified as drafts in one step (speculative/grammar_drafts.py); 0: off.
+    grammar_forced_drafts: int = 8
     # Multi-LoRA (slipstream/lora/): adapters per request, max_loras of them on the device at
     # once, up to max_cpu_loras (None: max_loras) kept read on the host.
     enable_lora: bool = False
@@ -151,6 +155,9 @@ class EngineArgs:
             tokenizer_path=self.tokenizer or str(model_path),
             speculative=(None if self.speculative_config is None
                          else SpeculativeConfig.from_dict(self.speculative_config)),
+            # Worker ranks sample beside the driver and know no drafts of their own.
+            grammar_forced_drafts=0 if parallel.uses_workers
+            else check_grammar_forced_drafts(self.grammar_forced_drafts),
         )
         return _pooling_config(config, self) if runner == "pooling" else config
 
@@ -246,6 +253,9 @@ class EngineArgs:
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or {"method": "draft_model", '
                             '"model": DIR, ...} (vLLM\'s keys; docs/speculative.md)')
+        g.add_argument("--grammar-forced-drafts", type=int, default=8, metavar="K",
+                       help="constrained requests: verify up to K tokens their grammar forces "
+                            "in one step (0: off; docs/structured_outputs.md)")
 
         g = parser.add_argument_group("LoRA")
         g.add_argument("--enable-lora", action="store_true",

@@ -30,6 +30,7 @@ from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import ScheduledSeq, SchedulerOutput
 from slipstream.scheduler.scheduler import Scheduler, advance_grammars
 from slipstream.speculative.decoder import build_decoder
+from slipstream.speculative.grammar_drafts import GrammarDrafter
 from slipstream.structured.waiting import GrammarWaitRoom
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, cache,
                                    config.lora.max_loras if config.lora.enabled else 0,
                                    sliding_window=_releasable_window(config))
+        self.grammar_drafts = GrammarDrafter(config.grammar_forced_drafts, self.scheduler.max_seq_len) \
+            if config.grammar_forced_drafts else None
         if self.spec is not None:
             self.spec.max_seq_len = self.scheduler.max_seq_len
             if draft is not None:
@@ -202,6 +205,9 @@ class EngineCore:
                 self.spec.propose([r for r in self.scheduler.running
                                    if not self.beams.owns(r.request_id)])
             self.spec.step_ended(time.perf_counter())  # measures the cost of verifying
+        if self.grammar_drafts is not None and self._inflight is None and self._queued is None:
+            self.grammar_drafts.propose([r for r in self.scheduler.running
+                                         if not self.beams.owns(r.request_id)])
         return failed + outputs
 
     def _step(self, while_gpu_runs: Callable[[], None] | None = None) -> list[EngineCoreOutput]:
@@ -264,6 +270,8 @@ class EngineCore:
         if self.spec is not None:
             spec_counts = self.spec.record(sched_out, runner_out)
             self.spec.step_applied(sched_out, num_steps)
+        if self.grammar_drafts is not None:
+            spec_counts.update(self.grammar_drafts.record(sched_out, runner_out))
         with self.timer.phase("update"):
             outputs = self.scheduler.update_from_output(sched_out, runner_out, grammars_advanced)
         for out in outputs:
@@ -443,10 +451,12 @@ class EngineCore:
     def _speculating(self, sched_out: SchedulerOutput) -> bool:
         """Whether this step verifies drafts, or the next would propose some: its tokens must
         then be read before the next step is scheduled."""
-        if self.spec is None:
+        if self.spec is None and self.grammar_drafts is None:
             return False
         return (any(s.num_spec_tokens for s in sched_out.seqs)
-                or self.spec.wants(self.scheduler.num_running))
+                or (self.spec is not None and self.spec.wants(self.scheduler.num_running))
+                or (self.grammar_drafts is not None
+                    and self.grammar_drafts.wants(self.scheduler.running)))
 
     def flush_kv_transfers(self) -> None:
         """Queue the host tier's pending block copies (offloads of evicted blocks, restores
@@ -471,6 +481,8 @@ class EngineCore:
         stats = self.scheduler.get_stats()
         if self.spec is not None:
             stats.update(self.spec.get_stats())
+        if self.grammar_drafts is not None:
+            stats.update(self.grammar_drafts.get_stats())
         return stats
 
 

@@ -596,12 +596,13 @@ class ModelRunner:
 
 
 def _verify_rows(config: EngineConfig) -> int | None:
-    """Logits rows a captured prefill step returns with speculative decoding: k + 1 a seq,
-    capped at 256 rows ([rows, vocab] float32 buffer); None without speculation."""
-    spec = config.speculative
-    if spec is None:
+    """Logits rows a captured prefill step returns with speculative decoding or grammar drafts:
+    k + 1 a seq, capped at 256 rows ([rows, vocab] float32 buffer); None without drafts."""
+    k = max(config.speculative.num_speculative_tokens if config.speculative else 0,
+            config.grammar_forced_drafts)
+    if not k:
         return None
-    return min(config.scheduler.max_num_seqs * (spec.num_speculative_tokens + 1), 256)
+    return min(config.scheduler.max_num_seqs * (k + 1), 256)
 
 
 def _call(fn: Callable[[], None] | None) -> None:

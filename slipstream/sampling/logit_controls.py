@@ -37,7 +37,14 @@ class LogitControls:
     def __init__(self) -> None:
         self._bitmask = BitmaskFiller()
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        grammar_drafts: dict[int, list[int]] | None = None,
+    ) -> torch.Tensor:
+        """grammar_drafts: per first row of a constrained verification, its draft tokens (row
+        first + j is masked as after the first j drafts)."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.has_logit_controls]
         if rows:
             _apply_bias(logits, requests, rows)
@@ -47,7 +54,7 @@ class LogitControls:
         # A request the step before finished (its grammar ended) samples a token nobody reads.
         grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None and not r.is_finished]
         if grammar_rows:
-            mask = self._bitmask.fill(requests, grammar_rows, logits.shape[1], logits.device)
+            mask = self._bitmask.fill(requests, grammar_rows, logits.shape[1], logits.device, grammar_drafts)
             apply_bitmask(logits, mask, grammar_rows)
         return logits
 

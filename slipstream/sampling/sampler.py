@@ -80,7 +80,8 @@ class Sampler:
         self._shared: dict[torch.device, torch.Generator] = {}
         self._controls = LogitControls()
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_drafts: dict[int, list[int]] | None = None) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"sampler: logits {tuple(logits.shape)} for {len(requests)} requests")
         if not requests:
@@ -89,7 +90,7 @@ class Sampler:
             logits = logits.float()
         lp_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         raw_logprobs = self._raw_logprobs(logits, lp_rows)
-        logits = self._process(logits, requests)
+        logits = self._process(logits, requests, grammar_drafts)
         tokens = self._choose(logits, requests)
         return self._read_back(tokens, raw_logprobs, lp_rows, requests)
 
@@ -110,7 +111,8 @@ class Sampler:
         sub = logits if len(rows) == logits.shape[0] else logits[rows]
         return torch.log_softmax(sub, dim=-1)
 
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, requests: list[Request],
+                 grammar_drafts: dict[int, list[int]] | None = None) -> torch.Tensor:
         """Penalties, the min_tokens mask, then the logit controls (bias, allowed / bad
         tokens, processors, grammar bitmask), on a copy (the caller's logits stay intact)."""
         needs = any(
@@ -123,7 +125,7 @@ class Sampler:
         logits = logits.clone()
         apply_penalties(logits, requests)
         mask_min_tokens(logits, requests)
-        return self._controls(logits, requests)
+        return self._controls(logits, requests, grammar_drafts)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         if all(r.sampling_params.greedy for r in requests):  # no parameters to copy over

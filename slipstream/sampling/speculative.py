@@ -15,6 +15,11 @@ of decoding without speculation. A seeded request's generator is rewound to just
 it kept, so it draws once per emitted token as without speculation: the same seed gives the
 same tokens with or without speculation, whatever else is in the batch.
 
+A constrained request's rows are masked by its grammar as plain steps would be: row j with the
+grammar after the first j drafts. The masked sample is the token constrained decoding gives
+there, so drafts (the tokens the grammar forces, speculative/grammar_drafts.py) change how many
+steps it takes, never its tokens.
+
 A draft tree (speculative/tree.py) is verified the same way along its branches: from the root,
 the child whose draft equals the token sampled at the current row is accepted. Each row is
 sampled independently from the target's distribution at its position, so the emitted tokens
@@ -56,7 +61,7 @@ def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs:
     sampled_seqs = [s for s in seqs if s.needs_sample]
     row_requests = [s.request for s in sampled_seqs for _ in range(s.num_spec_tokens + 1)]
     saved = _seeded_states(sampled_seqs, logits.device)
-    result = sampler(logits, row_requests)
+    result = sampler(logits, row_requests, _grammar_drafts(sampled_seqs))
     row, paths = 0, {}
     for seq in sampled_seqs:
         n = seq.num_spec_tokens + 1
@@ -80,6 +85,17 @@ def verify_into(out: RunnerOutput, sampler: Sampler, logits: torch.Tensor, seqs:
             _rewind(seq.request, saved[rid], keep, logits)
         row += n
     return paths
+
+
+def _grammar_drafts(seqs: list[ScheduledSeq]) -> dict[int, list[int]] | None:
+    """Per first row of a constrained seq with drafts, its drafts: row j of it is masked with
+    the grammar after j drafts, as a plain step there would be (structured/grammar.py)."""
+    found, row = {}, 0
+    for seq in seqs:
+        if seq.num_spec_tokens and seq.request.grammar is not None:
+            found[row] = seq.token_ids[len(seq.token_ids) - seq.num_spec_tokens :]
+        row += seq.num_spec_tokens + 1
+    return found or None
 
 
 def _seeded_states(seqs: list[ScheduledSeq], device: torch.device) -> dict[str, torch.Tensor]:

@@ -154,8 +154,8 @@ class SpeculativeDecoder:
         per_request = {}
         proposed = accepted = trials = 0
         for seq in sched_out.seqs:
-            if not seq.num_spec_tokens:
-                continue
+            if not seq.num_spec_tokens or seq.request.grammar is not None:
+                continue  # a constrained request's drafts are the grammar's (grammar_drafts.py)
             sampled = runner_out.sampled_token_ids.get(seq.request_id)
             if not sampled:
                 continue

@@ -41,12 +41,23 @@ class BitmaskFiller:
         self._batch = None
 
     def fill(
-        self, requests: list[Request], rows: list[int], vocab_size: int, device: torch.device
+        self,
+        requests: list[Request],
+        rows: list[int],
+        vocab_size: int,
+        device: torch.device,
+        drafts: dict[int, list[int]] | None = None,
     ) -> torch.Tensor:
         """int32 [max(rows) + 1, words] on `device`: row i is requests[i]'s next-token mask
-        for i in `rows` (other rows hold stale words: never applied)."""
+        for i in `rows` (other rows hold stale words: never applied). drafts: per first row
+        of a verification, its draft tokens; its rows follow the matcher along them."""
         num_rows = rows[-1] + 1
         host = self._host_rows(num_rows, bitmask_words(vocab_size), device)
+        if drafts:
+            along = {r + j for r, d in drafts.items() for j in range(len(d) + 1)}
+            for r, d in drafts.items():
+                requests[r].grammar.fill_bitmask_along(host, r, d)
+            rows = [i for i in rows if i not in along]
         if len(rows) >= BATCH_FILL_ROWS:
             self._batch_matcher().batch_fill_next_token_bitmask(
                 [requests[i].grammar.matcher for i in rows], host, indices=rows

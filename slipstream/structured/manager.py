@@ -29,6 +29,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # guards the cache and the compiler's creation
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._compiler: Any = None
+        self._tokenizer: Any = None  # the HF tokenizer, loaded with the compiler
         self._executor: ThreadPoolExecutor | None = None
         self.compile_seconds: dict[tuple[str, str], float] = {}  # for benchmarks and logs
 
@@ -59,8 +60,14 @@ class StructuredOutputManager:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                self._compiler = _make_compiler(self._tokenizer_path, self._vocab_size)
+                self._tokenizer = _load_tokenizer(self._tokenizer_path)
+                self._compiler = _make_compiler(self._tokenizer, self._vocab_size)
             return self._compiler
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` as the model's tokenizer splits it (no special tokens); only
+        called once a grammar compiled, so the tokenizer is loaded."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def shutdown(self) -> None:
         if self._executor is not None:
@@ -73,14 +80,18 @@ def compile_threads() -> int:
     return max(1, min(4, physical_cores() // 4))
 
 
-def _make_compiler(tokenizer_path: str | None, vocab_size: int) -> Any:
-    import xgrammar as xgr
-
+def _load_tokenizer(tokenizer_path: str | None) -> Any:
     from slipstream.tokenizer.tokenizer import maybe_load_tokenizer
 
     tokenizer = maybe_load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError("structured_outputs needs the model's tokenizer, and this model has none")
+    return tokenizer
+
+
+def _make_compiler(tokenizer: Any, vocab_size: int) -> Any:
+    import xgrammar as xgr
+
     # The model's vocabulary may be padded past the tokenizer's: the extra ids stay masked.
     info = xgr.TokenizerInfo.from_huggingface(
         tokenizer.hf, vocab_size=vocab_size, stop_token_ids=list(tokenizer.eos_token_ids) or None

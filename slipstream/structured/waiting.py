@@ -52,7 +52,7 @@ class GrammarWaitRoom:
             del self._waiting[rid]
             error = future.exception()
             if error is None:
-                request.grammar = RequestGrammar(future.result(), request.eos_token_ids)
+                request.grammar = RequestGrammar(future.result(), request.eos_token_ids, self.manager.encode)
             out.append((request, error))
         return out
 

@@ -31,6 +31,7 @@ def llm(tiny_chat_model_dir):
         max_num_tokens=256,
         async_scheduling=True,
         decode_steps=4,
+        grammar_forced_drafts=0,  # drafts make constrained batches synchronous (test_grammar_drafts.py)
     )
 
 
