@@ -7,7 +7,7 @@ prints each stage's median: the HTTP way in, the handler, the hop to the engine,
 wait and prefill, the way back, the output processing, the SSE chunk and the client's read.
 The stamps live in this script only: the package carries no tracing code.
 
-    PYTHONPATH=$PWD python benchmarks/bench_serve_host.py --requests 30 --output-len 64
+    PYTHONPATH=$PWD python benchmarks/bench_serve_host.py --requests 20 --output-len 32
 """
 from __future__ import annotations
 
@@ -174,6 +174,13 @@ def _table(client: list[dict], server: list[dict]) -> list[tuple[str, float]]:
     return rows
 
 
+def _serving(httpx, port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--server"]:  # the child: the trace path, then serve's own arguments
         _server_main(sys.argv[2], sys.argv[3:])
@@ -184,32 +191,30 @@ def main() -> None:
     p.add_argument("--warmups", type=int, default=3)
     p.add_argument("--input-len", type=int, default=467)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-token-id", type=int, default=None)
+    p.add_argument("--max-token-id", type=int, default=4000,
+                   help="prompt ids are drawn below this (the embedded model has 4,096)")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--json", default=None, help="write the table here too")
+    p.add_argument("--serve-args", default="",
+                   help="more `slipstream serve` flags, one string (e.g. \"--load-format dummy\")")
     args = p.parse_args()
     trace = tempfile.mktemp(suffix=".json")
     cmd = [sys.executable, __file__, "--server", trace, "--port", str(args.port),
            "--log-level", "warning", "--no-access-log", "--max-model-len", "1024"]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += args.serve_args.split()
     env = {**os.environ, "SLIPSTREAM_DEFAULT_MODEL": os.environ.get("SLIPSTREAM_DEFAULT_MODEL",
                                                                     "embedded")}
     server = subprocess.Popen(cmd, env=env)
     try:
         import httpx
 
-        for _ in range(600):
-            try:
-                info = httpx.get(f"http://127.0.0.1:{args.port}/v1/models", timeout=1).json()
-                break
-            except (httpx.HTTPError, ValueError):
-                time.sleep(0.2)
-        else:
-            raise RuntimeError("server did not start")
-        del info
-        if args.max_token_id is None:
-            args.max_token_id = 4000
+        deadline = time.monotonic() + 900
+        while not _serving(httpx, args.port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.5)
         client = asyncio.run(_client(args))
     finally:
         server.send_signal(signal.SIGINT)
