@@ -350,9 +350,6 @@ class AsyncLLM:
                         except zmq.Again:
                             break
                         self._handle(unpack(raw))
-                    # The streams these outputs woke write their chunks before the loop sets
-                    # up its next wait on the socket (~0.1 ms).
-                    await asyncio.sleep(0)
                 else:
                     self._check_health(engine)
         except asyncio.CancelledError:
