@@ -320,7 +320,11 @@ class AsyncLLM:
                 or self._failed.is_set()):
             self._outbox.put_nowait(data)
             return
-        sent = engine.to_engine.send(data)
+        try:
+            sent = engine.to_engine.send(data)
+        except zmq.ZMQError as exc:  # the supervisor fails the requests in flight, this one too
+            self._report_failure(f"sending to the engine failed: {exc}")
+            return
         if not sent.done():  # the socket's own queue keeps it ahead of later sends
             sent.add_done_callback(self._check_sent)
         else:
