@@ -9,6 +9,7 @@ The stamps live in this script only: the package carries no tracing code.
 
     PYTHONPATH=$PWD python benchmarks/bench_serve_host.py --requests 20 --output-len 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ def _patch_server(trace_path: str) -> None:
             if scope["type"] == "http" and scope["path"] == "/v1/completions":
                 TRACE.append({"asgi": time.monotonic(), "recv": [], "handled": [], "sent": []})
             await app(scope, receive, send)
+
         return stamped
 
     async def create_completion(*args, **kwargs):
@@ -68,9 +70,13 @@ def _patch_server(trace_path: str) -> None:
 
     def on_finished(self, ro, now):
         m = ro.metrics
-        TRACE[-1].update(arrival=m.arrival_time, engine_arrival=m.engine_arrival_time,
-                         scheduled=m.first_scheduled_time,
-                         engine_first=m.engine_first_token_time, first=m.first_token_time)
+        TRACE[-1].update(
+            arrival=m.arrival_time,
+            engine_arrival=m.engine_arrival_time,
+            scheduled=m.first_scheduled_time,
+            engine_first=m.engine_first_token_time,
+            first=m.first_token_time,
+        )
         real_finished(self, ro, now)
 
     real_produce = streaming.SSEResponse._produce
@@ -80,6 +86,7 @@ def _patch_server(trace_path: str) -> None:
             if message.get("type") == "http.response.body" and message.get("body") and TRACE:
                 TRACE[-1]["sent"].append(time.monotonic())
             await send(message)
+
         await real_produce(self, stamped_send)
 
     app_mod.build_app = build_app
@@ -92,6 +99,7 @@ def _patch_server(trace_path: str) -> None:
     def dump(*_):
         with open(trace_path, "w") as f:
             json.dump(TRACE, f)
+
     import atexit
 
     atexit.register(dump)
@@ -117,10 +125,15 @@ async def _client(args: argparse.Namespace) -> list[dict]:
     out = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as client:
         for i in range(args.requests + args.warmups):
-            body = {"model": None, "prompt": [rng.randrange(100, args.max_token_id)
-                                              for _ in range(args.input_len)],
-                    "max_tokens": args.output_len, "stream": True, "temperature": 0.0,
-                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": None,
+                "prompt": [rng.randrange(100, args.max_token_id) for _ in range(args.input_len)],
+                "max_tokens": args.output_len,
+                "stream": True,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            }
             body.pop("model")
             got = []
             t0 = time.monotonic()
@@ -139,14 +152,15 @@ def _p50(xs: list[float]) -> float:
 
 
 def _table(client: list[dict], server: list[dict]) -> list[tuple[str, float]]:
-    server = server[-len(client):]
+    server = server[-len(client) :]
     ttft_rows = {
         "client send -> ASGI app (HTTP in)": [s["asgi"] - c["t0"] for c, s in zip(client, server)],
         "ASGI -> handler (body, pydantic, middleware)": [s["handler"] - s["asgi"] for s in server],
         "handler -> generate() (checks, params)": [s["gen_in"] - s["handler"] for s in server],
         "generate() (input processing, msgpack)": [s["gen_out"] - s["gen_in"] for s in server],
-        "generate() -> engine took it (ZMQ hop, decode, add)":
-            [s["engine_arrival"] - s["gen_out"] for s in server],
+        "generate() -> engine took it (ZMQ hop, decode, add)": [
+            s["engine_arrival"] - s["gen_out"] for s in server
+        ],
         "engine took it -> scheduled": [s["scheduled"] - s["engine_arrival"] for s in server],
         "prefill step (model + engine host)": [s["engine_first"] - s["scheduled"] for s in server],
         "engine token -> front end read it (ZMQ back)": [s["recv"][0] - s["engine_first"] for s in server],
@@ -155,14 +169,19 @@ def _table(client: list[dict], server: list[dict]) -> list[tuple[str, float]]:
         "uvicorn write -> client has it": [c["chunks"][0] - s["sent"][0] for c, s in zip(client, server)],
         "TTFT (client)": [c["chunks"][0] - c["t0"] for c in client],
     }
-    itl_rows: dict[str, list[float]] = {"front end gap between outputs (engine step + ZMQ)": [],
-                                        "output processing": [], "-> SSE chunk to uvicorn": [],
-                                        "uvicorn write -> client": [], "ITL (client)": []}
+    itl_rows: dict[str, list[float]] = {
+        "front end gap between outputs (engine step + ZMQ)": [],
+        "output processing": [],
+        "-> SSE chunk to uvicorn": [],
+        "uvicorn write -> client": [],
+        "ITL (client)": [],
+    }
     for c, s in zip(client, server):
         n = min(len(s["recv"]), len(s["sent"]), len(c["chunks"]))
         for k in range(1, n):
             itl_rows["front end gap between outputs (engine step + ZMQ)"].append(
-                s["recv"][k] - s["recv"][k - 1])
+                s["recv"][k] - s["recv"][k - 1]
+            )
             itl_rows["output processing"].append(s["handled"][k] - s["recv"][k])
             itl_rows["-> SSE chunk to uvicorn"].append(s["sent"][k] - s["handled"][k])
             itl_rows["uvicorn write -> client"].append(c["chunks"][k] - s["sent"][k])
@@ -191,21 +210,38 @@ def main() -> None:
     p.add_argument("--warmups", type=int, default=3)
     p.add_argument("--input-len", type=int, default=467)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-token-id", type=int, default=4000,
-                   help="prompt ids are drawn below this (the embedded model has 4,096)")
+    p.add_argument(
+        "--max-token-id",
+        type=int,
+        default=4000,
+        help="prompt ids are drawn below this (the embedded model has 4,096)",
+    )
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--json", default=None, help="write the table here too")
-    p.add_argument("--serve-args", default="",
-                   help="more `slipstream serve` flags, one string (e.g. \"--load-format dummy\")")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help='more `slipstream serve` flags, one string (e.g. "--load-format dummy")',
+    )
     args = p.parse_args()
     trace = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, __file__, "--server", trace, "--port", str(args.port),
-           "--log-level", "warning", "--no-access-log", "--max-model-len", "1024"]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--server",
+        trace,
+        "--port",
+        str(args.port),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+        "--max-model-len",
+        "1024",
+    ]
     if args.model:
         cmd += ["--model", args.model]
     cmd += args.serve_args.split()
-    env = {**os.environ, "SLIPSTREAM_DEFAULT_MODEL": os.environ.get("SLIPSTREAM_DEFAULT_MODEL",
-                                                                    "embedded")}
+    env = {**os.environ, "SLIPSTREAM_DEFAULT_MODEL": os.environ.get("SLIPSTREAM_DEFAULT_MODEL", "embedded")}
     server = subprocess.Popen(cmd, env=env)
     try:
         import httpx

@@ -1,6 +1,7 @@
 """An idle engine process starts on a request as soon as AsyncLLM.generate() returns, not when
 the front end's event loop next gets round to a send task: on a busy server the handler that
 called generate() goes on building its response first, and that time used to add to TTFT."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,12 @@ def test_idle_engine_takes_a_request_while_the_caller_still_runs(tiny_llama_dir)
             returned = time.monotonic()
             time.sleep(BUSY_S)  # the handler goes on without yielding to the event loop
             out = await _final(stream)
-            return (returned, out.metrics.engine_arrival_time,
-                    list(warm.outputs[0].token_ids), list(out.outputs[0].token_ids))
+            return (
+                returned,
+                out.metrics.engine_arrival_time,
+                list(warm.outputs[0].token_ids),
+                list(out.outputs[0].token_ids),
+            )
         finally:
             await llm.shutdown()
 
