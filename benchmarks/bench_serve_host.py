@@ -23,68 +23,94 @@ import sys
 import tempfile
 import time
 
-TRACE: list[dict] = []  # one dict a request, in the server process
+TRACE: list[dict] = []  # one dict a timed request, in the server process
+BACKGROUND_HEADER = b"x-bench-background"  # requests that only keep the server busy
 
 
 def _patch_server(trace_path: str) -> None:
     """Wrap the request path's stages with stamps (server process only)."""
+    import contextvars
+
     from slipstream.engine import async_llm
     from slipstream.serve import app as app_mod
     from slipstream.serve import streaming
 
+    current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("trace", default=None)
+    by_request: dict[str, dict] = {}  # engine request id -> its trace
     real_build, real_create = app_mod.build_app, app_mod.create_completion
 
     def build_app(*args, **kwargs):
         app = real_build(*args, **kwargs)
 
         async def stamped(scope, receive, send):
-            if scope["type"] == "http" and scope["path"] == "/v1/completions":
+            timed = (
+                scope["type"] == "http"
+                and scope["path"] == "/v1/completions"
+                and BACKGROUND_HEADER not in dict(scope["headers"])
+            )
+            if timed:
                 TRACE.append({"asgi": time.monotonic(), "recv": [], "handled": [], "sent": []})
-            await app(scope, receive, send)
+            token = current.set(TRACE[-1] if timed else None)
+            try:
+                await app(scope, receive, send)
+            finally:
+                current.reset(token)
 
         return stamped
 
     async def create_completion(*args, **kwargs):
-        TRACE[-1]["handler"] = time.monotonic()
+        if (trace := current.get()) is not None:
+            trace["handler"] = time.monotonic()
         return await real_create(*args, **kwargs)
 
     real_generate = async_llm.AsyncLLM.generate
 
-    def generate(self, *args, **kwargs):
-        TRACE[-1]["gen_in"] = time.monotonic()
-        out = real_generate(self, *args, **kwargs)
-        TRACE[-1]["gen_out"] = time.monotonic()
+    def generate(self, prompt, params, request_id, *args, **kwargs):
+        trace = current.get()
+        if trace is None:
+            return real_generate(self, prompt, params, request_id, *args, **kwargs)
+        trace["gen_in"] = time.monotonic()
+        out = real_generate(self, prompt, params, request_id, *args, **kwargs)
+        trace["gen_out"] = time.monotonic()
+        by_request[f"{request_id}-0"] = trace
         return out
 
     real_handle = async_llm.AsyncLLM._handle
 
     def handle(self, msg):
-        if msg.get("t") == "outputs" and TRACE:
-            TRACE[-1]["recv"].append(time.monotonic())
-            real_handle(self, msg)
-            TRACE[-1]["handled"].append(time.monotonic())
-            return
+        if msg.get("t") != "outputs":
+            return real_handle(self, msg)
+        received = time.monotonic()
+        traces = [by_request[o["request_id"]] for o in msg["outs"] if o["request_id"] in by_request]
         real_handle(self, msg)
+        handled = time.monotonic()
+        for trace in traces:
+            trace["recv"].append(received)
+            trace["handled"].append(handled)
 
     real_finished = async_llm.AsyncLLM._on_finished
 
     def on_finished(self, ro, now):
-        m = ro.metrics
-        TRACE[-1].update(
-            arrival=m.arrival_time,
-            engine_arrival=m.engine_arrival_time,
-            scheduled=m.first_scheduled_time,
-            engine_first=m.engine_first_token_time,
-            first=m.first_token_time,
-        )
+        trace = by_request.pop(f"{ro.request_id}-0", None)
+        if trace is not None:
+            m = ro.metrics
+            trace.update(
+                arrival=m.arrival_time,
+                engine_arrival=m.engine_arrival_time,
+                scheduled=m.first_scheduled_time,
+                engine_first=m.engine_first_token_time,
+                first=m.first_token_time,
+            )
         real_finished(self, ro, now)
 
     real_produce = streaming.SSEResponse._produce
 
     async def produce(self, send):
+        trace = current.get()
+
         async def stamped_send(message):
-            if message.get("type") == "http.response.body" and message.get("body") and TRACE:
-                TRACE[-1]["sent"].append(time.monotonic())
+            if trace is not None and message.get("type") == "http.response.body" and message.get("body"):
+                trace["sent"].append(time.monotonic())
             await send(message)
 
         await real_produce(self, stamped_send)
@@ -116,6 +142,30 @@ def _server_main(trace_path: str, argv: list[str]) -> None:
     main(argv)
 
 
+def _body(args: argparse.Namespace, rng, output_len: int) -> dict:
+    return {
+        "prompt": [rng.randrange(100, args.max_token_id) for _ in range(args.input_len)],
+        "max_tokens": output_len,
+        "stream": True,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _background(client, args: argparse.Namespace, seed: int) -> None:
+    """Streams that keep the server busy (other requests' tokens) while one is timed."""
+    import random
+
+    rng = random.Random(seed)
+    headers = {BACKGROUND_HEADER.decode(): "1"}
+    while True:
+        body = _body(args, rng, args.background_len)
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+
+
 async def _client(args: argparse.Namespace) -> list[dict]:
     import random
 
@@ -124,17 +174,9 @@ async def _client(args: argparse.Namespace) -> list[dict]:
     rng = random.Random(0)
     out = []
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=120) as client:
+        busy = [asyncio.create_task(_background(client, args, 1 + k)) for k in range(args.background)]
         for i in range(args.requests + args.warmups):
-            body = {
-                "model": None,
-                "prompt": [rng.randrange(100, args.max_token_id) for _ in range(args.input_len)],
-                "max_tokens": args.output_len,
-                "stream": True,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            }
-            body.pop("model")
+            body = _body(args, rng, args.output_len)
             got = []
             t0 = time.monotonic()
             async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -143,7 +185,10 @@ async def _client(args: argparse.Namespace) -> list[dict]:
                         got.append(time.monotonic())
             if i >= args.warmups:
                 out.append({"t0": t0, "chunks": got})
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05 + 0.1 * rng.random())  # land at varied points of a step
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
     return out
 
 
@@ -217,6 +262,13 @@ def main() -> None:
         help="prompt ids are drawn below this (the embedded model has 4,096)",
     )
     p.add_argument("--port", type=int, default=8765)
+    p.add_argument(
+        "--background",
+        type=int,
+        default=0,
+        help="streams kept running beside the timed requests (W6 has about 3)",
+    )
+    p.add_argument("--background-len", type=int, default=256)
     p.add_argument("--json", default=None, help="write the table here too")
     p.add_argument(
         "--serve-args",
