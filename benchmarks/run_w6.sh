@@ -16,3 +16,11 @@ for _ in $(seq 1 120); do curl -sf "localhost:$PORT/health" >/dev/null && break;
   --max-token-id 128000 --input-len 467 --output-len 256 --num-prompts "${W6_PROMPTS:-200}" \
   --request-rate 2 --num-warmups 4 --label W6 --output-json "$RESULTS/W6.json"
 kill -INT $SERVER; wait $SERVER; echo "server exit $?"
+# Where a request's time goes (timed one at a time beside 2 other streams, same shape): the
+# server's stages against the model's prefill and decode steps (bench_serve_host.py).
+# W6_STAGES=0 skips it.
+if [ "${W6_STAGES:-1}" = 1 ]; then
+  "$PY" benchmarks/bench_serve_host.py --model "$D" --serve-args "--load-format dummy ${SERVE_ARGS:-}" \
+    --requests 20 --output-len 256 --background 2 --max-token-id 128000 --port "$((PORT + 1))" \
+    --json "$RESULTS/W6_stages.json" 2>&1 | grep -v " INFO " | tail -22
+fi

@@ -133,6 +133,7 @@ class AsyncLLM:
         self._last_token_time: dict[str, float] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
+        self._sending = False  # the send loop is inside a send
         self._tasks: list[asyncio.Task] = []  # the current engine's socket loops
         self._supervisor: asyncio.Task | None = None
         self._engine: EngineProcess | None = None
@@ -308,13 +309,39 @@ class AsyncLLM:
     # ------------------------------------------------------------------ socket loops
 
     def _send(self, msg: dict) -> None:
-        """Queue a message for the engine, in order (packed here, so a bad value fails now)."""
-        self._outbox.put_nowait(pack(msg))
+        """Send a message to the engine, in order (packed here, so a bad value fails now)."""
+        self._send_packed(pack(msg))
+
+    def _send_packed(self, data: bytes) -> None:
+        """Send now when nothing is queued before it (an idle engine starts on the request
+        while this handler still runs); else queue it behind the rest for the send loop."""
+        engine = self._engine
+        if (self._sending or not self._outbox.empty() or not self._tasks or engine is None
+                or self._failed.is_set()):
+            self._outbox.put_nowait(data)
+            return
+        try:
+            sent = engine.to_engine.send(data)
+        except zmq.ZMQError as exc:  # the supervisor fails the requests in flight, this one too
+            self._report_failure(f"sending to the engine failed: {exc}")
+            return
+        if not sent.done():  # the socket's own queue keeps it ahead of later sends
+            sent.add_done_callback(self._check_sent)
+        else:
+            self._check_sent(sent)
+
+    def _check_sent(self, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            self._report_failure(f"sending to the engine failed: {sent.exception()}")
 
     async def _send_loop(self, engine: EngineProcess) -> None:
         while True:
             data = await self._outbox.get()
-            await engine.to_engine.send(data)
+            self._sending = True
+            try:
+                await engine.to_engine.send(data)
+            finally:
+                self._sending = False
 
     async def _output_loop(self, engine: EngineProcess) -> None:
         try:
@@ -470,7 +497,7 @@ class AsyncLLM:
             self._engine.last_progress = time.monotonic()
         for child in children:
             self._child_parent[child.request_id] = request_id
-        self._outbox.put_nowait(add_msg)
+        self._send_packed(add_msg)
         if self.stat_logger is not None:
             self.stat_logger.on_request_start(len(prompt_ids))
         return self._iterate(request_id, stream)

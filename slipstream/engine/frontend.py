@@ -73,12 +73,17 @@ def child_seed(seed: int | None, index: int) -> int | None:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
+_PLAIN_INT = frozenset((int,))  # exactly int: bool is a subclass and must be refused
+
+
 def as_token_ids(prompt: Any, field: str = "prompt") -> list[int]:
     """A list of ints from a sequence of integers (numpy ints too); floats, strings and bools
     are a ValueError, never converted."""
     if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
         raise ValueError(f"{field} token ids must be a list of integers, got "
                          f"{type(prompt).__name__}")
+    if type(prompt) is list and set(map(type, prompt)) <= _PLAIN_INT:  # the usual case, in C
+        return list(prompt)
     ids = []
     for t in prompt:
         if isinstance(t, bool):

@@ -86,6 +86,8 @@ class ServeContext:
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size
+        if not ids or (min(ids) >= 0 and max(ids) < vocab):  # C loops: the usual case is fast
+            return
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",

@@ -21,6 +21,8 @@ def random_id(prefix: str) -> str:
 def _check_text(value: Any) -> Any:
     """Reject strings that cannot be UTF-8 encoded (lone surrogates from JSON \\ud800 escapes)."""
     items = value if isinstance(value, list) else [value]
+    if items and not isinstance(items[0], str):
+        return value  # validated already: a list of token ids (or of id lists) holds no text
     for item in items:
         if isinstance(item, str):
             try:

@@ -29,6 +29,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.all_special_ids = frozenset(hf_tokenizer.all_special_ids)
         self.vocab_size = len(hf_tokenizer)  # base vocabulary plus added tokens
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -53,6 +54,8 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # No clean-up of spaces: it is not prefix-stable, so streamed text would drift from it.
+        if self._backend_decode is not None:  # the same text, without HF's per-call overhead
+            return self._backend_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(
             list(token_ids),
             skip_special_tokens=skip_special_tokens,
@@ -159,3 +162,20 @@ def _read_json(file: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _backend_decode(hf_tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer's decode when HF's decode (without space clean-up) is nothing more;
+    None for tokenizers whose class decodes its own way. Streaming decodes twice per token,
+    and HF's Python wrapper around the Rust call is most of that time."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(hf_tokenizer)
+    backend = getattr(hf_tokenizer, "_tokenizer", None)
+    if (not isinstance(hf_tokenizer, TokenizersBackend) or backend is None
+            or cls.decode is not TokenizersBackend.decode
+            or cls._decode is not TokenizersBackend._decode):
+        return None
+    return backend.decode

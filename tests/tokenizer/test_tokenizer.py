@@ -106,3 +106,20 @@ def test_conversation_grows_and_resets(tokenizer):
     assert len(conv.messages) == 4
     conv.reset()
     assert conv.messages == [{"role": "system", "content": "be brief"}]
+
+
+def test_decode_takes_the_rust_path_and_matches_hf(tokenizer):
+    """decode() skips HF's Python wrapper for a plain fast tokenizer; the text must be HF's
+    own (no space clean-up) for any ids, special tokens kept or skipped."""
+    import random
+
+    assert tokenizer._backend_decode is not None
+    rng = random.Random(0)
+    special = sorted(tokenizer.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 10))]
+        ids += rng.sample(special, k=min(len(special), rng.randrange(0, 2)))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip) == tokenizer.hf.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
