@@ -119,7 +119,7 @@ class SpeculativeDecoder:
             return
         wanted = []
         for r in running:
-            room = self._room(r)
+            room = draft_room(r, self.max_seq_len)
             if room >= 2 and _may_speculate(r):
                 wanted.append((r, min(k, room - 1)))
         if not wanted:
@@ -136,12 +136,6 @@ class SpeculativeDecoder:
             if tokens:
                 request.spec_token_ids = list(tokens)
                 request.spec_parents = None if parents is None else list(parents)
-
-    def _room(self, r: Request) -> int:
-        room = self.max_seq_len - r.num_tokens
-        if r.sampling_params.max_tokens is not None:
-            room = min(room, r.sampling_params.max_tokens - r.num_output_tokens)
-        return room
 
     def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
         """Count a verified step; per request id (drafts, accepted) for its output. A proposer
@@ -288,3 +282,11 @@ def build_decoder(config: EngineConfig, max_seq_len: int):
         f" (adaptive, ridge {spec.ridge_tokens} tokens)" if spec.adaptive else "",
     )
     return SpeculativeDecoder(spec, proposer, max_seq_len)
+
+
+def draft_room(r: Request, max_seq_len: int) -> int:
+    """Tokens the request may still emit: a step's drafts plus its bonus token fit in it."""
+    room = max_seq_len - r.num_tokens
+    if r.sampling_params.max_tokens is not None:
+        room = min(room, r.sampling_params.max_tokens - r.num_output_tokens)
+    return room

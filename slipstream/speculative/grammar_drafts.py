@@ -17,6 +17,7 @@ from __future__ import annotations
 from slipstream.engine.request import Request, RequestStatus
 from slipstream.sampling.penalties import has_penalties
 from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
+from slipstream.speculative.decoder import draft_room
 
 MAX_GRAMMAR_DRAFTS = 16
 
@@ -51,18 +52,12 @@ class GrammarDrafter:
         for r in running:
             if r.grammar is None or not _may_draft(r):
                 continue
-            room = self._room(r)
+            room = draft_room(r, self.max_seq_len)
             if room < 2:
                 continue
             drafts = r.grammar.forced_drafts(min(self.max_drafts, room - 1))
             if drafts:
                 r.spec_token_ids, r.spec_parents = drafts, None
-
-    def _room(self, r: Request) -> int:
-        room = self.max_seq_len - r.num_tokens
-        if r.sampling_params.max_tokens is not None:
-            room = min(room, r.sampling_params.max_tokens - r.num_output_tokens)
-        return room
 
     def record(self, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> dict[str, tuple[int, int]]:
         """Count the constrained verifications of a step; per request id (drafts, accepted)."""

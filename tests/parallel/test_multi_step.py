@@ -17,6 +17,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.engine.request import Request
 from slipstream.parallel import workers
 from tests.helpers import finish_after_abort
+from tests.parallel.pools import kept_pool
 
 PROMPTS = [[1, 5, 9, 33, 7, 250, 11], [1, 100, 200, 300, 400, 17, 3, 64, 90]]
 ENGINE = dict(device="cpu", kv_cache_memory=8 << 20, max_model_len=128, max_num_seqs=4)
@@ -27,11 +28,7 @@ LAYOUTS = {"mp-tp1": dict(distributed_executor_backend="mp"), "tp2": dict(tensor
 
 @pytest.fixture(scope="module")
 def pool():
-    with workers.keep_pools():
-        launched = workers.new_pool(2, "cpu", "mp")
-        launched.launch()
-        workers.keep(launched)
-        yield launched
+    yield from kept_pool(2)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from slipstream import LLM, SamplingParams
-from slipstream.parallel import workers
+from tests.parallel.pools import kept_pool
 
 PROMPTS = [[1, 5, 9, 33, 7, 250, 11, 40, 41, 42], [1, 100, 200, 300, 17]]  # past Gemma's window of 8
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -21,11 +21,7 @@ ENGINE = dict(device="cpu", kv_cache_memory=4 << 20, max_model_len=64, max_num_s
 
 @pytest.fixture(scope="module")
 def pool():
-    with workers.keep_pools():
-        launched = workers.new_pool(2, "cpu", "mp")
-        launched.launch()
-        workers.keep(launched)
-        yield launched
+    yield from kept_pool(2)
 
 
 def _generate(path: Path, **kwargs):
