@@ -218,10 +218,10 @@ def _seeded_sampling(r: Request) -> bool:
     return p.seed is not None and not p.greedy
 
 
-def _may_speculate(r: Request) -> bool:
-    """Decoding next with its last token known, and nothing in its sampling that depends on
-    the output so far token by token (penalties, a pending min_tokens, a grammar, bad words
-    or logits processors; logit controls are kept off the verification rows altogether)."""
+def may_draft(r: Request) -> bool:
+    """Decoding next with its last token known, and nothing in its sampling other than a
+    grammar that depends on the output so far token by token (penalties, a pending min_tokens,
+    bad words or logits processors; logit controls are kept off the verification rows)."""
     p = r.sampling_params
     return (
         r.status == RequestStatus.RUNNING
@@ -229,9 +229,13 @@ def _may_speculate(r: Request) -> bool:
         and r.num_tokens - r.num_computed_tokens == 1
         and not has_penalties(p)
         and r.num_output_tokens >= p.min_tokens
-        and r.grammar is None
         and not p.has_logit_controls
     )
+
+
+def _may_speculate(r: Request) -> bool:
+    """may_draft, and no grammar: a constrained request's drafts are the grammar's own."""
+    return r.grammar is None and may_draft(r)
 
 
 def build_decoder(config: EngineConfig, max_seq_len: int):

@@ -14,10 +14,9 @@ Works beside a user's `speculative_config`: that proposer drafts for unconstrain
 
 from __future__ import annotations
 
-from slipstream.engine.request import Request, RequestStatus
-from slipstream.sampling.penalties import has_penalties
+from slipstream.engine.request import Request
 from slipstream.scheduler.output import RunnerOutput, SchedulerOutput
-from slipstream.speculative.decoder import draft_room
+from slipstream.speculative.decoder import draft_room, may_draft
 
 MAX_GRAMMAR_DRAFTS = 16
 
@@ -50,7 +49,7 @@ class GrammarDrafter:
         if not self.enabled:
             return
         for r in running:
-            if r.grammar is None or not _may_draft(r):
+            if r.grammar is None or not may_draft(r):
                 continue
             room = draft_room(r, self.max_seq_len)
             if room < 2:
@@ -84,18 +83,3 @@ class GrammarDrafter:
             "grammar_acceptance_rate": rate,
         }
 
-
-def _may_draft(r: Request) -> bool:
-    """Decoding next with its last token known, and nothing else in its sampling that reads
-    the output token by token (the grammar's mask follows the drafts; other controls would
-    not)."""
-    p = r.sampling_params
-    return (
-        r.status == RequestStatus.RUNNING
-        and r.num_pending == 0
-        and r.num_tokens - r.num_computed_tokens == 1
-        and not has_penalties(p)
-        and r.num_output_tokens >= p.min_tokens
-        and not p.has_logit_controls
-        and not r.is_finished
-    )

@@ -15,6 +15,7 @@ from slipstream.models.moe import SparseMoeBlock
 from slipstream.quantization.utils import dequantize_int4_groupwise, unpack_int4_rows
 from tests.helpers import rel_err
 from tests.models.moe_checkpoints import make_tiny_moe_checkpoint
+from tests.quantization.checkpoint_io import write_int4_layout
 
 PROMPTS = [[5, 77, 300, 12, 9, 41, 250], [100, 3, 3, 480, 17]]
 
@@ -98,42 +99,8 @@ def _write_int4_checkpoint(src, dst, layout: str, group: int):
     """src re-saved with every projection (attention and each expert's gate/up/down)
     RTN-quantized in groups of `group`, in the AWQ GEMM or GPTQ (v1) layout, per expert module
     as AutoAWQ / AutoGPTQ write MoE checkpoints."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from slipstream.quantization import utils as qu
-
-    shutil.copytree(src, dst)
-    tensors = {}
     projection = re.compile(r"(_proj|\.w[123])\.weight$")
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not projection.search(name):
-            tensors[name] = t
-            continue
-        k = t.shape[1]
-        q, scales, zeros = qu.quantize_int4_groupwise(t, group)
-        base = name.removesuffix(".weight")
-        if layout == "awq":
-            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER)
-            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(zeros.t().contiguous(), qu.AWQ_ORDER)
-        else:
-            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q).t().contiguous()
-            z = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8)
-            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(z.t().contiguous())
-            tensors[f"{base}.g_idx"] = (torch.arange(k) // group).to(torch.int32)
-        tensors[f"{base}.scales"] = scales.t().contiguous().half()
-    (dst / "model.safetensors").unlink()
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-         "version": "gemm"} if layout == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-         "sym": False})
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
+    return write_int4_layout(src, dst, layout, group, lambda name: bool(projection.search(name)))
 
 
 def _greedy(llm) -> list[list[int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,3 +87,41 @@ def run_quantize_cli(argv: list[str]) -> int:
     add_quantize_parser(parser.add_subparsers(dest="command"))
     ns = parser.parse_args(argv)
     return ns.func(ns)
+
+
+def write_int4_layout(src: Path, dst: Path, layout: str, group: int,
+                      is_projection: Callable[[str], bool]) -> Path:
+    """src re-saved with every tensor `is_projection` names RTN-quantized in groups of `group`
+    (-1: one group per row, GPTQ's "no groups"), in the AWQ GEMM or GPTQ (v1) layout."""
+    from safetensors.torch import load_file
+
+    from slipstream.quantization import utils as qu
+
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if not is_projection(name):
+            tensors[name] = t
+            continue
+        k = t.shape[1]
+        q, scales, zeros = qu.quantize_int4_groupwise(t, group if group > 0 else k)
+        base = name.removesuffix(".weight")
+        if layout == "awq":
+            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER)
+            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(zeros.t().contiguous(), qu.AWQ_ORDER)
+        else:  # GPTQ v1: packed along K, zeros stored minus one (mod 16), trivial g_idx
+            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q).t().contiguous()
+            z = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8)
+            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(z.t().contiguous())
+            tensors[f"{base}.g_idx"] = (torch.arange(k) // (group if group > 0 else k)).to(torch.int32)
+        tensors[f"{base}.scales"] = scales.t().contiguous().half()
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"} if layout == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": group < 0,
+         "sym": False})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

@@ -3,13 +3,11 @@ o_proj, bf16 norms), calibration texts, AutoAWQ / GPTQ checkpoint layouts."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from slipstream import LLM, SamplingParams
 from slipstream.layers.linear import QKVParallelLinear
@@ -19,6 +17,7 @@ from slipstream.quantization.base import get_quant_method_factory
 from slipstream.quantization.calibration import stdlib_calib_texts
 from slipstream.quantization.int4_awq import awq_search, dequantize_layer
 from tests.helpers import rel_err
+from tests.quantization.checkpoint_io import write_int4_layout
 
 GROUP = 64
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -67,34 +66,7 @@ def tiny(tiny_checkpoint) -> Path:
 def _write_layout(src: Path, dst: Path, layout: str, group: int = GROUP) -> Path:
     """Re-save src with every projection RTN-quantized (group 64; -1: one group per row, GPTQ's
     "no groups") in the AWQ or GPTQ layout."""
-    shutil.copytree(src, dst)
-    tensors = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if not name.endswith("_proj.weight"):
-            tensors[name] = t
-            continue
-        k = t.shape[1]
-        q, scales, zeros = qu.quantize_int4_groupwise(t, group if group > 0 else k)
-        base = name.removesuffix(".weight")
-        if layout == "awq":
-            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q.t().contiguous(), qu.AWQ_ORDER)
-            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(zeros.t().contiguous(), qu.AWQ_ORDER)
-        else:  # GPTQ v1: packed along K, zeros stored minus one (mod 16), trivial g_idx
-            tensors[f"{base}.qweight"] = qu.pack_int32_cols(q).t().contiguous()
-            z = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8)
-            tensors[f"{base}.qzeros"] = qu.pack_int32_cols(z.t().contiguous())
-            tensors[f"{base}.g_idx"] = (torch.arange(k) // (group if group > 0 else k)).to(torch.int32)
-        tensors[f"{base}.scales"] = scales.t().contiguous().half()
-    (dst / "model.safetensors").unlink()
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-         "version": "gemm"} if layout == "awq" else
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": group < 0,
-         "sym": False})
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
+    return write_int4_layout(src, dst, layout, group, lambda name: name.endswith("_proj.weight"))
 
 
 def _greedy(path: Path, quantization: str | None, prompts) -> list[list[int]]:
