@@ -80,7 +80,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # Constrained requests: the most tokens their grammar forces (keys, quotes, braces, enum
     # literals) verified as drafts in one step (speculative/grammar_drafts.py); 0: off.
-    grammar_forced_drafts: int = 8
+    grammar_forced_drafts: int = 0
     # Multi-LoRA (slipstream/lora/): adapters per request, max_loras of them on the device at
     # once, up to max_cpu_loras (None: max_loras) kept read on the host.
     enable_lora: bool = False
