@@ -54,9 +54,23 @@ def test_gpu_build_loads_without_tuning(tiny_checkpoint, tmp_path, monkeypatch,
     assert result["phases"]["quantize"] == 0.0
     shipped = {p.name for p in (engine / "triton_cache").iterdir()}
     compiled_now = {p.name for p in (tmp_path / "triton").iterdir()} - shipped
-    names = sorted(f.stem for d in compiled_now for f in (tmp_path / "triton" / d).glob("*.json")
-                   if not f.name.startswith("__grp__"))
-    assert not compiled_now, f"{len(compiled_now)} Triton kernels compiled again at load: {names}"
+    fresh = _kernel_metadata(tmp_path / "triton", compiled_now)
+    shipped_meta = _kernel_metadata(engine / "triton_cache", shipped)
+    diffs = {name: _differences(meta, [m for n, m in shipped_meta if n == name])
+             for name, meta in fresh}
+    assert not compiled_now, f"{len(compiled_now)} Triton kernels compiled again at load: {diffs}"
+
+
+def _kernel_metadata(cache, dirs) -> list[tuple[str, dict]]:
+    """(kernel name, its metadata JSON) for each compiled kernel in those cache directories."""
+    return [(f.stem, json.loads(f.read_text())) for d in sorted(dirs)
+            for f in (cache / d).glob("*.json") if not f.name.startswith("__grp__")]
+
+
+def _differences(meta: dict, shipped: list[dict]) -> list[dict]:
+    """Per shipped variant of the same kernel, the metadata fields this variant differs in."""
+    return [{k: (meta.get(k), old.get(k)) for k in meta.keys() | old.keys()
+             if k != "hash" and meta.get(k) != old.get(k)} for old in shipped]
 
 
 _LOAD = """
