@@ -34,11 +34,7 @@ def _chunk_argmax_kernel(x_ptr, stride_x, vals_ptr, idx_ptr, V, CHUNKS, BLOCK: t
     tl.store(idx_ptr + row * CHUNKS + c, first)
 
 
-# Not specialized on its pointers' alignment or its integers: the engine calls it on views
-# (one step's row of a multi-step token buffer) whose alignment differs from the warm-up's, and a
-# built engine must not compile a second variant at load.
-@triton.jit(do_not_specialize=["out_ptr", "ids_ptr", "pos_ptr", "lens_ptr", "slot_ptr", "bt_ptr",
-                               "stride_bt", "V", "CHUNKS"])
+@triton.jit
 def _final_argmax_kernel(vals_ptr, idx_ptr, out_ptr, ids_ptr, pos_ptr, lens_ptr, slot_ptr,
                          bt_ptr, stride_bt, V, CHUNKS, CHUNKS_P: tl.constexpr,
                          ADVANCE: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr = False):
