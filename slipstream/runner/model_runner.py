@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slipstream.config import EngineConfig
+from slipstream.engine import startup
 from slipstream.engine.auto_limits import resolve_step_limits
 from slipstream.engine.request import Request
 from slipstream.engine.step_timer import StepTimer
@@ -311,7 +312,9 @@ class ModelRunner:
             if self.lora is not None:
                 self._lora_graphs = self.lora.capture(self._capture_lora_decode_graphs)
             self._capture_prefill_graphs()
-        if sched.decode_steps > 1:
+        # A build warms the multi-step kernels whatever its own decode_steps: LLM loads the
+        # engine with multi-step decode on, and must find them in the engine's kernel cache.
+        if sched.decode_steps > 1 or startup.BUILD_DIR.get() is not None:
             self._graphs.warm_up_greedy(self.block_size)
 
     def _capture_lora_decode_graphs(self) -> DecodeGraphs:
