@@ -154,8 +154,10 @@ _BROKEN: set[int | None] = set()  # devices where the kernel failed to build
 def cuda_one_row_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether an int4 call is one w4_stream.cu takes:
-    one bf16 row of x on CUDA, contiguous weights and a contiguous bf16 bias or none."""
+    one bf16 row of x on CUDA, contiguous weights with uint8 zeros (not float ones) and a
+    contiguous bf16 bias or none."""
     return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
+            and zeros.dtype == torch.uint8
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
             and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
 
