@@ -6,10 +6,11 @@ activation-aware scale and clipping search, awq.py), or pre-quantized
 AutoAWQ (GEMM), GPTQ and compressed-tensors W4A16 (pack-quantized, llm-compressor) checkpoints.
 All become one layout: qweight uint8 [N, K/2] (two values per byte along K), scales float16
 [N, ceil(K/G)], zeros uint8 [N, ceil(K/G)]; w = (q - zero) * scale. (GGUF Q4_1 blocks,
-gguf_int4.py, keep float16 zeros instead, the zero point times the scale: w = q * scale - zero.) Where G does not divide K the
-last group is short: it is quantized as if zero-padded to G (utils.pad_to_groups), and the pad
-is never stored, so no step reads or multiplies it. The layer keeps its group size
-(GROUP_ATTR): the shapes alone cannot tell it when the last group is short.
+gguf_int4.py, keep float16 zeros instead, the zero point times the scale: w = q * scale -
+zero.) Where G does not divide K the last group is short: it is quantized as if zero-padded
+to G (utils.pad_to_groups), and the pad is never stored, so no step reads or multiplies it.
+The layer keeps its group size (GROUP_ATTR): the shapes alone cannot tell it when the last
+group is short.
 
 GPTQ act-order (desc_act; compressed-tensors actorder "group") checkpoints assign input columns
 to groups out of order (g_idx). Their columns are permuted at load so that each group is
