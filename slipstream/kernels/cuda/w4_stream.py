@@ -175,6 +175,9 @@ def cuda_one_row_operands(name: str, x: torch.Tensor, qweight: torch.Tensor,
         raise ValueError(f"{name}: bias must be contiguous bf16 [N], got {bias.dtype} "
                          f"{tuple(bias.shape)}")
     packed_words(qweight, scales, zeros, group_size, k)  # the layout's shape and dtype checks
+    if zeros.dtype != torch.uint8:
+        raise ValueError(f"{name}: uint8 zero points only, got {zeros.dtype} (float zeros run "
+                         f"the Triton kernels)")
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError(f"{name}: qweight, scales and zeros must be contiguous")
     if not x.is_contiguous() or x.data_ptr() % 16:
