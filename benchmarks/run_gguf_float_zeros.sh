@@ -3,6 +3,8 @@
 # the float-zero and GGUF GPU tests, then SmolLM2-135M's Q4_1 GGUF (its real metadata, random
 # weights: benchmarks/random_gguf.py) decoding at batch 1 in bf16 and as int4_awq (the Q4_1
 # blocks on the int4 kernels), as the 2026-12-06 figures were taken (670 against 1,804 tok/s).
+# KERNELS=1 adds bench_w4_groups.py at group 32, integer against float zeros per layer and M
+# (about 2 more minutes: each shape and zero form is tuned first).
 #
 #   bash benchmarks/run_gguf_float_zeros.sh [RESULTS_DIR]   (needs .out/smol-skeleton.json)
 set -u
@@ -24,6 +26,11 @@ for q in bf16 int4; do
     --input-len 128 --output-len 256 --num-iters 3 "${args[@]}" --label "smol_gguf_W1_$q" \
     --output-json "$RESULTS/W1_$q.json" > "$RESULTS/W1_$q.log" 2>&1 || echo "W1 $q: failed"
 done
+if [[ ${KERNELS:-0} == 1 ]]; then
+  timeout 200 "$PY" benchmarks/bench_w4_groups.py --ms 1,2,4,16 --groups 32 --zeros int,float \
+    --output-json "$RESULTS/w4_zeros.json" > "$RESULTS/w4_zeros.log" 2>&1
+  cat "$RESULTS/w4_zeros.log"
+fi
 "$PY" - "$RESULTS" <<'PY'
 import json, sys
 from pathlib import Path
