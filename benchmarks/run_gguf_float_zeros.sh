@@ -12,7 +12,7 @@ RESULTS=${1:-${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)}}
 mkdir -p "$RESULTS"
 source benchmarks/device_env.sh
 
-timeout 130 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 4 \
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -n 4 \
   tests/kernels/gemv/test_int4_float_zeros.py tests/models/test_gguf.py \
   > "$RESULTS/gpu_tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$RESULTS/gpu_tests.log")"
@@ -22,7 +22,7 @@ grep -E "^FAILED" "$RESULTS/gpu_tests.log" | head
 for q in bf16 int4; do
   args=()
   [[ $q == int4 ]] && args=(--quantization int4_awq)
-  timeout 110 "$PY" -m slipstream.bench.cli latency --model /tmp/smol.gguf --batch-size 1 \
+  timeout 100 "$PY" -m slipstream.bench.cli latency --model /tmp/smol.gguf --batch-size 1 \
     --input-len 128 --output-len 256 --num-iters 3 "${args[@]}" --label "smol_gguf_W1_$q" \
     --output-json "$RESULTS/W1_$q.json" > "$RESULTS/W1_$q.log" 2>&1 || echo "W1 $q: failed"
 done

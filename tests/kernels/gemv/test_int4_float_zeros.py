@@ -153,7 +153,7 @@ GPU_CONFIGS = {
 def test_gpu_every_kernel_variant_with_float_zeros(n: int, k: int) -> None:
     """Each one-row variant (the PTX packed-bf16 products) plain, gate-out and with the folded
     norm; the few-row, tensor-core and GEMM kernels; then int4_linear's measured choice at
-    1-64 rows. bf16 x, group 32."""
+    1, 4 and 64 rows. bf16 x, group 32."""
     packed = quantized_float_zeros(n, k, G, device="cuda", seed=n + k)
     gen = torch.Generator(device="cuda").manual_seed(k)
     x = (3 * torch.randn(64, k, device="cuda", generator=gen)).bfloat16()
@@ -177,7 +177,7 @@ def test_gpu_every_kernel_variant_with_float_zeros(n: int, k: int) -> None:
             assert rel(got, want[:rows]) < 1e-2, cfg.label()
     for cfg in gemm_int4.candidate_gemm_configs(64):
         assert rel(gemm_int4.w4_gemm(x, *packed, G, b, cfg), want) < 1e-2, cfg.label()
-    for m in (1, 2, 4, 8, 16, 64):
+    for m in (1, 4, 64):  # the measured choice (each bucket is tuned: kept few)
         assert rel(gemv_int4.int4_linear(x[:m], *packed, G, b), want[:m]) < 1e-2, m
 
 
