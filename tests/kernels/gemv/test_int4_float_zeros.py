@@ -100,6 +100,18 @@ def test_bf16_few_rows_kernels(packed) -> None:
 
 
 @pytest.mark.usefixtures("poison_outputs")
+def test_bf16_chained_runs_of_a_group_of_128() -> None:
+    """Groups of 128 (sixteen words a chunk row: four runs per group in the chained sums), one
+    row and two, K = 320 with a short last group of 64."""
+    packed = quantized_float_zeros(N, 320, 128, seed=6)
+    x = torch.randn(2, 320, generator=torch.Generator().manual_seed(6)).bfloat16()
+    one = ONE_ROW_BF16["chained"]
+    two = dataclasses.replace(one, two_rows=True)
+    assert rel(gemv_int4.w4_gemv(x[:1], *packed, 128, None, one), _want(x[:1], packed, 128)) < BF16_TOL
+    assert rel(gemv_int4.w4_gemv(x, *packed, 128, None, two), _want(x, packed, 128)) < BF16_TOL
+
+
+@pytest.mark.usefixtures("poison_outputs")
 def test_mma_kernel_at_groups_of_128() -> None:
     """The tensor-core fragment kernel (groups of 128) with float zeros, a K split."""
     packed = quantized_float_zeros(45, 256, 128, seed=3)
