@@ -84,8 +84,8 @@ class GGUFInt4Method(Int4LinearMethod):
         q, d, m = decode_blocks(layer._parameters.pop(BLOCKS_PARAM).data, self.kind)
         if m is None:
             zeros = torch.full(d.shape, 8, dtype=torch.uint8, device=d.device)
-        else:  # float zeros: -m is exact in float16, where m came from
-            zeros = (-m).half()
+        else:  # float zeros hold z d = -m, not z = -m / d: exact to the file's fp16 m, and
+            zeros = (-m).half()  # the kernels subtract it from q d without a multiply
         qu.replace_param(layer, "qweight", qu.pack_int4_rows(q), output_dim=0)
         qu.replace_param(layer, "scales", d.half(), output_dim=0)
         qu.replace_param(layer, "zeros", zeros, output_dim=0)
