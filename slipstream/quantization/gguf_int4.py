@@ -1,9 +1,10 @@
 """int4_awq on a GGUF file: Q4_0 / Q4_1 blocks go straight into int4_awq's layout at group 32.
 
-Q4_0 (w = (q - 8) d) maps exactly. Q4_1 (w = q d + m) keeps the zero point z = round(-m / d) and
-a per-block offset r = m + z d that no integer zero holds; apply adds r @ (x summed per block)
-to the int4 product, so the weights stay exact. Other tensor types are dequantized, then rounded
-to nearest at group 32 as int4_awq does with a float checkpoint.
+Q4_0 (w = (q - 8) d) maps exactly onto integer zeros of 8. Q4_1 (w = q d + m) maps exactly onto
+float zeros, the layout's other zero form (kernels/gemv/int4_common.py): zeros = -m in float16,
+the zero point times the scale, so w = q d - zeros with the file's own fp16 m; every int4 kernel
+and the fused gate-out product take it. Other tensor types are dequantized, then rounded to
+nearest at group 32 as int4_awq does with a float checkpoint.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from slipstream.quantization import utils as qu
@@ -21,7 +21,6 @@ from slipstream.quantization.int4_awq import GROUP_ATTR, Int4LinearMethod
 BLOCK = 32  # values per GGUF block, the int4 group size
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # fp16 d (Q4_1: and fp16 m), then 16 bytes of nibbles
 BLOCKS_PARAM = "gguf_blocks"  # the checkpoint's raw blocks, rows in HF order
-OFFSETS = "gguf_offsets"  # Q4_1: [N, K/32] per-block offsets r
 # Fused parameter -> its checkpoint modules (the Llama family's packed_modules_mapping).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -65,14 +64,12 @@ class GGUFInt4Method(Int4LinearMethod):
     def __init__(self, kind: str):
         super().__init__(BLOCK, layout="gguf")
         self.kind = kind
-        self.dtype = torch.float32
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
         if input_size % BLOCK:
             raise ValueError(f"GGUF {self.kind}: input size {input_size} is not a multiple of "
                              f"{BLOCK}")
-        self.dtype = params_dtype
         setattr(layer, GROUP_ATTR, BLOCK)
         n, width = sum(output_sizes), input_size // BLOCK * BLOCK_BYTES[self.kind]
         layer.register_parameter(BLOCKS_PARAM, qu.new_param(
@@ -87,39 +84,11 @@ class GGUFInt4Method(Int4LinearMethod):
         q, d, m = decode_blocks(layer._parameters.pop(BLOCKS_PARAM).data, self.kind)
         if m is None:
             zeros = torch.full(d.shape, 8, dtype=torch.uint8, device=d.device)
-        else:
-            z = torch.round(-m / torch.where(d == 0, 1.0, d)).clamp_(0, 15)
-            qu.replace_param(layer, OFFSETS, (m + z * d).to(self.dtype), output_dim=0)
-            zeros = z.to(torch.uint8)
+        else:  # float zeros hold z d = -m, not z = -m / d: exact to the file's fp16 m, and
+            zeros = (-m).half()  # the kernels subtract it from q d without a multiply
         qu.replace_param(layer, "qweight", qu.pack_int4_rows(q), output_dim=0)
         qu.replace_param(layer, "scales", d.half(), output_dim=0)
         qu.replace_param(layer, "zeros", zeros, output_dim=0)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = super().apply(layer, x, bias)
-        offsets = layer._parameters.get(OFFSETS)
-        if offsets is None:
-            return y
-        sums = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK).sum(-1)
-        return y + F.linear(sums, offsets)
-
-    def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                       rms_eps: float = 0.0) -> torch.Tensor | None:
-        if OFFSETS in layer._parameters:  # the fused kernels know no offsets
-            return None
-        return super().apply_gate_out(layer, x, bias, rms_eps)
-
-    def apply_rms(self, layer: nn.Module, x: torch.Tensor, eps: float,
-                  bias: torch.Tensor | None) -> torch.Tensor | None:
-        if OFFSETS in layer._parameters:
-            return None
-        return super().apply_rms(layer, x, eps, bias)
-
-    def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
-        if OFFSETS in layer._parameters:
-            raise ValueError("a layer loaded from GGUF Q4_1 blocks keeps per-block offsets that "
-                             "the AutoAWQ layout cannot hold; quantize a float checkpoint instead")
-        return super().checkpoint_tensors(layer)
 
 
 def decode_blocks(blocks: torch.Tensor, kind: str

@@ -5,10 +5,12 @@ Sources: a float checkpoint (round-to-nearest at load; `slipstream quantize` fir
 activation-aware scale and clipping search, awq.py), or pre-quantized
 AutoAWQ (GEMM), GPTQ and compressed-tensors W4A16 (pack-quantized, llm-compressor) checkpoints.
 All become one layout: qweight uint8 [N, K/2] (two values per byte along K), scales float16
-[N, ceil(K/G)], zeros uint8 [N, ceil(K/G)]; w = (q - zero) * scale. Where G does not divide K the
-last group is short: it is quantized as if zero-padded to G (utils.pad_to_groups), and the pad
-is never stored, so no step reads or multiplies it. The layer keeps its group size
-(GROUP_ATTR): the shapes alone cannot tell it when the last group is short.
+[N, ceil(K/G)], zeros uint8 [N, ceil(K/G)]; w = (q - zero) * scale. (GGUF Q4_1 blocks,
+gguf_int4.py, keep float16 zeros instead, the zero point times the scale: w = q * scale -
+zero.) Where G does not divide K the last group is short: it is quantized as if zero-padded
+to G (utils.pad_to_groups), and the pad is never stored, so no step reads or multiplies it.
+The layer keeps its group size (GROUP_ATTR): the shapes alone cannot tell it when the last
+group is short.
 
 GPTQ act-order (desc_act; compressed-tensors actorder "group") checkpoints assign input columns
 to groups out of order (g_idx). Their columns are permuted at load so that each group is
@@ -270,6 +272,10 @@ class Int4LinearMethod(QuantMethod):
 
     def checkpoint_tensors(self, layer: nn.Module) -> dict[str, tuple[torch.Tensor, int, int]]:
         """AutoAWQ GEMM layout: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales [K/G, N]."""
+        if layer.zeros.is_floating_point():
+            raise ValueError("int4_awq: a layer with float zero points (loaded from GGUF Q4_1 "
+                             "blocks) cannot be saved in the AutoAWQ layout, whose zero points "
+                             "are 4-bit integers; quantize a float checkpoint instead")
         if ACT_ORDER_PERM in layer._buffers:
             raise ValueError("int4_awq: a layer loaded from a GPTQ act-order (desc_act) checkpoint "
                              "cannot be saved in the AutoAWQ layout, whose groups are contiguous "

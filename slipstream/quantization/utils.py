@@ -116,7 +116,9 @@ def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torc
                               dtype: torch.dtype = torch.float32,
                               group_size: int | None = None) -> torch.Tensor:
     """Inverse of quantize_int4_groupwise: q [N, K], scales/zeros [N, ceil(K/G)] -> [N, K].
-    group_size may be left out only where the groups divide K evenly."""
+    uint8 zeros: w = (q - zero) * scale; float zeros (the zero point times the scale, as GGUF
+    Q4_1 keeps it): w = q * scale - zero. group_size may be left out only where the groups
+    divide K evenly."""
     n, k = q.shape
     groups = scales.shape[1]
     if group_size is None:
@@ -128,7 +130,10 @@ def dequantize_int4_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torc
         raise ValueError(f"INT4 groupwise: K {k} in groups of {group_size} needs "
                          f"{int4_groups(k, group_size)} scales a row, got {groups}")
     g = pad_to_groups(q.float(), group_size).reshape(n, groups, group_size)
-    w = (g - zeros.float()[..., None]) * scales.float()[..., None]
+    if zeros.is_floating_point():
+        w = g * scales.float()[..., None] - zeros.float()[..., None]
+    else:
+        w = (g - zeros.float()[..., None]) * scales.float()[..., None]
     return w.reshape(n, groups * group_size)[:, :k].to(dtype).contiguous()
 
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import slipstream
 from slipstream import LLM, SamplingParams
@@ -112,3 +113,16 @@ def test_build_refuses_to_overwrite(engines, source, tmp_path, capsys) -> None:
         slipstream.build(str(source), other)
     assert main(["build", "--model", str(source), "--output", str(engines["fp8"][0])]) == 2
     assert "already holds an engine" in capsys.readouterr().err
+
+
+def test_a_q4_1_gguf_int4_engine_keeps_its_float_zeros(tmp_path) -> None:
+    """The default model's form: GGUF Q4_1 blocks on int4_awq, whose float16 zeros (-m) the
+    built engine saves and reads back as they are."""
+    from tests.models.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path, "Q4_1")
+    kwargs = dict(quantization="int4_awq", dtype="float32", **LIMITS)
+    tokens = _greedy(LLM(str(path), **kwargs))
+    llm = LLM(str(slipstream.build(str(path), tmp_path / "engine", **kwargs)))
+    assert _greedy(llm) == tokens
+    assert llm.engine.runner.model.model.layers[0].mlp.down_proj.zeros.dtype == torch.float16

@@ -242,9 +242,10 @@ def _greedy_logprobs(llm, prompts):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_int4_awq_takes_q4_blocks_as_they_are(tmp_path, qtype):
-    """Q4_0 maps exactly; Q4_1's offsets that no integer zero point holds are added back: both
-    give the dequantized model's greedy tokens and log-probs (the CPU int4 path is float32)."""
-    from slipstream.quantization.gguf_int4 import OFFSETS, GGUFInt4Method
+    """Q4_0 maps exactly onto integer zeros, Q4_1 onto float zeros (-m): both give the
+    dequantized model's greedy tokens and log-probs (the CPU int4 path is float32). Float zeros
+    have no AutoAWQ form: saving such a layer says so."""
+    from slipstream.quantization.gguf_int4 import GGUFInt4Method
 
     path = write_tiny_gguf(tmp_path, qtype)
     prompts = hf_token_ids(path)
@@ -261,7 +262,11 @@ def test_int4_awq_takes_q4_blocks_as_they_are(tmp_path, qtype):
             assert isinstance(linear.quant_method, GGUFInt4Method)
             assert params["qweight"].dtype == torch.uint8 and params["scales"].shape[1] * 32 \
                 == linear.input_size
-            assert (OFFSETS in params) == (qtype == "Q4_1") and "gguf_blocks" not in params
+            assert set(params) == {"qweight", "scales", "zeros"}
+            assert params["zeros"].dtype == (torch.float16 if qtype == "Q4_1" else torch.uint8)
+    if qtype == "Q4_1":
+        with pytest.raises(ValueError, match="float zero points"):
+            linear.quant_method.checkpoint_tensors(linear)
 
 
 def test_int4_awq_rounds_other_gguf_types_at_group_32(tmp_path):

@@ -154,8 +154,10 @@ _BROKEN: set[int | None] = set()  # devices where the kernel failed to build
 def cuda_one_row_call(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether an int4 call is one w4_stream.cu takes:
-    one bf16 row of x on CUDA, contiguous weights and a contiguous bf16 bias or none."""
+    one bf16 row of x on CUDA, contiguous weights with uint8 zeros (not float ones) and a
+    contiguous bf16 bias or none."""
     return (x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
+            and zeros.dtype == torch.uint8
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
             and qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous())
 
@@ -173,6 +175,9 @@ def cuda_one_row_operands(name: str, x: torch.Tensor, qweight: torch.Tensor,
         raise ValueError(f"{name}: bias must be contiguous bf16 [N], got {bias.dtype} "
                          f"{tuple(bias.shape)}")
     packed_words(qweight, scales, zeros, group_size, k)  # the layout's shape and dtype checks
+    if zeros.dtype != torch.uint8:
+        raise ValueError(f"{name}: uint8 zero points only, got {zeros.dtype} (float zeros run "
+                         f"the Triton kernels)")
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError(f"{name}: qweight, scales and zeros must be contiguous")
     if not x.is_contiguous() or x.data_ptr() % 16:

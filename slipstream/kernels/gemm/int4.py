@@ -1,4 +1,5 @@
-"""Triton W4A16 GEMM for prefill and large batches: out = x @ ((q - zero) * scale)^T (+ bias).
+"""Triton W4A16 GEMM for prefill and large batches: out = x @ ((q - zero) * scale)^T (+ bias),
+or with float zeros (the zero point times the scale) x @ (q * scale - zero)^T.
 
 Each [BLOCK_N, BLOCK_K] weight tile (one group along K) is unpacked and dequantized in registers
 and fed to tl.dot with x's tile (float32 accumulation). w4_linear_large measures, once per shape,
@@ -16,6 +17,7 @@ import triton.language as tl
 from slipstream.kernels.gemv.int4_common import (
     GemmTileConfig,
     dequant_tile,
+    float_zeros,
     grouped_tile,
     kernel_chunk,
     large_m_bucket,
@@ -32,7 +34,8 @@ from slipstream.quantization import utils as qu
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
                     stride_wn, stride_sn, stride_zn, stride_om, GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    FLOAT_ZERO: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] output tile; K steps of BLOCK_K (a divisor of GROUP, so each
     step has one scale and zero per row), the weight tile dequantized in x's dtype."""
     offs_m, offs_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -47,7 +50,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stri
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
-        w = dequant_tile(q, s, z, x.dtype)
+        w = dequant_tile(q, s, z, x.dtype, FLOAT_ZERO)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
@@ -59,15 +62,16 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stri
 @triton.jit
 def _w4_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sn, stride_zn,
                        stride_on, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """out[N, K] = (q - z) * s in out's dtype, one [BLOCK_N, BLOCK_K] tile (one group) each."""
+                       BLOCK_K: tl.constexpr, FLOAT_ZERO: tl.constexpr = False):
+    """out[N, K] = (q - z) * s (FLOAT_ZERO: q * s - z) in out's dtype, one [BLOCK_N, BLOCK_K]
+    tile (one group) each."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     q = tl.load(w_ptr + rows[:, None] * stride_wn + k // 8 + tl.arange(0, BLOCK_K // 8)[None, :])
     s = tl.load(s_ptr + rows * stride_sn + k // GROUP).to(tl.float32)
     z = tl.load(z_ptr + rows * stride_zn + k // GROUP).to(tl.float32)
-    w = dequant_tile(q, s, z, out_ptr.dtype.element_ty)
+    w = dequant_tile(q, s, z, out_ptr.dtype.element_ty, FLOAT_ZERO)
     tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + k
              + tl.arange(0, BLOCK_K)[None, :], w, mask=offs_n[:, None] < N)
 
@@ -87,7 +91,8 @@ def w4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     block_k = kernel_chunk(128, group_size, k)
     _w4_dequant_kernel[(triton.cdiv(n, 64), k // block_k)](
         words, scales, zeros, out, n, words.stride(0), scales.stride(0), zeros.stride(0),
-        out.stride(0), GROUP=group_size, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+        out.stride(0), GROUP=group_size, BLOCK_N=64, BLOCK_K=block_k,
+        FLOAT_ZERO=float_zeros(zeros), num_warps=4)
     return out
 
 
@@ -138,7 +143,7 @@ def w4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0), GROUP=group_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         HAS_BIAS=bias is not None, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FLOAT_ZERO=float_zeros(zeros), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], n)
 
 
@@ -150,6 +155,7 @@ def w4_dequant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 
 CUBLAS = "dequantize+cuBLAS"
+FLOAT_ZERO_KIND = "float-zero"  # tuner keys and logs: a layer with float zeros
 LARGE_CHOICES: dict[tuple, W4GemmConfig | str] = tuning_cache.register("gemm.int4.large", {})
 
 
@@ -162,6 +168,8 @@ def w4_linear_large(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     m = x.numel() // k if k else 0
     bucket = large_m_bucket(m)
     key = (bucket, qweight.shape[0], k, group_size, x.dtype, bias is not None, x.device.index)
+    if float_zeros(zeros):  # another kernel variant: measured apart
+        key += (FLOAT_ZERO_KIND,)
     choice = LARGE_CHOICES.get(key)
     if choice is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():

@@ -1,4 +1,5 @@
-"""Triton W4A16 dequant-GEMV for decode (M <= 16): out = x @ ((q - zero) * scale)^T (+ bias).
+"""Triton W4A16 dequant-GEMV for decode (M <= 16): out = x @ ((q - zero) * scale)^T (+ bias);
+with float zeros (the zero point times the scale, int4_common) x @ (q * scale - zero)^T.
 
 int4_awq layout (quantization/utils.py): qweight uint8 [N, K/2] read as int32 words (see
 int4_common), scales float16 and zeros uint8 [N, K/G]. The packed weight is streamed once and
@@ -34,10 +35,13 @@ from slipstream.kernels.gemv.dense import (
     tile_rows,
 )
 from slipstream.kernels.gemv.int4_common import (
+    float_zero_split,
+    float_zeros,
     kernel_chunk,
     kernel_shape_ok,
     measure_best,
     packed_words,
+    pairs_sum,
     row_major,
     unpack_paired,
     w4_linear_reference,
@@ -169,6 +173,22 @@ def _quarters(v):
     v0, v2 = tl.split(a)
     v1, v3 = tl.split(b)
     return v0, v1, v2, v3
+
+
+@triton.jit
+def _run_sums(sw, WORDS: tl.constexpr):
+    """Per-word sums [WORDS] -> per run of four words [1, WORDS // 4] (_chained_row_dot's
+    columns)."""
+    a, b, c, d = _quarters(tl.reshape(sw, [WORDS // 4, 2, 2]))
+    return ((a + b) + (c + d))[None, :]
+
+
+@triton.jit
+def _quartet_x_sums(x):
+    """sum(x) over each run of four words from its 16 pair tensors (_pair_quarters' or
+    _whole_k_x's), float32."""
+    t = pairs_sum(x[0], x[1], x[2], x[3]) + pairs_sum(x[4], x[5], x[6], x[7])
+    return t + (pairs_sum(x[8], x[9], x[10], x[11]) + pairs_sum(x[12], x[13], x[14], x[15]))
 
 
 @triton.jit
@@ -320,7 +340,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                     GATE_OUT: tl.constexpr = False, CHAIN: tl.constexpr = False,
                     STAGES: tl.constexpr = 1, WHOLE_K: tl.constexpr = 0,
                     WHOLE_KP: tl.constexpr = 0, RMS_EPS: tl.constexpr = 0.0,
-                    RMS_KP: tl.constexpr = 0):
+                    RMS_KP: tl.constexpr = 0, FLOAT_ZERO: tl.constexpr = False):
     """M == 1: per chunk (one group) and word, t = sum_i v_i x'_i minus the word's share of the
     constant 1 in v and of the zero point, then acc += 16 s t elementwise (one reduction at the
     end). Per element: one IMAD, one LEA.HI and one FFMA; the x terms are shared by the
@@ -335,7 +355,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
     the product is taken with x / rms(x), the RMSNorm whose weight was folded into this weight
     at load (models/norm_fold.py): x's sum of squares read alongside the products, or with a K
     split (RMS_KP: K rounded up to a power of two) all of x read by every program, 1 / rms
-    applied to the row sums (as gemv's)."""
+    applied to the row sums (as gemv's). FLOAT_ZERO: float zeros (int4_common.float_zero_split:
+    the products with zero 8, plus (8 s - zs) times the x sums of each word or run)."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -354,7 +375,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                                  GROUP, WHOLE_K, WHOLE_KP)
         pdl_wait(USE_PDL)
         x = _whole_k_x(x_ptr, WHOLE_K, WHOLE_KP, BF16X2)
-        sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, WHOLE_KP, BF16X2 == 2)
+        sums = _whole_k_sums(w, z8, s, x, _whole_k_x_sums(x, FLOAT_ZERO), GROUP, BLOCK_N,
+                             WHOLE_KP, BF16X2 == 2, FLOAT_ZERO)
         if RMS_EPS > 0:
             squares = _x_squares(x_ptr, K, WHOLE_KP)
     else:
@@ -376,21 +398,25 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 squares += xs * xs
             g = k // GROUP
             s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
+            z8, c = float_zero_split(tl.load(z_ptr + rows * stride_zn + g)[:, None], s,
+                                     FLOAT_ZERO)
             if CHAIN:
-                z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
                 if BF16X2 == 2:
                     p0, p1, p2, p3 = x_pairs_prmt(x_ptr, k, offs_w)
                 else:
                     p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
                 acc += _chained_row_dot(w, z8, p0, p1, p2, p3, BLOCK_N, WORDS, BF16X2 == 2) * s
+                if FLOAT_ZERO:
+                    acc += c * _run_sums(pairs_sum(p0, p1, p2, p3), WORDS)
             elif BF16X2:
-                z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
                 p0, p1, p2, p3 = x_pairs(x_ptr, k, offs_w)
                 t = _bf16x2_word_dot(w, p0[None, :], p1[None, :], p2[None, :], p3[None, :], z8,
                                      BF16X2 == 2)
                 acc += t * s
+                if FLOAT_ZERO:
+                    acc += c * pairs_sum(p0, p1, p2, p3)[None, :]
             else:
-                z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)[:, None]
+                z = z8.to(tl.float32)
                 # sum_i (q_i - z) x_i = 16 sum_i v_i x'_i - (15 + z) sum_i x_i - x_0 per word,
                 # with x'_i = x_i - x_(i+1) / 16 (x'_7 = x_7); the x terms are shared by all
                 # rows.
@@ -413,6 +439,8 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_p
                 t += _tail(w, one, 1) * (x1 - 0.0625 * x2)[None, :]
                 t += _tail(w, one, 0) * (x0 - 0.0625 * x1)[None, :]
                 acc += t * (16.0 * s)
+                if FLOAT_ZERO:
+                    acc += c * sx[None, :]
         sums = tl.sum(acc, 1)
         if RMS_KP:
             squares = x_all.to(tl.float32) * x_all.to(tl.float32)
@@ -432,12 +460,12 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
                             BLOCK_N: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                             BF16X2: tl.constexpr, HAS_BIAS: tl.constexpr,
                             GATE_OUT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-                            RMS_EPS: tl.constexpr = 0.0):
+                            RMS_EPS: tl.constexpr = 0.0, FLOAT_ZERO: tl.constexpr = False):
     """One row of x, whole-K tiles (as _w4_gemv_kernel's WHOLE_K) from fewer programs than
     tiles: program p takes tiles p, p + P, ..., and keeps the next one's words, scales and
     zeros in flight during this one's products, so its loads and its math overlap (one tile a
     program runs them back to back, and the programs of an SM start together). x, and with
-    RMS_EPS its 1 / rms, are read once a program.
+    RMS_EPS its 1 / rms (FLOAT_ZERO: its sums per run of four words), are read once a program.
 
     The loop turns two buffers, each consumed and then refilled with the tile two on (past the
     program's last tile: the last again, no branch). Written as one buffer rotating (the next
@@ -455,17 +483,18 @@ def _w4_whole_k_loop_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, N, n_
                           stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
     pdl_wait(USE_PDL)
     x = _whole_k_x(x_ptr, K, KP, BF16X2)
+    xsum = _whole_k_x_sums(x, FLOAT_ZERO)
     inv_rms = 1.0
     if RMS_EPS > 0:
         inv_rms = _inv_rms(_x_squares(x_ptr, K, KP), K, RMS_EPS)
     for it in range(0, n_it, 2):
-        _loop_tile_out(b0, pid + it * step, x, inv_rms, bias_ptr, out_ptr, N, GROUP, BLOCK_N,
-                       KP, BF16X2, HAS_BIAS, GATE_OUT)
+        _loop_tile_out(b0, pid + it * step, x, xsum, inv_rms, bias_ptr, out_ptr, N, GROUP,
+                       BLOCK_N, KP, BF16X2, HAS_BIAS, GATE_OUT, FLOAT_ZERO)
         b0 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, it + 2, n_it, pid, step, N, stride_wn,
                               stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
         if it + 1 < n_it:
-            _loop_tile_out(b1, pid + (it + 1) * step, x, inv_rms, bias_ptr, out_ptr, N, GROUP,
-                           BLOCK_N, KP, BF16X2, HAS_BIAS, GATE_OUT)
+            _loop_tile_out(b1, pid + (it + 1) * step, x, xsum, inv_rms, bias_ptr, out_ptr, N,
+                           GROUP, BLOCK_N, KP, BF16X2, HAS_BIAS, GATE_OUT, FLOAT_ZERO)
         b1 = _loop_tile_loads(w_ptr, s_ptr, z_ptr, it + 3, n_it, pid, step, N, stride_wn,
                               stride_sn, stride_zn, GROUP, BLOCK_N, K, KP, GATE_OUT)
 
@@ -484,12 +513,13 @@ def _loop_tile_loads(w_ptr, s_ptr, z_ptr, it, n_it, pid, step, N, stride_wn, str
 
 
 @triton.jit
-def _loop_tile_out(buf, tile, x, inv_rms, bias_ptr, out_ptr, N, GROUP: tl.constexpr,
+def _loop_tile_out(buf, tile, x, xsum, inv_rms, bias_ptr, out_ptr, N, GROUP: tl.constexpr,
                    BLOCK_N: tl.constexpr, KP: tl.constexpr, BF16X2: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, GATE_OUT: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, GATE_OUT: tl.constexpr, FLOAT_ZERO: tl.constexpr):
     """A loaded tile's (_loop_tile_loads) row sums, written out."""
     rows, w, z8, s = buf
-    sums = _whole_k_sums(w, z8, s, x, GROUP, BLOCK_N, KP, BF16X2 == 2) * inv_rms
+    sums = _whole_k_sums(w, z8, s, x, xsum, GROUP, BLOCK_N, KP, BF16X2 == 2,
+                         FLOAT_ZERO) * inv_rms
     if GATE_OUT:
         finish_gate_out(sums, rows, out_ptr, out_ptr, bias_ptr, out_ptr, tile, 0, N, 1,
                          False, HAS_BIAS, BLOCK_N)
@@ -527,12 +557,27 @@ def _whole_k_tile(w_ptr, s_ptr, z_ptr, rows, stride_wn, stride_sn, stride_zn,
 
 
 @triton.jit
-def _whole_k_sums(w, z8, s, x, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KP: tl.constexpr,
-                  ASM: tl.constexpr):
+def _whole_k_sums(w, z8, s, x, xsum, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KP: tl.constexpr, ASM: tl.constexpr, FLOAT_ZERO: tl.constexpr = False):
     """A whole-K tile's row sums [BLOCK_N] from its words, zeros and scales (_whole_k_tile)
-    and x (_whole_k_x)."""
+    and x (_whole_k_x; xsum: its sums per run, _whole_k_x_sums, for FLOAT_ZERO)."""
     w0, w1, w2, w3 = _quarters(tl.reshape(w, [BLOCK_N, KP // 32, 2, 2]))
-    return tl.sum(_quartet_dot(w0, w1, w2, w3, z8, x, ASM) * s.to(tl.float32), 1)
+    s = s.to(tl.float32)
+    z8, c = float_zero_split(z8, s, FLOAT_ZERO)
+    t = _quartet_dot(w0, w1, w2, w3, z8, x, ASM) * s
+    if FLOAT_ZERO:
+        t += c * xsum
+    return tl.sum(t, 1)
+
+
+@triton.jit
+def _whole_k_x_sums(x, FLOAT_ZERO: tl.constexpr):
+    """For FLOAT_ZERO, x's sums per run of four words ([1, KP // 32], _whole_k_x's layout);
+    else an unused 0."""
+    if FLOAT_ZERO:
+        return _quartet_x_sums(x)
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -626,18 +671,30 @@ def _x_row_pairs(x_ptr, r, M, stride_xm, k, offs_w, PRMT: tl.constexpr):
         return x_pairs(x_row, k, offs_w)
 
 
+@triton.jit
+def _row_x_sums(p, CHAIN: tl.constexpr, WORDS: tl.constexpr):
+    """A row of x's sums from its four pair tensors (x_pairs): per run of four words (CHAIN,
+    [1, WORDS // 4]) or per word ([1, WORDS])."""
+    sw = pairs_sum(p[0], p[1], p[2], p[3])
+    if CHAIN:
+        return _run_sums(sw, WORDS)
+    else:
+        return sw[None, :]
+
+
 @triton.jit(do_not_specialize=["M", "split_k"])
 def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K,
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_om, k_per_split,
                         split_k, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
                         SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr,
                         ASM: tl.constexpr, USE_PDL: tl.constexpr = False,
-                        CHAIN: tl.constexpr = False, FOUR: tl.constexpr = False):
+                        CHAIN: tl.constexpr = False, FOUR: tl.constexpr = False,
+                        FLOAT_ZERO: tl.constexpr = False):
     """M == 2 rows of bf16 x (FOUR, with CHAIN: 3-4 rows): the one-row kernel's packed-bf16
     products, each weight word unpacked once for every row (_two_rows_word_dot). Against the
     tensor-core kernel (16 rows padded, the dequantized tile through shared memory): ~4.8 sm_90
     instructions per weight at two rows. CHAIN: four words of a weight row per packed sum, as
-    the one-row kernel's CHAIN."""
+    the one-row kernel's CHAIN. FLOAT_ZERO: float zeros, as the one-row kernel's."""
     WORDS: tl.constexpr = CHUNK // 8
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
@@ -663,7 +720,7 @@ def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
         w, n1, n2, n3 = _chunk_words(w_ptrs, n1, n2, n3, k, k_hi, CHUNK, PREFETCH)
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)[:, None]
-        z8 = tl.load(z_ptr + rows * stride_zn + g)[:, None]
+        z8, c = float_zero_split(tl.load(z_ptr + rows * stride_zn + g)[:, None], s, FLOAT_ZERO)
         x0 = _x_row_pairs(x_ptr, 0, M, stride_xm, k, offs_w, CHAIN and ASM)
         x1 = _x_row_pairs(x_ptr, 1, M, stride_xm, k, offs_w, CHAIN and ASM)
         if FOUR:
@@ -672,6 +729,9 @@ def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
             t0, t1, t2, t3 = _chained_four_rows_dot(w, z8, x0, x1, x2, x3, BLOCK_N, WORDS, ASM)
             acc2 += t2 * s
             acc3 += t3 * s
+            if FLOAT_ZERO:
+                acc2 += c * _row_x_sums(x2, CHAIN, WORDS)
+                acc3 += c * _row_x_sums(x3, CHAIN, WORDS)
         elif CHAIN:
             t0, t1 = _chained_two_rows_dot(w, z8, x0[0], x0[1], x0[2], x0[3], x1[0], x1[1],
                                            x1[2], x1[3], BLOCK_N, WORDS, ASM)
@@ -681,6 +741,9 @@ def _w4_few_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, c
                                         x1[2][None, :], x1[3][None, :], ASM)
         acc0 += t0 * s
         acc1 += t1 * s
+        if FLOAT_ZERO:
+            acc0 += c * _row_x_sums(x0, CHAIN, WORDS)
+            acc1 += c * _row_x_sums(x1, CHAIN, WORDS)
     if FOUR:
         # tl.join adds a last axis: [n, j, i] = row 2j + i after the reshape.
         both = tl.join(tl.join(tl.sum(acc0, 1), tl.sum(acc2, 1)),
@@ -700,9 +763,10 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
                       split_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
-                      USE_PDL: tl.constexpr = False):
+                      USE_PDL: tl.constexpr = False, FLOAT_ZERO: tl.constexpr = False):
     """1 < M <= 16: per chunk a tensor-core product with v = 1 + q/16 (exact in x's dtype),
-    then acc += s (16 x.v - (16 + z) sum(x)) with the chunk's group scale and zero."""
+    then acc += s (16 x.v - (16 + z) sum(x)) with the chunk's group scale and zero
+    (FLOAT_ZERO: acc += 16 s x.v - (16 s + zs) sum(x))."""
     pdl_release(USE_PDL)
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
@@ -729,7 +793,10 @@ def _w4_skinny_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt
         g = k // GROUP
         s = tl.load(s_ptr + rows * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rows * stride_zn + g).to(tl.float32)
-        acc += t * (16.0 * s)[None, :] - sx[:, None] * (s * (16.0 + z))[None, :]
+        if FLOAT_ZERO:
+            acc += t * (16.0 * s)[None, :] - sx[:, None] * (16.0 * s + z)[None, :]
+        else:
+            acc += t * (16.0 * s)[None, :] - sx[:, None] * (s * (16.0 + z))[None, :]
     finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, pid_n, pid_k, offs_m, offs_n, M, N,
             stride_om, split_k, SPLIT, HAS_BIAS)
 
@@ -876,13 +943,14 @@ def w4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, m, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
+    float_zero = float_zeros(zeros)
     common = dict(GROUP=group_size, BLOCK_N=cfg.block_n, CHUNK=chunk, SPLIT=split > 1,
-                  HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **pdl.launch_kwargs(x.device))
+                  HAS_BIAS=bias is not None, FLOAT_ZERO=float_zero, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **pdl.launch_kwargs(x.device))
     if getattr(cfg, "mma", False) and gemv_int4_mma.mma_ok(x2, group_size, cfg.block_k):
         gemv_int4_mma.launch(args, m, n_tiles, split, cfg.num_warps, cfg.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                             prefetch=cfg.prefetch, block_k=cfg.block_k)
+                             prefetch=cfg.prefetch, block_k=cfg.block_k, float_zero=float_zero)
     elif m == 1 and not getattr(cfg, "dot", False):
         _launch_one_row(args, cfg, _one_row_path(cfg, x2, chunk, n, k, split, rms_eps), common,
                         n_tiles, split, x.device)
@@ -988,7 +1056,9 @@ def _small_choice(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     bucket = m if m <= 2 else 4 if m <= 4 else MAX_M
     if 4 < m <= gemv_int4_mma.NARROW_ROWS:
         bucket = gemv_int4_mma.NARROW_ROWS  # the mma kernel's one-step bucket (5-8 rows)
-    kind = call_kind(gate_out, rms_eps)
+    kind = " ".join(part for part in (call_kind(gate_out, rms_eps),
+                                      gemm_int4.FLOAT_ZERO_KIND if float_zeros(zeros) else "")
+                    if part)
     key = (bucket, n, k, group_size, x.dtype, bias is not None, x.device.index) + (
         (kind,) if kind else ())
     cfg = _SMALL_CHOICES.get(key)
@@ -1052,14 +1122,16 @@ def w4_gemv_gate_out(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     args = (x2, words, scales, zeros, bias if bias is not None else out, out, ws, cnt, 1, n, k,
             x2.stride(0), words.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
             per_split, split)
+    float_zero = float_zeros(zeros)
     if _mma_gate_out(config, x2, group_size):
         gemv_int4_mma.launch(args, 1, n_tiles, split, config.num_warps, config.block_n,
                              bias is not None, x2.is_cuda, pdl.launch_kwargs(x.device),
-                             gate_out=True, prefetch=config.prefetch, block_k=config.block_k)
+                             gate_out=True, prefetch=config.prefetch, block_k=config.block_k,
+                             float_zero=float_zero)
         return out.view(*x.shape[:-1], n // 2)
     path = _one_row_path(config, x2, chunk, n, k, split, rms_eps)
     common = dict(GROUP=group_size, BLOCK_N=config.block_n, CHUNK=chunk, SPLIT=split > 1,
-                  HAS_BIAS=bias is not None, num_warps=config.num_warps,
+                  HAS_BIAS=bias is not None, FLOAT_ZERO=float_zero, num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl.launch_kwargs(x.device))
     _launch_one_row(args, config, path, common, n_tiles, split, x.device, gate_out=True)
     return out.view(*x.shape[:-1], n // 2)
@@ -1080,7 +1152,7 @@ def _launch_one_row(args: tuple, cfg: GemvConfig, path: dict, common: dict, n_ti
         scales.stride(0), zeros.stride(0), GROUP=common["GROUP"], BLOCK_N=common["BLOCK_N"],
         K=path["WHOLE_K"], KP=path["WHOLE_KP"], BF16X2=path["BF16X2"],
         HAS_BIAS=common["HAS_BIAS"], GATE_OUT=gate_out, RMS_EPS=path["RMS_EPS"],
-        num_warps=common["num_warps"],
+        FLOAT_ZERO=common["FLOAT_ZERO"], num_warps=common["num_warps"],
         **pdl.launch_kwargs(device))
 
 

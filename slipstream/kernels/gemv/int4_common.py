@@ -4,11 +4,16 @@ the measured choice among candidates.
 
 Packed words: qweight uint8 [N, K/2] (even k in the low nibble) read as int32 [N, K/8]; nibble i
 (bits 4i..4i+3) of word j is k = 8j + i. Scales and zeros [N, ceil(K/G)]: where G does not divide
-K the last group is short. The kernels step along K in chunks of gcd(tile, G, K) (kernel_chunk),
-so every chunk lies in one group and none runs past K: no mask and no padding. Nibbles become
-floats by the exponent trick: 4 bits placed in the mantissa under the exponent of 1.0 read as
-1 + q/16, exact in fp32, fp16 and bf16 (int->float conversion instructions run at a quarter of
-the FMA rate: too slow to keep up).
+K the last group is short. Zeros are integers (uint8: w = (q - z) s, AWQ / GPTQ) or floats
+(float16 holding the zero point times the scale: w = q s - zs). A float zs rather than a float
+z: GGUF Q4_1's w = q d + m is then zs = -m, exact to the file's fp16 m (z = -m / d in fp16 is
+not), and no kernel multiplies z by s. The packed-bf16 kernels keep their integer products
+centred with z = 8 and add (8 s - zs) sum(x) per group and row (float_zero_split): one FMA a
+row and group plus the sums of the x each program reads anyway. The kernels step along K in
+chunks of gcd(tile, G, K) (kernel_chunk), so every chunk lies in one group and none runs past
+K: no mask and no padding. Nibbles become floats by the exponent trick: 4 bits placed in the
+mantissa under the exponent of 1.0 read as 1 + q/16, exact in fp32, fp16 and bf16 (int->float
+conversion instructions run at a quarter of the FMA rate: too slow to keep up).
 """
 from __future__ import annotations
 
@@ -127,14 +132,44 @@ def unpack_paired(w, DT: tl.constexpr):
 
 
 @triton.jit
-def dequant_tile(q, s, z, DT: tl.constexpr):
+def dequant_tile(q, s, z, DT: tl.constexpr, FLOAT_ZERO: tl.constexpr = False):
     """int32 words [R, W] with the rows' scale s and zero z (float32 [R], one group) -> [R, 8W]
     (q - z) * s in DT, k order. (v - (1 + z/16)) = (q - z)/16 is exact in DT; 16 s is split in
-    two DT parts so that a bf16 result is rounded once, not once for s and once for the product."""
+    two DT parts so that a bf16 result is rounded once, not once for s and once for the product.
+    FLOAT_ZERO (z is the zero point times the scale): q s - z in float32 (q s is exact there),
+    rounded once to DT."""
+    if FLOAT_ZERO:
+        v = unpack_natural(q, tl.float32) - 1.0
+        return (v * (16.0 * s)[:, None] - z[:, None]).to(DT)
     d = unpack_natural(q, DT) - (1.0 + 0.0625 * z).to(DT)[:, None]
     s_hi = (16.0 * s).to(DT)
     s_lo = (16.0 * s - s_hi.to(tl.float32)).to(DT)
     return tl.fma(d, s_hi[:, None], d * s_lo[:, None])
+
+
+@triton.jit
+def float_zero_split(z, s, FLOAT_ZERO: tl.constexpr):
+    """(the integer zero the packed products subtract, the float32 coefficient of sum(x)) for a
+    chunk's zeros z and float32 scales s: uint8 zeros (z, 0); float zeros zs (8, 8 s - zs), as
+    w = q s - zs = (q - 8) s + (8 s - zs): the products stay centred like an integer zero's
+    (their packed-bf16 sums stay small), and 8 s - zs is rounded at most once, in float32."""
+    if FLOAT_ZERO:
+        return tl.full(z.shape, 8, tl.uint8), 8.0 * s - z.to(tl.float32)
+    else:
+        return z, 0.0
+
+
+@triton.jit
+def pair_sum(p):
+    """The two bf16 values of a packed x pair (x_pairs) added in float32."""
+    p = p.to(tl.uint32, bitcast=True)
+    return (p << 16).to(tl.float32, bitcast=True) + (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def pairs_sum(p0, p1, p2, p3):
+    """sum of the eight x values of a word column from its four pairs (x_pairs), float32."""
+    return (pair_sum(p0) + pair_sum(p1)) + (pair_sum(p2) + pair_sum(p3))
 
 
 def packed_words(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -148,12 +183,19 @@ def packed_words(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
         raise ValueError(f"int4 kernels: the group size ({group_size}) and K ({k}) must be "
                          f"multiples of 16")
     want = (n, qu.int4_groups(k, group_size))
-    if tuple(scales.shape) != want or tuple(zeros.shape) != want or zeros.dtype != torch.uint8:
-        raise ValueError(f"int4 kernels: scales and uint8 zeros must be {want}, got "
-                         f"{tuple(scales.shape)} / {zeros.dtype} {tuple(zeros.shape)}")
+    if (tuple(scales.shape) != want or tuple(zeros.shape) != want
+            or not (zeros.dtype == torch.uint8 or zeros.is_floating_point())):
+        raise ValueError(f"int4 kernels: scales and zeros (uint8, or float: the zero point "
+                         f"times the scale) must be {want}, got {tuple(scales.shape)} / "
+                         f"{zeros.dtype} {tuple(zeros.shape)}")
     if qweight.stride(1) != 1 or qweight.stride(0) % 4 or qweight.storage_offset() % 4:
         qweight = qweight.contiguous()
     return qweight.view(torch.int32)
+
+
+def float_zeros(zeros: torch.Tensor) -> bool:
+    """Whether zeros are the float form (the zero point times the scale, w = q s - zs)."""
+    return zeros.is_floating_point()
 
 
 def kernel_shape_ok(k: int, group_size: int) -> bool:
@@ -176,7 +218,7 @@ def w4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
                         zeros: torch.Tensor, group_size: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """The plain-torch twin: dequantize (utils), then F.linear in float32; output in x's dtype.
-    Any K and group size (a short last group where G does not divide K)."""
+    Any K and group size (a short last group where G does not divide K); uint8 or float zeros."""
     if qu.int4_groups(x.shape[-1], group_size) != scales.shape[1]:
         raise ValueError(f"w4 reference: {scales.shape[1]} groups of {group_size} do not cover K "
                          f"{x.shape[-1]}")

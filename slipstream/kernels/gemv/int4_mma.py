@@ -8,7 +8,8 @@ B fragment (row n = g of x; rows past M re-read row M - 1; above 8 rows a second
 fragment takes rows g + 8) follows the same permutation, so
 each lane loads only the words it uses and one shift and one LOP3 make two A values. A value
 is 128 + q (the nibble ORed under bf16's exponent of 128, exact); the mma sums (128 + q) x in
-float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group.
+float32, one more mma with A = 1 gives sum x, and s (D - (128 + z) sum x) is added per group
+(float zeros, the zero point times the scale: s (D - 128 sum x) - zs sum x).
 Each lane ends with rows g, g + 8 of its tiles for x rows n = 2t, 2t + 1.
 
 ASM (CUDA): the mma in PTX. In the interpreter its twin (kernels/gemv/mma_fragments.py) emulates
@@ -84,10 +85,16 @@ def _ones_steps(xq, one, s0, s1, s2, s3, NW: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scaled(acc0, acc1, acc2, acc3, d0, d1, d2, d3, s_lo, s_hi, z_lo, z_hi, sx0, sx1):
-    """acc + s (D - (128 + z) sum x): rows lo (acc0, acc1), hi (acc2, acc3); z is 128 + zero."""
-    return (acc0 + s_lo * (d0 - z_lo * sx0), acc1 + s_lo * (d1 - z_lo * sx1),
-            acc2 + s_hi * (d2 - z_hi * sx0), acc3 + s_hi * (d3 - z_hi * sx1))
+def _scaled(acc0, acc1, acc2, acc3, d0, d1, d2, d3, s_lo, s_hi, z_lo, z_hi, sx0, sx1, f_lo,
+            f_hi, FLOAT_ZERO: tl.constexpr):
+    """acc + s (D - (128 + z) sum x): rows lo (acc0, acc1), hi (acc2, acc3); z is 128 + zero.
+    FLOAT_ZERO: z is 128 and f the float zero (times the scale), subtracted as f sum x."""
+    acc0, acc1 = acc0 + s_lo * (d0 - z_lo * sx0), acc1 + s_lo * (d1 - z_lo * sx1)
+    acc2, acc3 = acc2 + s_hi * (d2 - z_hi * sx0), acc3 + s_hi * (d3 - z_hi * sx1)
+    if FLOAT_ZERO:
+        acc0, acc1 = acc0 - f_lo * sx0, acc1 - f_lo * sx1
+        acc2, acc3 = acc2 - f_hi * sx0, acc3 - f_hi * sx1
+    return acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -103,7 +110,7 @@ def _tile_words(w_ptr, r_lo, r_hi, stride_wn, k, t):
 @triton.jit
 def _tile_group(w, s_ptr, z_ptr, r_lo, r_hi, stride_sn, stride_zn, k, xq, yq, sx, sy,
                 a0, a1, a2, a3, b0, b1, b2, b3, mask, NW: tl.constexpr, WIDE: tl.constexpr,
-                ASM: tl.constexpr):
+                ASM: tl.constexpr, FLOAT_ZERO: tl.constexpr):
     """One group of one 16-row tile (w: _tile_words): eight mma steps, then the scaled,
     zero-corrected sums added to a (x rows 0-7) and, WIDE, b (x rows 8-15). xq / yq: the four
     word columns' x pairs; sx / sy: the group's sums of x (_x_sums)."""
@@ -115,13 +122,17 @@ def _tile_group(w, s_ptr, z_ptr, r_lo, r_hi, stride_sn, stride_zn, k, xq, yq, sx
     gi = k // _GROUP
     s_lo = tl.load(s_ptr + r_lo * stride_sn + gi).to(tl.float32)
     s_hi = tl.load(s_ptr + r_hi * stride_sn + gi).to(tl.float32)
-    z_lo = 128.0 + tl.load(z_ptr + r_lo * stride_zn + gi).to(tl.float32)
-    z_hi = 128.0 + tl.load(z_ptr + r_hi * stride_zn + gi).to(tl.float32)
+    f_lo = tl.load(z_ptr + r_lo * stride_zn + gi).to(tl.float32)
+    f_hi = tl.load(z_ptr + r_hi * stride_zn + gi).to(tl.float32)
+    if FLOAT_ZERO:
+        z_lo, z_hi = 128.0, 128.0
+    else:
+        z_lo, z_hi = 128.0 + f_lo, 128.0 + f_hi
     a0, a1, a2, a3 = _scaled(a0, a1, a2, a3, d[0], d[1], d[2], d[3], s_lo, s_hi, z_lo, z_hi,
-                             sx[0], sx[1])
+                             sx[0], sx[1], f_lo, f_hi, FLOAT_ZERO)
     if WIDE:
         b0, b1, b2, b3 = _scaled(b0, b1, b2, b3, d[4], d[5], d[6], d[7], s_lo, s_hi, z_lo, z_hi,
-                                 sy[0], sy[1])
+                                 sy[0], sy[1], f_lo, f_hi, FLOAT_ZERO)
     return a0, a1, a2, a3, b0, b1, b2, b3
 
 
@@ -139,7 +150,8 @@ def _group_pairs(x_row, k, t, ASM: tl.constexpr):
 @triton.jit
 def _group(wa, wb, k, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3, stride_sn, stride_zn, one,
            mask, a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
-           NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr):
+           NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
+           FLOAT_ZERO: tl.constexpr):
     """The group at k of every tile (wa: tile 0's words, wb: tile 1's): the x pairs and sums,
     then _tile_group per tile; returns the sixteen accumulators."""
     xq = _group_pairs(x_row, k, t, ASM)
@@ -150,11 +162,11 @@ def _group(wa, wb, k, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3, stride_sn, 
         sy = _x_sums(yq[0], yq[1], yq[2], yq[3], one, NW, ASM)
     a00, a01, a02, a03, b00, b01, b02, b03 = _tile_group(
         wa, s_ptr, z_ptr, r0, r1, stride_sn, stride_zn, k, xq, yq, sx, sy,
-        a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM)
+        a00, a01, a02, a03, b00, b01, b02, b03, mask, NW, WIDE, ASM, FLOAT_ZERO)
     if TILES == 2:
         a10, a11, a12, a13, b10, b11, b12, b13 = _tile_group(
             wb, s_ptr, z_ptr, r2, r3, stride_sn, stride_zn, k, xq, yq, sx, sy,
-            a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM)
+            a10, a11, a12, a13, b10, b11, b12, b13, mask, NW, WIDE, ASM, FLOAT_ZERO)
     return a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13
 
 
@@ -165,14 +177,15 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
                    NW: tl.constexpr, TILES: tl.constexpr, WIDE: tl.constexpr,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
                    USE_PDL: tl.constexpr = False, GATE_OUT: tl.constexpr = False,
-                   PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1):
+                   PREFETCH: tl.constexpr = False, GROUPS: tl.constexpr = 1,
+                   FLOAT_ZERO: tl.constexpr = False):
     """out[n, row] for the rows of this program's BLOCK_N = 16 TILES NW and x rows n < M <= 8
     (WIDE: M <= 16, a second n8 mma per A fragment for x rows 8-15). GATE_OUT (TILES 2, one
     row, a [gate | up] weight of N = 2I rows): tile 0 holds gate rows j, tile 1 the up rows
     I + j, and the lane writes SiLU(gate)·up for its columns j (mma_fragments.store_gate_out).
     PREFETCH: the next group's words are requested before this group's products. GROUPS (2 or
     4, without PREFETCH): the words of that many consecutive groups requested at once, 64
-    GROUPS contiguous bytes of each weight row."""
+    GROUPS contiguous bytes of each weight row. FLOAT_ZERO: float zeros (_scaled)."""
     pdl_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -224,21 +237,24 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, cnt_pt
         a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = _group(
             w0, w1, k, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3, stride_sn, stride_zn, one,
             mask, a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13,
-            NW, TILES, WIDE, ASM)
+            NW, TILES, WIDE, ASM, FLOAT_ZERO)
         if GROUPS >= 2:
             a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
                 _group(v0, v1, k + _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
                        stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
-                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM,
+                       FLOAT_ZERO))
         if GROUPS == 4:
             a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
                 _group(u0, u1, k + 2 * _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
                        stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
-                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM,
+                       FLOAT_ZERO))
             a00, a01, a02, a03, a10, a11, a12, a13, b00, b01, b02, b03, b10, b11, b12, b13 = (
                 _group(o0, o1, k + 3 * _GROUP, x_row, y_row, t, s_ptr, z_ptr, r0, r1, r2, r3,
                        stride_sn, stride_zn, one, mask, a00, a01, a02, a03, a10, a11, a12, a13,
-                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM))
+                       b00, b01, b02, b03, b10, b11, b12, b13, NW, TILES, WIDE, ASM,
+                       FLOAT_ZERO))
     if GATE_OUT:
         store_gate_out(a00, a01, a02, a03, a10, a11, a12, a13, row, t, M, N, ws_ptr, cnt_ptr,
                        bias_ptr, out_ptr, pid_n, pid_k, split_k, stride_om, NW, SPLIT,
@@ -262,10 +278,11 @@ def mma_ok(x2: torch.Tensor, group_size: int, block_k: int = GROUP_SIZE) -> bool
 
 def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, block_n: int,
            has_bias: bool, asm: bool, pdl_kwargs: dict, gate_out: bool = False,
-           prefetch: bool = False, block_k: int = GROUP_SIZE) -> None:
+           prefetch: bool = False, block_k: int = GROUP_SIZE, float_zero: bool = False) -> None:
     """Launch over w4_gemv's argument tuple (x2, words, scales, zeros, bias, out, ws, cnt, M, N,
     K, strides, k_per_split, split_k) for `rows` rows of x. gate_out: one row, a [gate | up]
-    weight, 32 rows per warp (gemv.gate_out_launch's tiles and workspace)."""
+    weight, 32 rows per warp (gemv.gate_out_launch's tiles and workspace). float_zero: the
+    zeros are floats (the zero point times the scale)."""
     tiles = tiles_per_warp(block_n, num_warps)
     groups = block_k // GROUP_SIZE
     if prefetch and groups > 1:
@@ -278,4 +295,5 @@ def launch(args: tuple, rows: int, n_tiles: int, split: int, num_warps: int, blo
     _w4_mma_kernel[(n_tiles, split)](*args, NW=num_warps, TILES=tiles, WIDE=rows > NARROW_ROWS,
                                      SPLIT=split > 1, HAS_BIAS=has_bias, ASM=asm,
                                      GATE_OUT=gate_out, PREFETCH=prefetch, GROUPS=groups,
+                                     FLOAT_ZERO=float_zero,
                                      num_warps=num_warps, **pdl_kwargs)

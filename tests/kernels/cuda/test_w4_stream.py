@@ -86,6 +86,8 @@ def test_bad_input_is_refused_with_a_reason() -> None:
         w4_gemv_stream(torch.randn(2, 1024).bfloat16(), q, s, z)
     with pytest.raises(ValueError, match="does not split"):
         w4_gemv_stream(torch.randn(1, 1024).bfloat16(), q, s, z, config=StreamConfig(8, 3, 1))
+    with pytest.raises(ValueError, match="uint8 zero points only"):
+        w4_gemv_stream(torch.randn(1, 1024).bfloat16(), q, s, z.half())
 
 
 @pytest.mark.gpu

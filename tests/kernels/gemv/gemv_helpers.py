@@ -18,6 +18,26 @@ def quantized(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
     return qu.pack_int4_rows(q), scales.half(), zeros
 
 
+def quantized_float_zeros(n: int, k: int, group: int, device: str = "cpu", seed: int = 0):
+    """(packed uint8 [N, K/2], float16 scales d, float16 zeros -m) of a random [N, K] weight
+    rounded as GGUF Q4_1 rounds a block (w = q d + m, m the group's minimum, d its range / 15;
+    the layout's float zeros hold the zero point times the scale, -m). The first row's first
+    group is constant (d = 0: w = m), which an in-kernel division by d would turn into NaN;
+    every other group's -m / d is no integer."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device=device) + 0.3
+    w[0, :group] = 0.7
+    groups = qu.pad_to_groups(w, group).reshape(n, -1, group)
+    pad = groups.shape[1] * group - k
+    if pad:  # the short last group's pad takes the minimum: it changes neither m nor d
+        groups[:, -1, group - pad:] = groups[:, -1, :group - pad].amin(-1, keepdim=True)
+    lo = groups.amin(-1)
+    m, d = lo.half(), ((groups.amax(-1) - lo) / 15).half()
+    q = torch.round((groups - m.float()[..., None]) / d.float().clamp_min(1e-8)[..., None])
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(n, -1)[:, :k]
+    return qu.pack_int4_rows(q), d, -m
+
+
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in float64."""
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
