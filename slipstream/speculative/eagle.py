@@ -194,6 +194,12 @@ class EagleProposer:
             raise ValueError(f"speculative_token_tree: rank {self.width - 1} past the head's {vocab} tokens")
 
     # ---- the target ----------------------------------------------------------------------
+    @property
+    def hidden_in_graphs(self) -> bool:
+        """Whether a CUDA graph replay of the target gives this proposer all it reads: not
+        EAGLE-3, whose auxiliary layers' inputs come from forward hooks (Python, not replayed)."""
+        return not self.shape.eagle3
+
     def attach_target(self, model) -> None:
         """Embeddings and LM head from the target where the head has none; EAGLE-3: capture
         the inputs of its auxiliary layers on every forward."""
