@@ -1,11 +1,14 @@
 """On a GPU (CUDA graphs, the Triton kernels, verification through the prefill graphs): the
-same greedy tokens with and without speculation."""
+same greedy tokens with and without speculation, and every verification step (chains, draft
+trees, steps keeping hidden states for Medusa / EAGLE) replayed from a prefill graph, except
+EAGLE-3's (its auxiliary layers are read through forward hooks: eager)."""
 
 from __future__ import annotations
 
 import pytest
 
 from slipstream import LLM, SamplingParams
+from slipstream.runner import model_runner
 from slipstream.speculative import oracle
 from tests.speculative.heads import write_eagle, write_medusa
 
@@ -15,7 +18,7 @@ from tests.speculative.heads import write_eagle, write_medusa
     "method",
     ["ngram", "lookahead", "oracle", "oracle_tree", "draft_model", "medusa", "eagle", "eagle3", "eagle_tree"],
 )
-def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, method):
+def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, monkeypatch, method):
     path = tiny_checkpoint("LlamaForCausalLM")
     prompts = [[5, 6, 7, 8] * 5, [9, 10, 11, 12, 13], list(range(20, 60))]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -36,7 +39,41 @@ def test_gpu_greedy_equal_with_speculation(tiny_checkpoint, tmp_path, method):
     if spec["method"] in ("eagle", "eagle3"):
         spec["model"] = str(write_eagle(tmp_path / "e", path, eagle3=method == "eagle3"))
     llm = LLM(str(path), speculative_config=spec, **kw)
+    verify_steps, verify_replays = _count_verify_replays(llm, monkeypatch)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
+    if method == "eagle3":
+        assert llm.engine.runner._prefill_graphs is None
+    else:
+        assert (
+            verify_steps and len(verify_replays) == len(verify_steps) and all(n == 1 for n in verify_replays)
+        )
     if not method.startswith(("medusa", "eagle")):  # random heads may never be right
         assert llm.get_stats()["spec_num_accepted_tokens"] > 0
+
+
+def _count_verify_replays(llm: LLM, monkeypatch) -> tuple[list[int], list[int]]:
+    """(one entry per verification step, the prefill-graph replays of each verification batch
+    the graphs ran)."""
+    steps, replays = [], []
+    verify = model_runner.verify_into
+
+    def counted_verify(out, sampler, logits, seqs):
+        steps.append(1)
+        return verify(out, sampler, logits, seqs)
+
+    monkeypatch.setattr(model_runner, "verify_into", counted_verify)
+    graphs = llm.engine.runner._prefill_graphs
+    if graphs is None:
+        return steps, replays
+    run = graphs.run
+
+    def counted_run(hb, feed=None):
+        before = graphs.replays
+        logits = run(hb, feed)
+        if len(hb.logits_indices) > len(hb.sample_seq_indices):  # draft tokens verified
+            replays.append(graphs.replays - before)
+        return logits
+
+    graphs.run = counted_run
+    return steps, replays
