@@ -104,7 +104,6 @@ class EngineCore:
         if getattr(draft, "needs_hidden", False):  # drafts from the target's hidden states
             draft.attach_target(self.runner.model)
             self.runner.keep_hidden = True
-            self.runner.hidden_in_graphs = getattr(draft, "hidden_in_graphs", True)
         with self.startup.phase("profile_memory"):
             num_blocks = self.runner.determine_num_blocks()
             self.config = fit_resolved_limits(config, asked, num_blocks)

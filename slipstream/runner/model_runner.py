@@ -83,9 +83,6 @@ class ModelRunner:
         # returns them (RunnerOutput.spec_hidden), from the prefill graphs' static buffer or
         # an eager forward; never from the decode graphs, which keep none.
         self.keep_hidden = False
-        # False: the proposer also reads activations through forward hooks (EAGLE-3's
-        # auxiliary layers), which a graph replay never calls, so keep_hidden steps run eagerly.
-        self.hidden_in_graphs = True
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
         self._block_tables = BlockTableRows()  # running requests' block tables, kept
         if self.device.type == "cpu":  # once per process: the server's engine process set it
@@ -356,8 +353,8 @@ class ModelRunner:
         sched = self.config.scheduler
         limit = min(self.config.max_prefill_graph_tokens, sched.max_num_tokens,
                     sched.max_model_len)
-        if not prefill_sizes(limit) or (self.keep_hidden and not self.hidden_in_graphs):
-            return  # (every step of a proposer reading hooks runs eagerly)
+        if not prefill_sizes(limit):
+            return
         self._prefill_graphs = self.new_prefill_graphs(limit, pool=self._graphs.pool)
         self._prefill_graphs.capture()
 
@@ -459,14 +456,12 @@ class ModelRunner:
         """(logits of the sampled seqs or None, their requests, the step's hidden states with
         keep_hidden else None) from a replayed prefill graph, or None when no captured graph
         takes the step (too many tokens or sequences, a request wants prompt logprobs: those
-        need the eager path's hidden states, or EAGLE-3's hooks must run)."""
+        need the eager path's hidden states)."""
         graphs = self._prefill_graphs
         if self.lora is not None and self.lora.uses_adapters(sched.seqs):
             return None  # captured without LoRA: adapter steps run eagerly
         if graphs is None or not graphs.accepts(hb) or any(
                 s.request.sampling_params.prompt_logprobs is not None for s in sched.seqs):
-            return None
-        if self.keep_hidden and not (graphs.keep_hidden and self.hidden_in_graphs):
             return None
         with self.timer.phase("graph"):
             logits = graphs.run(hb, feed)

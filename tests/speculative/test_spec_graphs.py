@@ -1,6 +1,6 @@
 """Verification steps through the prefill graphs' padded batch: draft trees (their attention bit
 sets staged beside the batch) and the target's hidden states for Medusa / EAGLE (read back from
-the graphs' static buffer).
+the graphs' static buffer; EAGLE-3's auxiliary layers from the buffers its hooks copy into).
 
 On the CPU nothing is captured and PrefillGraphs runs its padded batch eagerly, so this checks
 the staging: the same greedy tokens as without speculation, the same hidden states handed to the
@@ -49,27 +49,31 @@ def _spec_config(method: str, target, tmp_path) -> dict:
         spec |= {"method": "oracle", "speculative_token_tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}
     if method == "medusa":
         spec["model"] = str(write_medusa(tmp_path / "m", target))
-    if method == "eagle_tree":
-        spec |= {"method": "eagle", "speculative_token_tree": [[0], [1], [0, 0], [0, 0, 0]]}
-    if spec["method"] == "eagle":
-        spec["model"] = str(write_eagle(tmp_path / "e", target))
+    if method.startswith("eagle"):
+        spec |= {
+            "method": method.removesuffix("_tree"),
+            "speculative_token_tree": [[0], [1], [0, 0], [0, 0, 0]],
+        }
+        spec["model"] = str(write_eagle(tmp_path / "e", target, eagle3=method == "eagle3_tree"))
     return spec
 
 
 def _observed(llm: LLM) -> list[torch.Tensor]:
-    """Spy on the proposer's observe: the hidden state rows of the tokens each step made known."""
+    """Spy on the proposer's observe: the features (hidden states; EAGLE-3: its fused auxiliary
+    layers' inputs) of the tokens each step made known."""
     proposer, seen = llm.engine.spec.proposer, []
     observe = proposer.observe
 
     def spy(step):
-        seen.append(torch.cat([step.hidden[rows] for rows in step.known_rows.values()]).clone())
+        feats = proposer.features(step) if hasattr(proposer, "features") else step.hidden
+        seen.append(torch.cat([feats[rows] for rows in step.known_rows.values()]).clone())
         observe(step)
 
     proposer.observe = spy
     return seen
 
 
-@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "medusa", "eagle_tree"])
+@pytest.mark.parametrize("method", ["lookahead", "oracle_tree", "medusa", "eagle_tree", "eagle3_tree"])
 def test_verify_steps_through_padded_graph_batch(target, want, tmp_path, monkeypatch, method):
     """Each run's verification logits too: a tiny random model's greedy tokens barely depend
     on what a tree node attends to, its logits do."""
@@ -84,7 +88,7 @@ def test_verify_steps_through_padded_graph_batch(target, want, tmp_path, monkeyp
     llm = LLM(str(target), speculative_config=_spec_config(method, target, tmp_path), **ENGINE)
     runner = llm.engine.runner
     keep_hidden = runner.keep_hidden
-    assert keep_hidden == (method in ("medusa", "eagle_tree"))
+    assert keep_hidden == (method in ("medusa", "eagle_tree", "eagle3_tree"))
     seen = _observed(llm) if keep_hidden else []
     eager = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     eager_hidden, seen[:] = list(seen), []
@@ -114,19 +118,3 @@ def test_verify_steps_through_padded_graph_batch(target, want, tmp_path, monkeyp
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     if method in ("lookahead", "oracle_tree"):
         assert llm.get_stats()["spec_num_accepted_tokens"] > 0
-
-
-def test_eagle3_keeps_eager_steps(target, want, tmp_path):
-    """EAGLE-3 reads its auxiliary layers through forward hooks, which a replay never calls."""
-    spec = {
-        "method": "eagle3",
-        "model": str(write_eagle(tmp_path / "e3", target, eagle3=True)),
-        "num_speculative_tokens": 2,
-    }
-    llm = LLM(str(target), speculative_config=spec, **ENGINE)
-    runner = llm.engine.runner
-    assert runner.keep_hidden and not runner.hidden_in_graphs
-    runner._prefill_graphs = runner.new_prefill_graphs(64)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]
-    assert runner._prefill_graphs.hidden is None  # never ran
-    assert got[0] == want[0]
