@@ -55,9 +55,6 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 _Feed = tuple[torch.Tensor, list[int]] | None
 # A launched forward: the sampled seqs' logits on the device (None: none samples), their requests.
 LaunchedLogits = tuple[torch.Tensor | None, list[Request]]
-# A step's final hidden states [T, H] with its query_start_loc, where the step kept them: every
-# eager forward, and a graph replay when the proposer drafts from them (keep_hidden).
-_StepHidden = tuple[list[int], torch.Tensor] | None
 
 
 class ModelRunner:
