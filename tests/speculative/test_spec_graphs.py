@@ -9,6 +9,8 @@ proposer as the eager path gives, and that the verify steps really took the padd
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -118,3 +120,26 @@ def test_verify_steps_through_padded_graph_batch(target, want, tmp_path, monkeyp
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     if method in ("lookahead", "oracle_tree"):
         assert llm.get_stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_graph_logit_rows_cover_the_largest_draft(tmp_path):
+    """A captured step returns k + 1 logits rows a request, k the most draft tokens or tree
+    nodes the method verifies (a verification with more rows would run eagerly)."""
+    from slipstream.runner.model_runner import _verify_rows
+    from slipstream.speculative.config import SpeculativeConfig
+
+    def nodes(**spec) -> int:
+        return SpeculativeConfig.from_dict({"num_speculative_tokens": 3, **spec}).max_draft_tokens
+
+    assert nodes(method="ngram") == 3
+    assert nodes(method="lookahead", lookahead_candidates=2) == 9
+    assert nodes(method="oracle", speculative_token_tree=[[0], [1], [0, 0], [1, 0], [0, 0, 0]]) == 5
+    assert nodes(method="medusa", model=str(tmp_path)) == 15
+    config = SimpleNamespace(
+        speculative=SpeculativeConfig.from_dict({"method": "lookahead", "num_speculative_tokens": 4}),
+        grammar_forced_drafts=0,
+        scheduler=SimpleNamespace(max_num_seqs=4),
+    )
+    assert _verify_rows(config) == 4 * (20 + 1)
+    config.scheduler.max_num_seqs = 64
+    assert _verify_rows(config) == 256
