@@ -78,7 +78,8 @@ class ModelRunner:
         # ids, so the budget is split by bytes per block (speculative/draft_model.py sets it).
         self.draft_kv_bytes_per_block = 0
         # A proposer that drafts from the target's hidden states (Medusa, EAGLE): every step
-        # runs eagerly and returns them (RunnerOutput.spec_hidden).
+        # returns them (RunnerOutput.spec_hidden), from the prefill graphs' static buffer or
+        # an eager forward; never from the decode graphs, which keep none.
         self.keep_hidden = False
         self.timer = StepTimer(config.device, enabled=False)  # EngineCore shares its own
         self._block_tables = BlockTableRows()  # running requests' block tables, kept
@@ -354,12 +355,18 @@ class ModelRunner:
                     sched.max_model_len)
         if not prefill_sizes(limit):
             return
-        self._prefill_graphs = PrefillGraphs(
-            self.model, self.kv_caches, self.device, max_tokens=limit,
-            max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len,
-            max_seqs=sched.max_num_seqs, pool=self._graphs.pool,
-            max_logits_rows=_verify_rows(self.config))
+        self._prefill_graphs = self.new_prefill_graphs(limit, pool=self._graphs.pool)
         self._prefill_graphs.capture()
+
+    def new_prefill_graphs(self, max_tokens: int, pool=None) -> PrefillGraphs:
+        """Prefill graphs' buffers for this engine's steps (uncaptured): with a draft-tree mask
+        when the proposer drafts trees, the hidden-state buffer with keep_hidden."""
+        sched, spec = self.config.scheduler, self.config.speculative
+        return PrefillGraphs(
+            self.model, self.kv_caches, self.device, max_tokens=max_tokens,
+            max_blocks_per_seq=self._max_blocks_per_seq(), max_seq_len=sched.max_model_len,
+            max_seqs=sched.max_num_seqs, pool=pool, max_logits_rows=_verify_rows(self.config),
+            trees=spec is not None and spec.drafts_trees, keep_hidden=self.keep_hidden)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -446,9 +453,10 @@ class ModelRunner:
         return self._decode_graphs_for(sched.seqs).run(hb, feed)
 
     def _prefill_logits(self, sched: SchedulerOutput, hb: HostBatch, feed: _Feed = None):
-        """(logits of the sampled seqs or None, their requests) from a replayed prefill graph,
-        or None when no captured graph takes the step (too many tokens or sequences, or a
-        request wants prompt logprobs: those need the eager path's hidden states)."""
+        """(logits of the sampled seqs or None, their requests, the step's hidden states with
+        keep_hidden else None) from a replayed prefill graph, or None when no captured graph
+        takes the step (too many tokens or sequences, a request wants prompt logprobs: those
+        need the eager path's hidden states)."""
         graphs = self._prefill_graphs
         if self.lora is not None and self.lora.uses_adapters(sched.seqs):
             return None  # captured without LoRA: adapter steps run eagerly
@@ -458,21 +466,24 @@ class ModelRunner:
         with self.timer.phase("graph"):
             logits = graphs.run(hb, feed)
         requests = [sched.seqs[i].request for i in hb.sample_seq_indices]
-        return (logits if requests else None), requests
+        hidden = None
+        if self.keep_hidden:
+            hidden = hb.query_start_loc.tolist(), graphs.hidden_rows(len(hb.input_ids))
+        return (logits if requests else None), requests, hidden
 
     def _step_logits(self, sched: SchedulerOutput, feed: _Feed):
-        """The step's forward, a graph replay for a pure decode: (logits of the needs_sample
-        seqs or None when none samples, their requests, the eager path's (inputs, hidden) or
-        None after a replay)."""
+        """The step's forward, a graph replay where one takes it: (logits of the needs_sample
+        seqs or None when none samples, their requests, (query_start_loc, hidden) of an eager
+        forward or of a replay with keep_hidden, else None)."""
         with self.timer.phase("graph"):
             logits = None if self.keep_hidden else self._decode_logits(sched, feed)
         if logits is not None:
             return logits, [s.request for s in sched.seqs], None
         with self.timer.phase("prepare"):
             hb = self._host_batch(sched)
-        prefill = None if self.keep_hidden else self._prefill_logits(sched, hb, feed)
+        prefill = self._prefill_logits(sched, hb, feed)
         if prefill is not None:
-            return (*prefill, None)
+            return prefill
         with self.timer.phase("prepare"):
             # Fed tokens (see DecodeGraphs.run_steps) go in place of each fed seq's last input.
             inputs = inputs_from_host_batch(hb, self.device)
@@ -481,10 +492,11 @@ class ModelRunner:
                 self.lora.prepare_eager(sched.seqs)
         with self.timer.phase("forward"):
             hidden = self._forward_inputs(inputs)
+        kept = inputs.query_start_loc_cpu, hidden
         if not inputs.sample_seq_indices:
-            return None, [], (inputs, hidden)
+            return None, [], kept
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return logits, [sched.seqs[i].request for i in inputs.sample_seq_indices], (inputs, hidden)
+        return logits, [sched.seqs[i].request for i in inputs.sample_seq_indices], kept
 
     @torch.inference_mode()
     def launch_sampled(self, sched: SchedulerOutput, feed: _Feed = None) -> LaunchedTokens:
@@ -541,11 +553,11 @@ class ModelRunner:
                     self._sample_into(out, logits, requests)
         if eager is None:
             return out
-        inputs, hidden = eager
+        qsl, hidden = eager
         if self.keep_hidden:
-            self._keep_hidden(out, sched, inputs, hidden, paths)
+            self._keep_hidden(out, sched, qsl, hidden, paths)
         for i, seq in enumerate(sched.seqs):
-            entries = self._prompt_logprobs(seq, hidden, inputs.query_start_loc_cpu[i])
+            entries = self._prompt_logprobs(seq, hidden, qsl[i])
             if entries:
                 out.prompt_logprobs[seq.request_id] = entries
         return out
@@ -558,9 +570,8 @@ class ModelRunner:
                  for s in sched.seqs if s.request_id in paths]
         move_accepted_kv(self.kv_caches, moves)
 
-    def _keep_hidden(self, out: RunnerOutput, sched: SchedulerOutput, inputs: ModelInputs,
+    def _keep_hidden(self, out: RunnerOutput, sched: SchedulerOutput, qsl: list[int],
                      hidden: torch.Tensor, paths: dict[str, list[int]]) -> None:
-        qsl = inputs.query_start_loc_cpu
         out.spec_hidden = StepHidden(hidden, None, sched.seqs, qsl,
                                      known_rows(sched.seqs, qsl, out.sampled_token_ids, paths))
 
@@ -600,8 +611,9 @@ class ModelRunner:
 
 def _verify_rows(config: EngineConfig) -> int | None:
     """Logits rows a captured prefill step returns with speculative decoding or grammar drafts:
-    k + 1 a seq, capped at 256 rows ([rows, vocab] float32 buffer); None without drafts."""
-    k = max(config.speculative.num_speculative_tokens if config.speculative else 0,
+    k + 1 a seq (k: the most draft tokens or tree nodes a request verifies), capped at 256 rows
+    ([rows, vocab] float32 buffer); None without drafts."""
+    k = max(config.speculative.max_draft_tokens if config.speculative else 0,
             config.grammar_forced_drafts)
     if not k:
         return None

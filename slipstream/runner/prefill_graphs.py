@@ -45,11 +45,14 @@ class PrefillGraphs:
     """Static flat-batch buffers plus one captured graph (model + sampled rows' logits) per size.
 
     pool: a CUDA graph memory pool to share (the decode graphs'); graphs never run concurrently.
+    trees: capture with a draft-tree mask (tree_mask), so steps verifying draft trees replay too.
+    keep_hidden: the forward also writes every row's final hidden state into `hidden`.
     """
 
     def __init__(self, model, kv_caches, device: torch.device, max_tokens: int,
                  max_blocks_per_seq: int, max_seq_len: int, max_seqs: int = MAX_SEQS, pool=None,
-                 max_logits_rows: int | None = None):
+                 max_logits_rows: int | None = None, trees: bool = False,
+                 keep_hidden: bool = False):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.max_seqs = min(max_seqs, MAX_SEQS)
         # Rows of logits a step returns: one per sampled seq, more when speculative decoding
@@ -73,7 +76,16 @@ class PrefillGraphs:
         self.seq_lens = torch.zeros(s, **i32)
         self.block_tables = torch.zeros((s, max_blocks_per_seq), **i32)
         self.logits_indices = torch.zeros(self.max_rows, **i64)
-        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + self.max_rows,
+        # Every graph is captured with the TREE variant of the attention kernel when the engine
+        # can draft trees (lookahead, Medusa, speculative_token_tree): nearly every step of such
+        # an engine verifies a tree, and the variant costs a plain step only one int64 load a
+        # row (-1: causal) and the causal mask on the chunk's tiles, which a second set of
+        # graphs for tree steps would save at twice the capture time.
+        self.tree_mask = torch.full((t,), -1, **i64) if trees else None
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # [max tokens, hidden] once the model ran
+        self._host = torch.zeros(3 * t + (s + 1) + s + s * max_blocks_per_seq + self.max_rows
+                                 + (t if trees else 0),
                                  dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host_copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -84,10 +96,16 @@ class PrefillGraphs:
         return AttentionMetadata(
             num_seqs=self.max_seqs + 1, num_tokens=t, query_start_loc=self.query_start_loc,
             seq_lens=self.seq_lens, block_tables=self.block_tables,
-            slot_mapping=self.slot_mapping[:t], max_query_len=t, max_seq_len=self.max_seq_len)
+            slot_mapping=self.slot_mapping[:t], max_query_len=t, max_seq_len=self.max_seq_len,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:t])
 
     def _forward(self, t: int, float32: bool = False) -> torch.Tensor:
         hidden = self.model(self.input_ids[:t], self.positions[:t], self.kv_caches, self._meta(t))
+        if self.keep_hidden:
+            if self.hidden is None:  # allocated by the first (warm-up) forward, before capture
+                self.hidden = torch.empty((self.sizes[-1], hidden.shape[-1]), dtype=hidden.dtype,
+                                          device=self.device)
+            self.hidden[:t].copy_(hidden)
         return self.model.compute_logits(hidden[self.logits_indices], float32)
 
     @torch.inference_mode()
@@ -125,7 +143,7 @@ class PrefillGraphs:
 
     def accepts(self, hb: HostBatch) -> bool:
         """Whether a captured graph can run this host batch."""
-        return (hb.tree_mask is None  # draft trees run eagerly (their mask is not captured)
+        return ((hb.tree_mask is None or self.tree_mask is not None)
                 and len(hb.seq_lens) <= self.max_seqs and len(hb.logits_indices) <= self.max_rows
                 and self.padded_size(len(hb.input_ids)) is not None
                 and hb.block_tables.shape[1] <= self.max_blocks_per_seq
@@ -145,6 +163,11 @@ class PrefillGraphs:
         self.graphs[t].replay()
         self.replays += 1
         return self.logits[:k]
+
+    def hidden_rows(self, n: int) -> torch.Tensor:
+        """The last run's final hidden states of its n real rows, [n, hidden]: a copy, since
+        the next step overwrites the buffer while a proposer may still hold rows of it."""
+        return self.hidden[:n].clone()
 
     def _stage_padding_only(self, t: int) -> None:
         """A batch of t padding tokens and no real sequence (warm-up and capture)."""
@@ -189,7 +212,13 @@ class PrefillGraphs:
         logits_idx = host[o : o + self.max_rows]
         logits_idx[:k] = hb.logits_indices
         logits_idx[k:] = 0
-        staged = self._host[: o + self.max_rows].to(self.device, non_blocking=True)
+        o += self.max_rows
+        if self.tree_mask is not None:
+            mask = host[o : o + t]
+            mask[:n] = -1 if hb.tree_mask is None else hb.tree_mask
+            mask[n:] = -1
+            o += t
+        staged = self._host[:o].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._host_copied = torch.cuda.Event()
             self._host_copied.record()
@@ -204,4 +233,7 @@ class PrefillGraphs:
         self.block_tables[:, :width].copy_(staged[o : o + rows * width].view(rows, width))
         o += rows * width
         self.logits_indices.copy_(staged[o : o + self.max_rows])
+        o += self.max_rows
+        if self.tree_mask is not None:
+            self.tree_mask[:t].copy_(staged[o : o + t])
         return t

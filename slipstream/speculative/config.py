@@ -91,6 +91,20 @@ class SpeculativeConfig:
         """Whether the proposer drafts trees (rather than chains)."""
         return self.method in ("medusa", "lookahead") or self.speculative_token_tree is not None
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens (chain or tree nodes) one request verifies in a step."""
+        k = self.num_speculative_tokens
+        if self.method == "lookahead":
+            return (self.lookahead_candidates + 1) * k
+        if self.speculative_token_tree is not None:
+            return len(self.token_tree())
+        if self.method == "medusa":  # medusa.py's default tree
+            from slipstream.speculative.tree import MAX_TREE_TOKENS
+
+            return min(MAX_TREE_TOKENS - 1, 5 * k)
+        return k
+
     def check(self) -> None:
         if self.method in _NOT_IMPLEMENTED:
             raise ValueError(

@@ -182,6 +182,12 @@ class EagleProposer:
         self.kv_caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self.target = None
         self._aux: dict[int, torch.Tensor] = {}
+        # EAGLE-3: a step of up to max_prefill_graph_tokens tokens leaves each auxiliary
+        # layer's input in a static buffer (rows 0..T-1) rather than a new tensor, so a CUDA
+        # graph replay of the target, which never calls the hook, leaves it there too: the
+        # hook's copy was captured with the forward.
+        self._aux_rows = config.max_prefill_graph_tokens if head.shape.eagle3 else 0
+        self._aux_static: dict[int, torch.Tensor] = {}
         # Per request: head K/V valid below fed_upto; features of the positions after it.
         self._fed: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}
@@ -206,7 +212,14 @@ class EagleProposer:
     def _capture(self, i: int):
         def hook(_module, args):
             hidden, residual = args[0], args[1]
-            self._aux[i] = hidden if residual is None else hidden + residual
+            x = hidden if residual is None else hidden + residual
+            if x.shape[0] > self._aux_rows:
+                self._aux[i] = x
+                return
+            buf = self._aux_static.get(i)
+            if buf is None:  # the first forward (memory profile or warm-up) is eager
+                buf = self._aux_static[i] = x.new_empty((self._aux_rows, x.shape[1]))
+            buf[: x.shape[0]].copy_(x)
 
         return hook
 
@@ -239,11 +252,20 @@ class EagleProposer:
         )
 
     # ---- features ------------------------------------------------------------------------
+    def features(self, step: StepHidden) -> torch.Tensor:
+        """[T, H]: the head's input feature of each of the step's rows."""
+        if not self.shape.eagle3:
+            return step.hidden
+        rows = step.hidden.shape[0]
+        aux = [
+            self._aux_static[i][:rows] if rows <= self._aux_rows else self._aux[i]
+            for i in self.shape.aux_layers
+        ]
+        return self.head.fuse(torch.cat(aux, -1))
+
     def observe(self, step: StepHidden) -> None:
         """Queue each request's new known positions' features for its next catch-up."""
-        feats = step.hidden
-        if self.shape.eagle3:
-            feats = self.head.fuse(torch.cat([self._aux[i] for i in self.shape.aux_layers], -1))
+        feats = self.features(step)
         for seq in step.seqs:
             rid, rows = seq.request_id, step.known_rows[seq.request_id]
             if not rows:
