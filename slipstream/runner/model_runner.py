@@ -220,7 +220,13 @@ class ModelRunner:
                                      True))
             next_block += nb
         logits, _ = self.forward_logits(SchedulerOutput(seqs=seqs))
-        torch.softmax(logits, dim=-1)  # stands in for the sampler's [S, V] temporaries
+        rows = max_sampled_rows(self.config)
+        if rows > logits.shape[0]:  # a decode or verification step samples more rows
+            logits = logits.new_zeros((rows, logits.shape[-1]), dtype=torch.float32)
+        # Stands in for the sampler's [rows, V] temporaries (probabilities, exponentials).
+        probs = torch.softmax(logits.float(), dim=-1)
+        (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        del logits, probs
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch
         self.kv_caches, self.num_blocks = saved
@@ -609,15 +615,23 @@ class ModelRunner:
         return entries
 
 
+def _max_draft_tokens(config: EngineConfig) -> int:
+    """The most draft tokens or tree nodes one request verifies in a step (0: no drafts)."""
+    return max(config.speculative.max_draft_tokens if config.speculative else 0,
+               config.grammar_forced_drafts)
+
+
+def max_sampled_rows(config: EngineConfig) -> int:
+    """Logits rows one step can sample: a row a seq, k + 1 for a seq verifying k drafts."""
+    return config.scheduler.max_num_seqs * (_max_draft_tokens(config) + 1)
+
+
 def _verify_rows(config: EngineConfig) -> int | None:
-    """Logits rows a captured prefill step returns with speculative decoding or grammar drafts:
-    k + 1 a seq (k: the most draft tokens or tree nodes a request verifies), capped at 256 rows
-    ([rows, vocab] float32 buffer); None without drafts."""
-    k = max(config.speculative.max_draft_tokens if config.speculative else 0,
-            config.grammar_forced_drafts)
-    if not k:
+    """Logits rows a captured prefill step returns with speculative decoding or grammar drafts,
+    capped at 256 rows ([rows, vocab] float32 buffer); None without drafts."""
+    if not _max_draft_tokens(config):
         return None
-    return min(config.scheduler.max_num_seqs * (k + 1), 256)
+    return min(max_sampled_rows(config), 256)
 
 
 def _call(fn: Callable[[], None] | None) -> None:

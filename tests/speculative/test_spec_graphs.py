@@ -125,7 +125,7 @@ def test_verify_steps_through_padded_graph_batch(target, want, tmp_path, monkeyp
 def test_graph_logit_rows_cover_the_largest_draft(tmp_path):
     """A captured step returns k + 1 logits rows a request, k the most draft tokens or tree
     nodes the method verifies (a verification with more rows would run eagerly)."""
-    from slipstream.runner.model_runner import _verify_rows
+    from slipstream.runner.model_runner import _verify_rows, max_sampled_rows
     from slipstream.speculative.config import SpeculativeConfig
 
     def nodes(**spec) -> int:
@@ -143,3 +143,9 @@ def test_graph_logit_rows_cover_the_largest_draft(tmp_path):
     assert _verify_rows(config) == 4 * (20 + 1)
     config.scheduler.max_num_seqs = 64
     assert _verify_rows(config) == 256
+    # The start-up memory profile reserves the sampler's temporaries for every row, uncapped.
+    assert max_sampled_rows(config) == 64 * 21
+    config.speculative, config.grammar_forced_drafts = None, 8
+    assert max_sampled_rows(config) == 64 * 9
+    config.grammar_forced_drafts = 0
+    assert max_sampled_rows(config) == 64 and _verify_rows(config) is None
