@@ -253,9 +253,10 @@ class EngineArgs:
                        help='speculative decoding, e.g. \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or {"method": "draft_model", '
                             '"model": DIR, ...} (vLLM\'s keys; docs/speculative.md)')
-        g.add_argument("--grammar-forced-drafts", type=int, default=8, metavar="K",
+        g.add_argument("--grammar-forced-drafts", type=int, default=EngineArgs.grammar_forced_drafts,
+                       metavar="K",
                        help="constrained requests: verify up to K tokens their grammar forces "
-                            "in one step (0: off; docs/structured_outputs.md)")
+                            "in one step (default 0: off; docs/structured_outputs.md)")
 
         g = parser.add_argument_group("LoRA")
         g.add_argument("--enable-lora", action="store_true",
