@@ -622,8 +622,11 @@ def _max_draft_tokens(config: EngineConfig) -> int:
 
 
 def max_sampled_rows(config: EngineConfig) -> int:
-    """Logits rows one step can sample: a row a seq, k + 1 for a seq verifying k drafts."""
-    return config.scheduler.max_num_seqs * (_max_draft_tokens(config) + 1)
+    """Logits rows one step can sample: a row a seq, k + 1 for a seq verifying k drafts, and
+    never more than the step's tokens (drafts are cut to fit its token budget)."""
+    sched = config.scheduler
+    rows = sched.max_num_seqs * (_max_draft_tokens(config) + 1)
+    return min(rows, max(sched.max_num_tokens, sched.max_num_seqs))
 
 
 def _verify_rows(config: EngineConfig) -> int | None:

@@ -138,7 +138,7 @@ def test_graph_logit_rows_cover_the_largest_draft(tmp_path):
     config = SimpleNamespace(
         speculative=SpeculativeConfig.from_dict({"method": "lookahead", "num_speculative_tokens": 4}),
         grammar_forced_drafts=0,
-        scheduler=SimpleNamespace(max_num_seqs=4),
+        scheduler=SimpleNamespace(max_num_seqs=4, max_num_tokens=8192),
     )
     assert _verify_rows(config) == 4 * (20 + 1)
     config.scheduler.max_num_seqs = 64
@@ -147,5 +147,7 @@ def test_graph_logit_rows_cover_the_largest_draft(tmp_path):
     assert max_sampled_rows(config) == 64 * 21
     config.speculative, config.grammar_forced_drafts = None, 8
     assert max_sampled_rows(config) == 64 * 9
+    config.scheduler.max_num_tokens = 256  # a step verifies at most its token budget
+    assert max_sampled_rows(config) == 256
     config.grammar_forced_drafts = 0
     assert max_sampled_rows(config) == 64 and _verify_rows(config) is None
