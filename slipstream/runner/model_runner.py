@@ -220,8 +220,10 @@ class ModelRunner:
                                      True))
             next_block += nb
         logits, _ = self.forward_logits(SchedulerOutput(seqs=seqs))
-        rows = max_sampled_rows(self.config)
-        if rows > logits.shape[0]:  # a decode or verification step samples more rows
+        # With drafts a verification samples k + 1 rows a request, more than the headroom that
+        # gpu_memory_utilization leaves can hold at a large vocabulary: reserve them.
+        rows = max_sampled_rows(self.config) if _max_draft_tokens(self.config) else 0
+        if rows > logits.shape[0]:
             logits = logits.new_zeros((rows, logits.shape[-1]), dtype=torch.float32)
         # Stands in for the sampler's [rows, V] temporaries (probabilities, exponentials).
         probs = torch.softmax(logits.float(), dim=-1)
