@@ -99,10 +99,10 @@ class SpeculativeConfig:
             return (self.lookahead_candidates + 1) * k
         if self.speculative_token_tree is not None:
             return len(self.token_tree())
-        if self.method == "medusa":  # medusa.py's default tree
-            from slipstream.speculative.tree import MAX_TREE_TOKENS
+        if self.method == "medusa":
+            from slipstream.speculative.tree import medusa_default_nodes
 
-            return min(MAX_TREE_TOKENS - 1, 5 * k)
+            return medusa_default_nodes(k)
         return k
 
     def check(self) -> None:

@@ -168,7 +168,7 @@ class MedusaProposer:
             trees.tree_from_choices(token_tree)
             if token_tree is not None
             else trees.default_tree(
-                num_speculative_tokens, min(trees.MAX_TREE_TOKENS - 1, 5 * num_speculative_tokens)
+                num_speculative_tokens, trees.medusa_default_nodes(num_speculative_tokens)
             )
         )
         if max(len(p) for p in self.paths) > self.heads.num_heads:

@@ -82,6 +82,11 @@ def leaves_on_top_chain(choices) -> list[tuple[int, ...]] | None:
     return paths
 
 
+def medusa_default_nodes(depth: int) -> int:
+    """Nodes in Medusa's default tree of `depth` levels (medusa.py): 5 a level, within the cap."""
+    return min(MAX_TREE_TOKENS - 1, 5 * depth)
+
+
 def default_tree(depth: int, num_nodes: int, width: int = 4) -> list[tuple[int, ...]]:
     """The num_nodes most likely paths of at most `depth` ranks (< width each) if each rank r
     were right with probability about 1 / (r + 2): ranks of the same depth compete, the
