@@ -7,6 +7,7 @@
 #
 #   bash benchmarks/run_smollm2_methods.sh [RESULTS_DIR]     (needs .out/smol-skeleton.json)
 #   METHODS="none int4_awq" bash benchmarks/run_smollm2_methods.sh
+#   W5=0 bash benchmarks/run_smollm2_methods.sh      (batch 1 only)
 set -u
 RESULTS=${1:-${OUT:-benchmarks/results/$(date -u +%Y%m%d-%H%M%S)-smollm2}}
 mkdir -p "$RESULTS"
@@ -20,6 +21,7 @@ for m in $METHODS; do
   timeout 90 "$PY" -m slipstream.bench.cli latency --model "$GGUF" "${q[@]}" --batch-size 1 \
     --input-len 128 --output-len 256 --num-iters 3 --label "W1_$m" \
     --output-json "$RESULTS/W1_$m.json" > "$RESULTS/W1_$m.log" 2>&1 || echo "W1 $m: failed"
+  [[ ${W5:-1} == 1 ]] || continue
   timeout 90 "$PY" -m slipstream.bench.cli throughput --model "$GGUF" "${q[@]}" --dataset w5 \
     --label "W5_$m" --output-json "$RESULTS/W5_$m.json" > "$RESULTS/W5_$m.log" 2>&1 \
     || echo "W5 $m: failed"
