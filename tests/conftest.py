@@ -95,3 +95,12 @@ def server(tiny_chat_model_dir, tmp_path_factory):
     assert code == 0, f"server exited with {code} on SIGTERM:\n{handle.log_tail()}"
     if engine_pid is not None:
         assert not pid_alive(engine_pid), "engine process outlived the server"
+
+
+@pytest.fixture
+def int4_reference(monkeypatch):
+    """int4 layers on the CPU run the float32 reference twin instead of torch's bf16 int4 GEMM
+    (quantization/int4_cpu.py): for tests that hold a layout's decoding to float math exactly."""
+    from slipstream.quantization import int4_cpu
+
+    monkeypatch.setattr(int4_cpu, "MAX_ROWS", 0)

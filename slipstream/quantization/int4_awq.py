@@ -27,7 +27,7 @@ from torch import nn
 
 from slipstream.models.quantize_as_loaded import layer_hook_active
 from slipstream.quantization import awq as awq_mod
-from slipstream.quantization import compressed_tensors
+from slipstream.quantization import compressed_tensors, int4_cpu
 from slipstream.quantization import utils as qu
 from slipstream.quantization.base import QuantMethod, UnquantizedLinearMethod, register_quant_method
 from slipstream.quantization.calibration import collect_prompts
@@ -187,6 +187,7 @@ class Int4LinearMethod(QuantMethod):
         else:
             q, scales, zeros, perm = self._unpack_checkpoint(layer)
         dev = scales.device
+        int4_cpu.forget(layer)
         qu.replace_param(layer, "qweight", qu.pack_int4_rows(q).to(dev), output_dim=0)
         qu.replace_param(layer, "scales", scales.to(dev), output_dim=0)
         qu.replace_param(layer, "zeros", zeros.to(dev), output_dim=0)
@@ -234,10 +235,15 @@ class Int4LinearMethod(QuantMethod):
         return q.contiguous(), scales, zeros.contiguous(), perm
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
+        if not x.is_cuda:
+            xp = x if perm is None else x.index_select(-1, perm)
+            out = int4_cpu.linear(layer, xp, group_of(layer), bias)
+            if out is not None:
+                return out
         fn = int4_linear_kernel()
         if fn is None:  # no Triton: dequantize and multiply
             return F.linear(x, dequantize_layer(layer, x.dtype), bias)
-        perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
         if perm is not None:
             x = x.index_select(-1, perm)
         return fn(x, layer.qweight, layer.scales, layer.zeros, group_of(layer), bias)

@@ -240,6 +240,7 @@ def _greedy_logprobs(llm, prompts):
     return tokens, torch.tensor(logprobs)
 
 
+@pytest.mark.usefixtures("int4_reference")
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_int4_awq_takes_q4_blocks_as_they_are(tmp_path, qtype):
     """Q4_0 maps exactly onto integer zeros, Q4_1 onto float zeros (-m): both give the

@@ -107,8 +107,17 @@ def test_moe_greedy_equals_one_rank(pool, tmp_path, arch, ep, tp, pp) -> None:
 @pytest.mark.parametrize("method", ["int8_wo", "int4_awq"])
 def test_quantized_greedy_equals_one_rank(pool, tiny_checkpoint, method) -> None:
     """Weight-only methods: weights and their per-channel / per-group scales split with the
-    layer give the same products, so the same tokens."""
+    layer give the same products, so the same tokens. int4 on a CPU runs torch's bf16 int4
+    GEMM, which rounds each rank's partial sum to bf16: there the split model's prompt scores
+    must stay within a tenth of int4's own distance from the float model (a wrongly split
+    layer moves them further than int4 does)."""
     path = tiny_checkpoint("LlamaForCausalLM", **QUANT_SHAPE)
+    if method == "int4_awq":
+        exact = _prompt_logprobs(_generate(path, SCORE))
+        want = _prompt_logprobs(_generate(path, SCORE, quantization=method))
+        got = _prompt_logprobs(_generate(path, SCORE, quantization=method, tensor_parallel_size=2))
+        assert _distance(got, want) < 0.1 * _distance(want, exact)
+        return
     want = _tokens(_generate(path, quantization=method))
     got = _generate(path, quantization=method, tensor_parallel_size=2)
     assert _tokens(got) == want

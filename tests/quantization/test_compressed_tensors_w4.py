@@ -190,6 +190,7 @@ CASES = {  # name -> (write_pair options, weight arguments in the config)
 }
 
 
+@pytest.mark.usefixtures("int4_reference")
 @pytest.mark.parametrize("case", list(CASES))
 def test_w4a16_llama_generates_like_its_dequantized_float_model(tiny, tmp_path, case) -> None:
     options, weights = CASES[case]
@@ -213,6 +214,7 @@ def test_explicit_method_loads_and_another_one_is_the_mismatch_error(tiny, tmp_p
         load_llm(ct_dir, "fp8")
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_ignored_layers_stay_float(tiny, tmp_path) -> None:
     qc = w4_config(ignore=["lm_head", "re:.*down_proj"])
     ct_dir, float_dir = write_pair(tiny, tmp_path, qc=qc, keep_float=frozenset({"down_proj"}))
@@ -252,6 +254,7 @@ def test_hand_packed_words_unpack_lowest_nibble_first() -> None:
     assert torch.equal(dequantize_layer(layer, torch.float32), scale.float() * q.float())
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_fused_asymmetric_zero_points_packed_and_unpacked() -> None:
     """compressed-tensors >= 0.10 packs zero points along N; older versions saved them as signed
     int8 [N, K/G]. Both land in the shard's rows of one layer."""

@@ -80,6 +80,7 @@ def _load_fused(layer, g_idx_of_shard, gen: torch.Generator) -> torch.Tensor:
     return torch.cat(deqs)
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_fused_act_order_layer_matches_dequantized_float_math() -> None:
     gen = torch.Generator().manual_seed(0)
     layer = _qkv_layer()
@@ -94,6 +95,7 @@ def test_fused_act_order_layer_matches_dequantized_float_math() -> None:
     torch.testing.assert_close(layer(x), x @ deq.t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_plain_act_order_layer_matches_dequantized_float_math(monkeypatch) -> None:
     gen = torch.Generator().manual_seed(1)
     layer = RowParallelLinear(256, 64, bias=True, params_dtype=torch.float32,
@@ -110,6 +112,7 @@ def test_plain_act_order_layer_matches_dequantized_float_math(monkeypatch) -> No
         layer.quant_method.checkpoint_tensors(layer)
 
 
+@pytest.mark.usefixtures("int4_reference")
 @pytest.mark.parametrize("desc_act", [False, True])
 def test_contiguous_g_idx_keeps_the_fast_path(desc_act: bool) -> None:
     """Plain GPTQ, and act-order with static groups (g_idx = k // G): no permutation, no gather."""
@@ -193,6 +196,7 @@ def _greedy(path: Path, prompts) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_act_order_llama_generates_like_its_dequantized_float_model(tiny_checkpoint, tmp_path) -> None:
     tiny = tiny_checkpoint("LlamaForCausalLM", hidden_size=128, intermediate_size=256)
     quantized, dequantized = tmp_path / "gptq-act-order", tmp_path / "dequantized"

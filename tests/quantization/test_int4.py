@@ -23,6 +23,7 @@ GROUP = 64
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_int4_fused_layer_apply_matches_dequantized() -> None:
     hf = {"quantization_config": {}}  # not pre-quantized: RTN after loading
     layer = QKVParallelLinear(128, 16, 4, 2, bias=False, params_dtype=torch.float32,

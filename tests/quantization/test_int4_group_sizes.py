@@ -75,6 +75,7 @@ def _slipstream_greedy(path: Path, quantization: str | None = None) -> tuple[lis
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
+@pytest.mark.usefixtures("int4_reference")
 @pytest.mark.parametrize("group", [32, 64, 128, 0], ids=["g32", "g64", "g128", "per-channel"])
 def test_int4_any_group_equals_the_dequantized_twin(odd_model, tmp_path, monkeypatch, group) -> None:
     monkeypatch.setattr(int4_awq, "DEFAULT_GROUP", group or -1)  # -1: per channel
@@ -112,6 +113,7 @@ def _awq_twin(ckpt: Path, dst: Path, group: int) -> Path:
     return dst
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_quantize_group_size_64_writes_and_reloads(awq_model, tmp_path) -> None:
     """`slipstream quantize --method int4_awq --group-size 64` (AWQ on): the group size in the
     checkpoint's config, short last groups of 32 in the files (hidden 160), and the reloaded
@@ -204,6 +206,7 @@ def test_prequantized_short_groups_load(awq_model, tmp_path, monkeypatch, layout
         assert got == _slipstream_greedy(awq_model, "int4_awq")[0]
 
 
+@pytest.mark.usefixtures("int4_reference")
 def test_quantize_per_channel_writes_and_reloads(awq_model, tmp_path) -> None:
     """--group-size -1: one scale and zero per output row, written as GPTQ's -1."""
     out = tmp_path / "per-channel"
