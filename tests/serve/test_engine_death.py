@@ -57,6 +57,14 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def _first_tokens_seen(base_url: str) -> float:
+    """Requests that have had their first token, from the front end's TTFT histogram."""
+    for line in httpx.get(base_url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith("slipstream_time_to_first_token_seconds_count"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 class InFlight:
     """One plain and one streamed long request, started together."""
 
@@ -65,8 +73,20 @@ class InFlight:
         self.results: dict = {}
         self.streaming = threading.Event()
         self.threads = [threading.Thread(target=self._plain), threading.Thread(target=self._stream)]
+        self._seen_before = _first_tokens_seen(base_url)
         for t in self.threads:
             t.start()
+
+    def wait_both_generating(self, timeout_s: float = 60.0) -> bool:
+        """Both requests have their first token, so both are in the engine (the streamed one's
+        first event alone let the plain one arrive after the failure on a loaded machine,
+        where it rightly got engine_restarting)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.streaming.is_set() and _first_tokens_seen(self.base_url) >= self._seen_before + 2:
+                return True
+            time.sleep(0.005)
+        return False
 
     def _plain(self) -> None:
         resp = httpx.post(self.base_url + "/v1/completions", json=LONG, timeout=60)
@@ -125,7 +145,7 @@ def test_engine_killed_or_hung_is_restarted_until_the_cap(tiny_chat_model_dir, t
         for how in (signal.SIGKILL, signal.SIGSTOP):
             engine_pid = handle.engine_pid()
             inflight = InFlight(handle.base_url)
-            assert inflight.streaming.wait(60), handle.log_tail()
+            assert inflight.wait_both_generating(), handle.log_tail()
             # Freeze the engine at once: on a fast CPU the 100 tokens take well under a second,
             # so anything slower than this lets the requests finish before the failure.
             os.kill(engine_pid, signal.SIGSTOP)
