@@ -236,16 +236,15 @@ class Int4LinearMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         perm = layer._buffers.get(ACT_ORDER_PERM)  # a dict lookup: AWQ / plain GPTQ skip the gather
+        if perm is not None:
+            x = x.index_select(-1, perm)  # into qweight's column order
         if not x.is_cuda:
-            xp = x if perm is None else x.index_select(-1, perm)
-            out = int4_cpu.linear(layer, xp, group_of(layer), bias)
+            out = int4_cpu.linear(layer, x, group_of(layer), bias)
             if out is not None:
                 return out
         fn = int4_linear_kernel()
         if fn is None:  # no Triton: dequantize and multiply
-            return F.linear(x, dequantize_layer(layer, x.dtype), bias)
-        if perm is not None:
-            x = x.index_select(-1, perm)
+            return F.linear(x, _dequantize_stored(layer, x.dtype), bias)
         return fn(x, layer.qweight, layer.scales, layer.zeros, group_of(layer), bias)
 
     def apply_gate_out(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
@@ -359,14 +358,19 @@ def int4_linear_kernel():
 def dequantize_layer(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The layer's [N, K] weight in `dtype`, input columns in the checkpoint's order (reference
     path: materialised per call)."""
-    q = qu.unpack_int4_rows(layer.qweight)
-    w = qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype, group_of(layer))
+    w = _dequantize_stored(layer, dtype)
     perm = layer._buffers.get(ACT_ORDER_PERM)
     if perm is None:
         return w
     out = torch.empty_like(w)
     out[:, perm] = w
     return out
+
+
+def _dequantize_stored(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's [N, K] weight in `dtype`, columns in qweight's (act-order) order."""
+    q = qu.unpack_int4_rows(layer.qweight)
+    return qu.dequantize_int4_groupwise(q, layer.scales, layer.zeros, dtype, group_of(layer))
 
 
 def calibration_choice(awq: bool | None = None, gptq: bool | None = None) -> tuple[bool, bool]:
