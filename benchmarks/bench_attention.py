@@ -1,8 +1,8 @@
 """Decode attention on one GPU: achieved KV-read bandwidth per batch shape and tile config.
 
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
-        [--kv bf16,fp8,int8]
-For each decode case (batch x context, Llama-3.1-8B heads, page 16) times the default config
+        [--kv bf16,fp8,int8] [--pages 16,64] [--layouts token,head]
+For each decode case (batch x context, Llama-3.1-8B heads, page 16 unless --pages) times the default config
 (choose_config), for split launches also the staged tile loops alone (no one-stage loop for
 short splits: 3 stages, and 1 stage), and, with --sweep,
 a grid of tile configs; prints GB/s against a device copy measured in the same run. Each call is
@@ -38,14 +38,23 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 2 / time_ms(lambda: dst.copy_(src)) / 1e6
 
 
-def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[dict]:
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored [blocks, heads, page, D] (each head's page rows contiguous), seen
+    through the kernels' [blocks, page, heads, D] strides."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool, page: int = 16,
+             layout: str = "token") -> list[dict]:
     q, kc, vc, meta = make_batch([1] * batch, [ctx] * batch, num_kv_heads=HKV, group=HQ // HKV,
-                                 head_dim=D, block_size=16, dtype=torch.bfloat16, device="cuda")
+                                 head_dim=D, block_size=page, dtype=torch.bfloat16, device="cuda")
     scales = {}
     if kv_dtype != torch.bfloat16:
         kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
         one = torch.ones(1, device="cuda", dtype=torch.float32)
         scales = dict(k_scale=one, v_scale=one)
+    if layout == "head":
+        kc, vc = head_major(kc), head_major(vc)
     nbytes = batch * ctx * HKV * D * 2 * kc.element_size()
     base = pa.choose_config(meta, HKV, HQ // HKV, D, q.device, q.dtype, kc.dtype)
     configs = [("default", base)]
@@ -72,7 +81,8 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool) -> list[d
         except Exception as e:  # e.g. out of shared memory
             print(f"  skip {cfg}: {type(e).__name__}")
             continue
-        rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), tag=tag, config=str(cfg),
+        rows.append(dict(batch=batch, ctx=ctx, kv=str(kv_dtype), page=page, layout=layout,
+                         tag=tag, config=str(cfg),
                          us=ms * 1e3, gbps=nbytes / ms / 1e6))
     return rows
 
@@ -83,20 +93,25 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--cases", default=None, help="e.g. 512x1000,512x192 (default: all)")
     ap.add_argument("--kv", default="bf16,fp8,int8", help="cache dtypes to time")
+    ap.add_argument("--pages", default="16", help="KV page sizes to time, e.g. 16,64")
+    ap.add_argument("--layouts", default="token",
+                    help="cache layouts: token ([blocks, page, heads, D], the engine's), head "
+                         "([blocks, heads, page, D] under the same strides)")
     args = ap.parse_args()
     cases = CASES if not args.cases else [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
     kv_types = [_KV_TYPES[k] for k in args.kv.split(",")]
     t0 = time.time()
     bw = copy_gbps()
     rows = []
-    for (batch, ctx), kv in itertools.product(cases, kv_types):
+    layouts = [(int(p), lay) for p in args.pages.split(",") for lay in args.layouts.split(",")]
+    for (batch, ctx), kv, (page, layout) in itertools.product(cases, kv_types, layouts):
         if kv != torch.bfloat16 and batch < 256:
             continue
-        case = run_case(batch, ctx, kv, args.sweep)
+        case = run_case(batch, ctx, kv, args.sweep, page, layout)
         rows += case
         best = min(case, key=lambda r: r["us"])
         default = next((r for r in case if r["tag"] == "default"), best)
-        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} default {default['us']:7.1f} us "
+        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} page={page:<3} {layout:<5} default {default['us']:7.1f} us "
               f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
               f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
         for r in case:
