@@ -61,6 +61,8 @@ def run_case(batch: int, ctx: int, kv_dtype: torch.dtype, sweep: bool, page: int
     if base.short_chain:  # split decode: the staged loops alone, with cp.async stages or none
         configs.append(("staged", dataclasses.replace(base, short_chain=0)))
         configs.append(("plain s1", dataclasses.replace(base, short_chain=0, num_stages=1)))
+    if base.num_splits == 1:  # the KV-head axis of the grid first
+        configs.append(("heads first", dataclasses.replace(base, heads_first=True)))
     if batch == 1:  # a decode graph captured for a long max_model_len keeps ~2 programs per SM
         configs.append(("graph", dataclasses.replace(base, num_splits=33)))
         configs.append(("graph staged", dataclasses.replace(base, num_splits=33, short_chain=0)))

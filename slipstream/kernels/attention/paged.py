@@ -203,6 +203,7 @@ def _paged_attn_kernel(
     DECODE: tl.constexpr = False, ASM_CVT: tl.constexpr = False, PRELOAD: tl.constexpr = False,
     SHORT_CHAIN: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, TREE: tl.constexpr = False,
     SLIDING: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    HEADS_FIRST: tl.constexpr = False,
 ):
     # PRELOAD (decode with fused RoPE, inside a CUDA graph): the metadata and the first K/V tile
     # of this program's range are read before the PDL wait, while the QKV projection still
@@ -212,8 +213,12 @@ def _paged_attn_kernel(
     pdl_release(USE_PDL)
     if not PRELOAD:
         pdl_wait(USE_PDL)  # before any early return: every path waits (kernels/runtime/pdl.py)
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # a sequence's KV heads run side by side: its cache blocks read together
+        pid = tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if pid >= attn_rows:  # spare rows (PREFETCH): the next GEMVs' weights into L2, no attention
         _spare_prefetch(pf_ptr, pf_spans, pf_chunk, attn_rows, pid, kv_head, split, USE_PDL,
@@ -455,6 +460,9 @@ class AttnConfig:
     # Split launches: splits of at most short_chain tiles load them plainly in one loop, longer
     # ones run the staged loops (_SHORT_CHAIN_TILES).
     short_chain: int = 0
+    # Launches without splits: the KV-head axis of the grid first, so the programs that run
+    # together read whole cache blocks (all heads of a token) rather than one head's slice.
+    heads_first: bool = False
 
 
 def choose_config(meta: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int,
@@ -565,6 +573,9 @@ def paged_attention(
     spare = l2_prefetch is not None and rope is not None and splits > 1 and _PF_ROWS > 0 and (
         not q.is_cuda or l2_supported(q.device))
     grid = (attn_rows + (_PF_ROWS if spare else 0), num_kv_heads, splits)
+    heads_first = cfg.heads_first and decode and attn_rows < 65536  # grid axis 1 limit
+    if heads_first:
+        grid = (num_kv_heads, attn_rows, 1)
     cnt = _arrival_counters(q.device, attn_rows * grid[1]) if splits > 1 else out
     pf_args = (l2_prefetch, l2_prefetch.shape[0], l2_prefetch_chunk(cfg.num_warps)) if spare \
         else (out, 0, 0)
@@ -588,7 +599,7 @@ def paged_attention(
         PRELOAD=cfg.preload and rope is not None, SHORT_CHAIN=cfg.short_chain,
         PREFETCH=(PF_ON if q.is_cuda else _PF_CPU_MODE) if spare else PF_OFF,
         TREE=meta.tree_mask is not None, SLIDING=bool(sliding_window),
-        SOFTCAP=bool(logit_softcap),
+        SOFTCAP=bool(logit_softcap), HEADS_FIRST=heads_first,
     )
     return out
 

@@ -179,6 +179,18 @@ def test_decode_padding_rows_and_empty_sequence() -> None:
     assert meta.max_query_len == 1
     _check(q, kc, vc, meta, AttnConfig(16, 16, 1, 4, 1))
     _check(q, kc, vc, meta, AttnConfig(16, 16, 3, 4, 1))
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 1, 4, 1, heads_first=True))
+
+
+def test_heads_first_grid_only_in_decode() -> None:
+    """heads_first swaps the grid's sequence and KV-head axes in decode launches without
+    splits; a mixed batch or a split launch ignores it and stays exact."""
+    q, kc, vc, meta = make_batch([1] * 5, [3, 17, 40, 64, 90], num_kv_heads=4, group=2,
+                                 head_dim=32, block_size=16, dtype=torch.float32, seed=4)
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 1, 4, 1, heads_first=True))
+    _check(q, kc, vc, meta, AttnConfig(16, 16, 3, 4, 1, heads_first=True))
+    _check(*make_batch(*MIXED, num_kv_heads=2, group=4, head_dim=32, block_size=16,
+                       dtype=torch.float32), AttnConfig(16, 16, 1, 4, 1, heads_first=True))
 
 
 def test_strided_q_view() -> None:
