@@ -2,11 +2,12 @@
 
     python benchmarks/bench_attention.py --output-json $OUT/attn.json [--sweep] [--cases 512x1000]
         [--kv bf16,fp8,int8] [--pages 16,64] [--layouts token,head]
-For each decode case (batch x context, Llama-3.1-8B heads, page 16 unless --pages) times the default config
-(choose_config), for split launches also the staged tile loops alone (no one-stage loop for
-short splits: 3 stages, and 1 stage), and, with --sweep,
-a grid of tile configs; prints GB/s against a device copy measured in the same run. Each call is
-timed as a CUDA-graph replay (a batch-1 launch from Python costs more than the kernel).
+For each decode case (batch x context, Llama-3.1-8B heads, page 16 unless --pages, each cache
+layout of --layouts) times the default config (choose_config), without splits also the
+heads-first grid, for split launches also the staged tile loops alone (no one-stage loop for
+short splits: 3 stages, and 1 stage), and, with --sweep, a grid of tile configs; prints GB/s
+against a device copy measured in the same run. Each call is timed as a CUDA-graph replay (a
+batch-1 launch from Python costs more than the kernel).
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def main() -> None:
         rows += case
         best = min(case, key=lambda r: r["us"])
         default = next((r for r in case if r["tag"] == "default"), best)
-        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} page={page:<3} {layout:<5} default {default['us']:7.1f} us "
+        print(f"B={batch:<4} ctx={ctx:<5} kv={str(kv)[6:]:<14} page={page:<3} {layout:<5} "
+              f"default {default['us']:7.1f} us "
               f"({100 * default['gbps'] / bw:4.1f}%)  best {best['us']:7.1f} us "
               f"({100 * best['gbps'] / bw:4.1f}%) {best['config']}", flush=True)
         for r in case:

@@ -11,7 +11,7 @@ import torch
 
 from slipstream.bench.attn_batch import make_batch
 from slipstream.kernels import reference
-from slipstream.kernels.attention.paged import AttnConfig, paged_attention
+from slipstream.kernels.attention.paged import AttnConfig, choose_config, paged_attention
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 ATOL, RTOL = 2e-5, 2e-5  # float32 online softmax vs float32 two-pass softmax
@@ -305,6 +305,17 @@ def test_gpu_split_decode_tile_loops(loop: str, context: int, batch: int) -> Non
     lens = [max(1, context - 13 * i) for i in range(batch)]
     cfg = AttnConfig(16, 64, 33, 8, 3, short_chain=2 if loop == "short-chain" else 0)
     _gpu_case([1] * batch, lens, 4, 128, 16, cfg=cfg)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_heads_first() -> None:
+    """The heads-first grid at a many-sequence decode batch (no splits), bf16."""
+    lens = [1 + (37 * i) % 1500 for i in range(300)]
+    q, kc, vc, meta = make_batch([1] * 300, lens, num_kv_heads=8, group=4, head_dim=128,
+                                 block_size=16, dtype=torch.bfloat16, device="cuda")
+    cfg = choose_config(meta, 8, 4, 128, q.device)
+    assert cfg.num_splits == 1
+    _gpu_case([1] * 300, lens, 4, 128, 16, cfg=dataclasses.replace(cfg, heads_first=True))
 
 
 @pytest.mark.gpu
