@@ -103,14 +103,38 @@ class InFlight:
                     self.streaming.set()
         self.results["stream"] = events
 
-    def assert_failed_with_engine_dead(self) -> None:
+    def any_finished(self) -> bool:
+        return bool(self.results)
+
+    def join(self) -> None:
         for t in self.threads:
             t.join(60)
+
+    def assert_failed_with_engine_dead(self) -> None:
+        self.join()
         status, body = self.results["plain"]
         assert status == 503 and body["error"]["code"] == "engine_dead", body
         events = self.results["stream"]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "engine_dead", events[-2]
+
+
+def _freeze_mid_generation(handle, engine_pid: int, attempts: int = 3) -> tuple[InFlight, float]:
+    """Two long requests generating and the engine stopped (SIGSTOP) under them; the requests
+    and when the engine stopped. On a loaded machine both requests can finish between seeing
+    their first tokens and the signal, leaving nothing to fail: then the engine resumes and
+    a new pair tries again."""
+    for _ in range(attempts):
+        inflight = InFlight(handle.base_url)
+        assert inflight.wait_both_generating(), handle.log_tail()
+        os.kill(engine_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        time.sleep(0.3)  # outputs the engine sent before it stopped reach the clients
+        if not inflight.any_finished():
+            return inflight, stopped_at
+        os.kill(engine_pid, signal.SIGCONT)
+        inflight.join()
+    raise AssertionError(f"requests finished before the engine could be stopped, {attempts} times")
 
 
 def _watch_restart(base_url: str, timeout_s: float = 120.0) -> tuple[set[int], list[dict]]:
@@ -144,12 +168,8 @@ def test_engine_killed_or_hung_is_restarted_until_the_cap(tiny_chat_model_dir, t
 
         for how in (signal.SIGKILL, signal.SIGSTOP):
             engine_pid = handle.engine_pid()
-            inflight = InFlight(handle.base_url)
-            assert inflight.wait_both_generating(), handle.log_tail()
-            # Freeze the engine at once: on a fast CPU the 100 tokens take well under a second,
-            # so anything slower than this lets the requests finish before the failure.
-            os.kill(engine_pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
+            # Frozen at once: on a fast CPU the 100 tokens take well under a second.
+            inflight, stopped_at = _freeze_mid_generation(handle, engine_pid)
             if how == signal.SIGKILL:
                 os.kill(engine_pid, how)
             statuses, refused = _watch_restart(handle.base_url)
